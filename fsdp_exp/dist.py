@@ -1,0 +1,66 @@
+"""Process group, device and DeviceMesh of one rank, plus the few collectives the trainer needs.
+
+Ranks learn who they are from the environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT), which torchrun, the SLURM launcher and fsdp_exp's local spawner all set.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_exp.config import Topology
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(topology: Topology, timeout_s: float = 600.0) -> RankInfo:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank % topology.nproc_per_node))
+    if world != topology.world_size:
+        raise RuntimeError(f"the environment says WORLD_SIZE={world} but the config resolved "
+                           f"{topology.world_size} ranks; pass matching trainer.nproc_per_node/nnodes")
+    if topology.device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(seconds=timeout_s))
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+    return RankInfo(rank=rank, local_rank=local_rank, world_size=world, device=device)
+
+
+def build_mesh(topology: Topology) -> DeviceMesh:
+    return init_device_mesh(topology.device_type, topology.mesh_shape, mesh_dim_names=topology.mesh_dim_names)
+
+
+def reduce_over_ranks(values: list[float], device: torch.device) -> tuple[list[float], list[float], list[float]]:
+    """Max, mean and min of each value over all ranks (two small all-reduces)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    hi, lo, total = t.clone(), t.neg(), t.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MAX)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    n = dist.get_world_size()
+    return hi.tolist(), (total / n).tolist(), lo.neg().tolist()
+
+
+def broadcast_object(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,1 @@
+"""Measurement: the metric schema, memory accounting, FLOPs and MFU."""

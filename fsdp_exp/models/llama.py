@@ -1,0 +1,142 @@
+"""A plain Llama decoder (RMSNorm, rotary embeddings, SwiGLU, grouped-query SDPA attention).
+
+No parallel code lives here: fsdp_exp.parallel wraps these modules. The model is built on the meta
+device and materialized after sharding, so ``init_weights`` must be able to run on any device and
+any sharding; it fills each parameter from its name alone (see fsdp_exp.models.init).
+
+    python -c "from fsdp_exp.models import count_params; print(count_params('llama7b'))"
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fsdp_exp.config import ModelConfig
+
+
+def ffn_hidden_dim(cfg: ModelConfig) -> int:
+    """The SwiGLU width of the Llama papers: 2/3 of 4*dim, scaled, rounded up to ``multiple_of``."""
+    hidden = int(2 * (4 * cfg.dim) / 3)
+    if cfg.ffn_dim_multiplier is not None:
+        hidden = int(cfg.ffn_dim_multiplier * hidden)
+    return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (max_seq_len, head_dim // 2), always in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by the position's angle."""
+    x_pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = x_pairs[..., 0], x_pairs[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 for stability under bf16/fp16 compute.
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 rather than the configured head count, so a tensor-parallel shard of wq/wk/wv still works.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = ffn_hidden_dim(cfg)
+        self.w1 = nn.Linear(cfg.dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, cfg.dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # A ModuleDict keyed "0", "1", ... keeps parameter names stable when blocks are wrapped.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Rotary tables are derived, not learned: non-persistent, rebuilt by init_buffers().
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def blocks(self) -> list[nn.Module]:
+        return list(self.layers.values())
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        return self.output(self.norm(h))
+
+    def init_buffers(self, device: torch.device) -> None:
+        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def init_std(self, param_name: str) -> float | None:
+        """Std of the normal init of a parameter, or None for norm weights (ones)."""
+        if param_name.endswith("norm.weight"):
+            return None
+        if param_name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            # Residual-branch outputs are scaled down with depth (GPT-2 / Llama practice).
+            return self.cfg.init_std / (2 * self.cfg.n_layers) ** 0.5
+        return self.cfg.init_std

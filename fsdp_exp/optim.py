@@ -1,0 +1,33 @@
+"""AdamW with linear warm-up then cosine (or constant) learning rate."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from fsdp_exp.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    # No weight decay on norm weights and other vectors (standard Llama / GPT practice).
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Multiplier of cfg.lr at ``step`` (0-based; the factor used for the update of that step)."""
+    if step < cfg.lr_warmup_steps:
+        return (step + 1) / cfg.lr_warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - cfg.lr_warmup_steps)
+    progress = min(1.0, (step - cfg.lr_warmup_steps) / decay_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))

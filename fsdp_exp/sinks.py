@@ -1,0 +1,145 @@
+"""Where a run's numbers go: ``run.json`` (the record), ``metrics.jsonl``, Weights & Biases, the console.
+
+Only rank 0 writes. Every sink takes the same metric names (fsdp_exp.metrics.schema). Files are
+written so that a crash loses nothing already logged: run.json is replaced atomically, metrics.jsonl
+is flushed line by line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from fsdp_exp.metrics.schema import SCHEMA_VERSION
+
+RUN_RECORD = "run.json"
+METRICS_FILE = "metrics.jsonl"
+# The config groups whose choices become W&B tags and the default run name.
+TAGGED_GROUPS = ("model", "sharding", "precision", "offload", "prefetch", "wrap", "optim", "data")
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN/inf; null says "no number" without breaking readers
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+class RunRecord:
+    """``run.json``: config, applied settings, environment, status, summary; rewritten atomically."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / RUN_RECORD
+
+    def read(self) -> dict:
+        return json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def update(self, **fields: Any) -> dict:
+        record = self.read()
+        record.setdefault("schema_version", SCHEMA_VERSION)
+        record.update(_json_safe(fields))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(record, indent=2, sort_keys=False) + "\n")
+        os.replace(tmp, self.path)
+        return record
+
+
+class JsonlSink:
+    def __init__(self, run_dir: Path):
+        self.file = open(Path(run_dir) / METRICS_FILE, "a", buffering=1)  # line-buffered
+
+    def log(self, metrics: dict) -> None:
+        self.file.write(json.dumps(_json_safe(metrics)) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def run_name(overrides: list[str]) -> str:
+    """A readable name from the command-line overrides: 'sharding=grad_op,precision=bf16'."""
+    shown = [o for o in overrides if not o.startswith(("hydra.", "logger.", "hydra/"))]
+    return ",".join(shown) if shown else "default"
+
+
+def run_tags(choices: dict[str, str], extra: list[str]) -> list[str]:
+    return [f"{g}:{choices[g]}" for g in TAGGED_GROUPS if choices.get(g)] + list(extra)
+
+
+class WandbSink:
+    """One W&B run per experiment, opened by rank 0 in the run directory (offline by default)."""
+
+    def __init__(self, wandb_cfg, run_dir: Path, config: dict, overrides: list[str], choices: dict[str, str]):
+        import wandb
+
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=wandb_cfg.project,
+            entity=wandb_cfg.entity,
+            group=wandb_cfg.group,
+            name=wandb_cfg.name or run_name(overrides),
+            tags=run_tags(choices, wandb_cfg.tags),
+            config=_json_safe(config),
+            dir=str(run_dir),
+            mode=wandb_cfg.mode,
+            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+        )
+
+    @property
+    def run_id(self) -> Optional[str]:
+        return self.run.id if self.run else None
+
+    def log(self, metrics: dict) -> None:
+        self.run.log(_json_safe({k: v for k, v in metrics.items() if k != "step"}), step=metrics["step"])
+
+    def summary(self, summary: dict) -> None:
+        self.run.summary.update(_json_safe(summary))
+
+    def close(self, exit_code: int = 0) -> None:
+        self.run.finish(exit_code=exit_code)
+
+
+class ConsoleSink:
+    """A progress bar during the run and a summary table at the end (rank 0)."""
+
+    def __init__(self, total_steps: int, progress: bool, summary_table: bool):
+        from tqdm import tqdm
+
+        self.summary_table = summary_table
+        self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, disable=not progress)
+
+    def log(self, metrics: dict) -> None:
+        self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}",
+                             refresh=False)
+        self.bar.update(metrics["step"] - self.bar.n)
+
+    def summary(self, summary: dict, title: str) -> None:
+        self.bar.close()
+        if not self.summary_table:
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=title, show_header=True, header_style="bold")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for key, value in summary.items():
+            table.add_row(key.removeprefix("summary/"), _fmt(value))
+        Console().print(table)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

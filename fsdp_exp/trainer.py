@@ -1,0 +1,309 @@
+"""One rank's run: build the sharded model, train it, measure every step, write the record.
+
+The flow, each stage handing the next what it needs:
+  process group -> mesh -> model on meta -> parallelize -> to_empty + init -> optimizer -> data
+  -> step loop (metrics) -> summary.
+
+``run_worker`` is the entry point of every rank, however it was started (fsdp_exp's local spawner,
+torchrun, SLURM); it receives plain data only: the resolved config, the topology and the run meta.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from fsdp_exp import __version__
+from fsdp_exp.config import RunConfig, Topology, plain, to_run_config
+from fsdp_exp.data import build_data
+from fsdp_exp.dist import RankInfo, broadcast_object, build_mesh, init_distributed, reduce_over_ranks
+from fsdp_exp.metrics import memory
+from fsdp_exp.metrics.flops import lookup_peak_tflops, mfu
+from fsdp_exp.models import REGISTRY, build_meta, count_params, flops_per_token, init_weights
+from fsdp_exp.optim import build_optimizer, build_scheduler
+from fsdp_exp.parallel import parallelize
+from fsdp_exp.sinks import ConsoleSink, JsonlSink, RunRecord, WandbSink
+
+GIB = memory.GIB
+
+
+class InjectedFailure(RuntimeError):
+    """Raised on purpose by debug.fail_at_step, to exercise failure handling."""
+
+
+def run_worker(payload: dict) -> None:
+    """Entry point of one rank. ``payload``: {"config", "topology", "run_dir", "meta"} as plain data."""
+    cfg = to_run_config(payload["config"])
+    topology = Topology(**{k: tuple(v) if isinstance(v, list) else v for k, v in payload["topology"].items()})
+    threads = cfg.trainer.threads_per_rank or max(1, (os.cpu_count() or 1) // topology.nproc_per_node)
+    torch.set_num_threads(threads)
+    info = init_distributed(topology)
+    # Under torchrun every rank composed its own config and may have picked its own time-stamped
+    # output folder: rank 0's choice wins.
+    run_dir = Path(broadcast_object(payload["run_dir"]))
+    Trainer(cfg, topology, info, run_dir, payload.get("meta", {})).fit()
+    dist.destroy_process_group()
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, topology: Topology, info: RankInfo, run_dir: Path, meta: dict):
+        self.cfg, self.topology, self.info, self.run_dir, self.meta = cfg, topology, info, run_dir, meta
+        self.device = info.device
+        torch.manual_seed(cfg.trainer.seed)
+
+        # Build: meta model -> shard -> materialize this rank's shards -> identical init everywhere.
+        self.mesh = build_mesh(topology)
+        self.model = build_meta(cfg.model)
+        self.applied = parallelize(self.model, cfg, self.mesh)
+        self.model.to_empty(device=self.device)
+        init_weights(self.model, cfg.trainer.seed, self.device)
+
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.steps)
+        self.scaler = self._build_scaler()
+        self.data = build_data(cfg, topology, dp_rank=info.rank, device=self.device)
+
+        self.tokens_per_step = cfg.trainer.global_batch_size * cfg.trainer.seq_len
+        self.flops_per_token = flops_per_token(cfg.model, cfg.trainer.seq_len)
+        self.peak_tflops, self.peak_source = self._peak_tflops()
+        self.history: list[dict] = []
+        self.sinks_open = False
+        if info.is_main:
+            self._open_sinks()
+
+    # ----------------------------------------------------------------------------------- set-up
+    def _build_scaler(self):
+        if self.cfg.precision.loss_scaler != "dynamic":
+            return None
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # Sharded: each rank sees only its gradient shards, so inf/NaN checks are all-reduced.
+        return ShardedGradScaler(device=self.device.type)
+
+    def _peak_tflops(self) -> tuple[Optional[float], str]:
+        if self.cfg.trainer.peak_tflops is not None:
+            return self.cfg.trainer.peak_tflops, "trainer.peak_tflops"
+        if self.device.type == "cuda":
+            name = torch.cuda.get_device_name(self.device)
+            peak = lookup_peak_tflops(name, self.cfg.precision.param_dtype)
+            return peak, f"table: {name} {self.cfg.precision.param_dtype}" if peak else f"unknown device {name}"
+        return None, "unknown (CPU: pass trainer.peak_tflops)"
+
+    def _environment(self) -> dict:
+        names = [None] * self.info.world_size
+        dist.all_gather_object(names, f"{socket.gethostname()}:{self._device_name()}")
+        return {
+            "fsdp_exp_version": __version__,
+            "git_commit": _git_commit(),
+            "torch_version": torch.__version__,
+            "cuda_version": torch.version.cuda,
+            "python_version": platform.python_version(),
+            "hostname": socket.gethostname(),
+            "world_size": self.info.world_size,
+            "device_type": self.device.type,
+            "devices": names,
+            "threads_per_rank": torch.get_num_threads(),
+            "num_params": count_params(self.cfg.model),
+            "flops_per_token": self.flops_per_token,
+            "peak_tflops": self.peak_tflops,
+            "peak_tflops_source": self.peak_source,
+        }
+
+    def _device_name(self) -> str:
+        if self.device.type == "cuda":
+            return torch.cuda.get_device_name(self.device)
+        return platform.processor() or platform.machine()
+
+    def _open_sinks(self) -> None:
+        cfg = self.cfg
+        self.record = RunRecord(self.run_dir)
+        self.jsonl = JsonlSink(self.run_dir)
+        self.console = ConsoleSink(cfg.trainer.steps, cfg.logger.progress, cfg.logger.summary_table)
+        self.wandb = None
+        self.sinks_open = True
+
+    def _start_record(self) -> None:
+        env = self._environment()  # a collective: every rank calls it
+        if not self.info.is_main:
+            return
+        config = plain(self.cfg)
+        if self.cfg.logger.wandb.mode != "disabled":
+            self.wandb = WandbSink(self.cfg.logger.wandb, self.run_dir,
+                                   {**config, "applied": self.applied, "topology": self.topology.as_dict(),
+                                    "env": env, "choices": self.meta.get("choices", {})},
+                                   self.meta.get("overrides", []), self.meta.get("choices", {}))
+        self.record.update(status="running", config=config, choices=self.meta.get("choices", {}),
+                           overrides=self.meta.get("overrides", []), topology=self.topology.as_dict(),
+                           applied=self.applied, env=env,
+                           wandb={"mode": self.cfg.logger.wandb.mode,
+                                  "run_id": self.wandb.run_id if self.wandb else None})
+
+    # ------------------------------------------------------------------------------------- loop
+    def fit(self) -> None:
+        self._start_record()
+        try:
+            for step in range(self.cfg.trainer.steps):
+                self._check_injected_failure(step)
+                loss, grad_norm, lr, step_time = self.train_step(step)
+                if (step + 1) % self.cfg.trainer.log_every == 0 or step + 1 == self.cfg.trainer.steps:
+                    self._log(step + 1, loss, grad_norm, lr, step_time)
+        except BaseException as exc:
+            if self.info.is_main and self.sinks_open:
+                self._close_sinks(status="failed", error=f"rank 0: {type(exc).__name__}: {exc}")
+            raise
+        summary = self._summary()
+        if self.info.is_main:
+            self._close_sinks(status="completed", summary=summary)
+
+    def train_step(self, step: int) -> tuple[torch.Tensor, float, float, float]:
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        accum = self.topology.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.device)
+        for i, batch in enumerate(self.data.micro_batches(step)):
+            # Reduce gradients only after the last micro-batch; the others accumulate locally.
+            self.model.set_requires_gradient_sync(i == accum - 1)
+            logits = self.model(batch.inputs)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten()) / accum
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += loss.detach()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.trainer.grad_clip or float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        lr = self.scheduler.get_last_lr()[0]
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        grad_norm = grad_norm.item()  # waits for the step's work on this rank
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return loss_sum, grad_norm, lr, time.perf_counter() - start
+
+    def _check_injected_failure(self, step: int) -> None:
+        d = self.cfg.debug
+        if d.fail_at_step is not None and step == d.fail_at_step and self.info.rank == d.fail_rank:
+            raise InjectedFailure(f"debug.fail_at_step={d.fail_at_step} on rank {d.fail_rank}")
+
+    # ---------------------------------------------------------------------------------- metrics
+    def _log(self, step: int, loss: torch.Tensor, grad_norm: float, lr: float, step_time: float) -> None:
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)  # gloo has no AVG; every rank has equal tokens
+        loss_value = loss.item() / self.info.world_size
+        tokens_per_s = self.tokens_per_step / step_time
+        per_rank = tokens_per_s / self.info.world_size
+        tflops = self.flops_per_token * per_rank / 1e12
+        metrics = {
+            "step": step,
+            "train/loss": loss_value,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "perf/step_time_s": step_time,
+            "perf/tokens_per_s": tokens_per_s,
+            "perf/tokens_per_s_per_rank": per_rank,
+            "perf/tflops_per_rank": tflops,
+            "perf/mfu": mfu(tflops, self.peak_tflops),
+        }
+        metrics.update(self._memory_metrics())
+        self.history.append(metrics)
+        if self.info.is_main:
+            self.jsonl.log(metrics)
+            if self.wandb:
+                self.wandb.log(metrics)
+            self.console.log(metrics)
+
+    def _memory_metrics(self) -> dict:
+        local = {**memory.model_state_bytes(self.model, self.optimizer), **memory.host_bytes()}
+        counts = {}
+        if self.device.type == "cuda":
+            local.update(memory.cuda_bytes(self.device))
+            counts = memory.cuda_counts(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)  # peaks are per log interval
+        keys = list(local) + list(counts)
+        hi, mean, _ = reduce_over_ranks([float(v) for v in list(local.values()) + list(counts.values())],
+                                        self.device)
+        out = {}
+        for key, h, m in zip(keys, hi, mean):
+            if key in counts:
+                out[f"mem/{key}_max"] = int(h)
+            else:
+                out[f"mem/{key}_gib_max"], out[f"mem/{key}_gib_mean"] = h / GIB, m / GIB
+        return out
+
+    def _summary(self) -> dict:
+        measured = [h for h in self.history if h["step"] > self.cfg.trainer.warmup_steps]
+        times = sorted(h["perf/step_time_s"] for h in measured)
+
+        def median(key):
+            values = [h[key] for h in measured if h[key] is not None]
+            return statistics.median(values) if values else None
+
+        def largest(key):
+            values = [h[key] for h in self.history if key in h]
+            return max(values) if values else None
+
+        summary = {
+            "summary/steps_measured": len(measured),
+            "summary/step_time_s_median": median("perf/step_time_s"),
+            "summary/step_time_s_p90": _percentile(times, 0.9),
+            "summary/tokens_per_s_median": median("perf/tokens_per_s"),
+            "summary/tokens_per_s_per_rank_median": median("perf/tokens_per_s_per_rank"),
+            "summary/tflops_per_rank_median": median("perf/tflops_per_rank"),
+            "summary/mfu_median": median("perf/mfu"),
+            "summary/final_loss": self.history[-1]["train/loss"] if self.history else None,
+            "summary/model_states_gib_max": largest("mem/model_states_gib_max"),
+            "summary/host_peak_rss_gib_max": largest("mem/host_peak_rss_gib_max"),
+        }
+        if self.device.type == "cuda":
+            summary["summary/peak_allocated_gib_max"] = largest("mem/peak_allocated_gib_max")
+            summary["summary/peak_reserved_gib_max"] = largest("mem/peak_reserved_gib_max")
+        return summary
+
+    def _close_sinks(self, status: str, summary: Optional[dict] = None, error: Optional[str] = None) -> None:
+        self.sinks_open = False
+        fields = {"status": status}
+        if summary is not None:
+            fields["summary"] = summary
+        if error is not None:
+            fields["error"] = error
+        self.record.update(**fields)
+        self.jsonl.close()
+        if self.wandb:
+            if summary:
+                self.wandb.summary(summary)
+            self.wandb.close(exit_code=0 if status == "completed" else 1)
+        if summary is not None:
+            self.console.summary(summary, title=f"fsdp_exp run: {self.run_dir}")
+        else:
+            self.console.close()
+
+
+def _percentile(sorted_values: list[float], q: float) -> Optional[float]:
+    if not sorted_values:
+        return None
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+def _git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
