@@ -53,6 +53,9 @@ def run_worker(payload: dict) -> None:
     # output folder: rank 0's choice wins.
     run_dir = Path(broadcast_object(payload["run_dir"]))
     Trainer(cfg, topology, info, run_dir, payload.get("meta", {})).fit()
+    # Tear down together: a rank that destroys its gloo group while a peer is still finishing
+    # (rank 0 closes the sinks) can abort at exit.
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -86,7 +89,13 @@ class Trainer:
     def _build_scaler(self):
         if self.cfg.precision.loss_scaler != "dynamic":
             return None
+        import warnings
+
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        # The scaler's found-inf flag is a 1-element tensor that DTensor ops replicate implicitly;
+        # that is what we want, so its warning on every step is noise.
+        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
 
         # Sharded: each rank sees only its gradient shards, so inf/NaN checks are all-reduced.
         return ShardedGradScaler(device=self.device.type)

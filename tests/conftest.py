@@ -1,0 +1,106 @@
+"""Shared helpers: compose configs with Hydra's compose API, run experiments for real.
+
+Experiments run through the same launcher users hit: ``run_cli`` calls ``python -m fsdp_exp`` in a
+subprocess (exit codes, messages); ``run_experiment`` calls the launcher in-process, which spawns
+fresh gloo workers exactly as the CLI does but saves the launcher's own start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Quiet, offline, and never touching the user's caches.
+BASE_ENV = {"WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
+# Overrides every test run takes: no progress bar, no table, W&B offline unless a test asks.
+QUIET = ["logger.progress=false", "logger.summary_table=false"]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch, tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    for key, value in BASE_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(home / "wandb_cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / "wandb_config"))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(home / "wandb_data"))
+    monkeypatch.setenv("HF_HOME", str(home / "hf"))
+
+
+def compose_config(overrides: list[str], return_hydra_config: bool = False):
+    with initialize_config_module(config_module="fsdp_exp.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)
+
+
+def run_config(overrides: list[str]):
+    from fsdp_exp.config import to_run_config
+
+    return to_run_config(compose_config(overrides))
+
+
+@dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    run_dir: Path
+
+    @property
+    def record(self) -> dict:
+        return json.loads((self.run_dir / "run.json").read_text())
+
+    @property
+    def metrics(self) -> list[dict]:
+        return read_metrics(self.run_dir)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_cli(overrides: list[str], run_dir: Path, timeout: float = 240, quiet: bool = True) -> CliResult:
+    """Run ``python -m fsdp_exp`` as a user would. Its process tree carries a marker in its
+    environment, so ``leftover_processes`` can find any process of it still alive afterwards."""
+    cmd = [sys.executable, "-m", "fsdp_exp", *overrides, *(QUIET if quiet else []), f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, MARKER: str(run_dir)}
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    return CliResult(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start, Path(run_dir))
+
+
+MARKER = "FSDP_EXP_TEST_RUN"
+
+
+def leftover_processes(run_dir: Path) -> list[str]:
+    """Processes started by ``run_cli(..., run_dir)`` that are still alive."""
+    import psutil
+
+    left = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.environ().get(MARKER) == str(run_dir):
+                left.append(" ".join(proc.info["cmdline"] or []))
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return left
+
+
+def run_experiment(overrides: list[str], run_dir: Path) -> dict:
+    """Compose, validate and launch in this process (workers are fresh spawned processes)."""
+    from fsdp_exp.launch import launch
+
+    overrides = [*overrides, *QUIET]
+    cfg = compose_config(overrides, return_hydra_config=True)
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
+    return launch(run_config(overrides), Path(run_dir), {"overrides": overrides, "choices": choices})

@@ -1,0 +1,76 @@
+"""Composition and validation: every option of every group composes; bad input fails fast and clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fsdp_exp.config import ConfigError, validate
+
+from conftest import REPO, leftover_processes, run_cli, run_config
+
+GROUPS = sorted(p.name for p in (REPO / "fsdp_exp" / "conf").iterdir() if p.is_dir())
+OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((REPO / "fsdp_exp" / "conf" / g).glob("*.yaml"))]
+
+
+def test_groups_are_the_documented_ones():
+    assert {"model", "sharding", "precision", "offload", "prefetch", "wrap", "optim", "data", "trainer",
+            "logger"} <= set(GROUPS)
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes_and_validates(group, option):
+    overrides = [f"{group}={option}"]
+    if (group, option) == ("sharding", "hybrid"):
+        overrides.append("trainer.nproc_per_node=2")
+    cfg = run_config(overrides)
+    topology = validate(cfg, cuda_devices=0)
+    assert topology.world_size == 2 and topology.device_type == "cpu"
+
+
+def test_auto_nproc_and_batch_split():
+    t = validate(run_config(["trainer.global_batch_size=16", "trainer.micro_batch_size=2"]), cuda_devices=0)
+    assert (t.nproc_per_node, t.micro_batch_size, t.grad_accum_steps) == (2, 2, 4)
+    assert validate(run_config([]), cuda_devices=8).nproc_per_node == 8
+    assert validate(run_config(["sharding=hybrid", "trainer.nproc_per_node=4", "sharding.shard_size=2"]),
+                    cuda_devices=0).mesh_shape == (2, 2)
+    assert validate(run_config(["sharding=no_shard"]), cuda_devices=0).mesh_shape == (2, 1)
+
+
+@pytest.mark.parametrize("overrides,fix", [
+    (["trainer.global_batch_size=5"], "trainer.global_batch_size=6"),
+    (["trainer.micro_batch_size=3"], "trainer.micro_batch_size="),
+    (["sharding=hybrid", "trainer.nproc_per_node=4", "sharding.shard_size=3"], "sharding.shard_size"),
+    (["precision=fp16", "precision.loss_scaler=none"], "precision.loss_scaler=dynamic"),
+    (["optim.lr=-0.1"], "optim.lr="),
+    (["trainer.seq_len=4096"], "trainer.seq_len="),
+    (["offload.pin_memory=true", "offload=params"], "offload.pin_memory"),
+    (["prefetch.backward=0"], "prefetch.backward=null"),
+    (["trainer.nproc_per_node=zero"], "trainer.nproc_per_node=auto"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads"),
+])
+def test_validation_messages_name_the_fix(overrides, fix):
+    with pytest.raises(ConfigError) as err:
+        validate(run_config(overrides), cuda_devices=0)
+    assert fix in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model=llama8b"], "model"),
+    (["trainer.stepz=3"], "stepz"),
+    (["trainer.steps=many"], "trainer.steps"),
+    (["trainer.global_batch_size=5"], "trainer.global_batch_size=6"),
+    (["sharding=hybrid", "trainer.nproc_per_node=4", "sharding.shard_size=3"], "sharding.shard_size"),
+    (["precision=fp16", "precision.loss_scaler=none"], "precision.loss_scaler=dynamic"),
+    (["optim.lr=-0.1"], "optim.lr"),
+], ids=["unknown-option", "unknown-key", "wrong-type", "batch", "hybrid-mesh", "fp16-no-scaler", "negative-lr"])
+def test_bad_input_on_the_command_line(tmp_path: Path, overrides, needle):
+    result = run_cli(overrides, tmp_path / "run")
+    assert result.returncode != 0
+    assert needle in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 20, result.stderr  # a paragraph (Hydra lists options), not a wall
+    assert result.seconds < 10, f"took {result.seconds:.1f}s"
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing was spawned
+    assert leftover_processes(tmp_path / "run") == []
