@@ -21,6 +21,7 @@ import datetime
 import json
 import math
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -39,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
 # Big enough that a step takes a few tenths of a second on a 2-core CPU, so timer and scheduler
 # noise stay small next to it; small enough that a whole benchmark takes minutes.
-MODEL = dict(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=4096, multiple_of=64, max_seq_len=256)
+MODEL = dict(dim=256, n_layers=3, n_heads=8, n_kv_heads=4, vocab_size=4096, multiple_of=64, max_seq_len=256)
 BATCH, SEQ = 8, 128  # global sequences per step, tokens per sequence
 # The framework's optim=adamw defaults, restated here so the baseline does not depend on them.
 LR, BETAS, EPS, WD, LR_WARMUP, MIN_LR_RATIO, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 2, 0.1, 1.0
@@ -131,10 +132,33 @@ def run_baseline(steps: int, warmup: int, out: Path) -> tuple[float, float]:
 
 
 # ------------------------------------------------------------------------------------------ main
+def cpu_seconds() -> tuple[float, float]:
+    """(busy CPU-seconds of the whole machine, CPU-seconds of this process and its finished children).
+
+    The difference over a run is CPU that other programs took meanwhile: on a shared 2-core box a
+    test suite running next to us slows whichever side it overlaps, so each pair shows it."""
+    try:
+        ticks = [int(v) for v in open("/proc/stat").readline().split()[1:9]]
+    except OSError:  # not Linux: no contamination column
+        return float("nan"), 0.0
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+    own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))
+    return busy, own
+
+
+def timed(fn, *args):
+    """fn(*args), plus the average number of cores other programs kept busy while it ran."""
+    (busy0, own0), t0 = cpu_seconds(), time.perf_counter()
+    result = fn(*args)
+    (busy1, own1), wall = cpu_seconds(), time.perf_counter() - t0
+    return result, max(0.0, (busy1 - busy0) - (own1 - own0)) / wall
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, default=5, help="framework/baseline pairs to run, interleaved")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the medians")
     ap.add_argument("--quick", action="store_true", help="one pair: a smoke test")
     ap.add_argument("--keep", action="store_true", help="keep the framework's run folders")
@@ -143,12 +167,15 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="fsdp_exp_overhead_"))
     rows = []
-    print(f"{'pair':>4} {'framework tok/s':>16} {'baseline tok/s':>15} {'ratio':>6} {'fw step ms':>11} {'bl step ms':>11}")
+    # "other cores": CPU cores other programs used during each run; near 0 is a clean measurement.
+    print(f"{'pair':>4} {'framework tok/s':>16} {'baseline tok/s':>15} {'ratio':>6} "
+          f"{'fw step ms':>11} {'bl step ms':>11} {'other cores fw/bl':>18}")
     for i in range(pairs):
-        fw, fw_t = run_framework(args.steps, args.warmup, work / f"framework_{i}")
-        bl, bl_t = run_baseline(args.steps, args.warmup, work / f"baseline_{i}.json")
+        (fw, fw_t), fw_other = timed(run_framework, args.steps, args.warmup, work / f"framework_{i}")
+        (bl, bl_t), bl_other = timed(run_baseline, args.steps, args.warmup, work / f"baseline_{i}.json")
         rows.append(fw / bl)
-        print(f"{i:>4} {fw:>16.1f} {bl:>15.1f} {fw / bl:>6.3f} {fw_t * 1e3:>11.1f} {bl_t * 1e3:>11.1f}", flush=True)
+        print(f"{i:>4} {fw:>16.1f} {bl:>15.1f} {fw / bl:>6.3f} {fw_t * 1e3:>11.1f} {bl_t * 1e3:>11.1f} "
+              f"{fw_other:>13.2f}/{bl_other:.2f}", flush=True)
 
     ratio = statistics.median(rows)
     print(f"\nmedian ratio (framework / baseline tokens/s): {ratio:.3f}  "

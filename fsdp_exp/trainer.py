@@ -10,6 +10,7 @@ torchrun, SLURM); it receives plain data only: the resolved config, the topology
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import platform
 import socket
@@ -44,6 +45,8 @@ class InjectedFailure(RuntimeError):
 
 def run_worker(payload: dict) -> None:
     """Entry point of one rank. ``payload``: {"config", "topology", "run_dir", "meta"} as plain data."""
+    # A rank killed by a fatal signal (abort, segfault) still says where it was.
+    faulthandler.enable()
     cfg = to_run_config(payload["config"])
     topology = Topology(**{k: tuple(v) if isinstance(v, list) else v for k, v in payload["topology"].items()})
     threads = cfg.trainer.threads_per_rank or max(1, (os.cpu_count() or 1) // topology.nproc_per_node)

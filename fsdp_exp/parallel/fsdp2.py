@@ -74,11 +74,10 @@ def _set_prefetch(wrapped: list[tuple[str, FSDPModule]], forward: int, backward:
     applied: dict[str, dict] = {}
     for i, (name, module) in enumerate(wrapped):
         entry = {}
-        if forward > 0:
-            targets = wrapped[i + 1:i + 1 + forward]
-            if targets:
-                module.set_modules_to_forward_prefetch([m for _, m in targets])
-            entry["forward_prefetch"] = [n for n, _ in targets]
+        targets = wrapped[i + 1:i + 1 + forward]
+        if targets:
+            module.set_modules_to_forward_prefetch([m for _, m in targets])
+        entry["forward_prefetch"] = [n for n, _ in targets]
         if backward is not None:
             targets = list(reversed(wrapped[max(0, i - backward):i]))
             if targets:

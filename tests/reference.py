@@ -1,0 +1,41 @@
+"""An independent single-process training loop: the yardstick sharded runs are compared against.
+
+No process group, no FSDP, no fsdp_exp trainer: a plain model, the whole global batch in one
+forward, AdamW, the same learning-rate schedule and clipping. It shares with fsdp_exp only what
+defines "the same experiment": the model definition, the initialization, the synthetic data.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fsdp_exp.config import RunConfig, ShardingConfig, validate
+from fsdp_exp.data import build_data
+from fsdp_exp.models import build_meta, init_weights
+from fsdp_exp.optim import build_optimizer, build_scheduler
+
+
+def reference_losses(cfg: RunConfig, steps: int) -> list[float]:
+    cfg.trainer.nproc_per_node = "1"
+    cfg.sharding = ShardingConfig()  # the reference is one unsharded process whatever the run used
+    cfg.trainer.micro_batch_size = None
+    topology = validate(cfg, cuda_devices=0)
+    torch.manual_seed(cfg.trainer.seed)
+    model = build_meta(cfg.model)
+    model.to_empty(device="cpu")
+    init_weights(model, cfg.trainer.seed, torch.device("cpu"))
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps)
+    data = build_data(cfg, topology, dp_rank=0, device=torch.device("cpu"))
+    losses = []
+    for step in range(steps):
+        (batch,) = list(data.micro_batches(step))
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(batch.inputs).float().flatten(0, 1), batch.targets.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip or float("inf"))
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return losses
