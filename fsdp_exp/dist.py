@@ -49,15 +49,13 @@ def build_mesh(topology: Topology) -> DeviceMesh:
     return init_device_mesh(topology.device_type, topology.mesh_shape, mesh_dim_names=topology.mesh_dim_names)
 
 
-def reduce_over_ranks(values: list[float], device: torch.device) -> tuple[list[float], list[float], list[float]]:
-    """Max, mean and min of each value over all ranks (two small all-reduces)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    hi, lo, total = t.clone(), t.neg(), t.clone()
+def reduce_over_ranks(values: list[float], device: torch.device) -> tuple[list[float], list[float]]:
+    """Max and mean of each value over all ranks (two small all-reduces)."""
+    hi = torch.tensor(values, dtype=torch.float64, device=device)
+    total = hi.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MAX)
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    n = dist.get_world_size()
-    return hi.tolist(), (total / n).tolist(), lo.neg().tolist()
+    return hi.tolist(), (total / dist.get_world_size()).tolist()
 
 
 def broadcast_object(obj, src: int = 0):

@@ -32,12 +32,16 @@ class RunFailed(RuntimeError):
         self.rank, self.summary = rank, summary
 
 
-def external_world_size() -> Optional[int]:
-    """The world size when an outside launcher made this process one rank of it, else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        return int(os.environ["SLURM_NTASKS"])
+def external_world() -> Optional[tuple[int, int]]:
+    """(world size, ranks on this node) when an outside launcher made this process one rank, else None."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        return world, int(env.get("LOCAL_WORLD_SIZE", world))
+    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        world = int(env["SLURM_NTASKS"])
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        return world, int(per_node) if per_node.isdigit() else world // int(env.get("SLURM_NNODES", "1"))
     return None
 
 
@@ -62,15 +66,19 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def prepare(cfg: RunConfig, world_size: Optional[int] = None) -> Topology:
+def prepare(cfg: RunConfig, world: Optional[tuple[int, int]] = None) -> Topology:
     """Validate before anything is spawned; raises ConfigError naming the fix."""
-    return validate(cfg, cuda_devices=cuda_device_count(), world_size=world_size)
+    if world is not None:
+        # The outside launcher decided the ranks; the config's counts must not contradict it.
+        cfg.trainer.nproc_per_node = str(world[1])
+        cfg.trainer.nnodes = max(1, world[0] // world[1])
+    return validate(cfg, cuda_devices=cuda_device_count(), world_size=world[0] if world else None)
 
 
 def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
     """Run one experiment to the end; return its run record. Raises RunFailed if a rank failed."""
     run_dir = Path(run_dir)
-    world = external_world_size()
+    world = external_world()
     topology = prepare(cfg, world)
     payload = {"config": plain(cfg), "topology": topology.as_dict(), "run_dir": str(run_dir), "meta": meta}
 

@@ -247,7 +247,7 @@ class Trainer:
             counts = memory.cuda_counts(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)  # peaks are per log interval
         keys = list(local) + list(counts)
-        hi, mean, _ = reduce_over_ranks([float(v) for v in list(local.values()) + list(counts.values())],
+        hi, mean = reduce_over_ranks([float(v) for v in list(local.values()) + list(counts.values())],
                                         self.device)
         out = {}
         for key, h, m in zip(keys, hi, mean):
