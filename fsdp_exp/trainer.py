@@ -166,10 +166,11 @@ class Trainer:
         self._start_record()
         try:
             for step in range(self.cfg.trainer.steps):
+                start = time.perf_counter()
                 self._check_injected_failure(step)
-                loss, grad_norm, lr, step_time = self.train_step(step)
+                loss, grad_norm, lr = self.train_step(step)
                 if (step + 1) % self.cfg.trainer.log_every == 0 or step + 1 == self.cfg.trainer.steps:
-                    self._log(step + 1, loss, grad_norm, lr, step_time)
+                    self._log(step + 1, start, loss, grad_norm, lr)
         except BaseException as exc:
             if self.info.is_main and self.sinks_open:
                 self._close_sinks(status="failed", error=f"rank 0: {type(exc).__name__}: {exc}")
@@ -178,8 +179,8 @@ class Trainer:
         if self.info.is_main:
             self._close_sinks(status="completed", summary=summary)
 
-    def train_step(self, step: int) -> tuple[torch.Tensor, float, float, float]:
-        start = time.perf_counter()
+    def train_step(self, step: int) -> tuple[torch.Tensor, float, float]:
+        """One optimizer step; returns this rank's loss (a tensor), the global grad norm and the lr."""
         self.optimizer.zero_grad(set_to_none=True)
         accum = self.topology.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
@@ -203,10 +204,7 @@ class Trainer:
         else:
             self.optimizer.step()
         self.scheduler.step()
-        grad_norm = grad_norm.item()  # waits for the step's work on this rank
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return loss_sum, grad_norm, lr, time.perf_counter() - start
+        return loss_sum, grad_norm.item(), lr
 
     def _check_injected_failure(self, step: int) -> None:
         d = self.cfg.debug
@@ -214,15 +212,28 @@ class Trainer:
             raise InjectedFailure(f"debug.fail_at_step={d.fail_at_step} on rank {d.fail_rank}")
 
     # ---------------------------------------------------------------------------------- metrics
-    def _log(self, step: int, loss: torch.Tensor, grad_norm: float, lr: float, step_time: float) -> None:
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM)  # gloo has no AVG; every rank has equal tokens
-        loss_value = loss.item() / self.info.world_size
+    def _log(self, step: int, start: float, loss: torch.Tensor, grad_norm: float, lr: float) -> None:
+        """Combine this step's numbers over ranks and hand them to the sinks.
+
+        The step time runs from the step's start to after the metric all-reduces, so that what
+        measuring costs is inside the reported throughput, not hidden between steps.
+        """
+        local = {**memory.model_state_bytes(self.model, self.optimizer), **memory.host_bytes()}
+        counts = {}
+        if self.device.type == "cuda":
+            local.update(memory.cuda_bytes(self.device))
+            counts = memory.cuda_counts(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)  # peaks are per log interval
+        values = [loss.item()] + [float(v) for v in [*local.values(), *counts.values()]]
+        hi, mean = reduce_over_ranks(values, self.device)  # every rank has equally many tokens
+        step_time = time.perf_counter() - start
+
         tokens_per_s = self.tokens_per_step / step_time
         per_rank = tokens_per_s / self.info.world_size
         tflops = self.flops_per_token * per_rank / 1e12
         metrics = {
             "step": step,
-            "train/loss": loss_value,
+            "train/loss": mean[0],
             "train/lr": lr,
             "train/grad_norm": grad_norm,
             "perf/step_time_s": step_time,
@@ -231,31 +242,17 @@ class Trainer:
             "perf/tflops_per_rank": tflops,
             "perf/mfu": mfu(tflops, self.peak_tflops),
         }
-        metrics.update(self._memory_metrics())
+        for key, h, m in zip([*local, *counts], hi[1:], mean[1:]):
+            if key in counts:
+                metrics[f"mem/{key}_max"] = int(h)
+            else:
+                metrics[f"mem/{key}_gib_max"], metrics[f"mem/{key}_gib_mean"] = h / GIB, m / GIB
         self.history.append(metrics)
         if self.info.is_main:
             self.jsonl.log(metrics)
             if self.wandb:
                 self.wandb.log(metrics)
             self.console.log(metrics)
-
-    def _memory_metrics(self) -> dict:
-        local = {**memory.model_state_bytes(self.model, self.optimizer), **memory.host_bytes()}
-        counts = {}
-        if self.device.type == "cuda":
-            local.update(memory.cuda_bytes(self.device))
-            counts = memory.cuda_counts(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)  # peaks are per log interval
-        keys = list(local) + list(counts)
-        hi, mean = reduce_over_ranks([float(v) for v in list(local.values()) + list(counts.values())],
-                                        self.device)
-        out = {}
-        for key, h, m in zip(keys, hi, mean):
-            if key in counts:
-                out[f"mem/{key}_max"] = int(h)
-            else:
-                out[f"mem/{key}_gib_max"], out[f"mem/{key}_gib_mean"] = h / GIB, m / GIB
-        return out
 
     def _summary(self) -> dict:
         measured = [h for h in self.history if h["step"] > self.cfg.trainer.warmup_steps]
