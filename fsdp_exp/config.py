@@ -36,27 +36,39 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
+    n_experts: int = 0  # > 0: every block's feed-forward is a mixture of this many experts
+    experts_top_k: int = 2  # experts each token is routed to
 
 
 @dataclass
 class ShardingConfig:
     """How parameters, gradients and optimizer state are spread over data-parallel ranks.
 
-    ``strategy`` speaks the user's vocabulary; ``fsdp_exp.parallel`` translates it per backend
-    (see docs/vocabulary.md). ``replicate_size`` x ``shard_size`` is the 2-D mesh of ``hybrid``.
+    ``strategy`` speaks the user's vocabulary; each backend in ``fsdp_exp.parallel`` translates it
+    (docs/vocabulary.md). ``replicate_size`` x ``shard_size`` is the 2-D mesh of ``hybrid``.
     """
 
-    backend: str = "fsdp2"
+    backend: str = "fsdp2"  # fsdp2 | fsdp1 | ddp
     strategy: str = "full"  # full | grad_op | hybrid | no_shard
     replicate_size: Optional[int] = None  # hybrid: None = world / shard_size
     shard_size: Optional[int] = None  # hybrid: None = trainer.nproc_per_node (shard within a node)
+    # FSDP2: "auto" (from the strategy) | true | false | N (reshard to groups of N ranks after forward).
+    reshard_after_forward: str = "auto"
+    # FSDP2: reshard the last block after forward too? None = no (backward needs it at once).
+    reshard_last_block: Optional[bool] = None
+    # FSDP1 only (None = fsdp_exp's FSDP1 default: use_orig_params=True, for per-parameter weight decay;
+    # sync_module_states=False, since every rank initializes identically by seed):
+    use_orig_params: Optional[bool] = None
+    sync_module_states: Optional[bool] = None
 
 
 @dataclass
 class PrecisionConfig:
     param_dtype: str = "fp32"  # dtype of the unsharded parameters used in forward/backward
     reduce_dtype: str = "fp32"  # dtype of gradient reduce-scatter / all-reduce
-    output_dtype: Optional[str] = None  # dtype the root module's outputs are cast to (None = leave)
+    output_dtype: Optional[str] = None  # FSDP2: dtype the root module's outputs are cast to (None = leave)
+    buffer_dtype: Optional[str] = None  # FSDP1: dtype of buffers (None = param_dtype)
+    cast_forward_inputs: bool = True  # cast floating-point forward inputs to param_dtype
     loss_scaler: str = "none"  # none | dynamic (fp16 needs dynamic)
 
 
@@ -68,19 +80,43 @@ class OffloadConfig:
 
 @dataclass
 class PrefetchConfig:
-    """Explicit FSDP2 prefetch depth, in wrapped blocks.
+    """All-gather prefetch, in wrapped units.
 
-    ``forward=0`` prefetches nothing ahead in forward (FSDP2's own default). ``backward=None`` leaves
-    FSDP2's implicit one-block backward prefetch; FSDP2 has no way to switch it off, so 0 is refused.
+    FSDP2: ``forward`` / ``backward`` are explicit prefetch depths. ``forward=0`` prefetches nothing
+    ahead (FSDP2's own default); ``backward=None`` leaves FSDP2's implicit one-unit backward prefetch,
+    which FSDP2 cannot switch off, so ``backward=0`` is refused there.
+    FSDP1: ``forward`` 0/1 = ``forward_prefetch``; ``backward`` 0 = no ``backward_prefetch``, 1 or None =
+    ``BackwardPrefetch.BACKWARD_PRE`` or ``BACKWARD_POST`` by ``backward_timing``; ``limit_all_gathers``.
     """
 
     forward: int = 1
     backward: Optional[int] = 1
+    backward_timing: str = "pre"  # pre | post (FSDP1's BACKWARD_POST; FSDP2 prefetches pre only)
+    limit_all_gathers: Optional[bool] = None  # FSDP1 rate limiter; None = FSDP1's default (true)
 
 
 @dataclass
 class WrapConfig:
-    policy: str = "block"  # block: each transformer block is an FSDP unit, then the root | none: root only
+    # block: each transformer block is a unit, then the root | none: the root alone |
+    # size: every module holding >= min_num_params not yet wrapped (FSDP1 size_based_auto_wrap_policy) |
+    # experts: each expert of an MoE layer, then each block, then the root (a custom policy)
+    policy: str = "block"
+    min_num_params: int = 100_000_000
+
+
+@dataclass
+class ParallelConfig:
+    """Model parallelism beside data parallelism."""
+
+    tp: int = 1  # tensor-parallel degree (FSDP2 only): a 2-D mesh (dp, tp)
+    sequence_parallel: bool = False  # shard norms and activations between TP regions over the sequence
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: str = "none"  # none | full | selective
+    every: int = 1  # selective: checkpoint every k-th block (layer-level selective AC)
+    ops: str = "none"  # selective: none | matmul_save (op-level: save matmul outputs, recompute the rest)
 
 
 @dataclass
@@ -97,7 +133,28 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "synthetic"  # synthetic: seeded uniform random tokens
+    """Where tokens come from (fsdp_exp/data/). Real data is tokenized and packed once, before any rank starts."""
+
+    name: str = "synthetic"  # synthetic (seeded random tokens) | text | json | parquet (data.files) | hf (data.dataset)
+    files: list[str] = field(default_factory=list)  # local files or glob patterns; pkg://fsdp_exp/... = shipped
+    val_files: list[str] = field(default_factory=list)  # validation text for trainer.eval_every (local kinds)
+    dataset: Optional[str] = None  # hf: a hub dataset name or a local dataset folder
+    dataset_config: Optional[str] = None  # hf: the dataset's configuration (subset) name
+    split: str = "train"  # hf: the training split
+    val_split: Optional[str] = None  # hf: the validation split
+    revision: Optional[str] = None  # hf: a branch, tag or commit of the dataset
+    streaming: bool = False  # read through datasets' streaming mode (never holds the corpus in memory)
+    text_field: str = "text"  # json / parquet / hf: the column that holds the text
+    sample_by: str = "paragraph"  # text: one document per line | paragraph (blank-line separated) | document (file)
+    tokenizer: str = "byte"  # byte (UTF-8 bytes, id 0 ends a document) | tokenizer.json path or folder | hub name
+    eos_token: Optional[str] = None  # HF tokenizers: the end-of-document token; None = the first usual one found
+    max_blocks: Optional[int] = None  # pack at most this many training blocks (a prefix of a huge corpus)
+    cache_dir: str = "~/.cache/fsdp_exp/data"  # packed blocks (and datasets' copies of local files)
+    shuffle: bool = True  # a new permutation of the blocks every epoch, by (seed, epoch)
+    seed: Optional[int] = None  # None = trainer.seed
+    num_workers: int = 0  # DataLoader worker processes per rank; 0 = load in the training loop
+    prefetch_factor: int = 2  # micro-batches each worker keeps ready
+    val_batches: int = 4  # global batches of validation data per evaluation
 
 
 @dataclass
@@ -115,6 +172,7 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None = look the device up
     threads_per_rank: Optional[int] = None  # CPU threads per rank; None = cores / local ranks
+    eval_every: int = 0  # steps between evaluations on the validation data (val/loss); 0 = never
 
 
 @dataclass
@@ -150,11 +208,14 @@ class RunConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     wrap: WrapConfig = field(default_factory=WrapConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    compile: bool = False  # torch.compile each transformer block (before sharding)
 
 
 def register_configs() -> None:
@@ -177,8 +238,9 @@ class Topology:
     nproc_per_node: int
     nnodes: int
     world_size: int
-    dp_size: int  # data-parallel ranks (all ranks until tensor parallel arrives)
-    mesh_shape: tuple[int, ...]  # the data-parallel mesh: (shard,) or (replicate, shard)
+    dp_size: int  # data-parallel ranks: world / tp_size
+    tp_size: int  # tensor-parallel ranks per data-parallel rank
+    mesh_shape: tuple[int, ...]  # (shard,) or (replicate, shard), with a trailing tp dim when tp > 1
     mesh_dim_names: tuple[str, ...]
     micro_batch_size: int
     grad_accum_steps: int
@@ -249,34 +311,10 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
     _validate_model(cfg.model)
     _validate_optim(cfg.optim, t.steps)
 
-    # Sharding and its mesh.
-    if s.backend != "fsdp2":
-        _fail(f"sharding.backend={s.backend!r} is not available; this version implements fsdp2.",
-              "pass sharding.backend=fsdp2")
-    if s.strategy not in ("full", "grad_op", "hybrid", "no_shard"):
-        _fail(f"sharding.strategy={s.strategy!r} is not one of full, grad_op, hybrid, no_shard.",
-              "pick one with sharding=full|grad_op|hybrid|no_shard")
-    if s.strategy == "hybrid":
-        shard = s.shard_size if s.shard_size is not None else (
-            world // s.replicate_size if s.replicate_size else min(nproc, world))
-        replicate = s.replicate_size if s.replicate_size is not None else max(1, world // max(shard, 1))
-        if shard < 1 or replicate < 1 or replicate * shard != world:
-            _fail(f"sharding=hybrid needs replicate_size x shard_size = world size {world}, "
-                  f"got {replicate} x {shard}.",
-                  f"pass sharding.shard_size and sharding.replicate_size whose product is {world}, "
-                  f"e.g. sharding.replicate_size={world // _largest_divisor_at_most(world, nproc)} "
-                  f"sharding.shard_size={_largest_divisor_at_most(world, nproc)}")
-        mesh_shape, mesh_names = (replicate, shard), ("replicate", "shard")
-    elif s.strategy == "no_shard":
-        mesh_shape, mesh_names = (world, 1), ("replicate", "shard")
-    else:
-        if s.replicate_size is not None or s.shard_size is not None:
-            _fail(f"sharding.replicate_size/shard_size only apply to sharding=hybrid, not {s.strategy}.",
-                  "drop them, or pass sharding=hybrid")
-        mesh_shape, mesh_names = (world,), ("shard",)
+    mesh_shape, mesh_names, dp = _validate_parallel(cfg, world, nproc, device_type)
+    _validate_backend_knobs(cfg, device_type)
 
-    # Batch over ranks.
-    dp = world
+    # Batch over data-parallel ranks.
     if t.global_batch_size % dp:
         _fail(f"trainer.global_batch_size={t.global_batch_size} does not divide over {dp} data-parallel ranks.",
               f"pass trainer.global_batch_size={dp * max(1, math.ceil(t.global_batch_size / dp))} "
@@ -294,9 +332,10 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
         if getattr(p, name) not in DTYPES:
             _fail(f"precision.{name}={getattr(p, name)!r} is not one of {', '.join(DTYPES)}.",
                   f"pass precision.{name}=bf16 (or a precision=fp32|bf16|bf16_pure|fp16 preset)")
-    if p.output_dtype is not None and p.output_dtype not in DTYPES:
-        _fail(f"precision.output_dtype={p.output_dtype!r} is not one of {', '.join(DTYPES)}.",
-              "pass precision.output_dtype=null or fp32")
+    for name in ("output_dtype", "buffer_dtype"):
+        if getattr(p, name) is not None and getattr(p, name) not in DTYPES:
+            _fail(f"precision.{name}={getattr(p, name)!r} is not one of {', '.join(DTYPES)}.",
+                  f"pass precision.{name}=null or fp32")
     if p.loss_scaler not in ("none", "dynamic"):
         _fail(f"precision.loss_scaler={p.loss_scaler!r} is not one of none, dynamic.",
               "pass precision.loss_scaler=dynamic")
@@ -312,29 +351,184 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
         _fail("offload.pin_memory is set but offload.params=false, so nothing is offloaded.",
               "pass offload=params, or drop offload.pin_memory")
 
-    # Prefetch and wrap.
-    if cfg.prefetch.forward < 0:
-        _fail(f"prefetch.forward={cfg.prefetch.forward} is negative.", "pass prefetch.forward=0 (none) or more")
-    if cfg.prefetch.backward is not None and cfg.prefetch.backward < 1:
-        _fail(f"prefetch.backward={cfg.prefetch.backward}: FSDP2 always prefetches at least one block in "
-              "backward (an empty prefetch list means its implicit one).",
-              "pass prefetch.backward=null (FSDP2's implicit one block) or a depth of 1 or more")
-    if cfg.wrap.policy not in ("block", "none"):
-        _fail(f"wrap.policy={cfg.wrap.policy!r} is not one of block, none.", "pass wrap=block or wrap=none")
-
     if cfg.logger.wandb.mode not in ("online", "offline", "disabled"):
         _fail(f"logger.wandb.mode={cfg.logger.wandb.mode!r} is not one of online, offline, disabled.",
               "pass logger.wandb.mode=offline")
-    if cfg.data.name != "synthetic":
-        _fail(f"data={cfg.data.name!r} is not available; this version implements synthetic tokens.",
-              "pass data=synthetic")
+    _validate_data(cfg)
     if cfg.debug.fail_at_step is not None and not 0 <= cfg.debug.fail_rank < world:
         _fail(f"debug.fail_rank={cfg.debug.fail_rank} is not a rank of a world of {world}.",
               f"pass debug.fail_rank between 0 and {world - 1}")
 
     return Topology(device_type=device_type, nproc_per_node=nproc, nnodes=t.nnodes, world_size=world,
-                    dp_size=dp, mesh_shape=mesh_shape, mesh_dim_names=mesh_names,
+                    dp_size=dp, tp_size=cfg.parallel.tp, mesh_shape=mesh_shape, mesh_dim_names=mesh_names,
                     micro_batch_size=micro, grad_accum_steps=per_rank // micro)
+
+
+BACKENDS = ("fsdp2", "fsdp1", "ddp")
+STRATEGIES = ("full", "grad_op", "hybrid", "no_shard")
+
+
+def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str):
+    """The device mesh: data-parallel dims from the strategy, then a tp dim. Returns (shape, names, dp)."""
+    s, tp = cfg.sharding, cfg.parallel.tp
+    if s.backend not in BACKENDS:
+        _fail(f"sharding.backend={s.backend!r} is not one of {', '.join(BACKENDS)}.",
+              "pass sharding.backend=fsdp2 (or a preset: sharding=full|grad_op|hybrid|no_shard|ddp)")
+    if s.strategy not in STRATEGIES:
+        _fail(f"sharding.strategy={s.strategy!r} is not one of {', '.join(STRATEGIES)}.",
+              "pick one with sharding=full|grad_op|hybrid|no_shard")
+    if s.backend == "ddp" and s.strategy != "no_shard":
+        _fail(f"DDP replicates the model; it cannot do sharding.strategy={s.strategy}.",
+              "pass sharding=ddp alone, or sharding.backend=fsdp2 for a sharded strategy")
+    if tp < 1 or world % tp:
+        _fail(f"parallel.tp={tp} does not divide the world size {world}.",
+              f"pass parallel.tp={_largest_divisor_at_most(world, max(tp, 1))} (a divisor of {world})")
+    if tp > 1:
+        _validate_tp(cfg, tp)
+    dp = world // tp
+    if s.strategy == "hybrid":
+        local_dp = max(1, min(nproc // tp, dp)) if nproc >= tp else 1
+        shard = s.shard_size if s.shard_size is not None else (
+            dp // s.replicate_size if s.replicate_size else local_dp)
+        replicate = s.replicate_size if s.replicate_size is not None else max(1, dp // max(shard, 1))
+        if shard < 1 or replicate < 1 or replicate * shard != dp:
+            good = _largest_divisor_at_most(dp, local_dp)
+            _fail(f"sharding=hybrid needs replicate_size x shard_size = {dp} data-parallel ranks, "
+                  f"got {replicate} x {shard}.",
+                  f"pass sharding.shard_size and sharding.replicate_size whose product is {dp}, "
+                  f"e.g. sharding.replicate_size={dp // good} sharding.shard_size={good}")
+        shape, names = (replicate, shard), ("replicate", "shard")
+    elif s.strategy == "no_shard":
+        shape, names = ((dp,), ("replicate",)) if s.backend == "ddp" else ((dp, 1), ("replicate", "shard"))
+    else:
+        if s.replicate_size is not None or s.shard_size is not None:
+            _fail(f"sharding.replicate_size/shard_size only apply to sharding=hybrid, not {s.strategy}.",
+                  "drop them, or pass sharding=hybrid")
+        shape, names = (dp,), ("shard",)
+    if tp > 1:
+        shape, names = (*shape, tp), (*names, "tp")
+    return shape, names, dp
+
+
+def _validate_tp(cfg: RunConfig, tp: int) -> None:
+    from fsdp_exp.models.llama import ffn_hidden_dim
+
+    m = cfg.model
+    if cfg.sharding.backend != "fsdp2":
+        _fail(f"parallel.tp={tp} composes with FSDP2 only, not sharding.backend={cfg.sharding.backend}.",
+              "pass sharding.backend=fsdp2 (or parallel.tp=1)")
+    for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads or m.n_heads),
+                        ("the SwiGLU width", ffn_hidden_dim(m))):
+        if value % tp:
+            _fail(f"parallel.tp={tp} does not divide {name} ({value}).", "pick parallel.tp that divides it")
+    if cfg.parallel.sequence_parallel and cfg.trainer.seq_len % tp:
+        _fail(f"parallel.sequence_parallel shards the sequence, but trainer.seq_len={cfg.trainer.seq_len} "
+              f"does not divide by parallel.tp={tp}.", f"pass a trainer.seq_len that is a multiple of {tp}")
+
+
+def _validate_backend_knobs(cfg: RunConfig, device_type: str) -> None:
+    """Every knob either reaches the chosen backend's API or is refused here, naming the equivalent."""
+    s, p, pf, w = cfg.sharding, cfg.precision, cfg.prefetch, cfg.wrap
+    b = s.backend
+    if pf.forward < 0:
+        _fail(f"prefetch.forward={pf.forward} is negative.", "pass prefetch.forward=0 (none) or more")
+    if pf.backward is not None and pf.backward < 0:
+        _fail(f"prefetch.backward={pf.backward} is negative.", "pass prefetch.backward=0 or more, or null")
+    if pf.backward_timing not in ("pre", "post"):
+        _fail(f"prefetch.backward_timing={pf.backward_timing!r} is not one of pre, post.",
+              "pass prefetch.backward_timing=pre")
+    if w.policy not in ("block", "none", "size", "experts"):
+        _fail(f"wrap.policy={w.policy!r} is not one of block, none, size, experts.", "pass wrap=block")
+    if w.policy == "experts" and cfg.model.n_experts < 1:
+        _fail("wrap=experts wraps the experts of an MoE model, but this model has none.",
+              "pass model=moe_tiny, or wrap=block")
+    if w.min_num_params < 1:
+        _fail(f"wrap.min_num_params={w.min_num_params} must be positive.", "pass wrap.min_num_params=100000")
+    ac = cfg.ac
+    if ac.mode not in ("none", "full", "selective") or ac.every < 1 or ac.ops not in ("none", "matmul_save"):
+        _fail(f"ac.mode={ac.mode!r} ac.every={ac.every} ac.ops={ac.ops!r} is not a valid activation checkpointing "
+              "setting.", "pick a preset: ac=none|full|selective|selective_op")
+    if ac.ops != "none" and ac.mode != "selective":
+        _fail(f"ac.ops={ac.ops} is op-level selective checkpointing and needs ac.mode=selective.",
+              "pass ac=selective_op")
+    rs = s.reshard_after_forward.lower()
+    if rs not in ("auto", "true", "false") and not (rs.isdigit() and int(rs) >= 1):
+        _fail(f"sharding.reshard_after_forward={s.reshard_after_forward!r} is not auto, true, false or a "
+              "positive whole number.", "pass sharding.reshard_after_forward=auto")
+
+    def refuse(knob: str, why: str, fix: str) -> None:
+        _fail(f"{knob} cannot be honoured by sharding.backend={b}: {why}", fix)
+
+    if b == "fsdp2":
+        if pf.backward == 0:
+            refuse("prefetch.backward=0", "FSDP2 always prefetches at least one unit in backward (an empty "
+                   "prefetch list means its implicit one).",
+                   "pass prefetch.backward=null (FSDP2's implicit one unit) or a depth of 1 or more")
+        if pf.backward_timing != "pre":
+            refuse("prefetch.backward_timing=post", "FSDP2 issues backward prefetch before a unit's gradient "
+                   "computation only (FSDP1's BACKWARD_PRE).", "drop it, or pass sharding.backend=fsdp1")
+        if pf.limit_all_gathers is not None:
+            refuse("prefetch.limit_all_gathers", "FSDP2 always bounds in-flight all-gathers by its own stream "
+                   "synchronization; there is no switch.", "drop it; tune prefetch.forward / prefetch.backward")
+        for knob in ("use_orig_params", "sync_module_states"):
+            if getattr(s, knob) is not None:
+                refuse(f"sharding.{knob}", "FSDP2 always keeps the original parameters (as DTensors) and fsdp_exp "
+                       "initializes every shard identically by seed.", f"drop sharding.{knob}")
+        if p.buffer_dtype is not None:
+            refuse("precision.buffer_dtype", "FSDP2's MixedPrecisionPolicy has no buffer dtype (buffers keep "
+                   "their dtype).", "drop precision.buffer_dtype")
+        if rs.isdigit() and cfg.sharding.strategy in ("no_shard",):
+            refuse("an integer sharding.reshard_after_forward", "no_shard has nothing to reshard.",
+                   "pass sharding.reshard_after_forward=auto")
+    else:
+        if rs != "auto":
+            refuse(f"sharding.reshard_after_forward={s.reshard_after_forward}",
+                   "FSDP1 and DDP take resharding from the strategy (FULL_SHARD reshards, SHARD_GRAD_OP keeps).",
+                   "pass sharding=full or sharding=grad_op, or sharding.backend=fsdp2")
+        if s.reshard_last_block is not None:
+            refuse("sharding.reshard_last_block", "only FSDP2 sets resharding per unit.",
+                   "drop it, or pass sharding.backend=fsdp2")
+        if p.output_dtype is not None:
+            refuse("precision.output_dtype", "only FSDP2's MixedPrecisionPolicy casts the outputs.",
+                   "drop precision.output_dtype")
+    if b == "fsdp1":
+        if pf.forward > 1 or (pf.backward or 0) > 1:
+            refuse(f"prefetch depth forward={pf.forward} backward={pf.backward}",
+                   "FSDP1 prefetches exactly one unit (forward_prefetch, backward_prefetch).",
+                   "pass prefetch.forward and prefetch.backward of 0 or 1, or sharding.backend=fsdp2")
+        if device_type == "cpu" and s.sync_module_states:
+            refuse("sharding.sync_module_states=true on CPU", "torch's FSDP1 refuses to broadcast CPU "
+                   "parameters.", "drop it (fsdp_exp initializes every rank identically) or run on CUDA")
+        if device_type == "cpu" and cfg.offload.params:
+            refuse("offload=params on CPU-only torch", "FSDP1's CPUOffload pins host memory, which needs CUDA.",
+                   "pass offload=none, or sharding.backend=fsdp2 (its CPUOffloadPolicy runs unpinned)")
+        if s.use_orig_params is False and cfg.optim.weight_decay > 0:
+            refuse("sharding.use_orig_params=false with weight decay", "flat parameters mix matrices and norm "
+                   "weights, so weight decay could not skip the norms.",
+                   "pass optim.weight_decay=0, or drop sharding.use_orig_params=false")
+        if cfg.compile and s.use_orig_params is False:
+            refuse("compile=true with sharding.use_orig_params=false", "torch.compile needs the original "
+                   "parameters.", "drop sharding.use_orig_params=false")
+    if b == "ddp":
+        if pf != PrefetchConfig():
+            refuse("a prefetch setting", "DDP has no all-gathers to prefetch.",
+                   "leave the prefetch group at its default (drop prefetch=...)")
+        if w != WrapConfig():
+            refuse(f"wrap={w.policy}", "DDP has no wrapped units (it buckets gradients).",
+                   "leave the wrap group at its default (drop wrap=...)")
+        if cfg.offload.params:
+            refuse("offload=params", "DDP keeps full replicas on the device.",
+                   "pass sharding=no_shard (FSDP2 replication with offload) or offload=none")
+        if p.reduce_dtype == "bf16" and device_type == "cpu":
+            refuse("precision.reduce_dtype=bf16 on CPU", "torch's bf16 gradient-compression hook for DDP needs "
+                   "NCCL (CUDA) or XCCL.", "pass precision.reduce_dtype=fp32 (e.g. precision=bf16)")
+        if p.param_dtype != p.reduce_dtype and p.reduce_dtype != "fp32":
+            refuse(f"precision.reduce_dtype={p.reduce_dtype} with param_dtype={p.param_dtype}",
+                   "DDP compresses gradients to the reduce dtype with a communication hook; only fp32 or "
+                   "the compute dtype are offered.", "pass precision.reduce_dtype=fp32")
+        if p.buffer_dtype is not None or not p.cast_forward_inputs:
+            refuse("precision.buffer_dtype / cast_forward_inputs", "DDP runs mixed precision by autocast.",
+                   "drop them")
 
 
 def _validate_model(m: ModelConfig) -> None:
@@ -356,6 +550,13 @@ def _validate_model(m: ModelConfig) -> None:
     if (m.dim // m.n_heads) % 2:
         _fail(f"head dimension model.dim/model.n_heads={m.dim // m.n_heads} is odd; rotary embeddings need it even.",
               "change model.dim or model.n_heads")
+
+
+def _validate_data(cfg: RunConfig) -> None:
+    """Source, files (missing, empty), tokenizer vs. model.vocab_size: see fsdp_exp.data.check_config."""
+    from fsdp_exp.data import check_config
+
+    check_config(cfg)
 
 
 def _validate_optim(o: OptimConfig, steps: int) -> None:

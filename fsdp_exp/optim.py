@@ -7,13 +7,20 @@ import math
 import torch
 from torch import nn
 
+from torch.nn.parallel import DistributedDataParallel
+
 from fsdp_exp.config import OptimConfig
+from fsdp_exp.models import canonical_name
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    # No weight decay on norm weights and other vectors (standard Llama / GPT practice).
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+def build_optimizer(model: nn.Module, cfg: OptimConfig, decay_names: set[str]) -> torch.optim.Optimizer:
+    """AdamW; weight decay on the parameters named in ``decay_names`` (the matrices), not on norm
+    weights. Names, not shapes, decide: FSDP1 presents parameters as flat 1-D shards."""
+    if isinstance(model, DistributedDataParallel):
+        model = model.module
+    named = list(model.named_parameters())
+    decay = [p for n, p in named if canonical_name(n) in decay_names]
+    no_decay = [p for n, p in named if canonical_name(n) not in decay_names]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 

@@ -23,7 +23,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from fsdp_exp import __version__
 from fsdp_exp.config import RunConfig, Topology, plain, to_run_config
@@ -31,7 +30,7 @@ from fsdp_exp.data import build_data
 from fsdp_exp.dist import RankInfo, broadcast_object, build_mesh, init_distributed, reduce_over_ranks
 from fsdp_exp.metrics import memory
 from fsdp_exp.metrics.flops import lookup_peak_tflops, mfu
-from fsdp_exp.models import REGISTRY, build_meta, count_params, flops_per_token, init_weights
+from fsdp_exp.models import build_meta, count_params, flops_per_token, matrix_parameter_names
 from fsdp_exp.optim import build_optimizer, build_scheduler
 from fsdp_exp.parallel import parallelize
 from fsdp_exp.sinks import ConsoleSink, JsonlSink, RunRecord, WandbSink
@@ -68,17 +67,18 @@ class Trainer:
         self.device = info.device
         torch.manual_seed(cfg.trainer.seed)
 
-        # Build: meta model -> shard -> materialize this rank's shards -> identical init everywhere.
+        # Build: meta model -> parallelize (TP, AC, compile, shard) -> this rank's shards, seeded init.
         self.mesh = build_mesh(topology)
-        self.model = build_meta(cfg.model)
-        self.applied = parallelize(self.model, cfg, self.mesh)
-        self.model.to_empty(device=self.device)
-        init_weights(self.model, cfg.trainer.seed, self.device)
+        meta_model = build_meta(cfg.model)
+        decay_names = matrix_parameter_names(meta_model)
+        parallel = parallelize(meta_model, cfg, self.mesh, self.device)
+        self.model, self.applied, self.runtime = parallel.model, parallel.applied, parallel.runtime
 
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim, decay_names)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.steps)
-        self.scaler = self._build_scaler()
-        self.data = build_data(cfg, topology, dp_rank=info.rank, device=self.device)
+        # fp16: a loss scaler that agrees over ranks on skipped steps (sharded for FSDP).
+        self.scaler = self.runtime.grad_scaler(self.device) if cfg.precision.loss_scaler == "dynamic" else None
+        self.data = build_data(cfg, topology, dp_rank=info.rank // topology.tp_size, device=self.device)
 
         self.tokens_per_step = cfg.trainer.global_batch_size * cfg.trainer.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.trainer.seq_len)
@@ -89,20 +89,6 @@ class Trainer:
             self._open_sinks()
 
     # ----------------------------------------------------------------------------------- set-up
-    def _build_scaler(self):
-        if self.cfg.precision.loss_scaler != "dynamic":
-            return None
-        import warnings
-
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        # The scaler's found-inf flag is a 1-element tensor that DTensor ops replicate implicitly;
-        # that is what we want, so its warning on every step is noise.
-        warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
-
-        # Sharded: each rank sees only its gradient shards, so inf/NaN checks are all-reduced.
-        return ShardedGradScaler(device=self.device.type)
-
     def _peak_tflops(self) -> tuple[Optional[float], str]:
         if self.cfg.trainer.peak_tflops is not None:
             return self.cfg.trainer.peak_tflops, "trainer.peak_tflops"
@@ -169,8 +155,9 @@ class Trainer:
                 start = time.perf_counter()
                 self._check_injected_failure(step)
                 loss, grad_norm, lr = self.train_step(step)
-                if (step + 1) % self.cfg.trainer.log_every == 0 or step + 1 == self.cfg.trainer.steps:
-                    self._log(step + 1, start, loss, grad_norm, lr)
+                evaluate = self.cfg.trainer.eval_every > 0 and (step + 1) % self.cfg.trainer.eval_every == 0
+                if (step + 1) % self.cfg.trainer.log_every == 0 or step + 1 == self.cfg.trainer.steps or evaluate:
+                    self._log(step + 1, start, loss, grad_norm, lr, evaluate)
         except BaseException as exc:
             if self.info.is_main and self.sinks_open:
                 self._close_sinks(status="failed", error=f"rank 0: {type(exc).__name__}: {exc}")
@@ -186,17 +173,16 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(self.data.micro_batches(step)):
             # Reduce gradients only after the last micro-batch; the others accumulate locally.
-            self.model.set_requires_gradient_sync(i == accum - 1)
-            logits = self.model(batch.inputs)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten()) / accum
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            with self.runtime.gradient_sync(self.model, i == accum - 1):
+                with self.runtime.autocast():
+                    logits = self.model(batch.inputs)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten()) / accum
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.trainer.grad_clip or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = self.runtime.clip_grad_norm(self.model, max_norm)
         lr = self.scheduler.get_last_lr()[0]
         if self.scaler:
             self.scaler.step(self.optimizer)
@@ -211,12 +197,30 @@ class Trainer:
         if d.fail_at_step is not None and step == d.fail_at_step and self.info.rank == d.fail_rank:
             raise InjectedFailure(f"debug.fail_at_step={d.fail_at_step} on rank {d.fail_rank}")
 
+    def evaluate(self) -> dict:
+        """Mean cross-entropy per token on ``data.val_batches`` global batches of the validation data
+        (the same blocks every time), over all ranks; and its perplexity."""
+        import math
+
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = 0
+        with torch.no_grad():
+            for batch in self.data.val_micro_batches():
+                with self.runtime.autocast():
+                    logits = self.model(batch.inputs)
+                total += F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="sum")
+                tokens += batch.targets.numel()
+        _, mean = reduce_over_ranks([total.item() / max(tokens, 1)], self.device)  # equal tokens per rank
+        return {"val/loss": mean[0], "val/perplexity": math.exp(min(mean[0], 700.0))}
+
     # ---------------------------------------------------------------------------------- metrics
-    def _log(self, step: int, start: float, loss: torch.Tensor, grad_norm: float, lr: float) -> None:
+    def _log(self, step: int, start: float, loss: torch.Tensor, grad_norm: float, lr: float,
+             evaluate: bool = False) -> None:
         """Combine this step's numbers over ranks and hand them to the sinks.
 
         The step time runs from the step's start to after the metric all-reduces, so that what
-        measuring costs is inside the reported throughput, not hidden between steps.
+        measuring costs is inside the reported throughput, not hidden between steps. An evaluation
+        (``evaluate``) runs after that, outside every step's time, and joins the same row.
         """
         local = {**memory.model_state_bytes(self.model, self.optimizer), **memory.host_bytes()}
         counts = {}
@@ -224,7 +228,7 @@ class Trainer:
             local.update(memory.cuda_bytes(self.device))
             counts = memory.cuda_counts(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)  # peaks are per log interval
-        values = [loss.item()] + [float(v) for v in [*local.values(), *counts.values()]]
+        values = [loss.item(), self.data.last_wait_s] + [float(v) for v in [*local.values(), *counts.values()]]
         hi, mean = reduce_over_ranks(values, self.device)  # every rank has equally many tokens
         step_time = time.perf_counter() - start
 
@@ -241,12 +245,15 @@ class Trainer:
             "perf/tokens_per_s_per_rank": per_rank,
             "perf/tflops_per_rank": tflops,
             "perf/mfu": mfu(tflops, self.peak_tflops),
+            "perf/data_time_s": hi[1],  # the slowest rank's wait holds every rank back
         }
-        for key, h, m in zip([*local, *counts], hi[1:], mean[1:]):
+        for key, h, m in zip([*local, *counts], hi[2:], mean[2:]):
             if key in counts:
                 metrics[f"mem/{key}_max"] = int(h)
             else:
                 metrics[f"mem/{key}_gib_max"], metrics[f"mem/{key}_gib_mean"] = h / GIB, m / GIB
+        if evaluate:
+            metrics.update(self.evaluate())
         self.history.append(metrics)
         if self.info.is_main:
             self.jsonl.log(metrics)

@@ -10,22 +10,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fsdp_exp.config import RunConfig, ShardingConfig, validate
+from fsdp_exp.config import RunConfig, validate
 from fsdp_exp.data import build_data
 from fsdp_exp.models import build_meta, init_weights
-from fsdp_exp.optim import build_optimizer, build_scheduler
+from fsdp_exp.optim import build_scheduler
 
 
 def reference_losses(cfg: RunConfig, steps: int) -> list[float]:
+    # The same model, optimizer, data and steps; everything about parallelism and precision at its
+    # default: one unsharded fp32 process, the whole global batch at once.
+    cfg = RunConfig(model=cfg.model, optim=cfg.optim, data=cfg.data, trainer=cfg.trainer)
     cfg.trainer.nproc_per_node = "1"
-    cfg.sharding = ShardingConfig()  # the reference is one unsharded process whatever the run used
     cfg.trainer.micro_batch_size = None
     topology = validate(cfg, cuda_devices=0)
     torch.manual_seed(cfg.trainer.seed)
     model = build_meta(cfg.model)
     model.to_empty(device="cpu")
     init_weights(model, cfg.trainer.seed, torch.device("cpu"))
-    optimizer = build_optimizer(model, cfg.optim)
+    # Weight decay on matrices only, decided here by shape (the framework decides by name).
+    o = cfg.optim
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps)
     data = build_data(cfg, topology, dp_rank=0, device=torch.device("cpu"))
     losses = []

@@ -24,6 +24,8 @@ def test_every_option_composes_and_validates(group, option):
     overrides = [f"{group}={option}"]
     if (group, option) == ("sharding", "hybrid"):
         overrides.append("trainer.nproc_per_node=2")
+    if (group, option) == ("wrap", "experts"):
+        overrides.append("model=moe_tiny")  # experts need an MoE model
     cfg = run_config(overrides)
     topology = validate(cfg, cuda_devices=0)
     assert topology.world_size == 2 and topology.device_type == "cpu"

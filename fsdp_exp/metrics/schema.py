@@ -45,6 +45,9 @@ STEP_METRICS: list[Metric] = [
            "model FLOPs per token x tokens/s per rank / 1e12 (6N + 12LdS, no recompute)"),
     Metric("perf/mfu", "fraction", "step", "mean",
            "perf/tflops_per_rank / the device's peak TFLOPS for the compute dtype; null when unknown"),
+    Metric("perf/data_time_s", "s", "step", "max",
+           "time the step waited for its data (fetch, and copy to the device; part of perf/step_time_s); "
+           "near 0 when loading keeps up, a large share of the step when it starves"),
     *_over_ranks("mem/params_gib", "GiB", "step", "parameter bytes this rank holds (its shards)"),
     *_over_ranks("mem/grads_gib", "GiB", "step", "gradient bytes this rank holds after backward"),
     *_over_ranks("mem/optim_state_gib", "GiB", "step", "optimizer state bytes this rank holds"),
@@ -58,6 +61,14 @@ STEP_METRICS: list[Metric] = [
                  "cuda", aggs=("max",)),
     *_over_ranks("mem/ooms", "count", "cumulative", "CUDA out-of-memory errors caught by the allocator",
                  "cuda", aggs=("max",)),
+]
+
+# Logged in the row of each step that is a multiple of trainer.eval_every (only with trainer.eval_every > 0).
+EVAL_METRICS: list[Metric] = [
+    Metric("val/loss", "nats", "step", "mean",
+           "cross-entropy per token on data.val_batches global batches of the validation data (the same "
+           "blocks at every evaluation); measured after the step, outside perf/step_time_s"),
+    Metric("val/perplexity", "1", "step", "mean", "exp(val/loss)"),
 ]
 
 SUMMARY_METRICS: list[Metric] = [
@@ -75,7 +86,7 @@ SUMMARY_METRICS: list[Metric] = [
     Metric("summary/peak_reserved_gib_max", "GiB", "run", "max", "largest mem/peak_reserved_gib_max", "cuda"),
 ]
 
-ALL_METRICS = {m.name: m for m in STEP_METRICS + SUMMARY_METRICS}
+ALL_METRICS = {m.name: m for m in STEP_METRICS + EVAL_METRICS + SUMMARY_METRICS}
 
 
 def render_markdown() -> str:
@@ -90,6 +101,7 @@ def render_markdown() -> str:
         "",
     ]
     for title, metrics in (("Per logged step (W&B history, metrics.jsonl)", STEP_METRICS),
+                           ("Per evaluation (in the step's row, every trainer.eval_every steps)", EVAL_METRICS),
                            ("Run summary (W&B summary, run.json[\"summary\"])", SUMMARY_METRICS)):
         lines += [f"## {title}", "", "| name | unit | window | ranks | device | meaning |", "|---|---|---|---|---|---|"]
         lines += [f"| `{m.name}` | {m.unit} | {m.window} | {m.ranks} | {m.device} | {m.description} |" for m in metrics]

@@ -45,6 +45,11 @@ def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> int:
     return total
 
 
+def matrix_parameter_names(model: nn.Module) -> set[str]:
+    """Canonical names of the parameters that are matrices (weight decay applies to these only)."""
+    return {canonical_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
+
+
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training FLOPs per token: 6 N + 12 L d S (forward + backward, no recompute).
 
@@ -53,6 +58,26 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """
     n = count_params(cfg, exclude_embeddings=True)
     return 6 * n + 12 * cfg.n_layers * cfg.dim * seq_len
+
+
+# Path components that wrappers (activation checkpointing, FSDP1, torch.compile) insert into
+# parameter names; dropping them gives the name the plain model has.
+WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
+
+
+def canonical_name(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
+
+
+def full_param_init(model: nn.Module, name: str, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
+    """The full (unsharded) initial value of parameter ``name``: a function of (seed, name) only."""
+    name = canonical_name(name)
+    std = model.init_std(name)
+    full = torch.empty(shape, dtype=torch.float32, device=device)
+    if std is None:
+        return full.fill_(1.0)
+    gen = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
+    return full.normal_(0.0, std, generator=gen)
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -65,19 +90,14 @@ def init_weights(model: nn.Module, seed: int, device: torch.device) -> None:
 
     Each full parameter is drawn on the parameter's device, one at a time, and each rank keeps its
     own shard of it (``distribute_tensor`` with ``src_data_rank=None`` slices locally, no traffic).
-    No rank ever holds more than one unsharded parameter.
+    No rank ever holds more than one unsharded parameter. ``model`` is the plain model (or FSDP2's
+    in-place sharded one); wrapper backends call ``full_param_init`` themselves.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     for name, param in model.named_parameters():
-        std = model.init_std(name)
         local = param.to_local() if isinstance(param, DTensor) else param
-        gen = torch.Generator(device=local.device).manual_seed(_param_seed(seed, name))
-        full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
-        if std is None:
-            full.fill_(1.0)
-        else:
-            full.normal_(0.0, std, generator=gen)
+        full = full_param_init(model, name, param.shape, seed, local.device)
         if isinstance(param, DTensor):
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
         local.copy_(full.to(local.dtype))

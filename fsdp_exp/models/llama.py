@@ -87,13 +87,36 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class MoEFeedForward(nn.Module):
+    """Top-k mixture of SwiGLU experts, computed densely: every expert runs on every token and the
+    router's weights (zero outside each token's top k) mix their outputs.
+
+    Dense compute keeps every expert in every forward and backward on every rank, so each expert can
+    be its own sharding unit without ranks disagreeing about which units ran (token dropping and
+    all-to-all dispatch are out of scope for this seed model).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.experts_top_k
+        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
+        self.experts = nn.ModuleList(FeedForward(cfg) for _ in range(cfg.n_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.router(x).float().softmax(dim=-1)
+        top, index = scores.topk(self.top_k, dim=-1)
+        weights = torch.zeros_like(scores).scatter(-1, index, top / top.sum(-1, keepdim=True))
+        outputs = torch.stack([expert(x) for expert in self.experts], dim=-1)  # (..., dim, n_experts)
+        return (outputs * weights.unsqueeze(-2).type_as(outputs)).sum(-1)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoEFeedForward(cfg) if cfg.n_experts > 0 else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -133,10 +156,10 @@ class Llama(nn.Module):
         self.rope_cos, self.rope_sin = cos, sin
 
     def init_std(self, param_name: str) -> float | None:
-        """Std of the normal init of a parameter, or None for norm weights (ones)."""
+        """Std of the normal init of a parameter (by its canonical name), or None for norm weights (ones)."""
         if param_name.endswith("norm.weight"):
             return None
-        if param_name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        if param_name.endswith(("attention.wo.weight", ".w2.weight")):
             # Residual-branch outputs are scaled down with depth (GPT-2 / Llama practice).
             return self.cfg.init_std / (2 * self.cfg.n_layers) ** 0.5
         return self.cfg.init_std

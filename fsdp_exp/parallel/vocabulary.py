@@ -1,0 +1,87 @@
+"""The knob vocabulary: each config value and what every backend hands torch for it.
+
+The sharding rows are built from the very mappings the backends use (fsdp2.RESHARD_AFTER_FORWARD,
+fsdp1.STRATEGY), so the table cannot drift from the code; docs/vocabulary.md is this module's output
+(``python -m fsdp_exp.parallel.vocabulary > docs/vocabulary.md``) and a test keeps them equal.
+"""
+
+from __future__ import annotations
+
+from fsdp_exp.parallel import fsdp1, fsdp2
+
+ZERO_STAGE = {"full": "stage 3", "grad_op": "stage 2", "hybrid": "stage 3 within a shard group (MiCS / hpZ)",
+              "no_shard": "stage 0"}
+MESH = {"full": "1-D mesh (shard)", "grad_op": "1-D mesh (shard)", "hybrid": "2-D mesh (replicate, shard)",
+        "no_shard": "2-D mesh (world, 1)"}
+REFUSED = "refused at validation"
+
+
+def sharding_rows() -> list[tuple[str, str, str, str, str]]:
+    rows = []
+    for strategy, reshard in fsdp2.RESHARD_AFTER_FORWARD.items():
+        fsdp1_value = f"`ShardingStrategy.{fsdp1.STRATEGY[strategy].name}`"
+        if strategy == "hybrid":
+            fsdp1_value += " with the 2-D `device_mesh`"
+        ddp = "`DistributedDataParallel` (`sharding=ddp`)" if strategy == "no_shard" else REFUSED
+        rows.append((f"`sharding={strategy}`", f"`reshard_after_forward={reshard}`, {MESH[strategy]}",
+                     fsdp1_value, ddp, ZERO_STAGE[strategy]))
+    return rows
+
+
+KNOB_ROWS: list[tuple[str, str, str, str, str]] = [
+    ("`sharding.reshard_after_forward=N`", "`reshard_after_forward=N` (reshard to groups of N ranks)", REFUSED,
+     REFUSED, "hpZ secondary partition"),
+    ("`sharding.reshard_last_block`", "last block's `reshard_after_forward` (default: false)", REFUSED, REFUSED,
+     "n/a"),
+    ("`precision.param_dtype`", "`MixedPrecisionPolicy(param_dtype)`", "`MixedPrecision(param_dtype)`",
+     "`torch.autocast(dtype)`", "bf16 / fp16 section"),
+    ("`precision.reduce_dtype`", "`MixedPrecisionPolicy(reduce_dtype)`", "`MixedPrecision(reduce_dtype)`",
+     "`bf16_compress_hook` / `fp16_compress_hook` (bf16 needs NCCL)", "`communication_data_type`"),
+    ("`precision.output_dtype`", "root's `MixedPrecisionPolicy(output_dtype)`", REFUSED, REFUSED, "n/a"),
+    ("`precision.buffer_dtype`", REFUSED, "`MixedPrecision(buffer_dtype)`", REFUSED, "n/a"),
+    ("`precision.cast_forward_inputs`", "`MixedPrecisionPolicy(cast_forward_inputs)`",
+     "`MixedPrecision(cast_forward_inputs)`", "must stay true", "n/a"),
+    ("`precision.loss_scaler=dynamic`", "`ShardedGradScaler`", "`ShardedGradScaler`", "`torch.amp.GradScaler`",
+     "`fp16.loss_scale=0`"),
+    ("`offload=params`", "`CPUOffloadPolicy(pin_memory)`", "`CPUOffload(offload_params=True)` (CUDA only)",
+     REFUSED, "`offload_param` + `offload_optimizer`"),
+    ("`prefetch.forward=k`", "`set_modules_to_forward_prefetch` (next k units)", "`forward_prefetch=k>0` (k <= 1)",
+     "must stay default", "`stage3_prefetch_bucket_size`"),
+    ("`prefetch.backward=k`", "`set_modules_to_backward_prefetch` (previous k units); null = implicit; 0 refused",
+     "`backward_prefetch`: 0 = None, else by timing (k <= 1)", "must stay default", "`stage3_prefetch_bucket_size`"),
+    ("`prefetch.backward_timing`", "pre only", "`BackwardPrefetch.BACKWARD_PRE` / `BACKWARD_POST`",
+     "must stay default", "n/a"),
+    ("`prefetch.limit_all_gathers`", REFUSED, "`limit_all_gathers`", "must stay default",
+     "`stage3_max_live_parameters`"),
+    ("`wrap=block`", "`fully_shard` per transformer block, then the root", "`ModuleWrapPolicy({block})`",
+     "must stay default", "n/a"),
+    ("`wrap=size`", "`fully_shard` per module by the size rule", "`size_based_auto_wrap_policy(min_num_params)`",
+     REFUSED, "n/a"),
+    ("`wrap=experts`", "`fully_shard` per expert, then per block", "`CustomPolicy` (experts, then blocks)",
+     REFUSED, "MoE expert groups"),
+    ("`wrap=none`", "`fully_shard` on the root only", "no `auto_wrap_policy`", REFUSED, "n/a"),
+    ("`sharding.use_orig_params`", REFUSED, "`use_orig_params` (default true)", REFUSED, "n/a"),
+    ("`sharding.sync_module_states`", REFUSED, "`sync_module_states` (CUDA only)", REFUSED, "n/a"),
+    ("`ac=full / selective / selective_op`", "`checkpoint_wrapper` on blocks, before sharding",
+     "`checkpoint_wrapper` on blocks, before wrapping", "`checkpoint_wrapper` on blocks",
+     "`activation_checkpointing`"),
+    ("`compile=true`", "`Module.compile()` per block, before sharding", "same (needs use_orig_params)",
+     "same", "n/a"),
+    ("`parallel.tp=N`", "`parallelize_module` (Colwise / Rowwise) on a (dp, tp) mesh", REFUSED, REFUSED,
+     "Megatron TP"),
+]
+
+
+def render_markdown() -> str:
+    header = ("| config | FSDP2 (`fully_shard`) | FSDP1 (`FullyShardedDataParallel`) | DDP | ZeRO analogue |\n"
+              "|---|---|---|---|---|")
+    rows = "\n".join("| " + " | ".join(row) + " |" for row in sharding_rows() + KNOB_ROWS)
+    return ("# Knob vocabulary\n\nGenerated by `python -m fsdp_exp.parallel.vocabulary`; do not edit by hand. "
+            "Select the backend with `sharding.backend=fsdp2|fsdp1|ddp` (`sharding=ddp` for DDP). "
+            f"\"{REFUSED}\" means the combination fails before any rank starts, with a message naming "
+            "the equivalent; every run records what reached torch in `run.json[\"applied\"]` and reads it "
+            "back from the wrapped model in `applied[\"inspected\"]`.\n\n" + header + "\n" + rows + "\n")
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")
