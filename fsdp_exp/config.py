@@ -173,6 +173,11 @@ class TrainerConfig:
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None = look the device up
     threads_per_rank: Optional[int] = None  # CPU threads per rank; None = cores / local ranks
     eval_every: int = 0  # steps between evaluations on the validation data (val/loss); 0 = never
+    # Memory breakdown of one step by torch's memory tracker (slow: sampled inside the warm-up).
+    # Not for sharding.backend=fsdp1: torch's MemTracker cannot hook FSDP1's flat-parameter views.
+    track_memory: bool = True
+    track_memory_step: Optional[int] = None  # 0-based; None = the last warm-up step
+    digest_shards: bool = True  # hash every rank's parameter shards at the end (replicas must agree)
 
 
 @dataclass
@@ -194,10 +199,45 @@ class LoggerConfig:
 
 @dataclass
 class DebugConfig:
-    """Fault injection, to test that a failing rank ends the job fast and is named."""
+    """Fault injection, to test that a failing rank ends the job fast and is named; and diagnostics."""
 
     fail_at_step: Optional[int] = None
     fail_rank: int = 0
+    # How rank fail_rank fails: None = raise InjectedFailure; a signal name (SIGKILL, SIGTERM, ...) = the
+    # rank sends itself that signal.
+    fail_signal: Optional[str] = None
+    # step = at the start of step fail_at_step (0-based) | save = inside the save of checkpoint step_<fail_at_step>,
+    # after its shard files are written and before the checkpoint is complete.
+    fail_during: str = "step"
+    nan_at_step: Optional[int] = None  # rank fail_rank's parameters become NaN at the start of this step (0-based)
+    # At start, hash every rank's initial parameter shards: replicas must agree and each shard must be the
+    # slice of the seeded full tensor; a mismatch names the ranks and tensors.
+    check_identical_init: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints (fsdp_exp/checkpoint.py): when to save, where, how many to keep, how to resume.
+
+    A checkpoint is ``<dir>/step_<N>/`` (torch.distributed.checkpoint shards, each rank's RNG state,
+    the trainer state and ``fsdp_exp_checkpoint.json``), written as ``step_<N>.tmp`` and renamed when
+    every rank has finished: a folder named ``step_<N>`` is always complete.
+    """
+
+    dir: Optional[str] = None  # None = <run dir>/checkpoints
+    every: int = 0  # save every N steps and after the last step; 0 = no periodic checkpoints
+    keep: int = 2  # the newest K complete checkpoints are kept, older ones deleted; 0 = keep all
+    # auto = continue from the newest complete checkpoint in dir, if there is one | none = start at step 0 |
+    # a path to a step_<N> folder (or a checkpoint dir: its newest)
+    resume: str = "auto"
+    async_save: bool = False  # write in a background thread while training continues
+    # On one of these signals every rank saves a checkpoint at the same step and exits cleanly (status
+    # "interrupted"), so a requeued job resumes; the local launcher forwards them to its ranks.
+    on_signal: bool = True
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    nan_check: bool = True  # stop with an error on a NaN/inf loss; the last good checkpoint stays
+    export: str = "none"  # none | safetensors | hf: the final model, consolidated on rank 0
+    export_dir: Optional[str] = None  # None = <run dir>/export
 
 
 @dataclass
@@ -215,6 +255,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compile: bool = False  # torch.compile each transformer block (before sharding)
 
 
@@ -303,6 +344,10 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
     if t.seq_len > cfg.model.max_seq_len:
         _fail(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.",
               f"pass trainer.seq_len={cfg.model.max_seq_len} or model.max_seq_len={t.seq_len}")
+    if t.track_memory and t.track_memory_step is not None and not 0 <= t.track_memory_step < t.warmup_steps:
+        _fail(f"trainer.track_memory_step={t.track_memory_step} is not a warm-up step (0 to "
+              f"{t.warmup_steps - 1}); the tracked step is slow and must stay out of the summary.",
+              f"pass trainer.warmup_steps={t.track_memory_step + 1} or more, or trainer.track_memory_step=null")
     if t.grad_clip < 0:
         _fail(f"trainer.grad_clip={t.grad_clip} is negative.", "pass trainer.grad_clip=1.0 (0 disables clipping)")
     if t.peak_tflops is not None and t.peak_tflops <= 0:
@@ -355,9 +400,11 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
         _fail(f"logger.wandb.mode={cfg.logger.wandb.mode!r} is not one of online, offline, disabled.",
               "pass logger.wandb.mode=offline")
     _validate_data(cfg)
-    if cfg.debug.fail_at_step is not None and not 0 <= cfg.debug.fail_rank < world:
+    if (cfg.debug.fail_at_step is not None or cfg.debug.nan_at_step is not None) \
+            and not 0 <= cfg.debug.fail_rank < world:
         _fail(f"debug.fail_rank={cfg.debug.fail_rank} is not a rank of a world of {world}.",
               f"pass debug.fail_rank between 0 and {world - 1}")
+    _validate_checkpoint(cfg)
 
     return Topology(device_type=device_type, nproc_per_node=nproc, nnodes=t.nnodes, world_size=world,
                     dp_size=dp, tp_size=cfg.parallel.tp, mesh_shape=mesh_shape, mesh_dim_names=mesh_names,
@@ -529,6 +576,40 @@ def _validate_backend_knobs(cfg: RunConfig, device_type: str) -> None:
         if p.buffer_dtype is not None or not p.cast_forward_inputs:
             refuse("precision.buffer_dtype / cast_forward_inputs", "DDP runs mixed precision by autocast.",
                    "drop them")
+
+
+def _validate_checkpoint(cfg: RunConfig) -> None:
+    """The checkpoint group and the fault-injection knobs that exercise it."""
+    import signal
+
+    c, d = cfg.checkpoint, cfg.debug
+    if c.every < 0:
+        _fail(f"checkpoint.every={c.every} is negative.", "pass checkpoint.every=0 (no periodic saves) or a step interval")
+    if c.keep < 0:
+        _fail(f"checkpoint.keep={c.keep} is negative.", "pass checkpoint.keep=2 (or 0 to keep every checkpoint)")
+    if not c.resume:
+        _fail("checkpoint.resume is empty.", "pass checkpoint.resume=auto, none, or a path to a step_<N> folder")
+    if c.export not in ("none", "safetensors", "hf"):
+        _fail(f"checkpoint.export={c.export!r} is not one of none, safetensors, hf.", "pass checkpoint.export=safetensors")
+    if c.export == "hf" and cfg.model.n_experts > 0:
+        _fail("checkpoint.export=hf writes a LlamaForCausalLM, and this model is a mixture of experts.",
+              "pass checkpoint.export=safetensors (fsdp_exp's own parameter names)")
+    if c.export == "hf" and cfg.model.name != "llama":
+        _fail(f"checkpoint.export=hf knows the Llama layout only, not model.name={cfg.model.name}.",
+              "pass checkpoint.export=safetensors")
+    for name in c.signals:
+        if not name.startswith("SIG") or not hasattr(signal, name) or name in ("SIGKILL", "SIGSTOP"):
+            _fail(f"checkpoint.signals holds {name!r}, which is not a signal a process can catch.",
+                  "pass checkpoint.signals=[SIGTERM,SIGUSR1]")
+    if d.fail_signal is not None and (not d.fail_signal.startswith("SIG") or not hasattr(signal, d.fail_signal)):
+        _fail(f"debug.fail_signal={d.fail_signal!r} is not a signal name.", "pass debug.fail_signal=SIGKILL (or null)")
+    if d.fail_during not in ("step", "save"):
+        _fail(f"debug.fail_during={d.fail_during!r} is not one of step, save.", "pass debug.fail_during=step")
+    if d.fail_during == "save":
+        if d.fail_at_step is None or c.every < 1 or d.fail_at_step % c.every or d.fail_at_step < 1:
+            _fail(f"debug.fail_during=save fails inside the save of checkpoint step_<debug.fail_at_step>, but "
+                  f"checkpoint.every={c.every} never saves step {d.fail_at_step}.",
+                  "pass checkpoint.every=N and debug.fail_at_step=<a positive multiple of N>")
 
 
 def _validate_model(m: ModelConfig) -> None:

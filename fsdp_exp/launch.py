@@ -5,15 +5,20 @@
 - Otherwise this process is only the launcher. It never joins a process group (re-initializing one
   in the same process is flaky on gloo, and Hydra multiruns would need exactly that): it spawns
   ``trainer.nproc_per_node`` fresh workers on a free local port, hands them plain data, and waits.
-  When one worker fails, ``torch.multiprocessing`` terminates the others at once; the launcher
-  names the rank and its error, marks the run record failed and exits non-zero.
+  When one worker fails (raises, or dies by a signal such as SIGKILL), the launcher gives the others
+  a few seconds to end on their own, then kills them; it names the rank and its error, marks the run
+  record failed and exits non-zero. SIGTERM / SIGUSR1 sent to the launcher (a scheduler's preemption or
+  pre-timeout signal) are forwarded to every worker, which save a checkpoint and exit cleanly
+  (fsdp_exp/checkpoint.py). Workers die with the launcher (PR_SET_PDEATHSIG): no orphans.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Optional
@@ -22,6 +27,9 @@ from fsdp_exp.config import RunConfig, Topology, plain, validate
 from fsdp_exp.sinks import RunRecord
 
 ERRORS_DIR = "errors"
+# After a rank fails, how long the others get to end on their own (they usually fail at once on the
+# dead peer's closed connections) before they are killed.
+FAILURE_GRACE_S = 5.0
 
 
 class RunFailed(RuntimeError):
@@ -99,31 +107,139 @@ def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
                   overrides=meta.get("overrides", []), choices=meta.get("choices", {}))
     if data_info is not None:
         record.update(data=data_info)
+    forward = list(cfg.checkpoint.signals) if cfg.checkpoint.on_signal else ["SIGTERM"]
     try:
-        _spawn(payload, topology.nproc_per_node)
+        _spawn(payload, topology.nproc_per_node, forward)
     except RunFailed as failure:
         record.update(status="failed", error={"rank": failure.rank, "message": failure.summary})
         raise
-    return record.read()
+    result = record.read()
+    if result.get("status") == "interrupted":
+        stop = result.get("interrupted") or {}
+        saved = stop.get("checkpoint") or {}
+        print(f"fsdp_exp: stopped by {stop.get('signal')} after step {saved.get('step')}; every rank saved "
+              f"{saved.get('path')}. Run again with hydra.run.dir={run_dir} (checkpoint.resume=auto) to continue.",
+              file=sys.stderr)
+    return result
 
 
-def _spawn(payload: dict, nprocs: int) -> None:
+def _spawn(payload: dict, nprocs: int, forward: list[str] = ("SIGTERM",)) -> None:
     import torch.multiprocessing as mp
 
     port = free_port()
+    ctx = mp.start_processes(_spawned_rank, args=(nprocs, port, payload), nprocs=nprocs, join=False,
+                             start_method="spawn")
+    previous = _forward_signals(ctx.processes, forward)
     try:
-        mp.start_processes(_spawned_rank, args=(nprocs, port, payload), nprocs=nprocs, join=True,
-                           start_method="spawn")
-    except mp.ProcessRaisedException as exc:
-        rank = exc.error_index
-        raise RunFailed(rank, _error_summary(Path(payload["run_dir"]), rank, str(exc))) from None
-    except mp.ProcessExitedException as exc:
-        how = f"killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
-        raise RunFailed(exc.error_index, f"the process {how}") from None
+        failed = _wait_for_ranks(ctx.processes, Path(payload["run_dir"]))
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for path in ctx.error_files:  # torch's per-worker error pickles (we read errors/rank<N>.txt)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    if failed is not None:
+        raise _failure(Path(payload["run_dir"]), failed, ctx.processes[failed].exitcode)
+
+
+def _forward_signals(processes, names) -> dict:
+    """Pass these signals on to every live worker; returns the handlers to restore."""
+
+    def forward(signum, frame):  # noqa: ARG001
+        for process in processes:
+            if process.is_alive():
+                try:
+                    os.kill(process.pid, signum)
+                except ProcessLookupError:
+                    pass
+
+    previous = {}
+    for name in names:
+        try:
+            previous[getattr(signal, name)] = signal.signal(getattr(signal, name), forward)
+        except ValueError:  # not the main thread: leave signals alone
+            break
+    return previous
+
+
+def _wait_for_ranks(processes, run_dir: Path) -> Optional[int]:
+    """Wait until every worker has exited; on the first failure, end the others. Returns the failed rank."""
+    from multiprocessing.connection import wait
+
+    pending = {p.sentinel: rank for rank, p in enumerate(processes)}
+    while pending:
+        failed = False
+        for sentinel in wait(list(pending)):
+            rank = pending.pop(sentinel)
+            processes[rank].join()
+            failed = failed or processes[rank].exitcode != 0
+        if failed:
+            killed = _end_all(processes)
+            # Of the ranks that failed by themselves, name the cause: an error of its own, or a death by
+            # a signal, before a rank that failed only on a dead peer's closed connections.
+            failed_ranks = [r for r, p in enumerate(processes) if p.exitcode != 0 and r not in killed]
+            return min(failed_ranks, key=lambda r: (_is_peer_error(run_dir, r), processes[r].exitcode >= 0, r))
+    return None
+
+
+PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError",
+               "DistNetworkError", "NCCL communicator was aborted")
+
+
+def _is_peer_error(run_dir: Path, rank: int) -> bool:
+    """Did this rank fail only because a peer went away (its traceback says so)?"""
+    path = run_dir / ERRORS_DIR / f"rank{rank}.txt"
+    try:
+        text = path.read_text()
+    except OSError:
+        return False
+    return any(marker in text for marker in PEER_ERRORS)
+
+
+def _end_all(processes) -> set[int]:
+    """Give the other ranks FAILURE_GRACE_S to end by themselves, then kill them; returns those killed."""
+    deadline = time.monotonic() + FAILURE_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    killed = set()
+    for rank, process in enumerate(processes):
+        if process.is_alive():
+            process.kill()  # SIGKILL: a worker's SIGTERM handler would only ask it to save
+            killed.add(rank)
+    for process in processes:
+        process.join()
+    return killed
+
+
+def _failure(run_dir: Path, rank: int, exitcode: int) -> RunFailed:
+    if (run_dir / ERRORS_DIR / f"rank{rank}.txt").exists():  # it raised: its own words
+        return RunFailed(rank, _error_summary(run_dir, rank, ""))
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return RunFailed(rank, f"the process was killed by {name}")
+    return RunFailed(rank, f"the process exited with code {exitcode}")
+
+
+def _die_with_launcher() -> None:
+    """Linux: this worker gets SIGKILL when the launcher dies, however it dies (no orphaned ranks)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
 
 
 def _spawned_rank(local_rank: int, nprocs: int, port: int, payload: dict) -> None:
     """A worker process started by ``_spawn``: set the torch.distributed environment, then run."""
+    _die_with_launcher()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
     try:
@@ -135,7 +251,12 @@ def _spawned_rank(local_rank: int, nprocs: int, port: int, payload: dict) -> Non
         errors = Path(payload["run_dir"]) / ERRORS_DIR
         errors.mkdir(parents=True, exist_ok=True)
         (errors / f"rank{local_rank}.txt").write_text(traceback.format_exc())
-        raise
+        # Leave at once, as below: interpreter teardown with collectives still queued (a non-blocking
+        # all-reduce in flight, gloo's threads) can abort ("terminate called without an active
+        # exception"), which would turn this rank's error into a SIGABRT.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     # The run is complete and every rank has left the process group. Leave without running
     # interpreter and C++ static teardown: on CPU/gloo a rank was seen, rarely (about 1 run in 20
     # under load), to abort there ("terminate called without an active exception", no Python frame),
@@ -148,11 +269,16 @@ def _spawned_rank(local_rank: int, nprocs: int, port: int, payload: dict) -> Non
     os._exit(0)
 
 
-def _error_summary(run_dir: Path, rank: int, fallback: str) -> str:
+def _error_summary(run_dir: Path, rank: int, fallback: str, max_lines: int = 12) -> str:
+    """The exception of a rank's traceback: its 'Type: message' line, and the message's further lines."""
     path = run_dir / ERRORS_DIR / f"rank{rank}.txt"
     text = path.read_text() if path.exists() else fallback
     lines = [line for line in text.strip().splitlines() if line.strip()]
-    last = lines[-1].strip() if lines else "unknown error"
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    after = lines[frames[-1] + 1:] if frames else lines[-1:]
+    start = next((i for i, line in enumerate(after) if not line[:1].isspace()), len(after) - 1)
+    message = after[start:start + max_lines] if after else ["unknown error"]
+    last = "\n".join(line.rstrip() for line in message)
     return f"{last} (traceback: {path})" if path.exists() else last
 
 

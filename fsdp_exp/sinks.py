@@ -52,8 +52,25 @@ class RunRecord:
 
 
 class JsonlSink:
-    def __init__(self, run_dir: Path):
-        self.file = open(Path(run_dir) / METRICS_FILE, "a", buffering=1)  # line-buffered
+    """``metrics.jsonl``, one row per logged step. ``keep_through_step``: on a (re)start in a run directory
+    that already has rows, keep those with ``step <= keep_through_step`` (``kept``) and drop the rest,
+    which a resumed run logs again; None appends to whatever is there."""
+
+    def __init__(self, run_dir: Path, keep_through_step: Optional[int] = None):
+        path = Path(run_dir) / METRICS_FILE
+        self.kept: list[dict] = []
+        if keep_through_step is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a crash
+                    continue
+                if row.get("step", 0) <= keep_through_step:
+                    self.kept.append(row)
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in self.kept))
+            os.replace(tmp, path)
+        self.file = open(path, "a", buffering=1)  # line-buffered
 
     def log(self, metrics: dict) -> None:
         self.file.write(json.dumps(_json_safe(metrics)) + "\n")
@@ -75,11 +92,16 @@ def run_tags(choices: dict[str, str], extra: list[str]) -> list[str]:
 class WandbSink:
     """One W&B run per experiment, opened by rank 0 in the run directory (offline by default)."""
 
-    def __init__(self, wandb_cfg, run_dir: Path, config: dict, overrides: list[str], choices: dict[str, str]):
+    def __init__(self, wandb_cfg, run_dir: Path, config: dict, overrides: list[str], choices: dict[str, str],
+                 run_id: Optional[str] = None):
         import wandb
 
         self.wandb = wandb
+        # A run resumed from a checkpoint continues the W&B run the checkpoint names (offline: a new
+        # offline-run-*-<id> folder with the same id; `wandb sync` appends it to that run).
+        resume = {"id": run_id, "resume": "allow"} if run_id else {}
         self.run = wandb.init(
+            **resume,
             project=wandb_cfg.project,
             entity=wandb_cfg.entity,
             group=wandb_cfg.group,

@@ -11,8 +11,10 @@ torchrun, SLURM); it receives plain data only: the resolved config, the topology
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -23,14 +25,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from fsdp_exp import __version__
+from fsdp_exp.checkpoint import Checkpointer, check_identical_init, install_signal_handlers
 from fsdp_exp.config import RunConfig, Topology, plain, to_run_config
 from fsdp_exp.data import build_data
 from fsdp_exp.dist import RankInfo, broadcast_object, build_mesh, init_distributed, reduce_over_ranks
 from fsdp_exp.metrics import memory
 from fsdp_exp.metrics.flops import lookup_peak_tflops, mfu
-from fsdp_exp.models import build_meta, count_params, flops_per_token, matrix_parameter_names
+from fsdp_exp.metrics.tracker import tracked
+from fsdp_exp.models import build_meta, canonical_name, count_params, flops_per_token, matrix_parameter_names
 from fsdp_exp.optim import build_optimizer, build_scheduler
 from fsdp_exp.parallel import parallelize
 from fsdp_exp.sinks import ConsoleSink, JsonlSink, RunRecord, WandbSink
@@ -47,6 +52,8 @@ def run_worker(payload: dict) -> None:
     # A rank killed by a fatal signal (abort, segfault) still says where it was.
     faulthandler.enable()
     cfg = to_run_config(payload["config"])
+    if cfg.checkpoint.on_signal:  # from now on SIGTERM / SIGUSR1 ask every rank to save and stop cleanly
+        install_signal_handlers(list(cfg.checkpoint.signals))
     topology = Topology(**{k: tuple(v) if isinstance(v, list) else v for k, v in payload["topology"].items()})
     threads = cfg.trainer.threads_per_rank or max(1, (os.cpu_count() or 1) // topology.nproc_per_node)
     torch.set_num_threads(threads)
@@ -79,11 +86,26 @@ class Trainer:
         # fp16: a loss scaler that agrees over ranks on skipped steps (sharded for FSDP).
         self.scaler = self.runtime.grad_scaler(self.device) if cfg.precision.loss_scaler == "dynamic" else None
         self.data = build_data(cfg, topology, dp_rank=info.rank // topology.tp_size, device=self.device)
+        # Diagnostics, then resume: everything a checkpoint restores exists now (fsdp_exp/checkpoint.py).
+        self.init_check = check_identical_init(self.model, cfg, info) if cfg.debug.check_identical_init else None
+        self.checkpointer = Checkpointer(self)
+        self.start_step = self.checkpointer.resume()
 
         self.tokens_per_step = cfg.trainer.global_batch_size * cfg.trainer.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.trainer.seq_len)
         self.peak_tflops, self.peak_source = self._peak_tflops()
+        from fsdp_exp.plan import plan_for_run
+
+        # The memory planner's prediction (fsdp_exp/plan.py): run.json["plan"], and mem/predicted_* in
+        # every row beside the measurements.
+        self.plan, self.predicted = plan_for_run(cfg, topology)
         self.history: list[dict] = []
+        self.pending_metrics: dict = {}  # metrics of a sampled step, added to its logged row
+        t = cfg.trainer
+        # torch's MemTracker cannot hook FSDP1's parameters (views into flat parameters): no breakdown there.
+        trackable = t.track_memory and t.warmup_steps > 0 and cfg.sharding.backend != "fsdp1"
+        self.track_step = (t.track_memory_step if t.track_memory_step is not None else t.warmup_steps - 1) \
+            if trackable else None
         self.sinks_open = False
         if info.is_main:
             self._open_sinks()
@@ -126,7 +148,10 @@ class Trainer:
     def _open_sinks(self) -> None:
         cfg = self.cfg
         self.record = RunRecord(self.run_dir)
-        self.jsonl = JsonlSink(self.run_dir)
+        # A resumed run keeps the rows through its checkpoint's step (later ones are trained again) and
+        # summarizes them with its own.
+        self.jsonl = JsonlSink(self.run_dir, keep_through_step=self.checkpointer.metrics_keep_through)
+        self.history = list(self.jsonl.kept)
         self.console = ConsoleSink(cfg.trainer.steps, cfg.logger.progress, cfg.logger.summary_table)
         self.wandb = None
         self.sinks_open = True
@@ -140,33 +165,90 @@ class Trainer:
             self.wandb = WandbSink(self.cfg.logger.wandb, self.run_dir,
                                    {**config, "applied": self.applied, "topology": self.topology.as_dict(),
                                     "env": env, "choices": self.meta.get("choices", {})},
-                                   self.meta.get("overrides", []), self.meta.get("choices", {}))
+                                   self.meta.get("overrides", []), self.meta.get("choices", {}),
+                                   run_id=self.checkpointer.wandb_run_id)  # a resumed run continues its W&B run
+        extra = {"resumed_from": self.checkpointer.resumed, "error": None, "interrupted": None} \
+            if self.checkpointer.resumed else {}
+        if self.init_check is not None:
+            extra["init_check"] = self.init_check
+        if extra:
+            self.record.update(**extra)
         self.record.update(status="running", config=config, choices=self.meta.get("choices", {}),
                            overrides=self.meta.get("overrides", []), topology=self.topology.as_dict(),
                            applied=self.applied, env=env,
                            wandb={"mode": self.cfg.logger.wandb.mode,
                                   "run_id": self.wandb.run_id if self.wandb else None})
+        self.record.update(plan=self.plan)
 
     # ------------------------------------------------------------------------------------- loop
     def fit(self) -> None:
         self._start_record()
+        stopped = None  # the signal that stopped the run after a checkpoint
         try:
-            for step in range(self.cfg.trainer.steps):
+            for step in range(self.start_step, self.cfg.trainer.steps):
                 start = time.perf_counter()
                 self._check_injected_failure(step)
-                loss, grad_norm, lr = self.train_step(step)
+                if step == self.track_step:
+                    loss, grad_norm, lr = self._tracked_step(step)
+                else:
+                    loss, grad_norm, lr = self.train_step(step)
+                flags = self.checkpointer.poll(step + 1, loss)  # ranks agree: a signal? a NaN/inf loss?
                 evaluate = self.cfg.trainer.eval_every > 0 and (step + 1) % self.cfg.trainer.eval_every == 0
                 if (step + 1) % self.cfg.trainer.log_every == 0 or step + 1 == self.cfg.trainer.steps or evaluate:
                     self._log(step + 1, start, loss, grad_norm, lr, evaluate)
+                stopped = self.checkpointer.after_step(step + 1, flags)  # periodic save; NaN stop; signal save
+                if stopped:
+                    break
+            self.checkpointer.finish()
+            if stopped is None and self.cfg.checkpoint.export != "none":
+                from fsdp_exp.export import export_model
+
+                exported = export_model(self)
+                if self.info.is_main:
+                    self.record.update(export=exported)
         except BaseException as exc:
             if self.info.is_main and self.sinks_open:
                 self._close_sinks(status="failed", error=f"rank 0: {type(exc).__name__}: {exc}")
             raise
+        if stopped:
+            if self.info.is_main:
+                self.record.update(interrupted={"signal": stopped, "checkpoint": self.checkpointer.last_saved})
+                self._close_sinks(status="interrupted")
+            return
         summary = self._summary()
+        digests = self._shard_digests() if self.cfg.trainer.digest_shards else None
         if self.info.is_main:
+            if digests is not None:
+                self.record.update(shard_digests=digests)
             self._close_sinks(status="completed", summary=summary)
 
-    def train_step(self, step: int) -> tuple[torch.Tensor, float, float]:
+    def _tracked_step(self, step: int) -> tuple[torch.Tensor, float, float]:
+        """A training step under torch's memory tracker; its peak breakdown joins the step's metrics."""
+        result, breakdown = tracked(self.model, self.optimizer, self.cfg.sharding.backend, self.device,
+                                    lambda between: self.train_step(step, between))
+        hi, mean = reduce_over_ranks([float(v) for v in breakdown.values()], self.device)
+        self.pending_metrics = {}
+        for kind, h, m in zip(breakdown, hi, mean):
+            self.pending_metrics[f"mem/tracked_{kind}_gib_max"] = h / GIB
+            self.pending_metrics[f"mem/tracked_{kind}_gib_mean"] = m / GIB
+        if self.info.is_main:
+            self.record.update(memory_breakdown={"step": step + 1, "unit": "GiB", **{
+                k.removeprefix("mem/tracked_"): v for k, v in self.pending_metrics.items()}})
+        return result
+
+    def _shard_digests(self) -> list[str]:
+        """A hash of each rank's parameter shards, gathered to every rank. Ranks that hold the same
+        shard (replicas in HSDP, DDP, no_shard) must show the same digest."""
+        digest = hashlib.sha256()
+        for name, param in sorted(self.model.named_parameters(), key=lambda item: canonical_name(item[0])):
+            local = param.to_local() if isinstance(param, DTensor) else param
+            digest.update(canonical_name(name).encode())
+            digest.update(local.detach().float().cpu().contiguous().numpy().tobytes())
+        digests = [None] * self.info.world_size
+        dist.all_gather_object(digests, digest.hexdigest()[:16])
+        return digests
+
+    def train_step(self, step: int, between_micro_batches=None) -> tuple[torch.Tensor, float, float]:
         """One optimizer step; returns this rank's loss (a tensor), the global grad norm and the lr."""
         self.optimizer.zero_grad(set_to_none=True)
         accum = self.topology.grad_accum_steps
@@ -179,6 +261,8 @@ class Trainer:
                     loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten()) / accum
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
+            if between_micro_batches is not None and i < accum - 1:
+                between_micro_batches()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.trainer.grad_clip or float("inf")
@@ -194,7 +278,19 @@ class Trainer:
 
     def _check_injected_failure(self, step: int) -> None:
         d = self.cfg.debug
-        if d.fail_at_step is not None and step == d.fail_at_step and self.info.rank == d.fail_rank:
+        if d.nan_at_step == step and self.info.rank == d.fail_rank:
+            # A real NaN: through this rank's forward, its gradients, the reduction and the loss.
+            with torch.no_grad():
+                for param in self.model.parameters():
+                    local = param.to_local() if isinstance(param, DTensor) else param
+                    if local.numel():
+                        local.fill_(float("nan"))
+                        break
+        if d.fail_at_step is not None and step == d.fail_at_step and self.info.rank == d.fail_rank \
+                and d.fail_during == "step":
+            if d.fail_signal:  # SIGKILL ends the rank here; a handled signal (SIGTERM) asks for a save and stop
+                os.kill(os.getpid(), getattr(signal, d.fail_signal))
+                return
             raise InjectedFailure(f"debug.fail_at_step={d.fail_at_step} on rank {d.fail_rank}")
 
     def evaluate(self) -> dict:
@@ -254,6 +350,9 @@ class Trainer:
                 metrics[f"mem/{key}_gib_max"], metrics[f"mem/{key}_gib_mean"] = h / GIB, m / GIB
         if evaluate:
             metrics.update(self.evaluate())
+        metrics.update(self.predicted)
+        metrics.update(self.pending_metrics)
+        self.pending_metrics = {}
         self.history.append(metrics)
         if self.info.is_main:
             self.jsonl.log(metrics)
@@ -302,7 +401,7 @@ class Trainer:
         if self.wandb:
             if summary:
                 self.wandb.summary(summary)
-            self.wandb.close(exit_code=0 if status == "completed" else 1)
+            self.wandb.close(exit_code=0 if status in ("completed", "interrupted") else 1)
         if summary is not None:
             self.console.summary(summary, title=f"fsdp_exp run: {self.run_dir}")
         else:

@@ -173,6 +173,11 @@ def test_four_rank_meshes(tmp_path, name):
         assert record["applied"]["tp"]["tp"] == 2
         # FSDP2 shards over the data-parallel dims only; TP is the last mesh dim.
         assert all(u["mesh_shape"] == list(topology.mesh_shape[:-1]) for u in units if "mesh_shape" in u)
+    if cfg.sharding.strategy == "hybrid":
+        # Mesh (replicate=2, ...) is row-major: ranks r and r+2 hold the same shard in different replicas;
+        # after training they must agree bit for bit, and differ from the other shard.
+        digests = record["shard_digests"]
+        assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1], digests
     if cfg.sharding.reshard_after_forward == "2":
         blocks = [u for u in units if u["module"] == "layers.0"]
         assert blocks[0]["reshard_after_forward"] == 2
@@ -227,3 +232,30 @@ def test_vocabulary_docs_are_generated_from_the_backends():
         row = rows[f"`sharding={strategy}`"]
         assert f"reshard_after_forward={fsdp2.RESHARD_AFTER_FORWARD[strategy]}" in row[1]
         assert fsdp1.STRATEGY[strategy].name in row[2]
+
+
+def test_model_states_by_strategy_match_theory(tmp_path):
+    """P = parameter bytes (fp32), N = 2 ranks, AdamW keeps two moments.
+
+    At rest (after the optimizer step, gradients kept): full and grad_op hold 4P/N, no_shard and DDP
+    hold 4P. At the tracked step's peak (during forward/backward): grad_op holds every parameter
+    unsharded (P), full only the root and the block in flight, so full < grad_op < no_shard in model
+    states. (FSDP2's no_shard also exceeds DDP there: its all-gather output is a second copy.)"""
+    from fsdp_exp.models import count_params
+
+    P = count_params(run_config(SMALL).model) * 4
+    runs = {}
+    for sharding in ("full", "grad_op", "no_shard", "ddp"):
+        run_experiment([*SMALL, f"sharding={sharding}", "trainer.warmup_steps=2"], tmp_path / sharding)
+        runs[sharding] = read_metrics(tmp_path / sharding)
+    gib = 2**30
+    at_rest = {s: rows[-1]["mem/model_states_gib_max"] * gib for s, rows in runs.items()}
+    for sharding, expected in (("full", 4 * P / 2), ("grad_op", 4 * P / 2), ("no_shard", 4 * P), ("ddp", 4 * P)):
+        assert abs(at_rest[sharding] / expected - 1) < 0.02, (sharding, at_rest[sharding], expected)
+
+    tracked = {s: next(r for r in rows if "mem/tracked_model_states_gib_max" in r) for s, rows in runs.items()}
+    peak = {s: row["mem/tracked_model_states_gib_max"] for s, row in tracked.items()}
+    assert peak["full"] < peak["grad_op"] < peak["no_shard"], peak
+    assert abs(tracked["grad_op"]["mem/tracked_unsharded_params_gib_max"] * gib / P - 1) < 0.02
+    # full reshards blocks after forward: at its peak only the root and the block in flight are whole.
+    assert tracked["full"]["mem/tracked_unsharded_params_gib_max"] < tracked["grad_op"]["mem/tracked_unsharded_params_gib_max"]

@@ -49,6 +49,8 @@ def test_hybrid_on_four_ranks_matches_single_process(tmp_path):
                  "sharding.shard_size=2"]
     record = run_experiment(overrides, tmp_path)
     assert record["applied"]["mesh"] == {"shape": [2, 2], "dim_names": ["replicate", "shard"]}
+    digests = record["shard_digests"]  # replicas (ranks r and r+2) hold identical shards after training
+    assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1]
     expected = reference_losses(run_config(overrides), STEPS)
     for a, b in zip(_losses(tmp_path), expected):
         assert abs(a - b) / abs(b) < 1e-5

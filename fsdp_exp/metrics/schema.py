@@ -52,6 +52,12 @@ STEP_METRICS: list[Metric] = [
     *_over_ranks("mem/grads_gib", "GiB", "step", "gradient bytes this rank holds after backward"),
     *_over_ranks("mem/optim_state_gib", "GiB", "step", "optimizer state bytes this rank holds"),
     *_over_ranks("mem/model_states_gib", "GiB", "step", "params + grads + optimizer state of this rank"),
+    Metric("mem/predicted_model_states_gib", "GiB", "step", "max",
+           "the memory planner's (fsdp_exp.plan) params + grads + optimizer state of the largest rank, device "
+           "and host; the same in every row; compare with mem/model_states_gib_max"),
+    Metric("mem/predicted_peak_gib", "GiB", "step", "max",
+           "the memory planner's peak of the largest rank during a step, before its allocator margin; the same "
+           "in every row; compare with mem/tracked_total_gib_max (CUDA: mem/peak_allocated_gib_max)"),
     *_over_ranks("mem/host_rss_gib", "GiB", "step", "resident host memory of the rank's process, now"),
     *_over_ranks("mem/host_peak_rss_gib", "GiB", "cumulative", "peak resident host memory of the rank's process"),
     *_over_ranks("mem/peak_allocated_gib", "GiB", "interval", "CUDA allocator peak allocated bytes", "cuda"),
@@ -71,6 +77,21 @@ EVAL_METRICS: list[Metric] = [
     Metric("val/perplexity", "1", "step", "mean", "exp(val/loss)"),
 ]
 
+# Logged in the row of the sampled step (trainer.track_memory_step, by default the last warm-up step):
+# the peak of that step as torch's memory tracker broke it down (fsdp_exp.metrics.tracker).
+_TRACKED_KINDS = {
+    "params": "parameters, sharded and unsharded", "unsharded_params": "unsharded (all-gathered) parameters",
+    "grads": "gradients, sharded and unsharded", "optim_state": "optimizer state",
+    "activations": "activations saved for backward (and recomputed ones)", "temp": "temporaries of backward",
+    "comm_buffers": "all-gather and reduce-scatter buffers", "buffers": "module buffers",
+    "inputs": "input batch", "other": "anything else the tracker saw",
+    "model_states": "params + grads + optimizer state", "total": "all of the above",
+}
+TRACKED_METRICS: list[Metric] = [
+    metric for kind, what in _TRACKED_KINDS.items()
+    for metric in _over_ranks(f"mem/tracked_{kind}_gib", "GiB", "step", f"at the sampled step's peak: {what}")
+]
+
 SUMMARY_METRICS: list[Metric] = [
     Metric("summary/steps_measured", "count", "run", "rank0", "post-warm-up steps the medians use"),
     Metric("summary/step_time_s_median", "s", "run", "rank0", "median of perf/step_time_s"),
@@ -86,7 +107,7 @@ SUMMARY_METRICS: list[Metric] = [
     Metric("summary/peak_reserved_gib_max", "GiB", "run", "max", "largest mem/peak_reserved_gib_max", "cuda"),
 ]
 
-ALL_METRICS = {m.name: m for m in STEP_METRICS + EVAL_METRICS + SUMMARY_METRICS}
+ALL_METRICS = {m.name: m for m in STEP_METRICS + EVAL_METRICS + TRACKED_METRICS + SUMMARY_METRICS}
 
 
 def render_markdown() -> str:
@@ -102,6 +123,8 @@ def render_markdown() -> str:
     ]
     for title, metrics in (("Per logged step (W&B history, metrics.jsonl)", STEP_METRICS),
                            ("Per evaluation (in the step's row, every trainer.eval_every steps)", EVAL_METRICS),
+                           ("Memory breakdown of the sampled step (in its row, and run.json[\"memory_breakdown\"])",
+                            TRACKED_METRICS),
                            ("Run summary (W&B summary, run.json[\"summary\"])", SUMMARY_METRICS)):
         lines += [f"## {title}", "", "| name | unit | window | ranks | device | meaning |", "|---|---|---|---|---|---|"]
         lines += [f"| `{m.name}` | {m.unit} | {m.window} | {m.ranks} | {m.device} | {m.description} |" for m in metrics]

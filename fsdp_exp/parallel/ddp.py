@@ -26,7 +26,7 @@ def apply(model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torch.devi
     model.to_empty(device=device)
     init_weights(model, cfg.trainer.seed, device)
     kwargs = dict(device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh.get_group(),
-                  broadcast_buffers=False)  # buffers are derived (rotary tables), identical everywhere
+                  forward_sync_buffers=False)  # buffers are derived (rotary tables), identical everywhere
     wrapped = DistributedDataParallel(model, **kwargs)
     hook = COMM_HOOKS.get(cfg.precision.reduce_dtype)
     if hook is not None:

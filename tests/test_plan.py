@@ -1,0 +1,159 @@
+"""The memory planner (fsdp_exp/plan.py): exact model-state arithmetic, the CLI, and its predictions
+against torch's memory tracker on real runs.
+
+The measured matrix is a pairwise covering of sharding {full, grad_op, no_shard, ddp} x precision
+{fp32, bf16} x ac {none, full} x world {1, 2, 4}: every pair of values appears in some run (12 runs),
+plus uneven shards over 3 ranks and FSDP1 (model states only; torch's tracker cannot hook FSDP1).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fsdp_exp.config import validate
+
+from conftest import REPO, read_metrics, run_config, run_experiment
+
+GIB = 2**30
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
+        "trainer.seq_len=32", "trainer.global_batch_size=8", "trainer.steps=3", "trainer.warmup_steps=2",
+        "logger.wandb.mode=disabled", "checkpoint.on_signal=false", "trainer.digest_shards=false"]
+
+# (sharding, precision, ac, world): each pair of factor values is covered at least once.
+MATRIX = [
+    ("full", "fp32", "none", 1), ("grad_op", "bf16", "full", 1), ("no_shard", "bf16", "none", 1),
+    ("ddp", "fp32", "full", 1),
+    ("full", "bf16", "full", 2), ("grad_op", "fp32", "none", 2), ("no_shard", "fp32", "full", 2),
+    ("ddp", "bf16", "none", 2),
+    ("full", "fp32", "full", 4), ("grad_op", "bf16", "none", 4), ("no_shard", "bf16", "full", 4),
+    ("ddp", "fp32", "none", 4),
+]
+MODEL_STATES_TOLERANCE = 0.03
+PEAK_TOLERANCE = 0.10
+
+
+def _plan(overrides, **kwargs):
+    from fsdp_exp.plan import plan
+
+    cfg = run_config(overrides)
+    return plan(cfg, validate(cfg, cuda_devices=0), **kwargs)
+
+
+def _run_and_compare(overrides, run_dir, tracked=True):
+    run_experiment(overrides, run_dir)
+    rows = read_metrics(run_dir)
+    record = json.loads((run_dir / "run.json").read_text())
+    predicted = _plan(overrides)
+    # The run logged the planner's prediction in every row, and the whole plan in run.json.
+    assert all(r["mem/predicted_model_states_gib"] == rows[0]["mem/predicted_model_states_gib"] for r in rows)
+    assert record["plan"]["peak"]["total"] == predicted.peak["total"]
+    at_rest = rows[-1]["mem/model_states_gib_max"] * GIB
+    got = rows[-1]["mem/predicted_model_states_gib"] * GIB
+    assert got == predicted.model_states["total"]
+    assert abs(got / at_rest - 1) < MODEL_STATES_TOLERANCE, (got, at_rest)
+    if not tracked:
+        return None
+    row = next(r for r in rows if "mem/tracked_total_gib_max" in r)
+    measured, peak = row["mem/tracked_total_gib_max"] * GIB, row["mem/predicted_peak_gib"] * GIB
+    error = peak / measured - 1
+    assert abs(error) < PEAK_TOLERANCE, (f"predicted peak {peak:.0f} B ({predicted.peak['phase']}) vs tracked "
+                                         f"{measured:.0f} B: {error:+.1%}")
+    return error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding,precision,ac,world", MATRIX, ids=["-".join(map(str, c)) for c in MATRIX])
+def test_planner_matches_the_tracker(tmp_path, sharding, precision, ac, world):
+    overrides = [*TINY, f"sharding={sharding}", f"precision={precision}", f"ac={ac}",
+                 f"trainer.nproc_per_node={world}"]
+    error = _run_and_compare(overrides, tmp_path / "run")
+    print(f"planner vs tracker, {sharding}-{precision}-{ac}-world{world}: {error:+.2%}")
+
+
+@pytest.mark.slow
+def test_uneven_shards_and_fsdp1_model_states(tmp_path):
+    """dim 72, vocab 250 over 3 ranks: torch.chunk gives rank 0 the ceil rows (FSDP2) and FSDP1 pads
+    each flat unit; the planner reports the largest rank."""
+    uneven = [*TINY, "model.dim=72", "model.vocab_size=250", "trainer.nproc_per_node=3",
+              "trainer.global_batch_size=6"]
+    _run_and_compare(uneven, tmp_path / "fsdp2")
+    _run_and_compare([*uneven, "sharding.backend=fsdp1"], tmp_path / "fsdp1", tracked=False)
+
+
+def test_llama7b_full_shard_is_the_zero3_figure():
+    """bf16 compute, fp32 master parameters, fp32 gradients, AdamW's two fp32 moments: 16 bytes per
+    parameter, divided over 8 ranks (ZeRO-3)."""
+    result = _plan(["model=llama7b", "precision=bf16", "trainer.nproc_per_node=8", "sharding=full"])
+    p = result.num_params
+    assert 6.7e9 < p < 6.8e9
+    per_rank = result.per_rank_bytes
+    states = per_rank["params"] + per_rank["grads"] + per_rank["optimizer"]
+    assert abs(states / (16 * p / 8) - 1) < MODEL_STATES_TOLERANCE
+    assert per_rank["params"] == 4 * p / 8 and per_rank["optimizer"] == 8 * p / 8  # every dim divides by 8
+    # Less sharding, more memory; the unsharded bf16 copies appear only during compute (at the peak).
+    grad_op = _plan(["model=llama7b", "precision=bf16", "trainer.nproc_per_node=8", "sharding=grad_op"])
+    ddp = _plan(["model=llama7b", "precision=bf16", "trainer.nproc_per_node=8", "sharding=ddp"])
+    assert result.peak["total"] < grad_op.peak["total"] < ddp.peak["total"]
+    assert ddp.model_states["total"] == 16 * p
+    assert grad_op.peak["unsharded"] > 0.9 * 2 * p  # (nearly) every parameter is gathered in bf16
+    assert result.peak["unsharded"] < 0.1 * 2 * p  # full: the root and a block or two
+
+
+def test_offload_moves_model_states_to_the_host_and_hybrid_shards_within_the_group():
+    from fsdp_exp.plan import plan
+
+    cfg = run_config(["model=llama7b", "precision=bf16", "trainer.nproc_per_node=8", "offload=params"])
+    result = plan(cfg, validate(cfg, cuda_devices=8), device_kind="cuda")
+    assert result.model_states["device"]["total"] == 0
+    host = result.model_states["host"]["total"]
+    assert host == result.model_states["total"] == pytest.approx(16 * result.num_params / 8)
+    assert result.per_rank_bytes["total"] > result.peak["unsharded"] > 0  # compute still gathers on the device
+    hybrid = _plan(["model=llama7b", "trainer.nproc_per_node=8", "sharding=hybrid", "sharding.shard_size=2"])
+    assert hybrid.model_states["total"] == pytest.approx(16 * hybrid.num_params / 2, rel=1e-3)
+
+
+def test_planner_options_never_reach_the_run_config():
+    from fsdp_exp.plan import PlanOptionError, split_argv
+
+    options, overrides = split_argv(["sharding=grad_op", "plan.format=json", "plan.device=h100_80gb"])
+    assert options == {"format": "json", "device": "h100_80gb"} and overrides == ["sharding=grad_op"]
+    with pytest.raises(PlanOptionError, match="plan.format=table|json"):
+        split_argv(["plan.fromat=json"])
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "fsdp_exp.plan", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_cli_json_for_llama7b_on_h100():
+    proc = _cli("model=llama7b", "precision=bf16", "trainer.nproc_per_node=8", "trainer.seq_len=4096",
+                "trainer.global_batch_size=8", "plan.format=json", "plan.device=h100_80gb")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert set(plan["per_rank_bytes"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
+    p = plan["num_params"]
+    states = sum(plan["per_rank_bytes"][k] for k in ("params", "grads", "optimizer"))
+    assert abs(states / (16 * p / 8) - 1) < MODEL_STATES_TOLERANCE
+    assert plan["device_kind"] == "cuda" and plan["margin_bytes"] > 0
+    assert plan["per_rank_bytes"]["total"] == plan["peak"]["total"] + plan["margin_bytes"]
+    assert plan["device"]["name"] == "h100_80gb" and plan["device"]["fits"] is True
+
+
+def test_cli_table_says_llama70b_does_not_fit_an_l4():
+    proc = _cli("model=llama70b", "precision=bf16", "plan.device=l4_24gb")
+    assert proc.returncode == 0, proc.stderr
+    assert "Memory plan per rank" in proc.stdout and "activations" in proc.stdout
+    assert "does not fit on l4_24gb" in " ".join(proc.stdout.split())
+
+
+def test_cli_refuses_an_unknown_device_and_a_bad_config():
+    proc = _cli("plan.device=tpu_v9")
+    assert proc.returncode == 2
+    assert "plan.device='tpu_v9' is not a known device" in proc.stderr and "h100_80gb" in proc.stderr
+    proc = _cli("trainer.global_batch_size=3")
+    assert proc.returncode == 2 and "trainer.global_batch_size" in proc.stderr
