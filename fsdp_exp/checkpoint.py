@@ -335,7 +335,7 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            _fsync_path(final.parent)
             self._prune()
             self.last_saved = {"path": str(final), "step": step, "reason": meta["reason"],
                                "save_s": meta["save_s"], "bytes": meta["bytes"]}
@@ -567,15 +567,11 @@ def _write_json(path: Path, data: dict) -> None:
 def _fsync_tree(path: Path) -> None:
     for f in path.rglob("*"):
         if f.is_file():
-            try:
-                fd = os.open(f, os.O_RDONLY)
-                os.fsync(fd)
-                os.close(fd)
-            except OSError:
-                pass
+            _fsync_path(f)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's entry list, after a rename); best effort."""
     try:
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
