@@ -295,7 +295,8 @@ def to_run_config(cfg: DictConfig | dict) -> RunConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
 
 
-def _fail(problem: str, fix: str) -> None:
+def fail(problem: str, fix: str) -> None:
+    """Refuse a configuration: what is wrong, then the override that fixes it (every validator uses this)."""
     raise ConfigError(f"{problem}\n  fix: {fix}")
 
 
@@ -307,7 +308,7 @@ def resolve_nproc(value: str, cuda_devices: int) -> int:
     except ValueError:
         n = 0
     if n < 1:
-        _fail(f"trainer.nproc_per_node={value!r} is neither 'auto' nor a positive whole number.",
+        fail(f"trainer.nproc_per_node={value!r} is neither 'auto' nor a positive whole number.",
               "pass trainer.nproc_per_node=auto or e.g. trainer.nproc_per_node=2")
     return n
 
@@ -321,37 +322,37 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
     t, s, p = cfg.trainer, cfg.sharding, cfg.precision
 
     if t.device not in ("auto", "cpu", "cuda"):
-        _fail(f"trainer.device={t.device!r} is not one of auto, cpu, cuda.", "pass trainer.device=auto")
+        fail(f"trainer.device={t.device!r} is not one of auto, cpu, cuda.", "pass trainer.device=auto")
     device_type = "cuda" if (t.device == "cuda" or (t.device == "auto" and cuda_devices > 0)) else "cpu"
     if device_type == "cuda" and cuda_devices == 0:
-        _fail("trainer.device=cuda but this machine has no CUDA device.", "pass trainer.device=cpu (or auto)")
+        fail("trainer.device=cuda but this machine has no CUDA device.", "pass trainer.device=cpu (or auto)")
 
     nproc = resolve_nproc(t.nproc_per_node, cuda_devices if device_type == "cuda" else 0)
     if t.nnodes < 1:
-        _fail(f"trainer.nnodes={t.nnodes} must be at least 1.", "pass trainer.nnodes=1")
+        fail(f"trainer.nnodes={t.nnodes} must be at least 1.", "pass trainer.nnodes=1")
     world = world_size if world_size is not None else nproc * t.nnodes
     if device_type == "cuda" and nproc > cuda_devices:
-        _fail(f"trainer.nproc_per_node={nproc} asks for more ranks than the {cuda_devices} GPUs here.",
+        fail(f"trainer.nproc_per_node={nproc} asks for more ranks than the {cuda_devices} GPUs here.",
               f"pass trainer.nproc_per_node={cuda_devices} (or auto)")
 
     for name, value in (("trainer.steps", t.steps), ("trainer.seq_len", t.seq_len),
                         ("trainer.global_batch_size", t.global_batch_size), ("trainer.log_every", t.log_every)):
         if value < 1:
-            _fail(f"{name}={value} must be at least 1.", f"pass a positive {name}")
+            fail(f"{name}={value} must be at least 1.", f"pass a positive {name}")
     if not 0 <= t.warmup_steps < t.steps:
-        _fail(f"trainer.warmup_steps={t.warmup_steps} leaves no step for the summary of {t.steps} steps.",
+        fail(f"trainer.warmup_steps={t.warmup_steps} leaves no step for the summary of {t.steps} steps.",
               f"pass trainer.warmup_steps={max(0, t.steps // 5)} or raise trainer.steps")
     if t.seq_len > cfg.model.max_seq_len:
-        _fail(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.",
+        fail(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.",
               f"pass trainer.seq_len={cfg.model.max_seq_len} or model.max_seq_len={t.seq_len}")
     if t.track_memory and t.track_memory_step is not None and not 0 <= t.track_memory_step < t.warmup_steps:
-        _fail(f"trainer.track_memory_step={t.track_memory_step} is not a warm-up step (0 to "
+        fail(f"trainer.track_memory_step={t.track_memory_step} is not a warm-up step (0 to "
               f"{t.warmup_steps - 1}); the tracked step is slow and must stay out of the summary.",
               f"pass trainer.warmup_steps={t.track_memory_step + 1} or more, or trainer.track_memory_step=null")
     if t.grad_clip < 0:
-        _fail(f"trainer.grad_clip={t.grad_clip} is negative.", "pass trainer.grad_clip=1.0 (0 disables clipping)")
+        fail(f"trainer.grad_clip={t.grad_clip} is negative.", "pass trainer.grad_clip=1.0 (0 disables clipping)")
     if t.peak_tflops is not None and t.peak_tflops <= 0:
-        _fail(f"trainer.peak_tflops={t.peak_tflops} must be positive.", "pass trainer.peak_tflops=null to look it up")
+        fail(f"trainer.peak_tflops={t.peak_tflops} must be positive.", "pass trainer.peak_tflops=null to look it up")
 
     _validate_model(cfg.model)
     _validate_optim(cfg.optim, t.steps)
@@ -361,13 +362,13 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
 
     # Batch over data-parallel ranks.
     if t.global_batch_size % dp:
-        _fail(f"trainer.global_batch_size={t.global_batch_size} does not divide over {dp} data-parallel ranks.",
+        fail(f"trainer.global_batch_size={t.global_batch_size} does not divide over {dp} data-parallel ranks.",
               f"pass trainer.global_batch_size={dp * max(1, math.ceil(t.global_batch_size / dp))} "
               f"(a multiple of {dp}) or change trainer.nproc_per_node")
     per_rank = t.global_batch_size // dp
     micro = t.micro_batch_size if t.micro_batch_size is not None else per_rank
     if micro < 1 or per_rank % micro:
-        _fail(f"trainer.micro_batch_size={micro} does not divide the {per_rank} sequences each of {dp} ranks "
+        fail(f"trainer.micro_batch_size={micro} does not divide the {per_rank} sequences each of {dp} ranks "
               f"gets from trainer.global_batch_size={t.global_batch_size}.",
               f"pass trainer.micro_batch_size={_largest_divisor_at_most(per_rank, max(micro, 1))} "
               "(a divisor of the per-rank batch) or null")
@@ -375,34 +376,34 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
     # Precision.
     for name in ("param_dtype", "reduce_dtype"):
         if getattr(p, name) not in DTYPES:
-            _fail(f"precision.{name}={getattr(p, name)!r} is not one of {', '.join(DTYPES)}.",
+            fail(f"precision.{name}={getattr(p, name)!r} is not one of {', '.join(DTYPES)}.",
                   f"pass precision.{name}=bf16 (or a precision=fp32|bf16|bf16_pure|fp16 preset)")
     for name in ("output_dtype", "buffer_dtype"):
         if getattr(p, name) is not None and getattr(p, name) not in DTYPES:
-            _fail(f"precision.{name}={getattr(p, name)!r} is not one of {', '.join(DTYPES)}.",
+            fail(f"precision.{name}={getattr(p, name)!r} is not one of {', '.join(DTYPES)}.",
                   f"pass precision.{name}=null or fp32")
     if p.loss_scaler not in ("none", "dynamic"):
-        _fail(f"precision.loss_scaler={p.loss_scaler!r} is not one of none, dynamic.",
+        fail(f"precision.loss_scaler={p.loss_scaler!r} is not one of none, dynamic.",
               "pass precision.loss_scaler=dynamic")
     if "fp16" in (p.param_dtype, p.reduce_dtype) and p.loss_scaler != "dynamic":
-        _fail("fp16 gradients underflow without loss scaling, and precision.loss_scaler=none.",
+        fail("fp16 gradients underflow without loss scaling, and precision.loss_scaler=none.",
               "pass precision.loss_scaler=dynamic (or use precision=fp16, which sets it)")
 
     # Offload.
     if cfg.offload.pin_memory and device_type == "cpu":
-        _fail("offload.pin_memory=true needs a CUDA device; CPU-only torch cannot pin host memory.",
+        fail("offload.pin_memory=true needs a CUDA device; CPU-only torch cannot pin host memory.",
               "pass offload.pin_memory=null (auto) or false")
     if cfg.offload.pin_memory is not None and not cfg.offload.params:
-        _fail("offload.pin_memory is set but offload.params=false, so nothing is offloaded.",
+        fail("offload.pin_memory is set but offload.params=false, so nothing is offloaded.",
               "pass offload=params, or drop offload.pin_memory")
 
     if cfg.logger.wandb.mode not in ("online", "offline", "disabled"):
-        _fail(f"logger.wandb.mode={cfg.logger.wandb.mode!r} is not one of online, offline, disabled.",
+        fail(f"logger.wandb.mode={cfg.logger.wandb.mode!r} is not one of online, offline, disabled.",
               "pass logger.wandb.mode=offline")
     _validate_data(cfg)
     if (cfg.debug.fail_at_step is not None or cfg.debug.nan_at_step is not None) \
             and not 0 <= cfg.debug.fail_rank < world:
-        _fail(f"debug.fail_rank={cfg.debug.fail_rank} is not a rank of a world of {world}.",
+        fail(f"debug.fail_rank={cfg.debug.fail_rank} is not a rank of a world of {world}.",
               f"pass debug.fail_rank between 0 and {world - 1}")
     _validate_checkpoint(cfg)
 
@@ -419,16 +420,16 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
     """The device mesh: data-parallel dims from the strategy, then a tp dim. Returns (shape, names, dp)."""
     s, tp = cfg.sharding, cfg.parallel.tp
     if s.backend not in BACKENDS:
-        _fail(f"sharding.backend={s.backend!r} is not one of {', '.join(BACKENDS)}.",
+        fail(f"sharding.backend={s.backend!r} is not one of {', '.join(BACKENDS)}.",
               "pass sharding.backend=fsdp2 (or a preset: sharding=full|grad_op|hybrid|no_shard|ddp)")
     if s.strategy not in STRATEGIES:
-        _fail(f"sharding.strategy={s.strategy!r} is not one of {', '.join(STRATEGIES)}.",
+        fail(f"sharding.strategy={s.strategy!r} is not one of {', '.join(STRATEGIES)}.",
               "pick one with sharding=full|grad_op|hybrid|no_shard")
     if s.backend == "ddp" and s.strategy != "no_shard":
-        _fail(f"DDP replicates the model; it cannot do sharding.strategy={s.strategy}.",
+        fail(f"DDP replicates the model; it cannot do sharding.strategy={s.strategy}.",
               "pass sharding=ddp alone, or sharding.backend=fsdp2 for a sharded strategy")
     if tp < 1 or world % tp:
-        _fail(f"parallel.tp={tp} does not divide the world size {world}.",
+        fail(f"parallel.tp={tp} does not divide the world size {world}.",
               f"pass parallel.tp={_largest_divisor_at_most(world, max(tp, 1))} (a divisor of {world})")
     if tp > 1:
         _validate_tp(cfg, tp)
@@ -440,7 +441,7 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
         replicate = s.replicate_size if s.replicate_size is not None else max(1, dp // max(shard, 1))
         if shard < 1 or replicate < 1 or replicate * shard != dp:
             good = _largest_divisor_at_most(dp, local_dp)
-            _fail(f"sharding=hybrid needs replicate_size x shard_size = {dp} data-parallel ranks, "
+            fail(f"sharding=hybrid needs replicate_size x shard_size = {dp} data-parallel ranks, "
                   f"got {replicate} x {shard}.",
                   f"pass sharding.shard_size and sharding.replicate_size whose product is {dp}, "
                   f"e.g. sharding.replicate_size={dp // good} sharding.shard_size={good}")
@@ -449,7 +450,7 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
         shape, names = ((dp,), ("replicate",)) if s.backend == "ddp" else ((dp, 1), ("replicate", "shard"))
     else:
         if s.replicate_size is not None or s.shard_size is not None:
-            _fail(f"sharding.replicate_size/shard_size only apply to sharding=hybrid, not {s.strategy}.",
+            fail(f"sharding.replicate_size/shard_size only apply to sharding=hybrid, not {s.strategy}.",
                   "drop them, or pass sharding=hybrid")
         shape, names = (dp,), ("shard",)
     if tp > 1:
@@ -462,14 +463,14 @@ def _validate_tp(cfg: RunConfig, tp: int) -> None:
 
     m = cfg.model
     if cfg.sharding.backend != "fsdp2":
-        _fail(f"parallel.tp={tp} composes with FSDP2 only, not sharding.backend={cfg.sharding.backend}.",
+        fail(f"parallel.tp={tp} composes with FSDP2 only, not sharding.backend={cfg.sharding.backend}.",
               "pass sharding.backend=fsdp2 (or parallel.tp=1)")
     for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads or m.n_heads),
                         ("the SwiGLU width", ffn_hidden_dim(m))):
         if value % tp:
-            _fail(f"parallel.tp={tp} does not divide {name} ({value}).", "pick parallel.tp that divides it")
+            fail(f"parallel.tp={tp} does not divide {name} ({value}).", "pick parallel.tp that divides it")
     if cfg.parallel.sequence_parallel and cfg.trainer.seq_len % tp:
-        _fail(f"parallel.sequence_parallel shards the sequence, but trainer.seq_len={cfg.trainer.seq_len} "
+        fail(f"parallel.sequence_parallel shards the sequence, but trainer.seq_len={cfg.trainer.seq_len} "
               f"does not divide by parallel.tp={tp}.", f"pass a trainer.seq_len that is a multiple of {tp}")
 
 
@@ -478,33 +479,33 @@ def _validate_backend_knobs(cfg: RunConfig, device_type: str) -> None:
     s, p, pf, w = cfg.sharding, cfg.precision, cfg.prefetch, cfg.wrap
     b = s.backend
     if pf.forward < 0:
-        _fail(f"prefetch.forward={pf.forward} is negative.", "pass prefetch.forward=0 (none) or more")
+        fail(f"prefetch.forward={pf.forward} is negative.", "pass prefetch.forward=0 (none) or more")
     if pf.backward is not None and pf.backward < 0:
-        _fail(f"prefetch.backward={pf.backward} is negative.", "pass prefetch.backward=0 or more, or null")
+        fail(f"prefetch.backward={pf.backward} is negative.", "pass prefetch.backward=0 or more, or null")
     if pf.backward_timing not in ("pre", "post"):
-        _fail(f"prefetch.backward_timing={pf.backward_timing!r} is not one of pre, post.",
+        fail(f"prefetch.backward_timing={pf.backward_timing!r} is not one of pre, post.",
               "pass prefetch.backward_timing=pre")
     if w.policy not in ("block", "none", "size", "experts"):
-        _fail(f"wrap.policy={w.policy!r} is not one of block, none, size, experts.", "pass wrap=block")
+        fail(f"wrap.policy={w.policy!r} is not one of block, none, size, experts.", "pass wrap=block")
     if w.policy == "experts" and cfg.model.n_experts < 1:
-        _fail("wrap=experts wraps the experts of an MoE model, but this model has none.",
+        fail("wrap=experts wraps the experts of an MoE model, but this model has none.",
               "pass model=moe_tiny, or wrap=block")
     if w.min_num_params < 1:
-        _fail(f"wrap.min_num_params={w.min_num_params} must be positive.", "pass wrap.min_num_params=100000")
+        fail(f"wrap.min_num_params={w.min_num_params} must be positive.", "pass wrap.min_num_params=100000")
     ac = cfg.ac
     if ac.mode not in ("none", "full", "selective") or ac.every < 1 or ac.ops not in ("none", "matmul_save"):
-        _fail(f"ac.mode={ac.mode!r} ac.every={ac.every} ac.ops={ac.ops!r} is not a valid activation checkpointing "
+        fail(f"ac.mode={ac.mode!r} ac.every={ac.every} ac.ops={ac.ops!r} is not a valid activation checkpointing "
               "setting.", "pick a preset: ac=none|full|selective|selective_op")
     if ac.ops != "none" and ac.mode != "selective":
-        _fail(f"ac.ops={ac.ops} is op-level selective checkpointing and needs ac.mode=selective.",
+        fail(f"ac.ops={ac.ops} is op-level selective checkpointing and needs ac.mode=selective.",
               "pass ac=selective_op")
     rs = s.reshard_after_forward.lower()
     if rs not in ("auto", "true", "false") and not (rs.isdigit() and int(rs) >= 1):
-        _fail(f"sharding.reshard_after_forward={s.reshard_after_forward!r} is not auto, true, false or a "
+        fail(f"sharding.reshard_after_forward={s.reshard_after_forward!r} is not auto, true, false or a "
               "positive whole number.", "pass sharding.reshard_after_forward=auto")
 
     def refuse(knob: str, why: str, fix: str) -> None:
-        _fail(f"{knob} cannot be honoured by sharding.backend={b}: {why}", fix)
+        fail(f"{knob} cannot be honoured by sharding.backend={b}: {why}", fix)
 
     if b == "fsdp2":
         if pf.backward == 0:
@@ -584,30 +585,30 @@ def _validate_checkpoint(cfg: RunConfig) -> None:
 
     c, d = cfg.checkpoint, cfg.debug
     if c.every < 0:
-        _fail(f"checkpoint.every={c.every} is negative.", "pass checkpoint.every=0 (no periodic saves) or a step interval")
+        fail(f"checkpoint.every={c.every} is negative.", "pass checkpoint.every=0 (no periodic saves) or a step interval")
     if c.keep < 0:
-        _fail(f"checkpoint.keep={c.keep} is negative.", "pass checkpoint.keep=2 (or 0 to keep every checkpoint)")
+        fail(f"checkpoint.keep={c.keep} is negative.", "pass checkpoint.keep=2 (or 0 to keep every checkpoint)")
     if not c.resume:
-        _fail("checkpoint.resume is empty.", "pass checkpoint.resume=auto, none, or a path to a step_<N> folder")
+        fail("checkpoint.resume is empty.", "pass checkpoint.resume=auto, none, or a path to a step_<N> folder")
     if c.export not in ("none", "safetensors", "hf"):
-        _fail(f"checkpoint.export={c.export!r} is not one of none, safetensors, hf.", "pass checkpoint.export=safetensors")
+        fail(f"checkpoint.export={c.export!r} is not one of none, safetensors, hf.", "pass checkpoint.export=safetensors")
     if c.export == "hf" and cfg.model.n_experts > 0:
-        _fail("checkpoint.export=hf writes a LlamaForCausalLM, and this model is a mixture of experts.",
+        fail("checkpoint.export=hf writes a LlamaForCausalLM, and this model is a mixture of experts.",
               "pass checkpoint.export=safetensors (fsdp_exp's own parameter names)")
     if c.export == "hf" and cfg.model.name != "llama":
-        _fail(f"checkpoint.export=hf knows the Llama layout only, not model.name={cfg.model.name}.",
+        fail(f"checkpoint.export=hf knows the Llama layout only, not model.name={cfg.model.name}.",
               "pass checkpoint.export=safetensors")
     for name in c.signals:
         if not name.startswith("SIG") or not hasattr(signal, name) or name in ("SIGKILL", "SIGSTOP"):
-            _fail(f"checkpoint.signals holds {name!r}, which is not a signal a process can catch.",
+            fail(f"checkpoint.signals holds {name!r}, which is not a signal a process can catch.",
                   "pass checkpoint.signals=[SIGTERM,SIGUSR1]")
     if d.fail_signal is not None and (not d.fail_signal.startswith("SIG") or not hasattr(signal, d.fail_signal)):
-        _fail(f"debug.fail_signal={d.fail_signal!r} is not a signal name.", "pass debug.fail_signal=SIGKILL (or null)")
+        fail(f"debug.fail_signal={d.fail_signal!r} is not a signal name.", "pass debug.fail_signal=SIGKILL (or null)")
     if d.fail_during not in ("step", "save"):
-        _fail(f"debug.fail_during={d.fail_during!r} is not one of step, save.", "pass debug.fail_during=step")
+        fail(f"debug.fail_during={d.fail_during!r} is not one of step, save.", "pass debug.fail_during=step")
     if d.fail_during == "save":
         if d.fail_at_step is None or c.every < 1 or d.fail_at_step % c.every or d.fail_at_step < 1:
-            _fail(f"debug.fail_during=save fails inside the save of checkpoint step_<debug.fail_at_step>, but "
+            fail(f"debug.fail_during=save fails inside the save of checkpoint step_<debug.fail_at_step>, but "
                   f"checkpoint.every={c.every} never saves step {d.fail_at_step}.",
                   "pass checkpoint.every=N and debug.fail_at_step=<a positive multiple of N>")
 
@@ -616,20 +617,20 @@ def _validate_model(m: ModelConfig) -> None:
     from fsdp_exp.models import REGISTRY
 
     if m.name not in REGISTRY:
-        _fail(f"model.name={m.name!r} is not a known architecture ({', '.join(sorted(REGISTRY))}).",
+        fail(f"model.name={m.name!r} is not a known architecture ({', '.join(sorted(REGISTRY))}).",
               "pick a preset with model=llama_tiny|llama7b|... or pass model.name=llama")
     for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
         if getattr(m, name) < 1:
-            _fail(f"model.{name}={getattr(m, name)} must be positive.", f"pass a positive model.{name}")
+            fail(f"model.{name}={getattr(m, name)} must be positive.", f"pass a positive model.{name}")
     if m.dim % m.n_heads:
-        _fail(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.",
+        fail(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.",
               "pick model.n_heads that divides model.dim")
     kv = m.n_kv_heads or m.n_heads
     if m.n_heads % kv:
-        _fail(f"model.n_kv_heads={kv} does not divide model.n_heads={m.n_heads} (grouped-query attention).",
+        fail(f"model.n_kv_heads={kv} does not divide model.n_heads={m.n_heads} (grouped-query attention).",
               "pick model.n_kv_heads that divides model.n_heads, or null")
     if (m.dim // m.n_heads) % 2:
-        _fail(f"head dimension model.dim/model.n_heads={m.dim // m.n_heads} is odd; rotary embeddings need it even.",
+        fail(f"head dimension model.dim/model.n_heads={m.dim // m.n_heads} is odd; rotary embeddings need it even.",
               "change model.dim or model.n_heads")
 
 
@@ -642,19 +643,19 @@ def _validate_data(cfg: RunConfig) -> None:
 
 def _validate_optim(o: OptimConfig, steps: int) -> None:
     if o.name != "adamw":
-        _fail(f"optim.name={o.name!r} is not available.", "pass optim=adamw")
+        fail(f"optim.name={o.name!r} is not available.", "pass optim=adamw")
     if not o.lr > 0:
-        _fail(f"optim.lr={o.lr} must be positive.", "pass a positive learning rate, e.g. optim.lr=3e-4")
+        fail(f"optim.lr={o.lr} must be positive.", "pass a positive learning rate, e.g. optim.lr=3e-4")
     if o.weight_decay < 0:
-        _fail(f"optim.weight_decay={o.weight_decay} is negative.", "pass optim.weight_decay=0.1 (or 0)")
+        fail(f"optim.weight_decay={o.weight_decay} is negative.", "pass optim.weight_decay=0.1 (or 0)")
     if len(o.betas) != 2 or not all(0 <= b < 1 for b in o.betas):
-        _fail(f"optim.betas={list(o.betas)} must be two numbers in [0, 1).", "pass optim.betas=[0.9,0.95]")
+        fail(f"optim.betas={list(o.betas)} must be two numbers in [0, 1).", "pass optim.betas=[0.9,0.95]")
     if o.lr_warmup_steps < 0:
-        _fail(f"optim.lr_warmup_steps={o.lr_warmup_steps} is negative.", "pass optim.lr_warmup_steps=0 or more")
+        fail(f"optim.lr_warmup_steps={o.lr_warmup_steps} is negative.", "pass optim.lr_warmup_steps=0 or more")
     if o.schedule not in ("cosine", "constant"):
-        _fail(f"optim.schedule={o.schedule!r} is not one of cosine, constant.", "pass optim.schedule=cosine")
+        fail(f"optim.schedule={o.schedule!r} is not one of cosine, constant.", "pass optim.schedule=cosine")
     if not 0 <= o.min_lr_ratio <= 1:
-        _fail(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].", "pass optim.min_lr_ratio=0.1")
+        fail(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].", "pass optim.min_lr_ratio=0.1")
 
 
 def _largest_divisor_at_most(n: int, k: int) -> int:

@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from fsdp_exp.config import ConfigError, RunConfig, Topology
+from fsdp_exp.config import ConfigError, RunConfig, Topology, fail
 from fsdp_exp.data.blocks import PackedBlocks
 from fsdp_exp.data.loader import Batch, StepData
 from fsdp_exp.data.packing import (KINDS, DataError, Packed, cache_root, find_or_pack, sources,
@@ -33,45 +33,41 @@ __all__ = ["Batch", "StepData", "SyntheticTokens", "PackedBlocks", "build_data",
 SAMPLE_BY = ("line", "paragraph", "document")
 
 
-def _fail(problem: str, fix: str) -> None:
-    raise ConfigError(f"{problem}\n  fix: {fix}")
-
-
 def check_config(cfg: RunConfig) -> None:
     """What can be checked without reading the data: the source, its files, the tokenizer's
     vocabulary against the model. Raises ConfigError naming the override that fixes it."""
     d, t = cfg.data, cfg.trainer
     if d.name not in KINDS:
-        _fail(f"data={d.name!r} is not one of {', '.join(KINDS)}.", "pass data=synthetic|text|json|parquet|hf")
+        fail(f"data={d.name!r} is not one of {', '.join(KINDS)}.", "pass data=synthetic|text|json|parquet|hf")
     if t.eval_every < 0:
-        _fail(f"trainer.eval_every={t.eval_every} is negative.", "pass trainer.eval_every=0 (never) or a step interval")
+        fail(f"trainer.eval_every={t.eval_every} is negative.", "pass trainer.eval_every=0 (never) or a step interval")
     for key, value, least in (("data.num_workers", d.num_workers, 0), ("data.prefetch_factor", d.prefetch_factor, 1),
                               ("data.val_batches", d.val_batches, 1)):
         if value < least:
-            _fail(f"{key}={value} must be at least {least}.", f"pass {key}={max(least, 1) if least else 0} or more")
+            fail(f"{key}={value} must be at least {least}.", f"pass {key}={max(least, 1) if least else 0} or more")
     if d.max_blocks is not None and d.max_blocks < 1:
-        _fail(f"data.max_blocks={d.max_blocks} must be positive.", "pass data.max_blocks=null (all the data)")
+        fail(f"data.max_blocks={d.max_blocks} must be positive.", "pass data.max_blocks=null (all the data)")
 
     if d.name == "synthetic":
         if d.files or d.val_files:
-            _fail("data.files / data.val_files are set, but data=synthetic ignores them.",
+            fail("data.files / data.val_files are set, but data=synthetic ignores them.",
                   "pass data=text (or json, parquet) to train on the files, or drop them")
         if t.eval_every:
-            _fail(f"trainer.eval_every={t.eval_every} needs validation data, and data=synthetic has none.",
+            fail(f"trainer.eval_every={t.eval_every} needs validation data, and data=synthetic has none.",
                   "pass trainer.eval_every=0, or data=text with data.val_files=[...]")
         return
 
     if d.sample_by not in SAMPLE_BY:
-        _fail(f"data.sample_by={d.sample_by!r} is not one of {', '.join(SAMPLE_BY)}.",
+        fail(f"data.sample_by={d.sample_by!r} is not one of {', '.join(SAMPLE_BY)}.",
               "pass data.sample_by=paragraph (a blank line ends a document)")
     if d.name == "hf":
         if not d.dataset:
-            _fail("data=hf needs a dataset.", "pass data.dataset=<hub name, e.g. roneneldan/TinyStories, or a local folder>")
+            fail("data=hf needs a dataset.", "pass data.dataset=<hub name, e.g. roneneldan/TinyStories, or a local folder>")
         if d.dataset.startswith(("/", ".", "~")) and not Path(d.dataset).expanduser().exists():
-            _fail(f"data.dataset={d.dataset!r} looks like a local folder and does not exist.",
+            fail(f"data.dataset={d.dataset!r} looks like a local folder and does not exist.",
                   "pass data.dataset=<an existing folder or a hub name>")
         if d.files or d.val_files:
-            _fail("data.files / data.val_files do not apply to data=hf.",
+            fail("data.files / data.val_files do not apply to data=hf.",
                   "pass data=json|parquet|text for local files, or data.split / data.val_split for data=hf")
     try:
         _, val = sources(d)  # missing and empty files
@@ -79,16 +75,16 @@ def check_config(cfg: RunConfig) -> None:
         raise ConfigError(str(err)) from None
     if t.eval_every and val is None:
         key = "data.val_split=<split>" if d.name == "hf" else "data.val_files=[...]"
-        _fail(f"trainer.eval_every={t.eval_every} needs validation data, and there is none.",
+        fail(f"trainer.eval_every={t.eval_every} needs validation data, and there is none.",
               f"pass {key} or trainer.eval_every=0")
 
     try:
         tokenizer = load_tokenizer(d.tokenizer, d.eos_token)
     except TokenizerError as err:
-        _fail(str(err), "pass data.tokenizer=byte, a tokenizer.json (or its folder), or a hub name "
+        fail(str(err), "pass data.tokenizer=byte, a tokenizer.json (or its folder), or a hub name "
                         "(and data.eos_token=<its end-of-document token>)")
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        _fail(f"data.tokenizer={d.tokenizer!r} has a vocabulary of {tokenizer.vocab_size} tokens, more than the "
+        fail(f"data.tokenizer={d.tokenizer!r} has a vocabulary of {tokenizer.vocab_size} tokens, more than the "
               f"model's embedding (model.vocab_size={cfg.model.vocab_size}).",
               f"pass model.vocab_size={tokenizer.vocab_size}" + (
                   f" (or a multiple of 64 above it, e.g. model.vocab_size={-(-tokenizer.vocab_size // 64) * 64})"
@@ -122,12 +118,12 @@ def packed_splits(cfg: RunConfig, log: Optional[Callable[[str], None]] = None
 def _check_packed(cfg: RunConfig, split: str, packed: Packed, key: str) -> None:
     m, t = packed.meta, cfg.trainer
     if m["num_blocks"] < t.global_batch_size:
-        _fail(f"the {split} data ({key}) yields {m['num_tokens']} tokens in {m['num_docs']} documents: "
+        fail(f"the {split} data ({key}) yields {m['num_tokens']} tokens in {m['num_docs']} documents: "
               f"{m['num_blocks']} blocks of trainer.seq_len + 1 = {t.seq_len + 1} tokens, fewer than one global "
               f"batch (trainer.global_batch_size={t.global_batch_size}).",
               f"pass more text in {key}, a smaller trainer.seq_len or a smaller trainer.global_batch_size")
     if m["max_id"] >= cfg.model.vocab_size:
-        _fail(f"the {split} data holds token id {m['max_id']}, outside the model's embedding "
+        fail(f"the {split} data holds token id {m['max_id']}, outside the model's embedding "
               f"(model.vocab_size={cfg.model.vocab_size}).", f"pass model.vocab_size={m['vocab_size']}")
 
 
