@@ -2,12 +2,18 @@
 
     python -m fsdp_exp                                         # tiny Llama, FSDP2 full shard, 2 ranks
     python -m fsdp_exp sharding=grad_op precision=bf16 trainer.steps=50
+    python -m fsdp_exp -m sharding=full,grad_op precision=bf16,fp32   # a sweep: one run per combination
     python -m fsdp_exp --cfg job                               # print the composed config and exit
+
+A single run that fails exits non-zero (2: the configuration cannot run, 1: a rank failed). In a
+sweep (``-m``) a failing job is recorded as a failed run (run.json and W&B, with its error) and the
+sweep goes on; fsdp_exp/sweep.py exits non-zero at the end, naming the failed jobs.
 """
 
 from __future__ import annotations
 
 import sys
+import traceback
 from pathlib import Path
 
 import hydra
@@ -20,22 +26,39 @@ EXIT_RUN_FAILED = 1
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
-def hydra_entry(cfg: DictConfig) -> None:
+def hydra_entry(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    from fsdp_exp.launch import RunFailed, launch, report_failure
+    from fsdp_exp.launch import RunFailed, launch, record_failure, report_failure
 
     hc = HydraConfig.get()
-    meta = {"overrides": list(hc.overrides.task), "choices": {k: v for k, v in hc.runtime.choices.items()
-                                                               if not k.startswith("hydra")}}
+    sweep = hc.mode == RunMode.MULTIRUN
+    run_dir = Path(hc.runtime.output_dir)
+    meta = {"overrides": list(hc.overrides.task),
+            "choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}}
+    if sweep:
+        meta["sweep"] = {"dir": hc.sweep.dir, "name": Path(hc.sweep.dir).name, "job": hc.job.num}
+        if cfg.logger.wandb.group is None:  # the runs of one sweep share a W&B group: the sweep's name
+            cfg.logger.wandb.group = meta["sweep"]["name"]
     try:
-        launch(to_run_config(cfg), Path(hc.runtime.output_dir), meta)
+        return launch(to_run_config(cfg), run_dir, meta)
     except ConfigError as err:
-        print(f"fsdp_exp: invalid configuration: {err}", file=sys.stderr)
-        sys.exit(EXIT_BAD_CONFIG)
+        message = f"invalid configuration: {err}"
+        print(f"fsdp_exp: {message}", file=sys.stderr)
+        if not sweep:
+            sys.exit(EXIT_BAD_CONFIG)
+        return record_failure(run_dir, cfg, meta, None, message)
     except RunFailed as failure:
         report_failure(failure)
-        sys.exit(EXIT_RUN_FAILED)
+        if not sweep:
+            sys.exit(EXIT_RUN_FAILED)
+        return {"status": "failed", "error": {"rank": failure.rank, "message": failure.summary}}
+    except Exception as exc:  # noqa: BLE001 - in a sweep, one job's unexpected error must not end the others
+        if not sweep:
+            raise
+        traceback.print_exc()
+        return record_failure(run_dir, cfg, meta, None, f"{type(exc).__name__}: {exc}")
 
 
 def main() -> None:

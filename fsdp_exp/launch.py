@@ -105,13 +105,15 @@ def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
     record = RunRecord(run_dir)
     record.update(status="starting", config=payload["config"], topology=payload["topology"],
                   overrides=meta.get("overrides", []), choices=meta.get("choices", {}))
+    if "sweep" in meta:
+        record.update(sweep=meta["sweep"])
     if data_info is not None:
         record.update(data=data_info)
     forward = list(cfg.checkpoint.signals) if cfg.checkpoint.on_signal else ["SIGTERM"]
     try:
         _spawn(payload, topology.nproc_per_node, forward)
     except RunFailed as failure:
-        record.update(status="failed", error={"rank": failure.rank, "message": failure.summary})
+        record_failure(run_dir, cfg, meta, failure.rank, failure.summary)
         raise
     result = record.read()
     if result.get("status") == "interrupted":
@@ -120,6 +122,38 @@ def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
         print(f"fsdp_exp: stopped by {stop.get('signal')} after step {saved.get('step')}; every rank saved "
               f"{saved.get('path')}. Run again with hydra.run.dir={run_dir} (checkpoint.resume=auto) to continue.",
               file=sys.stderr)
+    return result
+
+
+def record_failure(run_dir: Path, cfg, meta: dict, rank: Optional[int], message: str) -> dict:
+    """Record a run that failed (before its ranks started, or because one of them failed): run.json gets
+    status "failed" and the error; W&B (unless disabled) gets the same, in the run rank 0 opened if
+    there is one. ``cfg``: the RunConfig, or the composed config when it could not be typed."""
+    record = RunRecord(run_dir)
+    previous = record.read()
+    fields = {"status": "failed", "error": {"rank": rank, "message": message},
+              "overrides": meta.get("overrides", []), "choices": meta.get("choices", {})}
+    if "sweep" in meta:
+        fields["sweep"] = meta["sweep"]
+    if "config" not in previous:
+        try:
+            fields["config"] = plain(cfg)
+        except Exception:  # noqa: BLE001 - an unresolvable config still deserves its failure record
+            pass
+    result = record.update(**fields)
+    wandb_cfg = cfg.logger.wandb
+    if wandb_cfg.mode != "disabled":
+        from fsdp_exp.sinks import note_failure_in_wandb
+
+        run_id = (previous.get("wandb") or {}).get("run_id")
+        try:
+            run_id = note_failure_in_wandb(wandb_cfg, run_dir, fields.get("config") or previous.get("config", {}),
+                                           meta.get("overrides", []), meta.get("choices", {}), run_id,
+                                           fields["error"])
+        except Exception as exc:  # noqa: BLE001 - W&B trouble must not hide the run's own error
+            print(f"fsdp_exp: could not record the failure in W&B: {exc}", file=sys.stderr)
+        else:
+            result = record.update(wandb={**(previous.get("wandb") or {}), "mode": wandb_cfg.mode, "run_id": run_id})
     return result
 
 

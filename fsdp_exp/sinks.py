@@ -18,7 +18,7 @@ from fsdp_exp.metrics.schema import SCHEMA_VERSION
 RUN_RECORD = "run.json"
 METRICS_FILE = "metrics.jsonl"
 # The config groups whose choices become W&B tags and the default run name.
-TAGGED_GROUPS = ("model", "sharding", "precision", "offload", "prefetch", "wrap", "optim", "data")
+TAGGED_GROUPS = ("model", "sharding", "precision", "offload", "prefetch", "wrap", "ac", "optim", "data")
 
 
 def _json_safe(value: Any) -> Any:
@@ -113,6 +113,9 @@ class WandbSink:
             settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
         )
 
+        if run_id:  # a run continued after a failure is no longer failed (note_failure_in_wandb)
+            self.run.summary.update({"error": None})
+
     @property
     def run_id(self) -> Optional[str]:
         return self.run.id if self.run else None
@@ -125,6 +128,16 @@ class WandbSink:
 
     def close(self, exit_code: int = 0) -> None:
         self.run.finish(exit_code=exit_code)
+
+
+def note_failure_in_wandb(wandb_cfg, run_dir: Path, config: dict, overrides: list[str], choices: dict[str, str],
+                          run_id: Optional[str], error: dict) -> Optional[str]:
+    """Put a failed run's error into W&B: into the run rank 0 opened (continued by id), or into a new run
+    when the job failed before any rank started (an invalid combination in a sweep). Returns its id."""
+    sink = WandbSink(wandb_cfg, run_dir, config, overrides, choices, run_id=run_id)
+    sink.summary({"status": "failed", "error": error})
+    sink.close(exit_code=1)
+    return sink.run_id
 
 
 class ConsoleSink:

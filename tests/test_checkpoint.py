@@ -98,10 +98,11 @@ def test_resume_after_a_killed_rank_is_bit_identical(tmp_path, reference):
     assert record["resumed_from"]["step"] == 6 and not record["resumed_from"]["resharded"]
     assert record["resumed_from"]["previous_attempt"]["error"]["rank"] == 1
     _assert_bit_identical(tmp_path, expected)
-    # One W&B run, continued: two offline folders with the same id, the second from step 7 on.
+    # One W&B run, continued: three offline folders with the same id (rank 0's first attempt, the
+    # launcher's note of rank 1's failure, the resumed attempt), the last from step 7 on.
     assert record["wandb"]["run_id"] == first_id
     folders = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(folders) == 2 and all(first_id in f.name for f in folders)
+    assert len(folders) == 3 and all(first_id in f.name for f in folders)
     history = _wandb_history(folders[-1])
     assert [h["_step"] for h in history] == list(range(7, STEPS + 1))
 

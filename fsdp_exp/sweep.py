@@ -1,0 +1,209 @@
+"""Sweeps: check a multirun's input before any job starts, and account for every job at the end.
+
+Hydra composes every job of a sweep before launching the first one, so an unknown option or key in
+a sweep list is already refused before any job runs. What Hydra lets through, this module refuses
+(``SweepCallback.on_multirun_start``, exit code 2, nothing launched):
+
+- an empty list for a config group (``sharding=[]`` would select no sharding config at all and run
+  on the schema's defaults);
+- a value listed twice in one sweep (``precision=fp32,fp32``: two identical jobs).
+
+Combinations that compose but cannot run (``sharding=ddp offload=params``, a batch that does not
+divide the ranks) are not refused: a grid naturally contains some. They are announced before the
+first job, then each is recorded as a failed run with its reason, and the sweep goes on.
+
+At the end (``on_multirun_end``) every job of this sweep is read back from its ``run.json``: a
+table of outcomes is printed, and if any job failed the multirun exits with code 1 naming them.
+This works the same for the local launcher and for SLURM, where jobs run elsewhere: the records are
+the single source of truth.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+EXIT_BAD_SWEEP = 2
+EXIT_JOB_FAILED = 1
+
+
+def sweep_problems(overrides: list[str]) -> list[str]:
+    """What is wrong with a multirun's overrides that Hydra would let through (empty = nothing)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    problems = []
+    for override in parser.parse_overrides(overrides):
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            if not override.is_discrete_sweep():
+                continue  # ranges/intervals: a sweeper plugin's business
+            values = list(override.sweep_string_iterator())
+            if not values:
+                problems.append(f"{key}: the sweep lists no value; give at least one ({key}=a,b)")
+            duplicates = sorted({v for v in values if values.count(v) > 1})
+            if duplicates:
+                problems.append(f"{key}: {', '.join(duplicates)} listed twice; every job would run twice. "
+                                f"List each value once")
+            chosen = values
+        elif override.value() == [] and _group_options(key):
+            problems.append(f"{key}=[] selects no option of the group; pick one of: "
+                            f"{', '.join(_group_options(key))}")
+            continue
+        else:
+            chosen = [override.get_value_element_as_str()]
+        options = _group_options(key)
+        for value in chosen if options and not override.is_delete() else []:
+            if value not in options and value != "null":
+                near = difflib.get_close_matches(value, options, n=1)
+                hint = f"did you mean {key}={near[0]}? " if near else ""
+                problems.append(f"{key}={value}: no such option; {hint}options: {', '.join(options)}")
+    return problems
+
+
+def _group_options(key: str) -> list[str]:
+    """The options of the config group this override key names (empty: not a group)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    if not GlobalHydra.instance().is_initialized():
+        return []
+    group = key.split("@")[0].lstrip("+~")
+    return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
+
+
+def _combinations(overrides: list[str]) -> list[list[str]]:
+    """The jobs a basic sweep makes of these overrides (Hydra's own expansion)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    (batch,) = BasicSweeper.split_arguments(parsed, None)
+    return batch
+
+
+def invalid_combinations(overrides: list[str], config_name: str = "config") -> list[tuple[str, str]]:
+    """(job label, reason) for each combination that composes but that fsdp_exp would refuse to run."""
+    from hydra import compose
+
+    from fsdp_exp.config import ConfigError, to_run_config
+    from fsdp_exp.launch import prepare
+
+    refused = []
+    jobs = _combinations(overrides)
+    shared = set.intersection(*map(set, jobs)) if len(jobs) > 1 else set()
+    for job in jobs:
+        label = " ".join(o for o in job if o not in shared)
+        try:
+            cfg = compose(config_name=config_name, overrides=[o for o in job if not o.startswith("hydra")])
+            prepare(to_run_config(cfg))
+        except ConfigError as err:
+            refused.append((label, str(err).splitlines()[0]))
+        except Exception:  # noqa: BLE001 - not ours to judge here; the job itself will say
+            continue
+    return refused
+
+
+def sweep_records(sweep_dir: Path, since: float = 0.0) -> list[tuple[Path, dict]]:
+    """The run records of the jobs under a sweep folder written at or after ``since`` (a time stamp)."""
+    import json
+
+    records = []
+    for path in sorted(Path(sweep_dir).glob("*/run.json"), key=_job_number):
+        if path.stat().st_mtime + 1.0 < since:
+            continue  # an older sweep's job in a reused folder
+        try:
+            records.append((path.parent, json.loads(path.read_text())))
+        except (OSError, ValueError):
+            records.append((path.parent, {"status": "unreadable"}))
+    return records
+
+
+def _job_number(path: Path) -> tuple[int, str]:
+    head = path.parent.name.split("_", 1)[0]
+    return (int(head) if head.isdigit() else 1 << 30, path.parent.name)
+
+
+def error_text(record: dict) -> str:
+    error = record.get("error")
+    if isinstance(error, dict):
+        rank = error.get("rank")
+        message = str(error.get("message", "")).splitlines()[0] if error.get("message") else "unknown error"
+        return f"rank {rank}: {message}" if rank is not None else message
+    return str(error).splitlines()[0] if error else ""
+
+
+class SweepCallback(Callback):
+    """Installed in fsdp_exp/conf/config.yaml (hydra.callbacks.sweep)."""
+
+    def __init__(self) -> None:
+        self.started: Optional[float] = None
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _refuse(sweep_problems(list(config.hydra.overrides.task)), "invalid overrides, nothing was started")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        overrides = sweep_arguments(config)
+        _refuse(sweep_problems(overrides), "invalid sweep, nothing was started")
+        self.started = time.time()
+        # Judged here only when the jobs run on this machine (local launcher, basic sweeper): a SLURM
+        # node may resolve `auto` against GPUs this machine does not have.
+        if config.hydra.sweeper._target_.endswith("BasicSweeper") and \
+                config.hydra.launcher._target_.endswith("BasicLauncher"):
+            refused = invalid_combinations(overrides, kwargs.get("config_name") or "config")
+            if refused:
+                print(f"fsdp_exp: {len(refused)} combination(s) of this sweep cannot run; each will be "
+                      f"recorded as a failed run and the sweep goes on:", file=sys.stderr)
+                for label, reason in refused:
+                    print(f"  {label}: {reason}", file=sys.stderr)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        records = sweep_records(sweep_dir, self.started or 0.0)
+        failed = [(d, r) for d, r in records if r.get("status") not in ("completed", "interrupted")]
+        _print_outcomes(sweep_dir, records)
+        if failed:
+            names = ", ".join(d.name for d, _ in failed)
+            print(f"fsdp_exp: {len(failed)} of {len(records)} jobs failed: {names}", file=sys.stderr)
+            raise SystemExit(EXIT_JOB_FAILED)
+
+
+def sweep_arguments(config: DictConfig) -> list[str]:
+    """A multirun's sweep: a preset's ``hydra.sweeper.params`` first, then the command line (as the
+    basic sweeper combines them)."""
+    params = config.hydra.sweeper.get("params") or {}
+    return [f"{key}={value}" for key, value in params.items()] + list(config.hydra.overrides.task)
+
+
+def _refuse(problems: list[str], headline: str) -> None:
+    if problems:
+        print(f"fsdp_exp: {headline}:\n" + "\n".join(f"  {p}" for p in problems), file=sys.stderr)
+        raise SystemExit(EXIT_BAD_SWEEP)
+
+
+def job_labels(records: list[tuple[Path, dict]]) -> list[str]:
+    """Each job's overrides less those every job shares: what tells the jobs apart."""
+    overrides = [list(record.get("overrides") or []) for _, record in records]
+    shared = set.intersection(*map(set, overrides)) if len(overrides) > 1 else set()
+    return [" ".join(o for o in job if o not in shared) or "(defaults)" for job in overrides]
+
+
+def _print_outcomes(sweep_dir: Path, records: list[tuple[Path, dict]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"sweep {sweep_dir}: {len(records)} jobs", header_style="bold")
+    for column in ("job", "overrides", "status", "tokens/s", "error"):
+        table.add_column(column, justify="right" if column == "tokens/s" else "left", overflow="fold")
+    for (run_dir, record), label in zip(records, job_labels(records)):
+        tokens = (record.get("summary") or {}).get("summary/tokens_per_s_median")
+        table.add_row(run_dir.name.split("_", 1)[0], label, str(record.get("status")),
+                      f"{tokens:.0f}" if tokens else "", error_text(record))
+    console = Console(stderr=True)
+    console.print(table)
+    console.print(f"compare them: python -m fsdp_exp.report {sweep_dir}")
