@@ -1,0 +1,55 @@
+"""torchrun multi-node: two torchrun processes on localhost act as two nodes of 2 ranks each; the job is
+one run (one record, one W&B run) and trains exactly like the same world size launched by fsdp_exp."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import QUIET, REPO, read_metrics, run_cli
+from fsdp_exp.launch import free_port
+
+ARGS = ["trainer.steps=4", "trainer.warmup_steps=1", "checkpoint.on_signal=false"]
+
+
+def _torchrun_node(node_rank: int, port: int, run_dir: Path, log: Path) -> subprocess.Popen:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node_rank),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "fsdp-exp-test",
+           "-m", "fsdp_exp", *ARGS, *QUIET, f"hydra.run.dir={run_dir}"]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_make_one_run(tmp_path):
+    run_dir = tmp_path / "run"
+    port = free_port()
+    logs = [tmp_path / f"node{n}.log" for n in (0, 1)]
+    nodes = [_torchrun_node(n, port, run_dir, logs[n]) for n in (0, 1)]
+    try:
+        codes = [node.wait(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "completed"
+    topo = record["topology"]
+    assert (topo["world_size"], topo["nnodes"], topo["nproc_per_node"]) == (4, 2, 2)
+    assert len(record["shard_digests"]) == 4
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # one writer: rank 0, once
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+
+    # The same job launched by fsdp_exp itself on 4 local ranks trains identically.
+    local = run_cli([*ARGS, "trainer.nproc_per_node=4", "logger.wandb.mode=disabled"], tmp_path / "local")
+    assert local.returncode == 0, local.stderr[-2000:]
+    expected = [r["train/loss"] for r in local.metrics]
+    assert [r["train/loss"] for r in rows] == pytest.approx(expected, rel=1e-6)
