@@ -69,6 +69,19 @@ def test_a_job_that_cannot_run_is_recorded_and_the_sweep_goes_on(tmp_path):
         if record["status"] == "completed":
             assert [row["step"] for row in read_metrics(sweep_dir / name)] == [1, 2, 3, 4]
 
+    # The report ranks the 3 completed runs by throughput and lists the failed one with its error.
+    report = subprocess.run([sys.executable, "-m", "fsdp_exp.report", str(sweep_dir)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr[-2000:]
+    ranked = json.loads((sweep_dir / "report.json").read_text())
+    ranked_rows = [r for r in ranked["ranked"]]
+    assert sorted(r["label"] for r in ranked_rows) == ["sharding=full", "sharding=grad_op", "sharding=no_shard"]
+    speeds = [r["tokens_per_s"] for r in ranked_rows]
+    assert speeds == sorted(speeds, reverse=True)
+    (listed,) = ranked["not_ranked"]
+    assert listed["label"] == "sharding=ddp" and "offload=params cannot be honoured" in listed["error"]
+    assert (sweep_dir / "report.png").stat().st_size > 10_000
+
     # W&B: one group per sweep (its name), tags from the choices, a name from the overrides; the failed
     # job has a failed W&B run carrying the same error.
     for name, record in records.items():
