@@ -23,7 +23,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from fsdp_exp.config import RunConfig, Topology, plain, validate
+from fsdp_exp.config import RunConfig, Topology, fail, plain, validate
 from fsdp_exp.sinks import RunRecord
 
 ERRORS_DIR = "errors"
@@ -41,25 +41,73 @@ class RunFailed(RuntimeError):
 
 
 def external_world() -> Optional[tuple[int, int]]:
-    """(world size, ranks on this node) when an outside launcher made this process one rank, else None."""
+    """(world size, ranks on this node) when an outside launcher made this process one rank, else None.
+
+    torchrun sets RANK and WORLD_SIZE. Under SLURM a rank is one task of a job step with more than one
+    task (``srun``, as in the jobs of ``hydra/launcher=slurm``); the step's own counts apply, not the
+    allocation's (a step may use fewer tasks; the allocation's SLURM_NTASKS_PER_NODE is wrong for it).
+    A batch script is not a step: it has SLURM_PROCID=0 and the allocation's SLURM_NTASKS but no
+    SLURM_STEP_ID, and a ``python -m fsdp_exp`` there is the launcher of its own local ranks, not rank
+    0 of a world that nobody else would join.
+    """
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         world = int(env["WORLD_SIZE"])
         return world, int(env.get("LOCAL_WORLD_SIZE", world))
-    if int(env.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        world = int(env["SLURM_NTASKS"])
-        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        return world, int(per_node) if per_node.isdigit() else world // int(env.get("SLURM_NNODES", "1"))
-    return None
+    if "SLURM_PROCID" not in env or not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
+        return None
+    world = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
+    if world <= 1:
+        return None  # one task: fsdp_exp spawns trainer.nproc_per_node ranks inside it, as on any machine
+    # Tasks per node, e.g. "2(x3),1": every node must run as many ranks (one trainer.nproc_per_node).
+    layout = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts = set()
+    for part in filter(None, layout.split(",")):
+        counts.add(int(part.split("(")[0]))
+    if len(counts) > 1:
+        fail(f"this SLURM step runs a different number of tasks on its nodes (SLURM tasks per node: {layout}); "
+             "fsdp_exp runs the same number of ranks on every node.",
+             "ask for the same count on every node: srun/sbatch --ntasks-per-node=N (hydra/launcher=slurm does)")
+    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1)
+    return world, counts.pop() if counts else max(1, world // nodes)
 
 
 def _export_slurm_env() -> None:
-    """Map SLURM's task variables onto the ones torch.distributed reads."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
-        return
-    import submitit  # only needed on a cluster
+    """Set the variables torch.distributed's env:// rendezvous reads, from the SLURM step's.
 
-    submitit.helpers.TorchDistributedEnvironment().export()
+    Every task of the step derives the same rendezvous: the step's first node and a port from the job
+    and step ids. Values inherited from the submitting shell are overwritten: sbatch passes its whole
+    environment on, and a MASTER_PORT left there would make every job of a sweep that lands on one node
+    rendezvous on the same port. (submitit's TorchDistributedEnvironment refuses such inherited
+    variables, counts the allocation's tasks instead of the step's, and restricts CUDA_VISIBLE_DEVICES
+    to one GPU per task, whereas fsdp_exp's ranks pick cuda:LOCAL_RANK among all of the node's GPUs.)
+    """
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return
+    world = external_world()
+    if world is None:
+        return
+    # The first host of a SLURM node list such as "gpu[003-010,015],cpu01": "gpu003" (the step's task 0
+    # runs there).
+    import re
+
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or socket.gethostname()
+    first, depth = "", 0
+    for char in nodes:
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            break
+        first += char
+    master = re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], first)
+    # Below the kernel's ephemeral range (32768+), where an outgoing connection could hold the port.
+    # Consecutive jobs (the tasks of one array are consecutive jobs) get ports 4 apart: a clash needs
+    # 3000 jobs between two that run on the same node at the same time.
+    job = int(env.get("SLURM_JOB_ID", "0"))
+    step = int(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or 0)
+    port = 20000 + (job * 4 + step % 4) % 12000
+    env.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=env["SLURM_PROCID"], WORLD_SIZE=str(world[0]),
+               LOCAL_RANK=env.get("SLURM_LOCALID", "0"), LOCAL_WORLD_SIZE=str(world[1]))
 
 
 def free_port() -> int:
@@ -78,8 +126,16 @@ def prepare(cfg: RunConfig, world: Optional[tuple[int, int]] = None) -> Topology
     """Validate before anything is spawned; raises ConfigError naming the fix."""
     if world is not None:
         # The outside launcher decided the ranks; the config's counts must not contradict it.
+        nodes = max(1, world[0] // world[1])
+        given = cfg.trainer.nproc_per_node
+        if given != "auto" and str(given) != str(world[1]):
+            fail(f"trainer.nproc_per_node={given}, but the launcher (torchrun / SLURM) started {world[1]} ranks "
+                 f"per node.", f"drop trainer.nproc_per_node (or pass {world[1]}), or start {given} ranks per node")
+        if cfg.trainer.nnodes not in (1, nodes):
+            fail(f"trainer.nnodes={cfg.trainer.nnodes}, but the launcher started {nodes} node(s) of ranks.",
+                 f"drop trainer.nnodes (or pass {nodes}), or start the job on {cfg.trainer.nnodes} nodes")
         cfg.trainer.nproc_per_node = str(world[1])
-        cfg.trainer.nnodes = max(1, world[0] // world[1])
+        cfg.trainer.nnodes = nodes
     return validate(cfg, cuda_devices=cuda_device_count(), world_size=world[0] if world else None)
 
 
@@ -95,11 +151,21 @@ def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
     data_info = prepare_data(cfg)
     payload = {"config": plain(cfg), "topology": topology.as_dict(), "run_dir": str(run_dir), "meta": meta}
 
-    if world is not None:  # torchrun / SLURM: we are one rank of the job
+    if world is not None:  # torchrun / SLURM: this process is one rank of the job
         _export_slurm_env()
         from fsdp_exp.trainer import run_worker
 
-        run_worker(payload)
+        rank = int(os.environ["RANK"])
+        errors = run_dir / ERRORS_DIR
+        # A rank's error file from an earlier attempt in this folder (a rerun, a requeue) must not be
+        # taken for this one's: each rank clears its own before it joins the others.
+        (errors / f"rank{rank}.txt").unlink(missing_ok=True)
+        if rank == 0 and "sweep" in meta:
+            RunRecord(run_dir).update(sweep=meta["sweep"])
+        try:
+            run_worker(payload)
+        except Exception:
+            raise _record_rank_failure(run_dir, cfg, meta, rank, world[0]) from None
         return RunRecord(run_dir).read()
 
     record = RunRecord(run_dir)
@@ -125,7 +191,47 @@ def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
     return result
 
 
-def record_failure(run_dir: Path, cfg, meta: dict, rank: Optional[int], message: str) -> dict:
+def _record_rank_failure(run_dir: Path, cfg: RunConfig, meta: dict, rank: int, world_size: int) -> RunFailed:
+    """Under torchrun / SLURM, a rank whose run raised records the failure itself: no launcher process
+    watches these ranks. Returns the RunFailed to raise.
+
+    The rank whose error is its own (not a dead peer's closed connection) is the cause: it writes
+    run.json before it exits, since rank 0 may never get to (killed by torchrun once this rank exits,
+    or blocked in an NCCL collective until its timeout). Rank 0, which usually only sees its peer
+    vanish, then looks for that rank's error file and records the failure again, with its W&B run. A
+    file lock keeps two failing ranks from writing run.json at once.
+    """
+    from filelock import FileLock
+
+    errors = run_dir / ERRORS_DIR
+    errors.mkdir(parents=True, exist_ok=True)
+    (errors / f"rank{rank}.txt").write_text(traceback.format_exc())
+    own = _error_summary(run_dir, rank, "")
+    failure = RunFailed(rank, own)
+    if rank == 0 and _is_peer_error(run_dir, 0):
+        deadline = time.monotonic() + FAILURE_GRACE_S
+        while True:
+            reported = {int(p.stem[4:]) for p in errors.glob("rank*.txt") if p.stem[4:].isdigit()} - {0}
+            causes = sorted(r for r in reported if not _is_peer_error(run_dir, r))
+            if causes or len(reported) >= world_size - 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        silent = sorted(set(range(1, world_size)) - reported)
+        if causes:
+            failure = RunFailed(causes[0], _error_summary(run_dir, causes[0], ""))
+        elif silent:  # no Python error: killed by a signal (SIGKILL, the OOM killer), crashed, stuck
+            who = f"rank {silent[0]}" if len(silent) == 1 else f"one of ranks {silent}"
+            failure = RunFailed(silent[0] if len(silent) == 1 else None,
+                                f"{who} left no error of its own (killed by a signal, out of memory, crashed "
+                                f"or stuck: see the job's log); rank 0 then failed with: {own}")
+    if rank == 0 or not _is_peer_error(run_dir, rank):
+        with FileLock(str(errors / ".record.lock")):
+            record_failure(run_dir, cfg, meta, failure.rank, failure.summary, note_wandb=rank == 0)
+    return failure
+
+
+def record_failure(run_dir: Path, cfg, meta: dict, rank: Optional[int], message: str,
+                   note_wandb: bool = True) -> dict:
     """Record a run that failed (before its ranks started, or because one of them failed): run.json gets
     status "failed" and the error; W&B (unless disabled) gets the same, in the run rank 0 opened if
     there is one. ``cfg``: the RunConfig, or the composed config when it could not be typed."""
@@ -142,7 +248,7 @@ def record_failure(run_dir: Path, cfg, meta: dict, rank: Optional[int], message:
             pass
     result = record.update(**fields)
     wandb_cfg = cfg.logger.wandb
-    if wandb_cfg.mode != "disabled":
+    if note_wandb and wandb_cfg.mode != "disabled":
         from fsdp_exp.sinks import note_failure_in_wandb
 
         run_id = (previous.get("wandb") or {}).get("run_id")

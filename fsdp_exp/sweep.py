@@ -195,6 +195,7 @@ def job_labels(records: list[tuple[Path, dict]]) -> list[str]:
 
 def _print_outcomes(sweep_dir: Path, records: list[tuple[Path, dict]]) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"sweep {sweep_dir}: {len(records)} jobs", header_style="bold")
@@ -202,8 +203,9 @@ def _print_outcomes(sweep_dir: Path, records: list[tuple[Path, dict]]) -> None:
         table.add_column(column, justify="right" if column == "tokens/s" else "left", overflow="fold")
     for (run_dir, record), label in zip(records, job_labels(records)):
         tokens = (record.get("summary") or {}).get("summary/tokens_per_s_median")
-        table.add_row(run_dir.name.split("_", 1)[0], label, str(record.get("status")),
-                      f"{tokens:.0f}" if tokens else "", error_text(record))
+        # escape: errors quote paths such as gloo's "[/pytorch/...]", which rich would read as markup
+        table.add_row(run_dir.name.split("_", 1)[0], escape(label), str(record.get("status")),
+                      f"{tokens:.0f}" if tokens else "", escape(error_text(record)))
     console = Console(stderr=True)
     console.print(table)
     console.print(f"compare them: python -m fsdp_exp.report {sweep_dir}")

@@ -339,7 +339,13 @@ def print_report(report: Report, console=None) -> None:
     """The ranked table, then duplicates, runs that did not complete and per-option means (rich)."""
     from rich import box
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
+
+    def cells(*values: str) -> list[Text]:
+        # Text, not markup: labels and errors hold brackets ("data.files=[a,b]", gloo's "[/pytorch/...]")
+        return [Text(value) for value in values]
 
     console = console or Console()
     total = len(report.ranked) + len(report.duplicates) + len(report.not_ranked)
@@ -348,13 +354,13 @@ def print_report(report: Report, console=None) -> None:
         # Printed apart from the tables: rich wraps a title to its table's width, and these are short tables.
         console.print(f"[bold]{text}[/bold]", highlight=False)
 
-    heading(f"fsdp_exp report: {len(report.ranked)} ranked of {total} runs ({', '.join(report.sources)})")
-    table = Table(caption=caption(report), caption_justify="left", box=box.SIMPLE_HEAD)
+    heading(f"fsdp_exp report: {len(report.ranked)} ranked of {total} runs ({escape(', '.join(report.sources))})")
+    table = Table(caption=Text(caption(report)), caption_justify="left", box=box.SIMPLE_HEAD)
     for column in table_columns(report):
         table.add_column(column, justify="left" if column in ("run", "peak from", "status") else "right",
                          overflow="fold")
     for row in report.ranked:
-        table.add_row(*table_cells(report, row))
+        table.add_row(*cells(*table_cells(report, row)))
     console.print(table)
 
     if report.duplicates:
@@ -364,7 +370,7 @@ def print_report(report: Report, console=None) -> None:
         dups.add_column("same as", overflow="fold")
         dups.add_column(METRICS[report.metric].header, justify="right")
         for row in report.duplicates:
-            dups.add_row(row.label, row.duplicate_of, fmt_metric(report.metric, row.value(report.metric)))
+            dups.add_row(*cells(row.label, row.duplicate_of, fmt_metric(report.metric, row.value(report.metric))))
         console.print(dups)
 
     if report.not_ranked:
@@ -374,7 +380,7 @@ def print_report(report: Report, console=None) -> None:
         failed.add_column("status")
         failed.add_column("error", overflow="fold")
         for row in report.not_ranked:
-            failed.add_row(row.label, row.status, row.error or "")
+            failed.add_row(*cells(row.label, row.status, row.error or ""))
         console.print(failed)
 
     if report.option_means:
@@ -386,5 +392,5 @@ def print_report(report: Report, console=None) -> None:
         means.add_column(METRICS[report.metric].header, justify="right")
         for key, options in report.option_means.items():
             for option, mean, n in options:
-                means.add_row(key, option, str(n), fmt_metric(report.metric, mean))
+                means.add_row(*cells(key, option, str(n), fmt_metric(report.metric, mean)))
         console.print(means)
