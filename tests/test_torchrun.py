@@ -53,3 +53,20 @@ def test_two_torchrun_nodes_make_one_run(tmp_path):
     assert local.returncode == 0, local.stderr[-2000:]
     expected = [r["train/loss"] for r in local.metrics]
     assert [r["train/loss"] for r in rows] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_failing_rank_under_torchrun_is_named_in_the_record(tmp_path):
+    """No fsdp_exp launcher watches torchrun's ranks: the rank that raised records the failure itself,
+    and rank 0 (which only saw its peer vanish) names that rank too."""
+    run_dir = tmp_path / "run"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "fsdp_exp", *ARGS, "debug=fail_rank",
+           "logger.wandb.mode=disabled", *QUIET, f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "failed"
+    assert record["error"]["rank"] == 1 and "InjectedFailure" in record["error"]["message"], record["error"]
+    assert (run_dir / "errors" / "rank1.txt").exists()
