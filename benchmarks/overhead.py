@@ -3,6 +3,7 @@
     cd /work/main && . .venv/bin/activate
     python benchmarks/overhead.py              # 5 interleaved pairs (--pairs N), about 4 minutes
     python benchmarks/overhead.py --quick      # 1 pair, smoke test
+    python benchmarks/overhead.py --metrics    # what the per-step metrics cost, within one run (2 minutes)
 
 Both sides train the same Llama (MODEL below), on the same world size (2 gloo ranks on CPU, one
 thread each, as the framework sets), with the same FSDP2 settings (fully_shard per block then the
@@ -17,6 +18,16 @@ Runs alternate framework, baseline, framework, baseline, ... so that slow drift 
 both sides alike; the result is the median over pairs of (framework tokens/s / baseline tokens/s).
 The project's goal is a ratio >= 0.98. The "other cores" column says how much CPU other programs took
 during each run: on a 2-core machine anything above ~0.1 makes that pair noisy (rerun when quiet).
+
+``--metrics`` answers a narrower question inside one run: what do the default per-step metrics
+(memory accounting, the two metric all-reduces, metrics.jsonl, the offline W&B run) add to a step?
+Each rank builds the framework's own Trainer and runs its step loop with two step kinds, interleaved
+(F M M F F M ...: which kind goes first alternates, so drift and ordering hit both): "full" is the
+step as ``fit()`` runs it (train_step, the checkpoint flag poll, ``_log``); "minimal" replaces
+``_log`` with ``loss.item()``, what any loop that prints its loss pays. Both are timed on rank 0 with
+time.perf_counter around the same region; the result is median(full) / median(minimal), for the
+default experiment's model and for the model above. The memory-tracked step is off (it is a warm-up
+step, sampled once, not a per-step cost), and so is the progress bar.
 """
 
 import argparse
@@ -140,6 +151,89 @@ def run_baseline(steps: int, warmup: int, out: Path) -> tuple[float, list[float]
     return statistics.median(BATCH * SEQ / t for t in measured), measured
 
 
+# ----------------------------------------------------------------------------- --metrics
+def metrics_rank(rank: int, port: int, overrides: list[str], steps: int, run_dir: str, out: str) -> None:
+    """One rank of the in-run comparison: the real Trainer, full and minimal steps interleaved."""
+    from fsdp_exp.config import validate
+    from fsdp_exp.dist import init_distributed
+    from fsdp_exp.plan import compose
+    from fsdp_exp.trainer import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank))
+    cfg = compose(overrides)
+    topology = validate(cfg, cuda_devices=0)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))  # as the framework does
+    trainer = Trainer(cfg, topology, init_distributed(topology), Path(run_dir), {})
+    trainer._start_record()
+    times: list[tuple[int, bool, float, float]] = []  # (step, full?, seconds, of which in _log)
+    for step in range(steps):
+        pair, second = divmod(step, 2)
+        full = (pair % 2 == 0) != bool(second)  # F M, M F, F M, ...
+        start = time.perf_counter()
+        loss, grad_norm, lr = trainer.train_step(step)
+        flags = trainer.checkpointer.poll(step + 1, loss)
+        logging = time.perf_counter()
+        if full:
+            trainer._log(step + 1, start, loss, grad_norm, lr)
+        else:
+            loss.item()
+        logged = time.perf_counter()
+        trainer.checkpointer.after_step(step + 1, flags)
+        times.append((step, full, time.perf_counter() - start, logged - logging))
+    trainer.checkpointer.finish()
+    if rank == 0:
+        trainer._close_sinks(status="completed")
+        Path(out).write_text(json.dumps(times))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_metrics_comparison(name: str, overrides: list[str], steps: int, warmup: int, work: Path) -> float:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = work / f"metrics_{name}.json"
+    (work / name).mkdir()  # the run directory (the launcher makes it for a normal run)
+    overrides = [*overrides, f"trainer.steps={steps}", f"trainer.nproc_per_node={WORLD}", "trainer.track_memory=false",
+                 "logger.progress=false", "logger.summary_table=false"]
+    _, other = timed(lambda: mp.start_processes(metrics_rank, args=(port, overrides, steps, str(work / name), str(out)),
+                                                nprocs=WORLD, start_method="spawn"))
+    times = [t for t in json.loads(out.read_text()) if t[0] >= warmup]
+    full, minimal = [t[2] for t in times if t[1]], [t[2] for t in times if not t[1]]
+    in_log = statistics.median(t[3] for t in times if t[1])
+    ratio = statistics.median(full) / statistics.median(minimal)
+    lo, hi = statistics.median(minimal), statistics.median(full)
+    print(f"{name:<14} {len(full):>5} + {len(minimal):<5} {lo * 1e3:>11.2f} {hi * 1e3:>11.2f} {(hi - lo) * 1e3:>9.2f} "
+          f"{in_log * 1e3:>9.2f} {ratio:>7.4f} {other:>12.2f}", flush=True)
+    return ratio
+
+
+def metrics_main(args) -> None:
+    work = Path(tempfile.mkdtemp(prefix="fsdp_exp_metrics_overhead_"))
+    os.environ.setdefault("WANDB_SILENT", "true")
+    # The default experiment as `python -m fsdp_exp` composes it (llama_tiny, W&B offline), and the model above.
+    cases = {"default": [], "benchmark": [f"model.{k}={v}" for k, v in MODEL.items()] +
+             [f"trainer.global_batch_size={BATCH}", f"trainer.seq_len={SEQ}"]}
+    steps = {"default": args.metrics_steps * 4, "benchmark": args.metrics_steps}
+    # cost ms: median full - median minimal step; in _log ms: rank 0's median time inside _log (full steps).
+    print(f"{'model':<14} {'steps (F + M)':>13} {'minimal ms':>11} {'full ms':>11} {'cost ms':>9} {'in _log ms':>9} "
+          f"{'ratio':>7} {'other cores':>12}", flush=True)
+    ratios = {name: run_metrics_comparison(name, [*overrides, *args.set], steps[name], args.warmup, work)
+              for name, overrides in cases.items()}
+    for name, ratio in ratios.items():
+        print(f"{name}: per-step metrics add {(ratio - 1) * 100:+.2f}% to the median step "
+              f"[{'within' if ratio < 1.02 else 'ABOVE'} the 2% goal]")
+    print(f"settings: world {WORLD} (gloo, {max(1, (os.cpu_count() or 1) // WORLD)} thread/rank) | "
+          f"{' '.join(args.set) or 'W&B offline (the default)'} | "
+          f"first {args.warmup} steps left out | torch {torch.__version__} | "
+          f"{datetime.datetime.now().isoformat(timespec='seconds')}")
+    if args.keep:
+        print(f"run folders: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 # ------------------------------------------------------------------------------------------ main
 def cpu_seconds() -> tuple[float, float]:
     """(busy CPU-seconds of the whole machine, CPU-seconds of this process and its finished children).
@@ -171,7 +265,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="first steps left out of the medians")
     ap.add_argument("--quick", action="store_true", help="one pair: a smoke test")
     ap.add_argument("--keep", action="store_true", help="keep the framework's run folders")
+    ap.add_argument("--metrics", action="store_true", help="the per-step metrics' cost, within one run")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="--metrics: an override for both models (e.g. logger.wandb.mode=disabled)")
+    ap.add_argument("--metrics-steps", type=int, default=100,
+                    help="--metrics: steps of the benchmark model (the default experiment's model runs 4x as many)")
     args = ap.parse_args()
+    if args.metrics:
+        metrics_main(args)
+        return
     pairs = 1 if args.quick else args.pairs
 
     work = Path(tempfile.mkdtemp(prefix="fsdp_exp_overhead_"))

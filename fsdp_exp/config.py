@@ -177,6 +177,12 @@ class TrainerConfig:
     # Not for sharding.backend=fsdp1: torch's MemTracker cannot hook FSDP1's flat-parameter views.
     track_memory: bool = True
     track_memory_step: Optional[int] = None  # 0-based; None = the last warm-up step
+    # Steps (0-based) to run under torch.profiler: a chrome trace per rank in <run dir>/traces and the
+    # step's communication times (comm/*). Profiling slows the step: profiled steps stay out of the summary.
+    profile_steps: list[int] = field(default_factory=list)
+    # CUDA: record the allocator's history during the memory-sampled step (track_memory_step, else the last
+    # warm-up step) and dump a snapshot per rank to <run dir>/memory/ (open it in pytorch.org/memory_viz).
+    memory_snapshot: bool = False
     digest_shards: bool = True  # hash every rank's parameter shards at the end (replicas must agree)
 
 
@@ -349,6 +355,25 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
         fail(f"trainer.track_memory_step={t.track_memory_step} is not a warm-up step (0 to "
               f"{t.warmup_steps - 1}); the tracked step is slow and must stay out of the summary.",
               f"pass trainer.warmup_steps={t.track_memory_step + 1} or more, or trainer.track_memory_step=null")
+    # The memory-sampled step (the trainer's): the tracked one, else the CUDA snapshot's (last warm-up step).
+    sampled = (t.track_memory_step if t.track_memory_step is not None else t.warmup_steps - 1) \
+        if t.track_memory and t.warmup_steps > 0 and s.backend != "fsdp1" else \
+        (t.warmup_steps - 1 if t.memory_snapshot else None)
+    for step in t.profile_steps:
+        if not 0 <= step < t.steps:
+            fail(f"trainer.profile_steps has {step}, not a step of this run (0 to {t.steps - 1}).",
+                  f"pass trainer.profile_steps=[{min(t.warmup_steps, t.steps - 1)}]")
+        if step == sampled:
+            fail(f"trainer.profile_steps has {step}, the memory-sampled step: the memory tracker's per-op "
+                  "instrumentation (or the allocator's history) would be in the trace and in its times.",
+                  f"pass trainer.profile_steps=[{t.warmup_steps if t.warmup_steps < t.steps else step}] "
+                  "or trainer.track_memory_step=<another warm-up step>")
+    if t.memory_snapshot and device_type != "cuda":
+        fail("trainer.memory_snapshot=true records the CUDA allocator's history; this run is on the CPU.",
+              "pass trainer.memory_snapshot=false (the CPU breakdown is mem/tracked_*)")
+    if t.memory_snapshot and t.warmup_steps == 0:
+        fail("trainer.memory_snapshot=true samples a warm-up step; trainer.warmup_steps=0 has none.",
+              "pass trainer.warmup_steps=2")
     if t.grad_clip < 0:
         fail(f"trainer.grad_clip={t.grad_clip} is negative.", "pass trainer.grad_clip=1.0 (0 disables clipping)")
     if t.peak_tflops is not None and t.peak_tflops <= 0:

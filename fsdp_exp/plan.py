@@ -16,19 +16,22 @@ What it predicts, per rank (the largest rank: rank 0 holds the ``ceil`` chunk of
   all fp32 and sharded as the strategy says (FSDP2 pads dim 0 to a multiple of the shard group, as
   ``torch.chunk`` does; FSDP1 pads each flat unit; DDP and ``no_shard`` replicate; tensor parallel
   splits the matrices first). With ``offload=params`` they live on the host (reported apart).
-- **The peak** of one training step: the step is walked phase by phase (end of forward / loss
-  backward, each block's backward at its feed-forward, each unit's gradient reduction, the root's,
-  the optimizer step) and each phase's live bytes are added up from the pieces below; the peak is
-  the largest phase. Pieces: model states (gradients only of the units whose backward has run),
-  unsharded parameters in ``param_dtype`` (the root and the unit in flight; every unit under
-  ``grad_op`` / ``no_shard``; DDP's autocast copies of the weights), all-gather prefetch and
-  reduce-scatter buffers, activations saved for backward (derived tensor by tensor from
-  ``fsdp_exp.models.llama``: see ``block_saved_bytes``), the recomputed block under activation
-  checkpointing, the logits and the loss's gradients, the gradients flowing through a block's
-  backward, module buffers, the input batch.
+- **The peak** of one training step: the step is walked phase by phase (each block's forward at its
+  feed-forward, the output projection, the loss's forward and backward, each block's backward at its
+  feed-forward, each unit's gradient reduction, the root's, the optimizer step) and each phase's
+  live bytes are added up from the pieces below; the peak is the largest phase. The phases are
+  grouped into the stages the run's tracker reports (``STAGES``: forward, backward, optimizer), and
+  each stage's largest phase is its prediction (``stage_peaks``). Pieces: model states (gradients
+  only of the units whose backward has run), unsharded parameters in ``param_dtype`` (the root and
+  the unit in flight; every unit under ``grad_op`` / ``no_shard``; DDP's autocast copies of the
+  weights), all-gather prefetch and reduce-scatter buffers, activations saved for backward
+  (derived tensor by tensor from ``fsdp_exp.models.llama``: see ``block_saved_bytes``), the
+  recomputed block under activation checkpointing, the logits and the loss's gradients, the
+  gradients flowing through a block's backward, module buffers, the input batch.
 
-Measured against torch's memory tracker (``mem/tracked_total_gib_max``) on CPU runs of tiny models,
-see docs/design.md for the errors by configuration.
+Measured against torch's memory tracker (``mem/tracked_total_gib_max`` for the step,
+``mem/tracked_<stage>_total_gib_max`` for each stage) on CPU runs of tiny models, see docs/design.md
+for the errors by configuration.
 """
 
 from __future__ import annotations
@@ -221,9 +224,15 @@ def _shard_group(topology: Topology, cfg: RunConfig) -> int:
 
 
 # -------------------------------------------------------------------------------------------- plan
+# The step's phases as the run's memory tracker splits them (fsdp_exp.metrics.tracker.PHASES); each
+# planner phase below belongs to one.
+STAGES = ("forward", "backward", "optimizer")
+
+
 @dataclass
 class Phase:
     name: str
+    stage: str  # forward | backward | optimizer
     params: int = 0  # sharded parameters (fp32) on the device
     grads: int = 0  # gradients on the device (sharded, or unsharded while they are reduced)
     optimizer: int = 0
@@ -248,6 +257,7 @@ class Plan:
     model_states: dict  # at rest, per rank: params, grads, optimizer, total; device and host
     per_rank_bytes: dict  # params, grads, optimizer, activations, buffers, total (with the margin)
     peak: dict  # the peak phase, by piece, before the margin
+    stage_peaks: dict  # {forward, backward, optimizer: the largest phase of that stage, by piece}
     margin_bytes: int
     margin_rule: str
     phases: list[dict]
@@ -381,22 +391,58 @@ def plan(cfg: RunConfig, topology: Topology, *, device_kind: Optional[str] = Non
     gloo_copy = kind == "cpu" and not ddp and _shard_group(topology, cfg) > 1
 
     def phase(name, **kw) -> Phase:
-        return Phase(name, params=resident["params"], optimizer=resident["optimizer"],
+        stage = "optimizer" if name.startswith("optimizer") else "forward" if name.startswith(
+            ("forward", "loss forward")) else "backward"
+        return Phase(name, stage, params=resident["params"], optimizer=resident["optimizer"],
                      module_buffers=module_buffers, inputs=inputs, **kw)
 
     phases: list[Phase] = []
     all_acts = sum(act_block)
     ddp_all_grads = 4 * sum(i.numel for i in infos) if ddp_accumulated else 0
-    # 1) Forward, at the output projection: the root and the last block gathered (every unit under
+    # 1) Each block's forward at its SwiGLU product, its largest moment: the activations of the blocks
+    # before it and its own saved so far (a checkpointed block saves only its input, but then holds h,
+    # the norm's output, silu's and w3's outputs and their product; under op-level AC its kept matmul
+    # outputs and silu's and the product); the root and the block gathered (every block so far under
+    # grad_op / no_shard), its all-gather output (FSDP2 frees it at the next unit's wait) and those
+    # prefetched ahead (prefetch.forward).
+    fwd_depth = max(0, cfg.prefetch.forward)
+    # A shard group of one rank (one rank, or no_shard's (world, 1) mesh) all-gathers nothing: FSDP2
+    # makes the unsharded parameters from the sharded ones directly, with no all-gather output.
+    all_gathers = not ddp and _shard_group(topology, cfg) > 1
+
+    def last_gathered(i: int) -> int:
+        """The all-gather output still held while block i runs forward: the latest unit's up to block i
+        (the root's when no block is a unit, e.g. wrap=none)."""
+        return next((own[j] for j in range(i, -1, -1) if own[j]), root_numel)
+    h_alive = 0 if autocast or e_act == 4 else e_act * bs * x.d // x.sp  # fp32 and autocast: saved already
+    for i in range(L):
+        if not checkpointed[i]:
+            in_block = full_block + h_alive
+        elif cfg.ac.ops == "matmul_save":
+            in_block = act_block[i] + 2 * e_act * bs * x.ffn + h_alive
+        else:
+            in_block = block_input + 2 * e_act * bs * x.d // x.sp + 3 * e_act * bs * x.ffn \
+                + (e_act * bs * x.d * x.experts if x.experts else 0)
+        if ddp:
+            unsh, comm = sum(casts[: i + 1]), bucket
+        else:
+            unsh = e_p * (root_numel + (sum(block_numel[: i + 1]) if reshard is False else own[i] + largest_nested[i]))
+            comm = e_p * (last_gathered(i) + sum(own[i + 1: i + 1 + fwd_depth])) if all_gathers else 0
+        phases.append(phase(f"forward block {i}", grads=accumulated(None) + ddp_all_grads, unsharded=unsh,
+                            comm=comm, activations=sum(act_block[:i]) + in_block))
+    # 2) Forward, at the output projection: the root and the last block gathered (every unit under
     # grad_op / no_shard), the last block's all-gather buffer not yet released, the logits made.
     if ddp:
         unsh, comm = sum(casts) + output_cast, bucket
     else:
         unsh = e_p * (root_numel + (sum(block_numel) if reshard is False else (own[L - 1] if keep_last else 0)))
-        comm = e_p * own[L - 1]
+        comm = e_p * last_gathered(L - 1) if all_gathers else 0
+    # Tensor parallel: the column-parallel output is gathered to a replicated one (parallel/tp.py), so
+    # the local shard of the logits and the all-gather's output are alive next to the result.
+    tp_gather = logits // topology.tp_size + logits if topology.tp_size > 1 else 0
     phases.append(phase("forward (output projection)", grads=accumulated(None) + ddp_all_grads, unsharded=unsh,
-                        comm=comm, activations=all_acts + final_norm + logits))
-    # 2) The loss's backward: every activation, the loss gradients (fp32); a resharded root is
+                        comm=comm, activations=all_acts + final_norm + logits, temporaries=tp_gather))
+    # 3) The loss's backward: every activation, the loss gradients (fp32); a resharded root is
     # gathered again only after this.
     if ddp:
         unsh, comm = sum(casts) + output_cast, bucket
@@ -404,11 +450,16 @@ def plan(cfg: RunConfig, topology: Topology, *, device_kind: Optional[str] = Non
         unsh, comm = e_p * (root_numel + sum(block_numel)), 0
     else:
         unsh, comm = (e_p * own[L - 1] if keep_last else 0), 0
+    # The loss's forward (the end of the forward stage): the same state, while log_softmax's output
+    # (fp32) is made; a logits tensor that is not fp32 has its fp32 copy (``.float()``) alive then.
+    float_copy = 4 * bs * x.vocab if logits != 4 * bs * x.vocab else 0
+    phases.append(phase("loss forward", grads=accumulated(None) + ddp_all_grads, unsharded=unsh, comm=comm,
+                        activations=all_acts + final_norm + logits + log_softmax, temporaries=float_copy))
     phases.append(phase("loss backward", grads=accumulated(None) + ddp_all_grads, unsharded=unsh, comm=comm,
                         activations=all_acts + final_norm + logits + log_softmax,
                         temporaries=2 * 4 * bs * x.vocab))
 
-    # 3) Each block's backward, last to first, at its SwiGLU; 4) its gradient reduction.
+    # 4) Each block's backward, last to first, at its SwiGLU; 5) its gradient reduction.
     for i in reversed(range(L)):
         recompute = full_block if checkpointed[i] else 0
         acts = sum(act_block[:i]) + (0 if checkpointed[i] else full_block) + logits
@@ -439,19 +490,33 @@ def plan(cfg: RunConfig, topology: Topology, *, device_kind: Optional[str] = Non
                                 grads=done + accumulated(i - 1) + block_local[i] * grads_here + e_p * x.d * x.ffn,
                                 comm=prefetched(i) + 2 * e_r * block_numel[i], **rest))
 
-    # 5) The root's gradient reduction, after the embedding's backward.
+    # 6) The root's gradient reduction, after the embedding's backward.
     if not ddp:
         phases.append(phase("root reduce-scatter", grads=sum(block_local) * grads_here, unsharded=e_p * root_numel,
                             comm=e_r * root_numel * (2 if gloo_copy else 1), activations=logits,
                             temporaries=e_p * root_numel))
-    # 6) The optimizer step: CUDA's foreach AdamW makes a temporary the size of all shards; the
-    # per-tensor loop (CPU) one the size of the largest.
-    largest = max((4 * i.local_numel for i in infos), default=0)
-    opt_temp = int(resident["params"] if kind == "cuda" else 2 * largest)
+    # 7) The optimizer step: CUDA's foreach AdamW makes a temporary the size of all shards. The
+    # per-tensor loop (CPU) makes two per tensor (the second moment's sqrt, then its quotient by the
+    # bias correction, ``denom``) while the previous tensor's ``denom`` is still alive: the largest
+    # previous + 2 x this tensor, within each parameter group (matrices, then norms: fsdp_exp.optim).
+    def loop_temporaries(sizes: list[int]) -> int:
+        return max((prev + 2 * cur for prev, cur in zip([0, *sizes[:-1]], sizes)), default=0)
+
+    groups = ([int(4 * i.local_numel) for i in infos if i.is_matrix],
+              [int(4 * i.local_numel) for i in infos if not i.is_matrix])
+    opt_temp = int(resident["params"]) if kind == "cuda" else max(loop_temporaries(g) for g in groups)
     phases.append(phase("optimizer step", grads=resident["grads"], comm=bucket, activations=logits,
                         temporaries=opt_temp))
 
     peak = max(phases, key=lambda ph: ph.total)
+    pieces = ("params", "grads", "optimizer", "unsharded", "comm", "module_buffers", "activations", "temporaries",
+              "inputs")
+
+    def by_piece(ph: Phase) -> dict:
+        return {"phase": ph.name, **{k: getattr(ph, k) for k in pieces}, "total": ph.total}
+
+    stage_peaks = {stage: by_piece(max((ph for ph in phases if ph.stage == stage), key=lambda ph: ph.total))
+                   for stage in STAGES}
     if margin is None:
         margin_bytes = 0 if kind == "cpu" else int(CUDA_MARGIN_FRACTION * peak.total) + CUDA_FIXED_OVERHEAD
         margin_rule = ("0 on a CPU (no caching allocator)" if kind == "cpu" else
@@ -481,11 +546,9 @@ def plan(cfg: RunConfig, topology: Topology, *, device_kind: Optional[str] = Non
         num_params=sum(i.numel for i in infos), world_size=topology.world_size, device_kind=kind,
         model_states={"device": on_device, "host": host, "total": at_rest["total"]},
         per_rank_bytes=per_rank,
-        peak={"phase": peak.name, **{k: getattr(peak, k) for k in (
-            "params", "grads", "optimizer", "unsharded", "comm", "module_buffers", "activations",
-            "temporaries", "inputs")}, "total": peak.total},
+        peak=by_piece(peak), stage_peaks=stage_peaks,
         margin_bytes=margin_bytes, margin_rule=margin_rule,
-        phases=[{"name": ph.name, "total": ph.total} for ph in phases], assumptions=assumptions)
+        phases=[{"name": ph.name, "stage": ph.stage, "total": ph.total} for ph in phases], assumptions=assumptions)
 
 
 def _reshard(cfg: RunConfig):
@@ -508,18 +571,23 @@ def fits(result: Plan, device: Device) -> dict:
 
 
 PREDICTED_METRICS = ("mem/predicted_model_states_gib", "mem/predicted_peak_gib")
+PREDICTED_STAGE_METRICS = tuple(f"mem/predicted_{stage}_peak_gib" for stage in STAGES)
 
 
-def plan_for_run(cfg: RunConfig, topology: Topology) -> tuple[dict, dict]:
-    """What a run records: the whole plan (run.json["plan"]) and the two predictions it logs in every
-    row beside the measurements. Never raises: a configuration the planner cannot model must not
-    stop a run; the record then says why there is no plan."""
+def plan_for_run(cfg: RunConfig, topology: Topology) -> tuple[dict, dict, dict]:
+    """What a run records: the whole plan (run.json["plan"]), the two predictions it logs in every
+    row beside the measurements, and the per-phase peaks it logs beside the sampled step's breakdown.
+    Never raises: a configuration the planner cannot model must not stop a run; the record then says
+    why there is no plan."""
     try:
         result = plan(cfg, topology)
     except Exception as exc:  # noqa: BLE001 - the prediction is an aside to the run
-        return {"error": f"{type(exc).__name__}: {exc}"}, dict.fromkeys(PREDICTED_METRICS)
-    return result.to_dict(), {"mem/predicted_model_states_gib": result.model_states["total"] / GIB,
-                              "mem/predicted_peak_gib": result.peak["total"] / GIB}
+        return ({"error": f"{type(exc).__name__}: {exc}"}, dict.fromkeys(PREDICTED_METRICS),
+                dict.fromkeys(PREDICTED_STAGE_METRICS))
+    return (result.to_dict(),
+            {"mem/predicted_model_states_gib": result.model_states["total"] / GIB,
+             "mem/predicted_peak_gib": result.peak["total"] / GIB},
+            {f"mem/predicted_{stage}_peak_gib": result.stage_peaks[stage]["total"] / GIB for stage in STAGES})
 
 
 # --------------------------------------------------------------------------------------------- CLI

@@ -126,6 +126,16 @@ class WandbSink:
     def summary(self, summary: dict) -> None:
         self.run.summary.update(_json_safe(summary))
 
+    def log_files(self, files: list[Path], run_dir: Path) -> None:
+        """The run's profiler traces and memory snapshots (every rank's: all in the shared run directory
+        by the time rank 0 closes) as one W&B artifact, named by their paths in the run directory."""
+        artifact = self.wandb.Artifact(f"profile-{self.run_id}", type="profile",
+                                       description="torch.profiler chrome traces (traces/) and CUDA memory "
+                                                   "snapshots (memory/) of the sampled steps, every rank")
+        for path in files:
+            artifact.add_file(str(path), name=str(Path(path).relative_to(run_dir)))
+        self.run.log_artifact(artifact)
+
     def close(self, exit_code: int = 0) -> None:
         self.run.finish(exit_code=exit_code)
 

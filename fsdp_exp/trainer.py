@@ -31,10 +31,11 @@ from fsdp_exp import __version__
 from fsdp_exp.checkpoint import Checkpointer, check_identical_init, install_signal_handlers
 from fsdp_exp.config import RunConfig, Topology, plain, to_run_config
 from fsdp_exp.data import build_data
-from fsdp_exp.dist import RankInfo, broadcast_object, build_mesh, init_distributed, reduce_over_ranks
+from fsdp_exp.dist import (RankInfo, broadcast_object, build_mesh, gather_over_ranks, init_distributed,
+                           reduce_over_ranks)
 from fsdp_exp.metrics import memory
-from fsdp_exp.metrics.flops import lookup_peak_tflops, mfu
-from fsdp_exp.metrics.tracker import tracked
+from fsdp_exp.metrics.flops import lookup_peak_tflops, mfu, recompute_flops_per_token
+from fsdp_exp.metrics.tracker import BREAKDOWN, PHASES, StepMemory
 from fsdp_exp.models import build_meta, canonical_name, count_params, flops_per_token, matrix_parameter_names
 from fsdp_exp.optim import build_optimizer, build_scheduler
 from fsdp_exp.parallel import parallelize
@@ -82,6 +83,7 @@ class Trainer:
         self.model, self.applied, self.runtime = parallel.model, parallel.applied, parallel.runtime
 
         self.optimizer = build_optimizer(self.model, cfg.optim, decay_names)
+        self.state_bytes = memory.ModelStateBytes(self.model, self.optimizer)  # mem/params_gib_* etc., per step
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.steps)
         # fp16: a loss scaler that agrees over ranks on skipped steps (sharded for FSDP).
         self.scaler = self.runtime.grad_scaler(self.device) if cfg.precision.loss_scaler == "dynamic" else None
@@ -93,12 +95,20 @@ class Trainer:
 
         self.tokens_per_step = cfg.trainer.global_batch_size * cfg.trainer.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.trainer.seq_len)
-        self.peak_tflops, self.peak_source = self._peak_tflops()
+        # HFU's numerator: the model FLOPs plus what activation checkpointing recomputes (torch's
+        # FlopCounterMode on the meta model; fsdp_exp/metrics/flops.py). A model the counter cannot run
+        # on the meta device gets no HFU (null, and the reason in run.json env), not a failed run.
+        self.recompute_error = None
+        try:
+            self.recompute_flops_per_token: Optional[float] = recompute_flops_per_token(cfg, cfg.trainer.seq_len)
+        except Exception as exc:  # noqa: BLE001 - a measurement aside must not stop training
+            self.recompute_flops_per_token, self.recompute_error = None, f"{type(exc).__name__}: {exc}"
+        self.peak_tflops, self.peak_source, self.peak_measurement = self._peak_tflops()
         from fsdp_exp.plan import plan_for_run
 
-        # The memory planner's prediction (fsdp_exp/plan.py): run.json["plan"], and mem/predicted_* in
-        # every row beside the measurements.
-        self.plan, self.predicted = plan_for_run(cfg, topology)
+        # The memory planner's prediction (fsdp_exp/plan.py): run.json["plan"], the peak and model states
+        # in every row beside the measurements, each phase's peak beside the sampled step's breakdown.
+        self.plan, self.predicted, self.predicted_phases = plan_for_run(cfg, topology)
         self.history: list[dict] = []
         self.pending_metrics: dict = {}  # metrics of a sampled step, added to its logged row
         t = cfg.trainer
@@ -106,19 +116,60 @@ class Trainer:
         trackable = t.track_memory and t.warmup_steps > 0 and cfg.sharding.backend != "fsdp1"
         self.track_step = (t.track_memory_step if t.track_memory_step is not None else t.warmup_steps - 1) \
             if trackable else None
+        # CUDA allocator history on the same sampled step (the last warm-up step when nothing is tracked).
+        self.snapshot_step = (self.track_step if self.track_step is not None else t.warmup_steps - 1) \
+            if t.memory_snapshot and self.device.type == "cuda" else None
+        self.profile_steps = set(t.profile_steps)  # torch.profiler traces and comm/* (fsdp_exp/metrics/comm.py)
+        self.comm_record: list[dict] = []
         self.sinks_open = False
         if info.is_main:
             self._open_sinks()
 
     # ----------------------------------------------------------------------------------- set-up
-    def _peak_tflops(self) -> tuple[Optional[float], str]:
+    def _peak_tflops(self) -> tuple[Optional[float], str, Optional[dict]]:
+        """(peak TFLOPS of one rank's device in the compute dtype, where it comes from, the CPU
+        measurement it was taken from or None)."""
+        dtype = self.cfg.precision.param_dtype
         if self.cfg.trainer.peak_tflops is not None:
-            return self.cfg.trainer.peak_tflops, "trainer.peak_tflops"
+            return self.cfg.trainer.peak_tflops, "trainer.peak_tflops", None
         if self.device.type == "cuda":
             name = torch.cuda.get_device_name(self.device)
-            peak = lookup_peak_tflops(name, self.cfg.precision.param_dtype)
-            return peak, f"table: {name} {self.cfg.precision.param_dtype}" if peak else f"unknown device {name}"
-        return None, "unknown (CPU: pass trainer.peak_tflops)"
+            peak = lookup_peak_tflops(name, dtype)
+            return peak, f"table: {name} {dtype}" if peak else f"unknown device {name}", None
+        return self._measured_cpu_peak(dtype)
+
+    def _measured_cpu_peak(self, dtype: str) -> tuple[Optional[float], str, Optional[dict]]:
+        """This CPU's matmul peak per rank: from the cache, or measured now by every rank at once
+        (fsdp_exp/metrics/flops.py) and cached by rank 0. Rank 0 decides for all (a rank reading the
+        cache after rank 0 wrote it must not skip the measurement the others run)."""
+        from fsdp_exp.metrics import flops
+
+        key = flops.peak_key(torch.get_num_threads(), self.topology.nproc_per_node, dtype)
+        entry = broadcast_object(flops.read_cached_peak(key) if self.info.is_main else None)
+        if entry is None:
+            dist.barrier()  # start together: each rank measures while its peers compute too
+            local = flops.measure_matmul_tflops(dtype)
+            hi, mean = reduce_over_ranks([local["tflops"], -local["core_share"]], self.device)
+            entry = {"tflops": mean[0], "n": local["n"], "dtype": dtype, "threads_per_rank": local["threads"],
+                     "ranks_per_node": self.topology.nproc_per_node, "ranks_measured": self.info.world_size,
+                     "rank0_batches_tflops": local["batches_tflops"], "min_core_share": -hi[1],
+                     "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            # What each rank can get when only this run computes: its threads, or its share of the cores
+            # when the node's ranks ask for more threads than there are cores.
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            fair = min(1.0, cores / (local["threads"] * self.topology.nproc_per_node))
+            entry["fair_core_share"] = fair
+            if -hi[1] >= flops.MIN_CORE_SHARE * fair:
+                if self.info.is_main:
+                    flops.write_cached_peak(key, entry)
+                how = "measured now"
+            else:  # other programs took cores: right for this run at best, never for later ones
+                how = f"measured now, not cached: a rank got {-hi[1]:.0%} of its cores' time, {fair:.0%} expected"
+        else:
+            how = "cached"
+        source = (f"CPU matmul peak per rank, {how}: {key}; {entry['n']}x{entry['n']} matmuls for 1 s, "
+                  f"mean over {entry['ranks_measured']} ranks (cache: {flops.cache_path()})")
+        return entry["tflops"], source, {"key": key, **entry}
 
     def _environment(self) -> dict:
         names = [None] * self.info.world_size
@@ -136,8 +187,13 @@ class Trainer:
             "threads_per_rank": torch.get_num_threads(),
             "num_params": count_params(self.cfg.model),
             "flops_per_token": self.flops_per_token,
+            "recompute_flops_per_token": self.recompute_flops_per_token,
+            "hardware_flops_per_token": None if self.recompute_flops_per_token is None
+            else self.flops_per_token + self.recompute_flops_per_token,
+            "recompute_flops_error": self.recompute_error,
             "peak_tflops": self.peak_tflops,
             "peak_tflops_source": self.peak_source,
+            "peak_tflops_measurement": self.peak_measurement,
         }
 
     def _device_name(self) -> str:
@@ -164,7 +220,8 @@ class Trainer:
         if self.cfg.logger.wandb.mode != "disabled":
             self.wandb = WandbSink(self.cfg.logger.wandb, self.run_dir,
                                    {**config, "applied": self.applied, "topology": self.topology.as_dict(),
-                                    "env": env, "choices": self.meta.get("choices", {})},
+                                    "env": env, "choices": self.meta.get("choices", {}),
+                                    "overrides": self.meta.get("overrides", [])},
                                    self.meta.get("overrides", []), self.meta.get("choices", {}),
                                    run_id=self.checkpointer.wandb_run_id)  # a resumed run continues its W&B run
         extra = {"resumed_from": self.checkpointer.resumed, "error": None, "interrupted": None} \
@@ -188,8 +245,10 @@ class Trainer:
             for step in range(self.start_step, self.cfg.trainer.steps):
                 start = time.perf_counter()
                 self._check_injected_failure(step)
-                if step == self.track_step:
-                    loss, grad_norm, lr = self._tracked_step(step)
+                if step in (self.track_step, self.snapshot_step):
+                    loss, grad_norm, lr = self._sampled_step(step)
+                elif step in self.profile_steps:
+                    loss, grad_norm, lr = self._profiled_step(step)
                 else:
                     loss, grad_norm, lr = self.train_step(step)
                 flags = self.checkpointer.poll(step + 1, loss)  # ranks agree: a signal? a NaN/inf loss?
@@ -222,18 +281,73 @@ class Trainer:
                 self.record.update(shard_digests=digests)
             self._close_sinks(status="completed", summary=summary)
 
-    def _tracked_step(self, step: int) -> tuple[torch.Tensor, float, float]:
-        """A training step under torch's memory tracker; its peak breakdown joins the step's metrics."""
-        result, breakdown = tracked(self.model, self.optimizer, self.cfg.sharding.backend, self.device,
-                                    lambda between: self.train_step(step, between))
-        hi, mean = reduce_over_ranks([float(v) for v in breakdown.values()], self.device)
-        self.pending_metrics = {}
-        for kind, h, m in zip(breakdown, hi, mean):
-            self.pending_metrics[f"mem/tracked_{kind}_gib_max"] = h / GIB
-            self.pending_metrics[f"mem/tracked_{kind}_gib_mean"] = m / GIB
+    def _sampled_step(self, step: int) -> tuple[torch.Tensor, float, float]:
+        """A training step under torch's memory tracker (its peak breakdown, whole and by phase, joins
+        the step's metrics) and, on CUDA with trainer.memory_snapshot, the allocator's history."""
+        snapshot = step == self.snapshot_step
+        if snapshot:
+            # Alloc/free events with their stack traces from here to the dump; at most this many are kept
+            # (torch documents several KB per entry), enough for a step of a large model.
+            torch.cuda.memory._record_memory_history(enabled="all", max_entries=200_000)
+        try:
+            if step != self.track_step:
+                return self.train_step(step)
+            with StepMemory(self.model, self.optimizer, self.cfg.sharding.backend, self.device) as mem:
+                result = self.train_step(step, mem.phase)
+            self._log_breakdown(step, mem.breakdown())
+            return result
+        finally:
+            if snapshot:
+                path = self.run_dir / "memory" / f"rank{self.info.rank}_step{step + 1}.pickle"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.cuda.memory._dump_snapshot(str(path))
+                torch.cuda.memory._record_memory_history(enabled=None)  # stop recording
+
+    def _log_breakdown(self, step: int, breakdown: dict[str, dict[str, int]]) -> None:
+        """Every rank's breakdown to every rank (one all-gather): max and mean in the step's row, all of
+        it in run.json["memory_breakdown"]."""
+        parts = ("step", *PHASES)
+        ranks = gather_over_ranks([float(breakdown[p][k]) for p in parts for k in BREAKDOWN], self.device)
+        ranks = ranks.view(self.info.world_size, len(parts), len(BREAKDOWN)) / GIB  # rank x part x kind
+        hi, mean = ranks.max(dim=0).values, ranks.mean(dim=0)
+        self.pending_metrics.update(self.predicted_phases)
+        for j, kind in enumerate(BREAKDOWN):
+            self.pending_metrics[f"mem/tracked_{kind}_gib_max"] = hi[0, j].item()
+            self.pending_metrics[f"mem/tracked_{kind}_gib_mean"] = mean[0, j].item()
+            for i, phase in enumerate(PHASES, start=1):
+                self.pending_metrics[f"mem/tracked_{phase}_{kind}_gib_max"] = hi[i, j].item()
         if self.info.is_main:
-            self.record.update(memory_breakdown={"step": step + 1, "unit": "GiB", **{
-                k.removeprefix("mem/tracked_"): v for k, v in self.pending_metrics.items()}})
+            def table(values, i):
+                return {kind: values[i, j].item() for j, kind in enumerate(BREAKDOWN)}
+
+            self.record.update(memory_breakdown={
+                "step": step + 1, "unit": "GiB",
+                **{f"{kind}_gib_max": hi[0, j].item() for j, kind in enumerate(BREAKDOWN)},
+                **{f"{kind}_gib_mean": mean[0, j].item() for j, kind in enumerate(BREAKDOWN)},
+                "per_rank": [table(r, 0) for r in ranks],
+                "phases": {phase: {"max": table(hi, i), "mean": table(mean, i),
+                                   "per_rank": [table(r, i) for r in ranks]}
+                           for i, phase in enumerate(PHASES, start=1)},
+            })
+
+    def _profiled_step(self, step: int) -> tuple[torch.Tensor, float, float]:
+        """A training step under torch.profiler: its chrome trace in traces/, its collectives' times
+        (comm/*, max over ranks) in the step's row, every rank's in run.json["comm"]."""
+        from fsdp_exp.metrics.comm import COMM_KINDS, profiled
+
+        path = self.run_dir / "traces" / f"rank{self.info.rank}_step{step + 1}.json"
+        result, comm = profiled(lambda phase: self.train_step(step, phase), self.device, path)
+        names = [f"{k}_s" for k in COMM_KINDS] + ["total_s", "exposed_s", "compute_s", "step_s"]
+        ranks = gather_over_ranks([comm[n] for n in names] + [comm["exposed_s"] / comm["step_s"]], self.device)
+        names.append("exposed_fraction")
+        for j, name in enumerate(names):
+            self.pending_metrics[f"comm/{name}"] = ranks[:, j].max().item()
+        if self.info.is_main:
+            self.comm_record.append({"step": step + 1, "unit": "s", "device": comm["device"],
+                                     "traces": f"traces/rank<N>_step{step + 1}.json",
+                                     "per_rank": [dict(zip(names, r.tolist())) for r in ranks],
+                                     "collectives_rank0": comm["collectives"]})
+            self.record.update(comm=self.comm_record)
         return result
 
     def _shard_digests(self) -> list[str]:
@@ -248,8 +362,14 @@ class Trainer:
         dist.all_gather_object(digests, digest.hexdigest()[:16])
         return digests
 
-    def train_step(self, step: int, between_micro_batches=None) -> tuple[torch.Tensor, float, float]:
-        """One optimizer step; returns this rank's loss (a tensor), the global grad norm and the lr."""
+    def train_step(self, step: int, phase=None) -> tuple[torch.Tensor, float, float]:
+        """One optimizer step; returns this rank's loss (a tensor), the global grad norm and the lr.
+
+        ``phase(name)``, on sampled steps only, is told where the step is: ``forward`` (from here,
+        and again at each later micro-batch), ``backward`` (before each ``backward()``), ``optimizer``
+        (after the last one): the memory tracker's and the profiler's phases."""
+        if phase:
+            phase("forward")
         self.optimizer.zero_grad(set_to_none=True)
         accum = self.topology.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
@@ -259,10 +379,14 @@ class Trainer:
                 with self.runtime.autocast():
                     logits = self.model(batch.inputs)
                     loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten()) / accum
+                if phase:
+                    phase("backward")
                 (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
-            if between_micro_batches is not None and i < accum - 1:
-                between_micro_batches()
+            if phase and i < accum - 1:
+                phase("forward")
+        if phase:
+            phase("optimizer")
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.trainer.grad_clip or float("inf")
@@ -318,7 +442,7 @@ class Trainer:
         measuring costs is inside the reported throughput, not hidden between steps. An evaluation
         (``evaluate``) runs after that, outside every step's time, and joins the same row.
         """
-        local = {**memory.model_state_bytes(self.model, self.optimizer), **memory.host_bytes()}
+        local = {**self.state_bytes(), **memory.host_bytes()}
         counts = {}
         if self.device.type == "cuda":
             local.update(memory.cuda_bytes(self.device))
@@ -331,6 +455,8 @@ class Trainer:
         tokens_per_s = self.tokens_per_step / step_time
         per_rank = tokens_per_s / self.info.world_size
         tflops = self.flops_per_token * per_rank / 1e12
+        hw_tflops = None if self.recompute_flops_per_token is None else \
+            (self.flops_per_token + self.recompute_flops_per_token) * per_rank / 1e12
         metrics = {
             "step": step,
             "train/loss": mean[0],
@@ -341,6 +467,7 @@ class Trainer:
             "perf/tokens_per_s_per_rank": per_rank,
             "perf/tflops_per_rank": tflops,
             "perf/mfu": mfu(tflops, self.peak_tflops),
+            "perf/hfu": None if hw_tflops is None else mfu(hw_tflops, self.peak_tflops),
             "perf/data_time_s": hi[1],  # the slowest rank's wait holds every rank back
         }
         for key, h, m in zip([*local, *counts], hi[2:], mean[2:]):
@@ -361,16 +488,24 @@ class Trainer:
             self.console.log(metrics)
 
     def _summary(self) -> dict:
-        measured = [h for h in self.history if h["step"] > self.cfg.trainer.warmup_steps]
+        # Post-warm-up steps, without the profiled ones (the profiler slows its step down).
+        measured = [h for h in self.history if h["step"] > self.cfg.trainer.warmup_steps and "comm/total_s" not in h]
         times = sorted(h["perf/step_time_s"] for h in measured)
 
-        def median(key):
-            values = [h[key] for h in measured if h[key] is not None]
+        def median(key, rows=measured):
+            values = [h[key] for h in rows if h.get(key) is not None]
             return statistics.median(values) if values else None
 
         def largest(key):
-            values = [h[key] for h in self.history if key in h]
+            values = [h[key] for h in self.history if h.get(key) is not None]
             return max(values) if values else None
+
+        def last(key):
+            values = [h[key] for h in self.history if h.get(key) is not None]
+            return values[-1] if values else None
+
+        profiled = [h for h in self.history if "comm/total_s" in h]
+        tracked, predicted = largest("mem/tracked_total_gib_max"), last("mem/predicted_peak_gib")
 
         summary = {
             "summary/steps_measured": len(measured),
@@ -380,13 +515,25 @@ class Trainer:
             "summary/tokens_per_s_per_rank_median": median("perf/tokens_per_s_per_rank"),
             "summary/tflops_per_rank_median": median("perf/tflops_per_rank"),
             "summary/mfu_median": median("perf/mfu"),
+            "summary/hfu_median": median("perf/hfu"),
+            "summary/peak_tflops": self.peak_tflops,
+            "summary/peak_tflops_source": self.peak_source,
             "summary/final_loss": self.history[-1]["train/loss"] if self.history else None,
             "summary/model_states_gib_max": largest("mem/model_states_gib_max"),
             "summary/host_peak_rss_gib_max": largest("mem/host_peak_rss_gib_max"),
         }
+        if tracked:  # memory breakdown and communication: only when a step was sampled for them
+            summary["summary/tracked_peak_gib_max"] = tracked
+            summary["summary/planner_peak_error"] = predicted / tracked - 1 if predicted else None
+        if profiled:
+            summary["summary/comm_total_s_median"] = median("comm/total_s", profiled)
+            summary["summary/comm_exposed_s_median"] = median("comm/exposed_s", profiled)
         if self.device.type == "cuda":
             summary["summary/peak_allocated_gib_max"] = largest("mem/peak_allocated_gib_max")
             summary["summary/peak_reserved_gib_max"] = largest("mem/peak_reserved_gib_max")
+            summary["summary/peak_active_gib_max"] = largest("mem/peak_active_gib_max")
+            summary["summary/alloc_retries_max"] = last("mem/alloc_retries_max")
+            summary["summary/ooms_max"] = last("mem/ooms_max")
         return summary
 
     def _close_sinks(self, status: str, summary: Optional[dict] = None, error: Optional[str] = None) -> None:
@@ -396,9 +543,14 @@ class Trainer:
             fields["summary"] = summary
         if error is not None:
             fields["error"] = error
+        files = sorted(p for folder in ("traces", "memory") for p in (self.run_dir / folder).glob("rank*_step*.*"))
+        if files:
+            fields["artifacts"] = [str(p.relative_to(self.run_dir)) for p in files]
         self.record.update(**fields)
         self.jsonl.close()
         if self.wandb:
+            if files:
+                self.wandb.log_files(files, self.run_dir)
             if summary:
                 self.wandb.summary(summary)
             self.wandb.close(exit_code=0 if status in ("completed", "interrupted") else 1)

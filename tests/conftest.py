@@ -35,6 +35,9 @@ def _isolated_env(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(home / "wandb_config"))
     monkeypatch.setenv("WANDB_DATA_DIR", str(home / "wandb_data"))
     monkeypatch.setenv("HF_HOME", str(home / "hf"))
+    # fsdp_exp caches this CPU's measured matmul peak there: one folder for the whole session, so the
+    # tests measure it once (per thread count and world size), never in the user's ~/.cache.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg_cache"))
 
 
 def compose_config(overrides: list[str], return_hydra_config: bool = False):

@@ -149,12 +149,12 @@ def test_default_experiment_from_the_command_line(tmp_path):
     assert record["summary"]["summary/steps_measured"] == record["config"]["trainer"]["steps"] - \
         record["config"]["trainer"]["warmup_steps"]
 
-    cpu_step_metrics = {m.name for m in STEP_METRICS if m.device != "cuda"} - {"perf/mfu"}  # peak unknown on CPU
+    cpu_step_metrics = {m.name for m in STEP_METRICS if m.device != "cuda"}
     metrics = result.metrics
     assert [m["step"] for m in metrics] == list(range(1, record["config"]["trainer"]["steps"] + 1))
     for m in metrics:
         assert cpu_step_metrics <= set(m), cpu_step_metrics - set(m)
-        assert m["perf/mfu"] is None
+        assert m["perf/mfu"] > 0  # against this CPU's measured matmul peak
 
     summary, history = _read_wandb(tmp_path / "run")
     assert summary["state"] == "finished" and summary["project"] == "fsdp_exp"

@@ -1,12 +1,36 @@
-"""Peak FLOPS by device and compute dtype, and model FLOPs utilization.
+"""FLOPs per token, the recompute that activation checkpointing adds, peak FLOPS, MFU and HFU.
 
-Dense (no sparsity) tensor-core peaks from the vendors' data sheets, in TFLOPS. ``fp32`` is plain
-FP32 (PyTorch's default matmul precision does not use TF32). The longest matching name wins, so
-"H100 PCIe" is not taken for "H100".
+- **Model FLOPs** (MFU's numerator) are 6 N + 12 L d S per token (``fsdp_exp.models.flops_per_token``):
+  forward and backward, no recompute.
+- **Hardware FLOPs** (HFU's numerator) add what activation checkpointing recomputes. They are not
+  a formula: torch's ``FlopCounterMode`` counts the matmul and attention FLOPs of one forward and
+  backward of the model on the meta device (no memory, no compute), once with the run's
+  checkpointing applied and once without; the difference, per token, is the recompute.
+  For ``ac=full`` on a Llama block that is the block's forward except its last matmul (w2):
+  non-reentrant checkpointing stops recomputing as soon as every tensor backward needs is back, and
+  w2's inputs are saved before w2 runs. ``ac=selective`` counts every ``ac.every``-th block;
+  ``ac=selective_op`` saves matmul and attention outputs, so it recomputes no FLOPs that count
+  (elementwise ops are not counted in either numerator). Norm weights count in 6N (they are
+  parameters) but are not matmuls: that is the only difference between 6N + 12LdS and the counter's
+  total without checkpointing (tested).
+- **Peak FLOPS**: known GPUs from the vendors' data sheets (dense, no sparsity; ``fp32`` is plain
+  FP32, not TF32). On a CPU nothing like a data sheet applies, so the rank measures it: square
+  matmuls in the compute dtype on as many threads as a rank gets, with every local rank running at
+  once (so the figure is what one rank can reach while its peers compute too), once per (CPU model,
+  threads per rank, ranks per node, dtype, torch version), cached in
+  ``$XDG_CACHE_HOME/fsdp_exp/cpu_peak.json`` (default ``~/.cache``). Delete the file to measure again.
+  A measurement during which some rank's threads got less than ``MIN_CORE_SHARE`` of the cores' time
+  they could expect (all of it, or the node's cores shared out when its ranks ask for more threads
+  than it has) is used for that run but not cached: other programs were running.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import platform
+import time
+from pathlib import Path
 from typing import Optional
 
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
@@ -33,4 +57,125 @@ def lookup_peak_tflops(device_name: str, dtype: str) -> Optional[float]:
 
 
 def mfu(tflops_achieved: float, peak_tflops: Optional[float]) -> Optional[float]:
+    """Utilization: achieved TFLOPS per rank / the peak of one rank's device. Used for both MFU
+    (model FLOPs) and HFU (hardware FLOPs: model FLOPs + recompute)."""
     return tflops_achieved / peak_tflops if peak_tflops else None
+
+
+# -------------------------------------------------------------------------------------- recompute
+def counted_flops_per_token(cfg, seq_len: int, with_ac: bool) -> float:
+    """Matmul + attention FLOPs of one forward and backward per token, as torch's FlopCounterMode
+    counts them on a meta-device copy of the model (batch 1, ``seq_len`` tokens); ``with_ac``
+    applies the run's activation checkpointing first (``fsdp_exp.parallel.ac``, the same code the run
+    uses)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fsdp_exp.models import build_meta
+    from fsdp_exp.parallel import ac
+
+    model = build_meta(cfg.model)
+    if with_ac and cfg.ac.mode != "none":
+        ac.apply(model, cfg)
+    tokens = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
+    with FlopCounterMode(display=False) as counter:
+        model(tokens).float().sum().backward()
+    return counter.get_total_flops() / seq_len
+
+
+def recompute_flops_per_token(cfg, seq_len: int) -> float:
+    """FLOPs per token that activation checkpointing recomputes in backward (0 without it)."""
+    if cfg.ac.mode == "none":
+        return 0.0
+    return counted_flops_per_token(cfg, seq_len, True) - counted_flops_per_token(cfg, seq_len, False)
+
+
+# ------------------------------------------------------------------------------------ CPU peak
+def cache_path() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "fsdp_exp" / "cpu_peak.json"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def peak_key(threads: int, ranks_per_node: int, dtype: str) -> str:
+    import torch
+
+    return f"{cpu_model()} | {threads} threads/rank | {ranks_per_node} ranks/node | {dtype} | torch {torch.__version__}"
+
+
+def read_cached_peak(key: str) -> Optional[dict]:
+    try:
+        return json.loads(cache_path().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
+def write_cached_peak(key: str, entry: dict) -> None:
+    """Add one entry to the cache file (atomically: write a temporary file, then rename)."""
+    path = cache_path()
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    table[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+MIN_CORE_SHARE = 0.9
+
+
+def measure_matmul_tflops(dtype: str, seconds: float = 1.0, batches: int = 5) -> dict:
+    """This process's matmul peak in TFLOPS on the threads torch has (``torch.get_num_threads()``).
+
+    The size doubles from 512 until one n x n matmul takes at least 20 ms (large enough that the
+    call's overhead is noise and every thread has whole tiles; at most 8192), then ``batches`` timed
+    batches of about ``seconds / batches`` each run back to back. The peak is the rate over all of
+    them (FLOPs / seconds), not the best batch: when ranks outnumber cores the scheduler time-slices
+    them, and one batch can catch a whole core that a rank does not get on average (4 ranks on this
+    2-core machine: best batches 62 GFLOPS a rank, sustained about half of one rank alone)."""
+    import torch
+
+    dt = getattr(torch, DTYPES[dtype])
+    n = 512
+    while True:
+        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+        out = torch.empty(n, n, dtype=dt)
+        torch.mm(a, b, out=out)  # first call: kernel selection, page faults
+        start = time.perf_counter()
+        torch.mm(a, b, out=out)
+        once = time.perf_counter() - start
+        if once >= 0.02 or n >= 8192:
+            break
+        n *= 2
+    rates, total = [], 0
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for _ in range(batches):
+        count, start = 0, time.perf_counter()
+        while True:
+            torch.mm(a, b, out=out)
+            count += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds / batches:
+                break
+        rates.append(2 * n**3 * count / elapsed / 1e12)
+        total += count
+    wall = time.perf_counter() - wall0
+    threads = torch.get_num_threads()
+    # The CPU time this process got over the wall time, per thread: about 1 when every thread had a core
+    # to itself; less when other programs (or more ranks than cores) took turns on them.
+    core_share = (time.process_time() - cpu0) / (wall * threads)
+    return {"tflops": 2 * n**3 * total / wall / 1e12, "batches_tflops": rates, "n": n, "dtype": dtype,
+            "threads": threads, "core_share": core_share}

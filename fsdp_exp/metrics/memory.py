@@ -30,9 +30,42 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     return out
 
 
+class ModelStateBytes:
+    """``model_state_bytes``, cheap enough for every step: a DTensor's ``to_local()`` costs tens of
+    microseconds, so each parameter's local size is read once; a gradient or optimizer-state tensor
+    of the parameter's global shape and dtype has the parameter's local size (same placements: FSDP2's
+    sharded gradients and AdamW's moments); anything else is measured each time."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.params = list(model.parameters())
+        self.optimizer = optimizer
+        self.sizes = {id(p): local_bytes(p) for p in self.params}
+
+    def _like(self, p: torch.Tensor, t: torch.Tensor) -> int:
+        same = t.shape == p.shape and t.dtype == p.dtype and isinstance(t, DTensor) == isinstance(p, DTensor)
+        return self.sizes[id(p)] if same else local_bytes(t)
+
+    def __call__(self) -> dict[str, int]:
+        grads = optim = 0
+        for p in self.params:
+            if p.grad is not None:
+                grads += self._like(p, p.grad)
+            for v in self.optimizer.state.get(p, {}).values():
+                if torch.is_tensor(v) and v.ndim > 0:
+                    optim += self._like(p, v)
+        params = sum(self.sizes.values())
+        return {"params": params, "grads": grads, "optim_state": optim, "model_states": params + grads + optim}
+
+
+_PROCESS = None
+
+
 def host_bytes() -> dict[str, int]:
+    global _PROCESS
+    if _PROCESS is None:  # one psutil handle per process (making one costs more than reading it)
+        _PROCESS = psutil.Process()
     # ru_maxrss is in KiB on Linux.
-    return {"host_rss": psutil.Process().memory_info().rss,
+    return {"host_rss": _PROCESS.memory_info().rss,
             "host_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 

@@ -32,6 +32,13 @@ def _over_ranks(base: str, unit: str, window: str, description: str, device: str
     return [Metric(f"{base}_{agg}", unit, window, agg, f"{description} ({agg} over ranks)", device) for agg in aggs]
 
 
+# The phases of a training step, as the memory tracker and the planner split it (fsdp_exp.metrics.tracker).
+_PHASES = {
+    "forward": "forward (zero_grad, the model's forward and the loss, every micro-batch)",
+    "backward": "backward (loss.backward() of every micro-batch, with FSDP's gathers and reductions)",
+    "optimizer": "optimizer (unscale, gradient clipping, optimizer and LR scheduler steps)",
+}
+
 STEP_METRICS: list[Metric] = [
     Metric("step", "count", "step", "rank0", "optimizer steps completed (1-based)"),
     Metric("train/loss", "nats", "step", "mean", "cross-entropy per token, averaged over the global batch"),
@@ -44,7 +51,11 @@ STEP_METRICS: list[Metric] = [
     Metric("perf/tflops_per_rank", "TFLOPS", "step", "mean",
            "model FLOPs per token x tokens/s per rank / 1e12 (6N + 12LdS, no recompute)"),
     Metric("perf/mfu", "fraction", "step", "mean",
-           "perf/tflops_per_rank / the device's peak TFLOPS for the compute dtype; null when unknown"),
+           "perf/tflops_per_rank / the peak TFLOPS of one rank's device in the compute dtype (GPU: data "
+           "sheet; CPU: measured, see run.json env.peak_tflops_source); null when unknown"),
+    Metric("perf/hfu", "fraction", "step", "mean",
+           "as perf/mfu, with the FLOPs that activation checkpointing recomputes added (counted by torch's "
+           "FlopCounterMode on the meta model; equals perf/mfu without ac); null when the peak is unknown"),
     Metric("perf/data_time_s", "s", "step", "max",
            "time the step waited for its data (fetch, and copy to the device; part of perf/step_time_s); "
            "near 0 when loading keeps up, a large share of the step when it starves"),
@@ -78,36 +89,88 @@ EVAL_METRICS: list[Metric] = [
 ]
 
 # Logged in the row of the sampled step (trainer.track_memory_step, by default the last warm-up step):
-# the peak of that step as torch's memory tracker broke it down (fsdp_exp.metrics.tracker).
+# the peak of that step, and of each of its phases, as torch's memory tracker broke it down
+# (fsdp_exp.metrics.tracker).
 _TRACKED_KINDS = {
     "params": "parameters, sharded and unsharded", "unsharded_params": "unsharded (all-gathered) parameters",
-    "grads": "gradients, sharded and unsharded", "optim_state": "optimizer state",
+    "grads": "gradients, sharded and unsharded", "unsharded_grads": "unsharded gradients (FSDP2, before reduction)",
+    "optim_state": "optimizer state",
     "activations": "activations saved for backward (and recomputed ones)", "temp": "temporaries of backward",
-    "comm_buffers": "all-gather and reduce-scatter buffers", "buffers": "module buffers",
+    "comm_buffers": "all-gather and reduce-scatter buffers", "all_gather": "all-gather output buffers (FSDP2)",
+    "reduce_scatter": "reduce-scatter input buffers (FSDP2)", "buffers": "module buffers",
     "inputs": "input batch", "other": "anything else the tracker saw",
-    "model_states": "params + grads + optimizer state", "total": "all of the above",
+    "model_states": "params + grads + optimizer state",
+    "total": "all of the above (unsharded_*, all_gather and reduce_scatter are parts of params, grads and "
+             "comm_buffers)",
 }
 TRACKED_METRICS: list[Metric] = [
     metric for kind, what in _TRACKED_KINDS.items()
     for metric in _over_ranks(f"mem/tracked_{kind}_gib", "GiB", "step", f"at the sampled step's peak: {what}")
+] + [
+    Metric(f"mem/tracked_{phase}_{kind}_gib_max", "GiB", "step", "max",
+           f"at the peak of the sampled step's {where}: {what} (max over ranks; each rank's in "
+           f"run.json[\"memory_breakdown\"][\"phases\"])")
+    for phase, where in _PHASES.items() for kind, what in _TRACKED_KINDS.items()
+] + [
+    Metric(f"mem/predicted_{phase}_peak_gib", "GiB", "step", "max",
+           f"the memory planner's peak of the largest rank during the {phase} phase (run.json[\"plan\"]"
+           f"[\"stage_peaks\"]); compare with mem/tracked_{phase}_total_gib_max")
+    for phase in _PHASES
+] + [
+    Metric("summary/tracked_peak_gib_max", "GiB", "run", "max",
+           "in the summary: mem/tracked_total_gib_max of the sampled step (absent when no step was tracked)"),
+    Metric("summary/planner_peak_error", "fraction", "run", "max",
+           "in the summary: mem/predicted_peak_gib / summary/tracked_peak_gib_max - 1"),
+]
+
+# Logged in the row of each profiled step (trainer.profile_steps): collective times read from the step's
+# torch.profiler trace (fsdp_exp.metrics.comm; traces/rank<N>_step<S>.json in the run directory).
+_COMM = {
+    "all_gather_s": "time all-gathers were in flight (union of their intervals)",
+    "reduce_scatter_s": "time reduce-scatters were in flight (FSDP's gradient reduction)",
+    "all_reduce_s": "time all-reduces were in flight (DDP's buckets, HSDP's replicas, the grad norm)",
+    "other_s": "time other collectives were in flight (broadcast, send/recv)",
+    "total_s": "time any collective was in flight",
+    "exposed_s": "part of comm/total_s with no compute running (CUDA: no other kernel on any stream; CPU: the "
+                 "training thread in no aten/fsdp operator): communication the step waited for",
+    "compute_s": "time compute ran (CUDA: non-NCCL kernels; CPU: the training thread inside aten/fsdp operators)",
+    "step_s": "wall time of the profiled step (with the profiler's overhead; not in the summary)",
+    "exposed_fraction": "comm/exposed_s / comm/step_s",
+}
+COMM_METRICS: list[Metric] = [
+    Metric(f"comm/{name}", "fraction" if name.endswith("fraction") else "s", "step", "max",
+           f"{what} (max over ranks; each rank's in run.json[\"comm\"])")
+    for name, what in _COMM.items()
+] + [
+    Metric(f"summary/comm_{name}_median", "s", "run", "max", f"in the summary: median of comm/{name} over the "
+           "profiled steps")
+    for name in ("total_s", "exposed_s")
 ]
 
 SUMMARY_METRICS: list[Metric] = [
-    Metric("summary/steps_measured", "count", "run", "rank0", "post-warm-up steps the medians use"),
+    Metric("summary/steps_measured", "count", "run", "rank0",
+           "post-warm-up steps the medians use (profiled steps, slowed by the profiler, left out)"),
     Metric("summary/step_time_s_median", "s", "run", "rank0", "median of perf/step_time_s"),
     Metric("summary/step_time_s_p90", "s", "run", "rank0", "90th percentile of perf/step_time_s"),
     Metric("summary/tokens_per_s_median", "tokens/s", "run", "global", "median of perf/tokens_per_s"),
     Metric("summary/tokens_per_s_per_rank_median", "tokens/s", "run", "mean", "median of perf/tokens_per_s_per_rank"),
     Metric("summary/tflops_per_rank_median", "TFLOPS", "run", "mean", "median of perf/tflops_per_rank"),
     Metric("summary/mfu_median", "fraction", "run", "mean", "median of perf/mfu; null when the peak is unknown"),
+    Metric("summary/hfu_median", "fraction", "run", "mean", "median of perf/hfu; null when the peak is unknown"),
+    Metric("summary/peak_tflops", "TFLOPS", "run", "rank0", "the peak of one rank's device that MFU and HFU divide by"),
+    Metric("summary/peak_tflops_source", "text", "run", "rank0",
+           "where that peak comes from: trainer.peak_tflops, the GPU table, or a CPU measurement (cached)"),
     Metric("summary/final_loss", "nats", "run", "mean", "train/loss of the last step"),
     Metric("summary/model_states_gib_max", "GiB", "run", "max", "largest mem/model_states_gib_max of the run"),
     Metric("summary/host_peak_rss_gib_max", "GiB", "run", "max", "largest mem/host_peak_rss_gib_max of the run"),
     Metric("summary/peak_allocated_gib_max", "GiB", "run", "max", "largest mem/peak_allocated_gib_max", "cuda"),
     Metric("summary/peak_reserved_gib_max", "GiB", "run", "max", "largest mem/peak_reserved_gib_max", "cuda"),
+    Metric("summary/peak_active_gib_max", "GiB", "run", "max", "largest mem/peak_active_gib_max", "cuda"),
+    Metric("summary/alloc_retries_max", "count", "run", "max", "mem/alloc_retries_max at the end of the run", "cuda"),
+    Metric("summary/ooms_max", "count", "run", "max", "mem/ooms_max at the end of the run", "cuda"),
 ]
 
-ALL_METRICS = {m.name: m for m in STEP_METRICS + EVAL_METRICS + TRACKED_METRICS + SUMMARY_METRICS}
+ALL_METRICS = {m.name: m for m in STEP_METRICS + EVAL_METRICS + TRACKED_METRICS + COMM_METRICS + SUMMARY_METRICS}
 
 
 def render_markdown() -> str:
@@ -123,8 +186,10 @@ def render_markdown() -> str:
     ]
     for title, metrics in (("Per logged step (W&B history, metrics.jsonl)", STEP_METRICS),
                            ("Per evaluation (in the step's row, every trainer.eval_every steps)", EVAL_METRICS),
-                           ("Memory breakdown of the sampled step (in its row, and run.json[\"memory_breakdown\"])",
-                            TRACKED_METRICS),
+                           ("Memory breakdown of the sampled step, whole and by phase (in its row, and "
+                            "run.json[\"memory_breakdown\"])", TRACKED_METRICS),
+                           ("Communication of a profiled step (trainer.profile_steps; in its row, and "
+                            "run.json[\"comm\"])", COMM_METRICS),
                            ("Run summary (W&B summary, run.json[\"summary\"])", SUMMARY_METRICS)):
         lines += [f"## {title}", "", "| name | unit | window | ranks | device | meaning |", "|---|---|---|---|---|---|"]
         lines += [f"| `{m.name}` | {m.unit} | {m.window} | {m.ranks} | {m.device} | {m.description} |" for m in metrics]

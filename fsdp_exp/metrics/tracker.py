@@ -1,18 +1,33 @@
-"""Memory breakdown of one sampled step, from torch's own memory trackers.
+"""Memory breakdown of one sampled step, phase by phase, from torch's own memory trackers.
 
 FSDP2 models go through ``FSDPMemTracker`` (it tells sharded from unsharded parameters and
 gradients, and the all-gather / reduce-scatter buffers); FSDP1 and DDP through the generic
 ``MemTracker``. Both count every tensor the step allocates, by what it is, on CPU and CUDA alike.
 The tracker instruments each op, so the tracked step is slow: the trainer samples it inside the
 warm-up steps, which the summary leaves out.
+
+Phases: the training step tells the tracker where it is (``StepMemory.phase``):
+
+- ``forward``: from the start of the step (``zero_grad``) through the model's forward and the loss,
+  for every micro-batch;
+- ``backward``: ``loss.backward()`` of every micro-batch, including FSDP's all-gathers for backward
+  and its reduce-scatters (or DDP's all-reduces) inside it;
+- ``optimizer``: after the last backward: unscaling (fp16), gradient clipping, the optimizer and LR
+  scheduler steps.
+
+Each phase's peak is the largest total the tracker saw while it ran (over all micro-batches), with
+the breakdown at that moment; the step's peak is the largest of the three, which is exactly the
+tracker's peak over the whole step.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Optional
 
 import torch
 from torch import nn
+
+PHASES = ("forward", "backward", "optimizer")
 
 # Torch's reference types -> fsdp_exp's kinds (the metric names say these).
 KINDS = {
@@ -22,38 +37,101 @@ KINDS = {
     "Activation": "activations", "Temp": "temp", "Buffer": "buffers", "Inputs": "inputs", "Other": "other",
     "All Gather": "comm_buffers", "Reduce Scatter": "comm_buffers",
 }
-BREAKDOWN = ("params", "unsharded_params", "grads", "optim_state", "activations", "temp", "comm_buffers",
-             "buffers", "inputs", "other", "model_states", "total")
+# Kinds that are also a part of one of the kinds above (not added to the total again).
+PARTS = {"Unsharded Param": "unsharded_params", "Unsharded Grad": "unsharded_grads",
+         "All Gather": "all_gather", "Reduce Scatter": "reduce_scatter"}
+BREAKDOWN = ("params", "unsharded_params", "grads", "unsharded_grads", "optim_state", "activations", "temp",
+             "comm_buffers", "all_gather", "reduce_scatter", "buffers", "inputs", "other", "model_states", "total")
 
 
-def tracked(model: nn.Module, optimizer: torch.optim.Optimizer, backend: str, device: torch.device,
-            run: Callable[[Callable[[], None]], object]) -> tuple[object, dict[str, int]]:
-    """Run ``run(between_micro_batches)`` under a memory tracker; return its result and the peak
-    breakdown in bytes. ``run`` calls ``between_micro_batches()`` after each micro-batch but the last:
-    the tracker counts one forward per module unless its per-module stats are reset (the peak stays)."""
-    if backend == "fsdp2":
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-        tracker = FSDPMemTracker(model, optimizer)
-    else:
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
-        tracker.track_external(model, optimizer)
-    with tracker:
-        result = run(tracker.reset_mod_stats)
-    snapshot = tracker.get_tracker_snapshot("peak")
-    per_kind = snapshot.get(device) or snapshot.get(torch.device(device.type)) or {}
+def kinds_of(per_ref: dict) -> dict[str, int]:
+    """One device's tracker snapshot ({reference type: bytes, "Total": bytes}) -> bytes by kind."""
     out = dict.fromkeys(BREAKDOWN, 0)
-    for ref, nbytes in per_kind.items():
+    for ref, nbytes in per_ref.items():
         name = getattr(ref, "value", ref)
         if name == "Total":
             out["total"] = nbytes
             continue
         out[KINDS.get(name, "other")] += nbytes
-        if name == "Unsharded Param":
-            out["unsharded_params"] += nbytes
+        if name in PARTS:
+            out[PARTS[name]] += nbytes
     out["model_states"] = out["params"] + out["grads"] + out["optim_state"]
     if not out["total"]:
-        out["total"] = sum(v for k, v in out.items() if k not in ("unsharded_params", "model_states", "total"))
-    return result, out
+        parts = set(PARTS.values()) | {"model_states", "total"}
+        out["total"] = sum(v for k, v in out.items() if k not in parts)
+    return out
+
+
+class StepMemory:
+    """A context manager around one training step: torch's memory tracker, and the peak of each phase.
+
+    ``phase(name)`` marks where the step is (``PHASES``); the first ``forward`` of a later
+    micro-batch resets the tracker's per-module statistics, which otherwise refuse a second forward
+    of the root module (the running peak is kept: torch documents ``reset_mod_stats`` for this)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, backend: str, device: torch.device):
+        if backend == "fsdp2":
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            self.tracker = FSDPMemTracker(model, optimizer)
+        else:
+            from torch.distributed._tools.mem_tracker import MemTracker
+
+            self.tracker = MemTracker()
+            self.tracker.track_external(model, optimizer)
+        self.device = device
+        self.current: Optional[str] = None
+        self.forwards = 0
+        self.peaks: dict[str, dict] = {}  # phase -> its device's snapshot at the phase's peak
+
+    def __enter__(self) -> "StepMemory":
+        self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._close()
+        finally:
+            self.tracker.__exit__(*exc)
+
+    def phase(self, name: str) -> None:
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r}; one of {PHASES}")
+        self._close()
+        if name == "forward":
+            if self.forwards:
+                self.tracker.reset_mod_stats()
+            self.forwards += 1
+        self.current = name
+
+    def _device_snapshot(self, snapshot: dict) -> dict:
+        return snapshot.get(self.device) or snapshot.get(torch.device(self.device.type)) or {}
+
+    def _close(self) -> None:
+        """End the current phase: keep its peak if it beats the same phase of an earlier micro-batch,
+        and start the next phase's peak from what is alive now."""
+        if self.current is None:
+            return
+        snap = self._device_snapshot(self.tracker.get_tracker_snapshot("peak"))
+        best = self.peaks.get(self.current)
+        if best is None or snap.get("Total", 0) > best.get("Total", 0):
+            self.peaks[self.current] = snap
+        _restart_peak(self.tracker)
+        self.current = None
+
+    def breakdown(self) -> dict[str, dict[str, int]]:
+        """{"step" and each phase: {kind: bytes}} at each one's peak."""
+        out = {name: kinds_of(self.peaks.get(name, {})) for name in PHASES}
+        out["step"] = max(out.values(), key=lambda kinds: kinds["total"])
+        return out
+
+
+def _restart_peak(tracker) -> None:
+    """Make the tracker's running peak start again from its current state.
+
+    torch's trackers keep one peak from ``__enter__`` on and have no public call to restart it;
+    ``__enter__`` initializes exactly these two attributes from the current snapshot, and that is
+    what is repeated here at each phase boundary (``_update_peak_stats`` then raises them op by op)."""
+    current = tracker.get_tracker_snapshot("current")
+    tracker._peak_mem_snap = current
+    tracker._peak_mem = {dev: snap.get("Total", 0) for dev, snap in current.items()}
