@@ -1,6 +1,5 @@
 """A small matrix of configurations through the real framework: throughput, MFU, HFU, memory and comm.
 
-    cd /work/main && . .venv/bin/activate
     python benchmarks/matrix.py            # CPU: {full, grad_op, ddp} x {fp32, bf16} x ac {none, full}
     python benchmarks/matrix.py --full     # a GPU machine: a 1.3B Llama on every GPU, 4 x 2 x 3 configurations
     python benchmarks/matrix.py --quick    # two configurations, a smoke test

@@ -1,6 +1,5 @@
 """Framework overhead: fsdp_exp's training throughput vs. a minimal hand-written FSDP2 loop.
 
-    cd /work/main && . .venv/bin/activate
     python benchmarks/overhead.py              # 5 interleaved pairs (--pairs N), about 4 minutes
     python benchmarks/overhead.py --quick      # 1 pair, smoke test
     python benchmarks/overhead.py --metrics    # what the per-step metrics cost, within one run (2 minutes)
