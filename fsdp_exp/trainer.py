@@ -56,7 +56,7 @@ def run_worker(payload: dict) -> None:
     if cfg.checkpoint.on_signal:  # from now on SIGTERM / SIGUSR1 ask every rank to save and stop cleanly
         install_signal_handlers(list(cfg.checkpoint.signals))
     topology = Topology(**{k: tuple(v) if isinstance(v, list) else v for k, v in payload["topology"].items()})
-    threads = cfg.trainer.threads_per_rank or max(1, (os.cpu_count() or 1) // topology.nproc_per_node)
+    threads = cfg.trainer.threads_per_rank or default_threads(topology.nproc_per_node)
     torch.set_num_threads(threads)
     info = init_distributed(topology)
     # Under torchrun every rank composed its own config and may have picked its own time-stamped
@@ -67,6 +67,16 @@ def run_worker(payload: dict) -> None:
     # (rank 0 closes the sinks) can abort at exit.
     dist.barrier()
     dist.destroy_process_group()
+
+
+def default_threads(ranks_per_node: int) -> int:
+    """CPU threads for one rank: what SLURM allots each task (a rank) inside a job step, else this
+    process's CPUs (its affinity: a cgroup or taskset may hold fewer than the machine has) shared by
+    the node's ranks."""
+    if os.environ.get("SLURM_STEP_ID") and os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        return int(os.environ["SLURM_CPUS_PER_TASK"])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks_per_node)
 
 
 class Trainer:
