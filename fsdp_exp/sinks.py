@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -115,16 +116,31 @@ class WandbSink:
 
         if run_id:  # a run continued after a failure is no longer failed (note_failure_in_wandb)
             self.run.summary.update({"error": None})
+        self.error: Optional[str] = None  # set when W&B stopped working during the run
 
     @property
     def run_id(self) -> Optional[str]:
         return self.run.id if self.run else None
 
+    def _guarded(self, what: str, call) -> None:
+        """W&B is a copy of what metrics.jsonl and run.json hold: if it stops working mid-run (its service
+        process killed by a scheduler's SIGTERM to the whole job step, a full disk), the run goes on
+        without it instead of failing; ``error`` says what happened and run.json records it."""
+        if self.error is not None:
+            return
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - any W&B failure: stop using it
+            self.error = f"{what}: {type(exc).__name__}: {exc}"
+            print(f"fsdp_exp: W&B stopped working ({self.error}); the run goes on without it, its metrics "
+                  f"stay in metrics.jsonl", file=sys.stderr)
+
     def log(self, metrics: dict) -> None:
-        self.run.log(_json_safe({k: v for k, v in metrics.items() if k != "step"}), step=metrics["step"])
+        row = _json_safe({k: v for k, v in metrics.items() if k != "step"})
+        self._guarded("log", lambda: self.run.log(row, step=metrics["step"]))
 
     def summary(self, summary: dict) -> None:
-        self.run.summary.update(_json_safe(summary))
+        self._guarded("summary", lambda: self.run.summary.update(_json_safe(summary)))
 
     def log_files(self, files: list[Path], run_dir: Path) -> None:
         """The run's profiler traces and memory snapshots (every rank's: all in the shared run directory
@@ -134,10 +150,10 @@ class WandbSink:
                                                    "snapshots (memory/) of the sampled steps, every rank")
         for path in files:
             artifact.add_file(str(path), name=str(Path(path).relative_to(run_dir)))
-        self.run.log_artifact(artifact)
+        self._guarded("log_artifact", lambda: self.run.log_artifact(artifact))
 
     def close(self, exit_code: int = 0) -> None:
-        self.run.finish(exit_code=exit_code)
+        self._guarded("finish", lambda: self.run.finish(exit_code=exit_code))
 
 
 def note_failure_in_wandb(wandb_cfg, run_dir: Path, config: dict, overrides: list[str], choices: dict[str, str],

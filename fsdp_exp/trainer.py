@@ -564,6 +564,8 @@ class Trainer:
             if summary:
                 self.wandb.summary(summary)
             self.wandb.close(exit_code=0 if status in ("completed", "interrupted") else 1)
+            if self.wandb.error:  # W&B stopped mid-run; the run went on (sinks.WandbSink._guarded)
+                self.record.update(wandb={**self.record.read().get("wandb", {}), "error": self.wandb.error})
         if summary is not None:
             self.console.summary(summary, title=f"fsdp_exp run: {self.run_dir}")
         else:

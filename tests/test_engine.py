@@ -189,3 +189,41 @@ def test_metric_docs_match_the_schema():
 
     docs = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
     assert docs.read_text() == render_markdown(), "regenerate: python -m fsdp_exp.metrics.schema > docs/metrics.md"
+
+
+@pytest.mark.slow
+def test_a_run_goes_on_when_wandb_dies(tmp_path):
+    """W&B is a copy of metrics.jsonl: when its service process dies mid-run (as under a scheduler's
+    SIGTERM to a whole job step), the run completes without it and run.json says what happened."""
+    import os
+    import signal
+
+    import psutil
+
+    from conftest import MARKER, QUIET, REPO
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fsdp_exp", "trainer.steps=300", "logger.wandb.mode=offline", *QUIET,
+           f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, MARKER: str(run_dir)})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+                break
+            time.sleep(0.2)
+        services = [p for p in psutil.Process(proc.pid).children(recursive=True) if "wandb-core" in p.name()]
+        assert services, "no W&B service process found under the run"
+        for service in services:
+            service.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, stderr[-2000:]
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "completed"
+    assert "Connection" in record["wandb"]["error"] or "Error" in record["wandb"]["error"]
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 301))
+    assert "W&B stopped working" in stderr
