@@ -265,9 +265,29 @@ class RunConfig:
     compile: bool = False  # torch.compile each transformer block (before sharding)
 
 
+def run_stamp() -> str:
+    """The name of a run's default folder (``${run_stamp:}`` in conf/config.yaml): the time, or, when an
+    outside launcher started this process as one rank, an id every rank of the job shares. Each rank
+    composes its own config, at its own second: time stamps would give one folder per rank (and per
+    node), with the record in rank 0's and another rank's error file elsewhere."""
+    import datetime
+    import os
+
+    env = os.environ
+    if env.get("TORCHELASTIC_RUN_ID") and "RANK" in env:  # torchrun: its --rdzv-id (standalone: one uuid)
+        return f"torchrun-{env['TORCHELASTIC_RUN_ID']}"
+    if env.get("SLURM_JOB_ID") and (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")) \
+            and int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1) > 1:
+        return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID') or env.get('SLURM_STEPID')}"
+    return datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
 def register_configs() -> None:
-    """Register the primary schema; ``conf/config.yaml`` lists it first in its defaults."""
+    """Register the primary schema (``conf/config.yaml`` lists it first in its defaults) and the
+    ``run_stamp`` resolver its run folder uses."""
     ConfigStore.instance().store(name="schema", node=RunConfig)
+    if not OmegaConf.has_resolver("run_stamp"):
+        OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)  # one value per process
 
 
 register_configs()

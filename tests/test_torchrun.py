@@ -58,14 +58,16 @@ def test_two_torchrun_nodes_make_one_run(tmp_path):
 @pytest.mark.slow
 def test_a_failing_rank_under_torchrun_is_named_in_the_record(tmp_path):
     """No fsdp_exp launcher watches torchrun's ranks: the rank that raised records the failure itself,
-    and rank 0 (which only saw its peer vanish) names that rank too."""
-    run_dir = tmp_path / "run"
+    and rank 0 (which only saw its peer vanish) names that rank too. Without hydra.run.dir, every rank
+    picks the same folder (named by torchrun's run id, not each rank's clock)."""
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "fsdp_exp", *ARGS, "debug=fail_rank",
-           "logger.wandb.mode=disabled", *QUIET, f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240,
+           "logger.wandb.mode=disabled", *QUIET]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
+    (run_dir,) = (tmp_path / "outputs" / "runs").iterdir()
+    assert run_dir.name.startswith("torchrun-")
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "failed"
     assert record["error"]["rank"] == 1 and "InjectedFailure" in record["error"]["message"], record["error"]
