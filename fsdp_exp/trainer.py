@@ -277,7 +277,7 @@ class Trainer:
                     self.record.update(export=exported)
         except BaseException as exc:
             if self.info.is_main and self.sinks_open:
-                self._close_sinks(status="failed", error=f"rank 0: {type(exc).__name__}: {exc}")
+                self._close_sinks(status="failed", error=f"{type(exc).__name__}: {exc}")
             raise
         if stopped:
             if self.info.is_main:
@@ -552,7 +552,11 @@ class Trainer:
         if summary is not None:
             fields["summary"] = summary
         if error is not None:
-            fields["error"] = error
+            # Under torchrun / SLURM the rank whose error is its own records it first (launch.py); rank 0
+            # usually fails only on its vanished peer and must not overwrite that.
+            earlier = self.record.read().get("error")
+            if not (isinstance(earlier, dict) and earlier.get("rank") not in (None, 0)):
+                fields["error"] = {"rank": 0, "message": error}
         files = sorted(p for folder in ("traces", "memory") for p in (self.run_dir / folder).glob("rank*_step*.*"))
         if files:
             fields["artifacts"] = [str(p.relative_to(self.run_dir)) for p in files]

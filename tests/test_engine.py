@@ -205,8 +205,11 @@ def test_a_run_goes_on_when_wandb_dies(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "fsdp_exp", "trainer.steps=300", "logger.wandb.mode=offline", *QUIET,
            f"hydra.run.dir={run_dir}"]
+    # Without WANDB_SERVICE: an earlier in-process wandb.init of this pytest session (a launcher noting a
+    # failure) leaves it set, and the run would log through pytest's own service instead of starting one.
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, MARKER: str(run_dir)})
+                            env={**env, MARKER: str(run_dir)})
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -214,7 +217,14 @@ def test_a_run_goes_on_when_wandb_dies(tmp_path):
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
                 break
             time.sleep(0.2)
-        services = [p for p in psutil.Process(proc.pid).children(recursive=True) if "wandb-core" in p.name()]
+        services = []  # this run's W&B service: found by the environment marker it inherited
+        for candidate in psutil.process_iter(["cmdline"]):
+            try:
+                if "wandb-core" in " ".join(candidate.info["cmdline"] or []) and \
+                        candidate.environ().get(MARKER) == str(run_dir):
+                    services.append(candidate)
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
         assert services, "no W&B service process found under the run"
         for service in services:
             service.send_signal(signal.SIGTERM)
