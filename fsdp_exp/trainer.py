@@ -448,7 +448,7 @@ class Trainer:
              evaluate: bool = False) -> None:
         """Combine this step's numbers over ranks and hand them to the sinks.
 
-        The step time runs from the step's start to after the metric all-reduces, so that what
+        The step time runs from the step's start to after the metrics' all-gather over ranks, so that what
         measuring costs is inside the reported throughput, not hidden between steps. An evaluation
         (``evaluate``) runs after that, outside every step's time, and joins the same row.
         """

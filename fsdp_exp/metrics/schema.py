@@ -45,7 +45,7 @@ STEP_METRICS: list[Metric] = [
     Metric("train/lr", "1", "step", "rank0", "learning rate used by this step's update"),
     Metric("train/grad_norm", "1", "step", "global", "L2 norm of the full gradient before clipping"),
     Metric("perf/step_time_s", "s", "step", "rank0",
-           "wall time of the step: forward, backward, optimizer and the metric all-reduces"),
+           "wall time of the step: forward, backward, optimizer and the metrics' all-gather over ranks"),
     Metric("perf/tokens_per_s", "tokens/s", "step", "global", "tokens of the global batch / step time"),
     Metric("perf/tokens_per_s_per_rank", "tokens/s", "step", "mean", "perf/tokens_per_s / world size"),
     Metric("perf/tflops_per_rank", "TFLOPS", "step", "mean",
