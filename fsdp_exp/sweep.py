@@ -109,33 +109,20 @@ def invalid_combinations(overrides: list[str], config_name: str = "config") -> l
     return refused
 
 
-def sweep_records(sweep_dir: Path, since: float = 0.0) -> list[tuple[Path, dict]]:
-    """The run records of the jobs under a sweep folder written at or after ``since`` (a time stamp)."""
-    import json
+def sweep_records(sweep_dir: Path, since: float = 0.0) -> list:
+    """The runs (fsdp_exp.report's ``Run``) of the jobs under a sweep folder whose run.json was written at
+    or after ``since`` (a time stamp), in job order. Read by the report's loader, which tolerates damaged
+    records (an unreadable run.json is a run of status "unknown")."""
+    from fsdp_exp.report.load import read_run
 
-    records = []
-    for path in sorted(Path(sweep_dir).glob("*/run.json"), key=_job_number):
-        if path.stat().st_mtime + 1.0 < since:
-            continue  # an older sweep's job in a reused folder
-        try:
-            records.append((path.parent, json.loads(path.read_text())))
-        except (OSError, ValueError):
-            records.append((path.parent, {"status": "unreadable"}))
-    return records
+    paths = sorted(Path(sweep_dir).glob("*/run.json"), key=_job_number)
+    # an older sweep's job in a reused folder is left out
+    return [read_run(path.parent) for path in paths if path.stat().st_mtime + 1.0 >= since]
 
 
 def _job_number(path: Path) -> tuple[int, str]:
     head = path.parent.name.split("_", 1)[0]
     return (int(head) if head.isdigit() else 1 << 30, path.parent.name)
-
-
-def error_text(record: dict) -> str:
-    error = record.get("error")
-    if isinstance(error, dict):
-        rank = error.get("rank")
-        message = str(error.get("message", "")).splitlines()[0] if error.get("message") else "unknown error"
-        return f"rank {rank}: {message}" if rank is not None else message
-    return str(error).splitlines()[0] if error else ""
 
 
 class SweepCallback(Callback):
@@ -164,12 +151,12 @@ class SweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
-        records = sweep_records(sweep_dir, self.started or 0.0)
-        failed = [(d, r) for d, r in records if r.get("status") not in ("completed", "interrupted")]
-        _print_outcomes(sweep_dir, records)
+        runs = sweep_records(sweep_dir, self.started or 0.0)
+        failed = [run for run in runs if run.status not in ("completed", "interrupted")]
+        _print_outcomes(sweep_dir, runs)
         if failed:
-            names = ", ".join(d.name for d, _ in failed)
-            print(f"fsdp_exp: {len(failed)} of {len(records)} jobs failed: {names}", file=sys.stderr)
+            names = ", ".join(Path(run.path).name for run in failed)
+            print(f"fsdp_exp: {len(failed)} of {len(runs)} jobs failed: {names}", file=sys.stderr)
             raise SystemExit(EXIT_JOB_FAILED)
 
 
@@ -186,26 +173,23 @@ def _refuse(problems: list[str], headline: str) -> None:
         raise SystemExit(EXIT_BAD_SWEEP)
 
 
-def job_labels(records: list[tuple[Path, dict]]) -> list[str]:
-    """Each job's overrides less those every job shares: what tells the jobs apart."""
-    overrides = [list(record.get("overrides") or []) for _, record in records]
-    shared = set.intersection(*map(set, overrides)) if len(overrides) > 1 else set()
-    return [" ".join(o for o in job if o not in shared) or "(defaults)" for job in overrides]
-
-
-def _print_outcomes(sweep_dir: Path, records: list[tuple[Path, dict]]) -> None:
+def _print_outcomes(sweep_dir: Path, runs: list) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"sweep {sweep_dir}: {len(records)} jobs", header_style="bold")
+    from fsdp_exp.report.table import common_overrides, labels
+
+    table = Table(title=f"sweep {sweep_dir}: {len(runs)} jobs", header_style="bold")
     for column in ("job", "overrides", "status", "tokens/s", "error"):
         table.add_column(column, justify="right" if column == "tokens/s" else "left", overflow="fold")
-    for (run_dir, record), label in zip(records, job_labels(records)):
-        tokens = (record.get("summary") or {}).get("summary/tokens_per_s_median")
+    # labels: each job's overrides less those every job shares, i.e. what tells the jobs apart
+    for run, label in zip(runs, labels(runs, common_overrides(runs))):
+        tokens = run.summary.get("summary/tokens_per_s_median")
+        error = (run.error or "").splitlines()[0] if run.status != "completed" and run.error else ""
         # escape: errors quote paths such as gloo's "[/pytorch/...]", which rich would read as markup
-        table.add_row(run_dir.name.split("_", 1)[0], escape(label), str(record.get("status")),
-                      f"{tokens:.0f}" if tokens else "", escape(error_text(record)))
+        table.add_row(Path(run.path).name.split("_", 1)[0], escape(label), run.status,
+                      f"{tokens:.0f}" if tokens else "", escape(error))
     console = Console(stderr=True)
     console.print(table)
     console.print(f"compare them: python -m fsdp_exp.report {sweep_dir}")
