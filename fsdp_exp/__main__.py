@@ -19,10 +19,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from fsdp_exp.config import ConfigError, to_run_config
-
-EXIT_BAD_CONFIG = 2
-EXIT_RUN_FAILED = 1
+from fsdp_exp.config import to_run_config
+from fsdp_exp.errors import EXIT_BAD_CONFIG, EXIT_RUN_FAILED, ConfigError
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -23,53 +23,16 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-from fsdp_exp.config import RunConfig, Topology, fail, plain, validate
+from fsdp_exp.config import RunConfig, Topology, fail, plain
+from fsdp_exp.config.preflight import validate
+from fsdp_exp.env import cuda_device_count, external_world
+from fsdp_exp.errors import RunFailed  # noqa: F401 - raised here, caught by __main__ and slurm
 from fsdp_exp.sinks import RunRecord
 
 ERRORS_DIR = "errors"
 # After a rank fails, how long the others get to end on their own (they usually fail at once on the
 # dead peer's closed connections) before they are killed.
 FAILURE_GRACE_S = 5.0
-
-
-class RunFailed(RuntimeError):
-    """A rank failed. ``rank`` and ``summary`` say which and why; the record holds the details."""
-
-    def __init__(self, rank: Optional[int], summary: str):
-        super().__init__(f"rank {rank} failed: {summary}" if rank is not None else summary)
-        self.rank, self.summary = rank, summary
-
-
-def external_world() -> Optional[tuple[int, int]]:
-    """(world size, ranks on this node) when an outside launcher made this process one rank, else None.
-
-    torchrun sets RANK and WORLD_SIZE. Under SLURM a rank is one task of a job step with more than one
-    task (``srun``, as in the jobs of ``hydra/launcher=slurm``); the step's own counts apply, not the
-    allocation's (a step may use fewer tasks; the allocation's SLURM_NTASKS_PER_NODE is wrong for it).
-    A batch script is not a step: it has SLURM_PROCID=0 and the allocation's SLURM_NTASKS but no
-    SLURM_STEP_ID, and a ``python -m fsdp_exp`` there is the launcher of its own local ranks, not rank
-    0 of a world that nobody else would join.
-    """
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
-        return world, int(env.get("LOCAL_WORLD_SIZE", world))
-    if "SLURM_PROCID" not in env or not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
-        return None
-    world = int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1)
-    if world <= 1:
-        return None  # one task: fsdp_exp spawns trainer.nproc_per_node ranks inside it, as on any machine
-    # Tasks per node, e.g. "2(x3),1": every node must run as many ranks (one trainer.nproc_per_node).
-    layout = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
-    counts = set()
-    for part in filter(None, layout.split(",")):
-        counts.add(int(part.split("(")[0]))
-    if len(counts) > 1:
-        fail(f"this SLURM step runs a different number of tasks on its nodes (SLURM tasks per node: {layout}); "
-             "fsdp_exp runs the same number of ranks on every node.",
-             "ask for the same count on every node: srun/sbatch --ntasks-per-node=N (hydra/launcher=slurm does)")
-    nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1)
-    return world, counts.pop() if counts else max(1, world // nodes)
 
 
 def _export_slurm_env() -> None:
@@ -114,12 +77,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def cuda_device_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def prepare(cfg: RunConfig, world: Optional[tuple[int, int]] = None) -> Topology:

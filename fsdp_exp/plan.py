@@ -625,7 +625,7 @@ def compose(overrides: list[str]) -> RunConfig:
 
 
 def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
-    from fsdp_exp.config import validate
+    from fsdp_exp.config.preflight import validate
 
     options, overrides = split_argv(argv)
     fmt = options.get("format", "table")
@@ -654,7 +654,7 @@ def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
         gpus = int(n) if n.isdigit() else 8
         topology = validate(cfg, cuda_devices=gpus)
     else:
-        from fsdp_exp.launch import cuda_device_count
+        from fsdp_exp.env import cuda_device_count
 
         topology = validate(cfg, cuda_devices=cuda_device_count())
     result = plan(cfg, topology, device_kind=device.kind if device else None, margin=margin)

@@ -27,12 +27,12 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLaunche
 from omegaconf import DictConfig, OmegaConf
 
 from fsdp_exp.config import ConfigError, fail, resolve_nproc
+from fsdp_exp.errors import EXIT_BAD_CONFIG
 
 log = logging.getLogger(__name__)
 
 # Decided per job from the trainer config; setting them on the launcher would contradict it.
 PER_JOB = ("tasks_per_node", "nodes")
-EXIT_BAD_CONFIG = 2  # as fsdp_exp/__main__.py
 
 
 def job_resources(trainer: Any, gpus_per_node: Optional[int]) -> dict:

@@ -31,6 +31,7 @@ from fsdp_exp import __version__
 from fsdp_exp.checkpoint import Checkpointer, check_identical_init, install_signal_handlers
 from fsdp_exp.config import RunConfig, Topology, plain, to_run_config
 from fsdp_exp.data import build_data
+from fsdp_exp.env import default_threads
 from fsdp_exp.dist import (RankInfo, broadcast_object, build_mesh, gather_over_ranks, init_distributed,
                            reduce_over_ranks)
 from fsdp_exp.metrics import memory
@@ -67,16 +68,6 @@ def run_worker(payload: dict) -> None:
     # (rank 0 closes the sinks) can abort at exit.
     dist.barrier()
     dist.destroy_process_group()
-
-
-def default_threads(ranks_per_node: int) -> int:
-    """CPU threads for one rank: what SLURM allots each task (a rank) inside a job step, else this
-    process's CPUs (its affinity: a cgroup or taskset may hold fewer than the machine has) shared by
-    the node's ranks."""
-    if os.environ.get("SLURM_STEP_ID") and os.environ.get("SLURM_CPUS_PER_TASK", "").isdigit():
-        return int(os.environ["SLURM_CPUS_PER_TASK"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // ranks_per_node)
 
 
 class Trainer:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_exp.config import ConfigError, validate
+from fsdp_exp.config import ConfigError
+from fsdp_exp.config.preflight import validate
 
 from conftest import read_metrics, run_config, run_experiment
 from reference import reference_losses

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.config import ConfigError, validate
+from fsdp_exp.config import ConfigError
+from fsdp_exp.config.preflight import validate
 
 from conftest import REPO, leftover_processes, run_cli, run_config
 

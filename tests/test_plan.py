@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from fsdp_exp.config import validate
+from fsdp_exp.config.preflight import validate
 
 from conftest import REPO, read_metrics, run_config, run_experiment
 

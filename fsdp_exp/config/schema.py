@@ -1,0 +1,263 @@
+"""The run configuration's schema: one dataclass per config group, registered with Hydra's ConfigStore.
+
+A leaf: it imports nothing of fsdp_exp, so every other module may import it. The YAML files under
+``conf/`` are merged onto these schemas, so a misspelt key or a value of the wrong type is refused
+while Hydra composes. Checks that span groups live in ``fsdp_exp.config.preflight``, which calls
+each owner's own checks (backends, models, data, checkpoints) before any rank starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder. ``name`` selects the architecture in ``fsdp_exp.models.REGISTRY``."""
+
+    name: str = "llama"
+    dim: int = MISSING
+    n_layers: int = MISSING
+    n_heads: int = MISSING
+    n_kv_heads: Optional[int] = None  # None = n_heads (no grouped-query attention)
+    vocab_size: int = MISSING
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    n_experts: int = 0  # > 0: every block's feed-forward is a mixture of this many experts
+    experts_top_k: int = 2  # experts each token is routed to
+
+
+@dataclass
+class ShardingConfig:
+    """How parameters, gradients and optimizer state are spread over data-parallel ranks.
+
+    ``strategy`` speaks the user's vocabulary; each backend in ``fsdp_exp.parallel`` translates it
+    (docs/vocabulary.md). ``replicate_size`` x ``shard_size`` is the 2-D mesh of ``hybrid``.
+    """
+
+    backend: str = "fsdp2"  # fsdp2 | fsdp1 | ddp
+    strategy: str = "full"  # full | grad_op | hybrid | no_shard
+    replicate_size: Optional[int] = None  # hybrid: None = world / shard_size
+    shard_size: Optional[int] = None  # hybrid: None = trainer.nproc_per_node (shard within a node)
+    # FSDP2: "auto" (from the strategy) | true | false | N (reshard to groups of N ranks after forward).
+    reshard_after_forward: str = "auto"
+    # FSDP2: reshard the last block after forward too? None = no (backward needs it at once).
+    reshard_last_block: Optional[bool] = None
+    # FSDP1 only (None = fsdp_exp's FSDP1 default: use_orig_params=True, for per-parameter weight decay;
+    # sync_module_states=False, since every rank initializes identically by seed):
+    use_orig_params: Optional[bool] = None
+    sync_module_states: Optional[bool] = None
+
+
+@dataclass
+class PrecisionConfig:
+    param_dtype: str = "fp32"  # dtype of the unsharded parameters used in forward/backward
+    reduce_dtype: str = "fp32"  # dtype of gradient reduce-scatter / all-reduce
+    output_dtype: Optional[str] = None  # FSDP2: dtype the root module's outputs are cast to (None = leave)
+    buffer_dtype: Optional[str] = None  # FSDP1: dtype of buffers (None = param_dtype)
+    cast_forward_inputs: bool = True  # cast floating-point forward inputs to param_dtype
+    loss_scaler: str = "none"  # none | dynamic (fp16 needs dynamic)
+
+
+@dataclass
+class OffloadConfig:
+    params: bool = False  # keep sharded params, grads and optimizer state on the host
+    pin_memory: Optional[bool] = None  # None = pin when CUDA is used (CPU-only torch cannot pin)
+
+
+@dataclass
+class PrefetchConfig:
+    """All-gather prefetch, in wrapped units.
+
+    FSDP2: ``forward`` / ``backward`` are explicit prefetch depths. ``forward=0`` prefetches nothing
+    ahead (FSDP2's own default); ``backward=None`` leaves FSDP2's implicit one-unit backward prefetch,
+    which FSDP2 cannot switch off, so ``backward=0`` is refused there.
+    FSDP1: ``forward`` 0/1 = ``forward_prefetch``; ``backward`` 0 = no ``backward_prefetch``, 1 or None =
+    ``BackwardPrefetch.BACKWARD_PRE`` or ``BACKWARD_POST`` by ``backward_timing``; ``limit_all_gathers``.
+    """
+
+    forward: int = 1
+    backward: Optional[int] = 1
+    backward_timing: str = "pre"  # pre | post (FSDP1's BACKWARD_POST; FSDP2 prefetches pre only)
+    limit_all_gathers: Optional[bool] = None  # FSDP1 rate limiter; None = FSDP1's default (true)
+
+
+@dataclass
+class WrapConfig:
+    # block: each transformer block is a unit, then the root | none: the root alone |
+    # size: every module holding >= min_num_params not yet wrapped (FSDP1 size_based_auto_wrap_policy) |
+    # experts: each expert of an MoE layer, then each block, then the root (a custom policy)
+    policy: str = "block"
+    min_num_params: int = 100_000_000
+
+
+@dataclass
+class ParallelConfig:
+    """Model parallelism beside data parallelism."""
+
+    tp: int = 1  # tensor-parallel degree (FSDP2 only): a 2-D mesh (dp, tp)
+    sequence_parallel: bool = False  # shard norms and activations between TP regions over the sequence
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: str = "none"  # none | full | selective
+    every: int = 1  # selective: checkpoint every k-th block (layer-level selective AC)
+    ops: str = "none"  # selective: none | matmul_save (op-level: save matmul outputs, recompute the rest)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    lr_warmup_steps: int = 2  # linear warm-up of the learning rate
+    schedule: str = "cosine"  # cosine | constant (after warm-up)
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from (fsdp_exp/data/). Real data is tokenized and packed once, before any rank starts."""
+
+    name: str = "synthetic"  # synthetic (seeded random tokens) | text | json | parquet (data.files) | hf (data.dataset)
+    files: list[str] = field(default_factory=list)  # local files or glob patterns; pkg://fsdp_exp/... = shipped
+    val_files: list[str] = field(default_factory=list)  # validation text for trainer.eval_every (local kinds)
+    dataset: Optional[str] = None  # hf: a hub dataset name or a local dataset folder
+    dataset_config: Optional[str] = None  # hf: the dataset's configuration (subset) name
+    split: str = "train"  # hf: the training split
+    val_split: Optional[str] = None  # hf: the validation split
+    revision: Optional[str] = None  # hf: a branch, tag or commit of the dataset
+    streaming: bool = False  # read through datasets' streaming mode (never holds the corpus in memory)
+    text_field: str = "text"  # json / parquet / hf: the column that holds the text
+    sample_by: str = "paragraph"  # text: one document per line | paragraph (blank-line separated) | document (file)
+    tokenizer: str = "byte"  # byte (UTF-8 bytes, id 0 ends a document) | tokenizer.json path or folder | hub name
+    eos_token: Optional[str] = None  # HF tokenizers: the end-of-document token; None = the first usual one found
+    max_blocks: Optional[int] = None  # pack at most this many training blocks (a prefix of a huge corpus)
+    cache_dir: str = "~/.cache/fsdp_exp/data"  # packed blocks (and datasets' copies of local files)
+    shuffle: bool = True  # a new permutation of the blocks every epoch, by (seed, epoch)
+    seed: Optional[int] = None  # None = trainer.seed
+    num_workers: int = 0  # DataLoader worker processes per rank; 0 = load in the training loop
+    prefetch_factor: int = 2  # micro-batches each worker keeps ready
+    val_batches: int = 4  # global batches of validation data per evaluation
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 10
+    warmup_steps: int = 2  # first steps left out of the summary's medians (compile, caches, allocator)
+    nproc_per_node: str = "auto"  # "auto" = number of CUDA GPUs, or 2 CPU ranks without CUDA
+    nnodes: int = 1
+    seed: int = 0
+    global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch_size: Optional[int] = None  # sequences per rank per forward; None = no accumulation
+    seq_len: int = 128
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
+    log_every: int = 1
+    device: str = "auto"  # auto | cpu | cuda
+    peak_tflops: Optional[float] = None  # per-device peak for MFU; None = look the device up
+    threads_per_rank: Optional[int] = None  # CPU threads per rank; None = cores / local ranks
+    eval_every: int = 0  # steps between evaluations on the validation data (val/loss); 0 = never
+    # Memory breakdown of one step by torch's memory tracker (slow: sampled inside the warm-up).
+    # Not for sharding.backend=fsdp1: torch's MemTracker cannot hook FSDP1's flat-parameter views.
+    track_memory: bool = True
+    track_memory_step: Optional[int] = None  # 0-based; None = the last warm-up step
+    # Steps (0-based) to run under torch.profiler: a chrome trace per rank in <run dir>/traces and the
+    # step's communication times (comm/*). Profiling slows the step: profiled steps stay out of the summary.
+    profile_steps: list[int] = field(default_factory=list)
+    # CUDA: record the allocator's history during the memory-sampled step (track_memory_step, else the last
+    # warm-up step) and dump a snapshot per rank to <run dir>/memory/ (open it in pytorch.org/memory_viz).
+    memory_snapshot: bool = False
+    digest_shards: bool = True  # hash every rank's parameter shards at the end (replicas must agree)
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # online | offline | disabled
+    project: str = "fsdp_exp"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    name: Optional[str] = None  # None = built from the command-line overrides
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggerConfig:
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    progress: bool = True  # progress bar on rank 0
+    summary_table: bool = True
+
+
+@dataclass
+class DebugConfig:
+    """Fault injection, to test that a failing rank ends the job fast and is named; and diagnostics."""
+
+    fail_at_step: Optional[int] = None
+    fail_rank: int = 0
+    # How rank fail_rank fails: None = raise InjectedFailure; a signal name (SIGKILL, SIGTERM, ...) = the
+    # rank sends itself that signal.
+    fail_signal: Optional[str] = None
+    # step = at the start of step fail_at_step (0-based) | save = inside the save of checkpoint step_<fail_at_step>,
+    # after its shard files are written and before the checkpoint is complete.
+    fail_during: str = "step"
+    nan_at_step: Optional[int] = None  # rank fail_rank's parameters become NaN at the start of this step (0-based)
+    # At start, hash every rank's initial parameter shards: replicas must agree and each shard must be the
+    # slice of the seeded full tensor; a mismatch names the ranks and tensors.
+    check_identical_init: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    """Sharded checkpoints (fsdp_exp/checkpoint.py): when to save, where, how many to keep, how to resume.
+
+    A checkpoint is ``<dir>/step_<N>/`` (torch.distributed.checkpoint shards, each rank's RNG state,
+    the trainer state and ``fsdp_exp_checkpoint.json``), written as ``step_<N>.tmp`` and renamed when
+    every rank has finished: a folder named ``step_<N>`` is always complete.
+    """
+
+    dir: Optional[str] = None  # None = <run dir>/checkpoints
+    every: int = 0  # save every N steps and after the last step; 0 = no periodic checkpoints
+    keep: int = 2  # the newest K complete checkpoints are kept, older ones deleted; 0 = keep all
+    # auto = continue from the newest complete checkpoint in dir, if there is one | none = start at step 0 |
+    # a path to a step_<N> folder (or a checkpoint dir: its newest)
+    resume: str = "auto"
+    async_save: bool = False  # write in a background thread while training continues
+    # On one of these signals every rank saves a checkpoint at the same step and exits cleanly (status
+    # "interrupted"), so a requeued job resumes; the local launcher forwards them to its ranks.
+    on_signal: bool = True
+    signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    nan_check: bool = True  # stop with an error on a NaN/inf loss; the last good checkpoint stays
+    export: str = "none"  # none | safetensors | hf: the final model, consolidated on rank 0
+    export_dir: Optional[str] = None  # None = <run dir>/export
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    wrap: WrapConfig = field(default_factory=WrapConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    ac: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compile: bool = False  # torch.compile each transformer block (before sharding)
+

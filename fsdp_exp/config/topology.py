@@ -1,0 +1,44 @@
+"""The topology of a run: what it looks like once ``auto`` values are resolved against the hardware."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fsdp_exp.errors import fail
+
+
+@dataclass(frozen=True)
+class Topology:
+    """What the run looks like once ``auto`` values are resolved against the hardware."""
+
+    device_type: str  # "cpu" | "cuda"
+    nproc_per_node: int
+    nnodes: int
+    world_size: int
+    dp_size: int  # data-parallel ranks: world / tp_size
+    tp_size: int  # tensor-parallel ranks per data-parallel rank
+    mesh_shape: tuple[int, ...]  # (shard,) or (replicate, shard), with a trailing tp dim when tp > 1
+    mesh_dim_names: tuple[str, ...]
+    micro_batch_size: int
+    grad_accum_steps: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def resolve_nproc(value: str, cuda_devices: int) -> int:
+    if value == "auto":
+        return cuda_devices if cuda_devices > 0 else 2
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        fail(f"trainer.nproc_per_node={value!r} is neither 'auto' nor a positive whole number.",
+              "pass trainer.nproc_per_node=auto or e.g. trainer.nproc_per_node=2")
+    return n
+
+
+def largest_divisor_at_most(n: int, k: int) -> int:
+    return max(d for d in range(1, max(1, min(n, k)) + 1) if n % d == 0)

@@ -1,0 +1,183 @@
+"""The interface every data-parallel backend implements, and the registry that names them.
+
+A backend owns everything about itself: which config knobs it honours (and the fix to suggest when it
+cannot), how the data-parallel mesh is laid out for a strategy, how it applies the config to a model
+built on the meta device, what it reads back from torch, whether torch's memory tracker can follow
+it, how its shards are hashed, its checkpoint state-dict options, the planner's rules for its memory
+layout and its column of docs/vocabulary.md. Outside ``fsdp_exp.parallel`` no code compares a
+backend's name: it asks ``backend_for(cfg)``.
+
+The training step's pieces (optimizer creation, gradient sync, autocast, clipping, loss scaling,
+backward and optimizer step) are the backend's too. The defaults below are the torch-optimizer path
+that FSDP2, FSDP1 and DDP share; a backend whose engine owns the step (DeepSpeed) overrides them.
+
+A new backend is one module under ``fsdp_exp/parallel/`` with a ``Backend`` subclass, one line in
+``BACKEND_MODULES`` and (optionally) a preset in ``conf/sharding/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from fsdp_exp.errors import fail
+
+if TYPE_CHECKING:  # the schema is a leaf; torch is imported by the backends themselves
+    import torch
+    from torch import nn
+
+    from fsdp_exp.config.schema import RunConfig
+    from fsdp_exp.config.topology import Topology
+
+# name -> module that defines ``BACKEND`` (an instance of a Backend subclass). Imported on first use.
+BACKEND_MODULES: dict[str, str] = {
+    "fsdp2": "fsdp_exp.parallel.fsdp2",
+    "fsdp1": "fsdp_exp.parallel.fsdp1",
+    "ddp": "fsdp_exp.parallel.ddp",
+}
+
+
+def backend_names() -> list[str]:
+    return list(BACKEND_MODULES)
+
+
+def check_backend_name(name: str) -> None:
+    """Refuse an unknown ``sharding.backend`` with a "did you mean"."""
+    if name in BACKEND_MODULES:
+        return
+    close = difflib.get_close_matches(name, BACKEND_MODULES, n=1)
+    hint = f"did you mean sharding.backend={close[0]}? " if close else ""
+    fail(f"sharding.backend={name!r} is not one of {', '.join(BACKEND_MODULES)}.",
+         f"{hint}pass sharding.backend=fsdp2 (or a preset: sharding=full|grad_op|hybrid|no_shard|ddp)")
+
+
+def get_backend(name: str) -> "Backend":
+    check_backend_name(name)
+    return importlib.import_module(BACKEND_MODULES[name]).BACKEND
+
+
+def backend_for(cfg: "RunConfig") -> "Backend":
+    return get_backend(cfg.sharding.backend)
+
+
+@dataclass(frozen=True)
+class PlannerRules:
+    """How a backend lays out memory, as the planner (fsdp_exp/plan) needs to know it.
+
+    ``param_layout``: ``dim0`` (each parameter's dim 0 is chunked over the shard group, padded as
+    ``torch.chunk`` does: FSDP2), ``flat`` (one flat parameter per unit, padded to a multiple of the
+    shard group: FSDP1) or ``replicated`` (whole parameters on every rank: DDP).
+    ``gathers_units``: compute all-gathers each unit's unsharded parameters (FSDP); False: the
+    parameters are used in place (DDP). ``autocast``: compute runs under ``torch.autocast`` (DDP's
+    mixed precision), so weights are cast per use and the residual stream stays fp32.
+    ``root_output_dtype``: the dtype the root's output is cast to (FSDP2's ``output_dtype``), or None.
+    ``reshard_after_forward``: whether a unit's unsharded copy is freed after its forward.
+    ``gradient_buckets``: gradients are reduced through full-size buckets (DDP).
+    ``offloads``: ``offload=params`` moves the states to the host under this backend.
+    ``notes``: assumptions the planner states for this backend (e.g. a schedule it borrows).
+    """
+
+    param_layout: str
+    gathers_units: bool
+    autocast: bool
+    root_output_dtype: Optional[str]
+    reshard_after_forward: Union[bool, int]
+    gradient_buckets: bool
+    offloads: bool
+    notes: tuple[str, ...] = ()
+
+
+class Backend:
+    """The default implementation is shared by the torch-optimizer backends; see the module docstring."""
+
+    name: str = ""
+    api: str = ""  # what users see torch call it, e.g. torch.distributed.fsdp.fully_shard
+    strategies: tuple[str, ...] = ()  # the sharding strategies it can run
+    tracks_memory: bool = True  # torch's FSDP memory tracker can follow this backend's parameters
+
+    # ------------------------------------------------------------------------------- preflight
+    def check(self, cfg: "RunConfig", device_type: str) -> None:
+        """Refuse (``fail``) every knob this backend cannot honour, naming the equivalent."""
+
+    def data_parallel_mesh(self, strategy: str, dp: int, replicate: int, shard: int) -> tuple[tuple, tuple]:
+        """(shape, dim names) of the data-parallel mesh for a strategy; ``replicate`` x ``shard`` is
+        hybrid's resolved split of ``dp`` ranks."""
+        if strategy == "hybrid":
+            return (replicate, shard), ("replicate", "shard")
+        if strategy == "no_shard":
+            return (dp, 1), ("replicate", "shard")
+        return (dp,), ("shard",)
+
+    # ----------------------------------------------------------------------------------- build
+    def apply(self, model: "nn.Module", cfg: "RunConfig", mesh, device: "torch.device") -> tuple["nn.Module", dict]:
+        """Shard / wrap ``model`` (on meta), materialize this rank's part and initialize it from the
+        seed. Returns the model to train and the applied settings (JSON-ready)."""
+        raise NotImplementedError
+
+    def inspect(self, model: "nn.Module") -> list[dict]:
+        """What torch holds, read back from the wrapped model: one entry per sharding unit."""
+        raise NotImplementedError
+
+    def unwrap(self, model: "nn.Module") -> "nn.Module":
+        """The plain model inside the wrapper (itself for in-place backends)."""
+        return getattr(model, "module", model)
+
+    # ------------------------------------------------------------------------- training step
+    def build_optimizer(self, model: "nn.Module", cfg: "RunConfig", decay_names: set[str]):
+        from fsdp_exp.optim import build_optimizer
+
+        return build_optimizer(model, cfg.optim, decay_names)
+
+    def gradient_sync(self, model: "nn.Module", enabled: bool):
+        """A context for one micro-batch's backward: reduce gradients only when ``enabled``."""
+        return contextlib.nullcontext() if enabled else model.no_sync()
+
+    def autocast(self):
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, model: "nn.Module", max_norm: float) -> "torch.Tensor":
+        raise NotImplementedError
+
+    def grad_scaler(self, device: "torch.device"):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device.type)  # all-reduces inf checks over the shards
+
+    # ------------------------------------------------------------------------------ checkpoint
+    def state_dict_options(self) -> dict:
+        """Extra keyword arguments for torch.distributed.checkpoint.state_dict's ``StateDictOptions``."""
+        return {}
+
+    def quiet_checkpoint_warnings(self) -> None:
+        """Silence warnings torch raises on every tensor of this backend's state dicts (if any)."""
+
+    def init_digests(self, model: "nn.Module", seed: int) -> list[dict]:
+        """This rank's view of its initial parameters, for the identical-init check
+        (``debug.check_identical_init``): per tensor its name, which slice this rank holds, the hash of
+        that slice and the hash the seeded initialization says it must have."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------------------------- planner
+    def planner_rules(self, cfg: "RunConfig") -> PlannerRules:
+        raise NotImplementedError
+
+    def shard_group(self, topology: "Topology") -> int:
+        """Ranks one parameter is sharded over (1 when it is replicated)."""
+        names = list(topology.mesh_dim_names)
+        return topology.mesh_shape[names.index("shard")] if "shard" in names else 1
+
+    # ------------------------------------------------------------------------------------ docs
+    column_title: str = ""  # the heading of this backend's column in docs/vocabulary.md
+
+    def vocabulary(self) -> dict[str, str]:
+        """This backend's cell for each row of docs/vocabulary.md (row key -> text); rows it leaves
+        out read "refused at validation"."""
+        return {}
+
+
+def describe_refusal(backend: Backend, knob: str, why: str, fix: str) -> Any:
+    """Refuse a knob that ``backend`` cannot honour (the one message shape every backend uses)."""
+    fail(f"{knob} cannot be honoured by sharding.backend={backend.name}: {why}", fix)
