@@ -59,12 +59,29 @@ def sweep_problems(overrides: list[str]) -> list[str]:
         else:
             chosen = [override.get_value_element_as_str()]
         options = _group_options(key)
+        if not options and not key.lstrip("+~").startswith("hydra."):
+            problems.extend(_unknown_key(key.lstrip("+~").split("@")[0]))
         for value in chosen if options and not override.is_delete() else []:
             if value not in options and value != "null":
                 near = difflib.get_close_matches(value, options, n=1)
                 hint = f"did you mean {key}={near[0]}? " if near else ""
                 problems.append(f"{key}={value}: no such option; {hint}options: {', '.join(options)}")
     return problems
+
+
+def _unknown_key(key: str) -> list[str]:
+    """A key the schema does not declare (one that ``+key=`` or ``++key=`` would add), with the closest."""
+    from fsdp_exp.config import ConfigError, RunConfig
+    from fsdp_exp.config.strict import check_keys
+
+    node: dict = {}
+    for part in reversed(key.split(".")):
+        node = {part: node or None}
+    try:
+        check_keys(node, RunConfig)
+    except ConfigError as err:
+        return [str(err).splitlines()[0].removeprefix("unknown key: ")]
+    return []
 
 
 def _group_options(key: str) -> list[str]:

@@ -31,8 +31,14 @@ register_configs()
 
 
 def to_run_config(cfg: DictConfig | dict) -> RunConfig:
-    """Turn a composed (or plain, as handed to workers) config into typed dataclasses."""
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
+    """Turn a composed (or plain, as handed to workers) config into typed dataclasses, refusing keys the
+    schema does not declare and numbers that are not finite (fsdp_exp/config/strict.py)."""
+    from fsdp_exp.config.strict import check_keys, check_values
+
+    check_keys(cfg, RunConfig)
+    run_config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
+    check_values(run_config)
+    return run_config
 
 
 def plain(cfg: Any) -> dict:

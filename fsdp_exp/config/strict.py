@@ -1,0 +1,123 @@
+"""Strict keys and meaningful values: nothing the user writes is silently ignored.
+
+Hydra refuses a misspelt key of a group's YAML or a plain override, but a key added with ``+`` or ``++``
+(or in a user's own YAML) lands in the composed config even when the schema has no such field, and
+OmegaConf then carries it along unused. ``check_keys`` walks the composed config against the schema's
+dataclasses and refuses every key the schema does not declare, with the closest real key. A field the
+schema types as a mapping (``dict[str, Any]``) is an open map whose keys its owner checks instead.
+``check_values`` refuses numbers that cannot mean anything (NaN, infinities) wherever the schema
+expects a number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import typing
+from typing import Any, Iterator
+
+from fsdp_exp.errors import fail
+
+IGNORED_TOP_LEVEL = frozenset({"hydra"})  # Hydra's own node, when a config carries it
+
+
+def _field_types(schema: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(schema)
+    return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
+
+
+def _dataclass_of(annotation: Any) -> type | None:
+    """The dataclass a field holds (``Optional[X]`` included), else None."""
+    if dataclasses.is_dataclass(annotation):
+        return annotation
+    for arg in typing.get_args(annotation):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _is_open_map(annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (dict, typing.Dict):
+        return True
+    return any(typing.get_origin(arg) in (dict, typing.Dict) for arg in typing.get_args(annotation))
+
+
+def schema_keys(schema: type, prefix: str = "") -> Iterator[str]:
+    """Every dotted key the schema declares (open maps as their own key)."""
+    for name, annotation in _field_types(schema).items():
+        key = f"{prefix}{name}"
+        yield key
+        inner = _dataclass_of(annotation)
+        if inner is not None:
+            yield from schema_keys(inner, key + ".")
+
+
+def unknown_keys(node: Any, schema: type, prefix: str = "") -> Iterator[str]:
+    """Dotted keys present in ``node`` (a mapping) that ``schema`` does not declare."""
+    fields = _field_types(schema)
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if not prefix and key in IGNORED_TOP_LEVEL:
+            continue
+        if key not in fields:
+            yield path
+            continue
+        annotation = fields[key]
+        if _is_open_map(annotation):
+            continue  # its owner checks its keys
+        inner = _dataclass_of(annotation)
+        value = node[key]
+        if inner is not None and hasattr(value, "keys"):
+            yield from unknown_keys(value, inner, path + ".")
+
+
+def check_keys(cfg: Any, schema: type) -> None:
+    """Refuse keys the schema does not declare (exit 2 upstream), naming the closest real key."""
+    unknown = list(unknown_keys(cfg, schema))
+    if not unknown:
+        return
+    known = list(schema_keys(schema))
+    problems, fixes = [], []
+    for key in unknown:
+        # Compare with keys of the same group first: "trainer.stpes" is closer to "trainer.steps" than
+        # to any top-level key.
+        group = key.rsplit(".", 1)[0] + "." if "." in key else ""
+        candidates = [k for k in known if k.startswith(group) and k.count(".") == key.count(".")] or known
+        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+        problems.append(f"{key} is not a setting of fsdp_exp" + (f" (did you mean {close[0]}?)" if close else ""))
+        fixes.append(f"drop {key}" + (f", or write {close[0]}=..." if close else ""))
+    fail("unknown key" + ("s" if len(unknown) > 1 else "") + ": " + "; ".join(problems) + ".",
+         "; ".join(fixes) + " (python -m fsdp_exp --cfg job lists every key)")
+
+
+def non_finite_values(obj: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        path = f"{prefix}{f.name}"
+        if isinstance(value, float) and not math.isfinite(value):
+            yield path, value
+        elif dataclasses.is_dataclass(value):
+            yield from non_finite_values(value, path + ".")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if isinstance(item, float) and not math.isfinite(item):
+                    yield f"{path}[{i}]", item
+
+
+def check_values(run_config: Any) -> None:
+    """Refuse NaN and infinities wherever the schema expects a number."""
+    bad = list(non_finite_values(run_config))
+    if not bad:
+        return
+    defaults = type(run_config)()
+    fixes = []
+    for path, _ in bad:
+        default: Any = defaults
+        for part in path.split("[")[0].split("."):
+            default = getattr(default, part, None)
+        fixes.append(f"pass a finite {path}" + (f" (the default is {default})" if default is not None
+                                                 and not isinstance(default, (list, tuple)) else ""))
+    fail(", ".join(f"{path}={value}" for path, value in bad) + " is not a finite number, and no setting means "
+         "anything with NaN or infinity.", "; ".join(fixes))

@@ -1,0 +1,90 @@
+"""Nothing the user writes is silently ignored: keys the schema does not declare and numbers that
+cannot mean anything are refused before any rank starts, naming the key and the closest real one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from fsdp_exp.config import ConfigError, RunConfig
+from fsdp_exp.config.strict import check_keys, schema_keys
+
+from conftest import run_cli, run_config
+
+
+@dataclass
+class Inner:
+    overrides: dict[str, Any] = field(default_factory=dict)
+    size: int = 1
+
+
+@dataclass
+class Outer:
+    inner: Inner = field(default_factory=Inner)
+
+
+@pytest.mark.parametrize("override,named,suggested", [
+    ("+unknown_key=1", "unknown_key", None),
+    ("+trainer.stpes=5", "trainer.stpes", "trainer.steps"),
+    ("++model.dimm=3", "model.dimm", "model.dim"),
+    ("+logger.wandb.projct=x", "logger.wandb.projct", "logger.wandb.project"),
+])
+def test_an_added_key_that_the_schema_lacks_is_refused_with_the_closest_key(override, named, suggested):
+    with pytest.raises(ConfigError) as err:
+        run_config([override])
+    message = str(err.value)
+    assert named in message
+    if suggested:
+        assert f"did you mean {suggested}?" in message
+
+
+@pytest.mark.parametrize("override,key", [("trainer.grad_clip=nan", "trainer.grad_clip"),
+                                          ("optim.lr=inf", "optim.lr"),
+                                          ("optim.betas=[0.9,-inf]", "optim.betas[1]")])
+def test_a_number_that_is_not_finite_is_refused(override, key):
+    with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        run_config([override])
+
+
+def test_keys_the_schema_declares_and_group_selections_pass():
+    cfg = run_config(["experiment=zero_stages", "++trainer.steps=4", "trainer.grad_clip=0.5"])
+    assert cfg.trainer.steps == 4 and cfg.trainer.grad_clip == 0.5
+
+
+def test_an_open_map_is_left_to_its_owner():
+    """A field typed as a mapping is open: its keys are its owner's to check (e.g. a model family's
+    pass-through settings), not the schema's."""
+    check_keys({"inner": {"overrides": {"anything": 1, "num_hidden_layers": 2}, "size": 3}}, Outer)
+    with pytest.raises(ConfigError, match="inner.sise"):
+        check_keys({"inner": {"sise": 3}}, Outer)
+    assert "inner.overrides" in set(schema_keys(Outer))
+
+
+def test_every_schema_key_is_listed():
+    keys = set(schema_keys(RunConfig))
+    assert {"trainer.steps", "model.dim", "logger.wandb.mode", "checkpoint.every"} <= keys
+
+
+@pytest.mark.parametrize("override", ["+unknown_key=1", "+trainer.stpes=5", "++model.dimm=3", "trainer.grad_clip=nan"])
+def test_the_cli_exits_2_naming_the_key_fast(override, tmp_path):
+    result = run_cli([override], tmp_path / "run", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert override.lstrip("+").split("=")[0] in result.stderr
+    assert result.seconds < 10
+    assert not (tmp_path / "run" / "run.json").exists()  # nothing started
+
+
+def test_a_sweep_with_an_unknown_key_starts_no_job(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "fsdp_exp", "-m", "+trainer.stpes=5,6",
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "did you mean trainer.steps?" in proc.stderr
+    assert not (tmp_path / "sweep").exists() or not any((tmp_path / "sweep").iterdir())
