@@ -23,7 +23,7 @@ from fsdp_exp.config import to_run_config
 from fsdp_exp.errors import EXIT_BAD_CONFIG, EXIT_RUN_FAILED, ConfigError
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="pkg://fsdp_exp.conf", config_name="config")  # conf/: setup.py
 def hydra_entry(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -60,7 +60,22 @@ def hydra_entry(cfg: DictConfig) -> dict:
 
 
 def main() -> None:
-    hydra_entry()
+    """Hydra's own refusals (a key its schema lacks in a YAML of the user's, an unknown option, an
+    unparsable override) are bad input like fsdp_exp's: exit 2 with the closest real key or option."""
+    import os
+
+    from fsdp_exp.config import RunConfig
+    from fsdp_exp.config.strict import explain_composition_error
+
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us instead of Hydra's exit 1
+    try:
+        hydra_entry()
+    except Exception as exc:  # noqa: BLE001 - anything else is re-raised unchanged
+        message = explain_composition_error(exc, RunConfig)
+        if message is None:
+            raise
+        print(f"fsdp_exp: invalid configuration: {message}", file=sys.stderr)
+        sys.exit(EXIT_BAD_CONFIG)
 
 
 if __name__ == "__main__":

@@ -121,3 +121,42 @@ def check_values(run_config: Any) -> None:
                                                  and not isinstance(default, (list, tuple)) else ""))
     fail(", ".join(f"{path}={value}" for path, value in bad) + " is not a finite number, and no setting means "
          "anything with NaN or infinity.", "; ".join(fixes))
+
+
+def explain_composition_error(exc: BaseException, schema: type) -> str | None:
+    """The message for a config that Hydra could not compose, with the closest real key or option; None
+    when ``exc`` is not a composition error (an error of fsdp_exp's own code is not bad input)."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+    if isinstance(exc, MissingConfigException):
+        message = str(exc).split("\nConfig search path")[0].strip()
+        missing = (exc.missing_cfg_file or "").rsplit("/", 1)
+        if len(missing) == 2 and exc.options:
+            close = difflib.get_close_matches(missing[1], exc.options, n=1)
+            if close:
+                message += f"\n  fix: did you mean {missing[0]}={close[0]}?"
+        return message
+    if isinstance(exc, OverrideParseException):
+        return str(exc).strip()
+    if not isinstance(exc, (ConfigCompositionException, OmegaConfBaseException)):
+        return None
+    cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
+    where = str(exc).splitlines()[0] if isinstance(exc, ConfigCompositionException) else ""
+    import re
+
+    text = f"{exc}\n{cause or ''}"
+    # Hydra keeps the OmegaConf error as the cause for an override, and only in its text for a YAML file.
+    found = re.search(r"Key '[^']+' not in '[^']+'\s+full_key: (\S+)", text)
+    unknown_key = isinstance(cause, (ConfigKeyError, ConfigAttributeError)) or found
+    key = str(getattr(cause, "full_key", "") or (found.group(1) if found else ""))
+    if unknown_key and key and "not in" in text:
+        known = list(schema_keys(schema))
+        group = key.rsplit(".", 1)[0] + "." if "." in key else ""
+        candidates = [k for k in known if k.startswith(group) and k.count(".") == key.count(".")] or known
+        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+        return (f"{where}\n{key} is not a setting of fsdp_exp" + (f" (did you mean {close[0]}?)" if close else "")
+                + f".\n  fix: drop {key}" + (f", or write {close[0]}" if close else "")
+                + " (python -m fsdp_exp --cfg job lists every key)").strip()
+    details = f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else ""
+    return f"{exc}{details}".strip()

@@ -88,3 +88,22 @@ def test_a_sweep_with_an_unknown_key_starts_no_job(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "did you mean trainer.steps?" in proc.stderr
     assert not (tmp_path / "sweep").exists() or not any((tmp_path / "sweep").iterdir())
+
+
+def test_a_key_in_a_users_yaml_that_the_schema_lacks_exits_2_with_the_closest_key(tmp_path):
+    user = tmp_path / "my_conf"
+    (user / "model").mkdir(parents=True)
+    (user / "model" / "my_model.yaml").write_text("defaults:\n  - llama_tiny\n  - _self_\ndimm: 3\n")
+    result = run_cli(["--config-dir", str(user), "model=my_model"], tmp_path / "run", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "model.dimm" in result.stderr and "did you mean model.dim?" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("override,needle", [("trainer.stpes=3", "did you mean trainer.steps?"),
+                                             ("model=llama_tin", "did you mean model=llama_tiny?"),
+                                             ("trainer.steps=abc", "trainer.steps")])
+def test_hydras_own_refusals_are_bad_input_too(override, needle, tmp_path):
+    result = run_cli([override], tmp_path / "run", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and "Traceback" not in result.stderr
