@@ -11,8 +11,8 @@ from fsdp_exp.config.preflight import validate
 
 from conftest import REPO, leftover_processes, run_cli, run_config
 
-GROUPS = sorted(p.name for p in (REPO / "fsdp_exp" / "conf").iterdir() if p.is_dir())
-OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((REPO / "fsdp_exp" / "conf" / g).glob("*.yaml"))]
+GROUPS = sorted(p.name for p in (REPO / "conf").iterdir() if p.is_dir() and p.name != "__pycache__")
+OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((REPO / "conf" / g).glob("*.yaml"))]
 
 
 def test_groups_are_the_documented_ones():
