@@ -1,5 +1,6 @@
 """Who started this process and what it may use, decided once: torchrun, a SLURM job step, or fsdp_exp's
-own launcher; how many CUDA devices there are; how many CPU threads a rank gets.
+own launcher; how many CUDA devices there are; how many CPU threads a rank gets; how much memory this
+process may really use (RAM, its memory cgroup's limit, a GPU's free memory).
 
 Every other module asks here instead of reading launcher variables itself, so that "is this process
 one rank of an outside launcher's job?" has one answer everywhere (the run folder's name, the
@@ -9,7 +10,14 @@ launcher's choice to spawn or not, the rendezvous).
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from fsdp_exp.errors import fail
@@ -91,3 +99,209 @@ def default_threads(ranks_per_node: int) -> int:
 
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def local_rank() -> int:
+    """This process's rank on its node when an outside launcher started it (torchrun's LOCAL_RANK, a SLURM
+    task's SLURM_LOCALID), else 0."""
+    env = os.environ
+    return int(env.get("LOCAL_RANK") or env.get("SLURM_LOCALID") or 0)
+
+
+# ------------------------------------------------------------------------------------------- memory
+# What this process may really use, for the fit check before launch (fsdp_exp/config/fit.py) and for
+# telling an out-of-memory death from another SIGKILL (fsdp_exp/oom.py).
+
+GIB = 2**30
+# cgroup v1 writes "no limit" as 2**63 - 1 rounded down to a page; anything this large is no limit.
+NO_LIMIT = 2**62
+
+
+@dataclass(frozen=True)
+class MemoryCgroup:
+    """This process's memory cgroup: ``name`` as /proc/self/cgroup gives it, its ``folder`` under the
+    hierarchy's mount point ``top``, and the cgroup ``version``: 2 (the unified hierarchy: memory.max,
+    memory.current, memory.events) or 1 (the memory controller's own: memory.limit_in_bytes,
+    memory.usage_in_bytes, memory.oom_control). The limits of ``folder`` and of every folder above it
+    up to ``top`` apply to this process."""
+
+    name: str
+    folder: Path
+    top: Path
+    version: int
+
+    def _read(self, folder: Path, file: str) -> Optional[str]:
+        try:
+            return (folder / file).read_text()
+        except OSError:
+            return None
+
+    def _keyed(self, folder: Path, file: str, key: str) -> Optional[int]:
+        """The value of ``key`` in a file of "key value" lines (memory.stat, memory.events, memory.oom_control)."""
+        for line in (self._read(folder, file) or "").splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+        return None
+
+    def _limit(self, folder: Path) -> Optional[int]:
+        text = self._read(folder, "memory.max" if self.version == 2 else "memory.limit_in_bytes")
+        limits = [int(text)] if text is not None and text.strip().isdigit() else []  # v2 "max": none
+        if self.version == 1:  # also the limits above the visible hierarchy (a container's own cgroup)
+            limits += [v for v in [self._keyed(folder, "memory.stat", "hierarchical_memory_limit")] if v is not None]
+        limits = [v for v in limits if v < NO_LIMIT]
+        return min(limits) if limits else None
+
+    def _used(self, folder: Path) -> Optional[int]:
+        """Bytes charged to the cgroup (its descendants included), less the page cache it would drop
+        first (inactive files): what cannot be had back without swapping or killing."""
+        text = self._read(folder, "memory.current" if self.version == 2 else "memory.usage_in_bytes")
+        if text is None or not text.strip().isdigit():
+            return None
+        cache = self._keyed(folder, "memory.stat", "inactive_file" if self.version == 2 else "total_inactive_file")
+        return max(0, int(text) - (cache or 0))
+
+    def folders(self) -> list[Path]:
+        """This cgroup's folder and those above it, up to the mount point."""
+        chain, folder = [self.folder], self.folder
+        while folder != self.top and folder.parent != folder:
+            folder = folder.parent
+            chain.append(folder)
+        return chain
+
+    def tightest_limit(self) -> Optional[tuple[int, int, str]]:
+        """(limit, bytes in use, cgroup name) of the limit with the least room left, over this cgroup and
+        those above it; None when none of them is limited."""
+        best = None
+        for folder in self.folders():
+            limit, used = self._limit(folder), self._used(folder)
+            if limit is None:
+                continue
+            used = used or 0
+            name = "/" + str(folder.relative_to(self.top)).lstrip(".").lstrip("/")
+            if best is None or limit - used < best[0] - best[1]:
+                best = (limit, used, name)
+        return best
+
+    def oom_kills(self) -> Optional[int]:
+        """How many processes of this cgroup the OOM killer has killed so far (v2 counts descendants too;
+        v1 counts the processes of this cgroup itself, where fsdp_exp's ranks live with their launcher)."""
+        if self.version == 2:
+            return self._keyed(self.folder, "memory.events", "oom_kill")
+        return self._keyed(self.folder, "memory.oom_control", "oom_kill")
+
+
+def _unescape(field: str) -> str:
+    """/proc/self/mountinfo writes spaces and other odd characters as octal escapes (\\040)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def memory_cgroup(proc_cgroup: str = "/proc/self/cgroup",
+                  mountinfo: str = "/proc/self/mountinfo") -> Optional[MemoryCgroup]:
+    """This process's memory cgroup (None where there is none to read: not Linux, not mounted).
+
+    A v1 memory controller wins where one is mounted: a hybrid host keeps memory accounting there
+    and the unified (v2) hierarchy holds no memory files."""
+    try:
+        memberships = Path(proc_cgroup).read_text().splitlines()
+        mounts = Path(mountinfo).read_text().splitlines()
+    except OSError:
+        return None
+    paths = {}  # version -> this process's path in that hierarchy
+    for line in memberships:
+        hierarchy, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if hierarchy == "0" and controllers == "":
+            paths.setdefault(2, path)
+        elif "memory" in controllers.split(","):
+            paths[1] = path
+    for version in (1, 2):
+        if version not in paths:
+            continue
+        for mount in mounts:
+            fields, _, fs = mount.partition(" - ")
+            fields, fs = fields.split(), fs.split()
+            if len(fields) < 5 or len(fs) < 3:
+                continue
+            if (version == 2 and fs[0] == "cgroup2") or \
+                    (version == 1 and fs[0] == "cgroup" and "memory" in fs[2].split(",")):
+                root, top = _unescape(fields[3]), Path(_unescape(fields[4]))
+                path = paths[version]
+                # The mount shows the hierarchy from ``root`` down (a container sees its own cgroup as /).
+                relative = path[len(root):] if root != "/" and path.startswith(root) else path
+                folder = top / relative.lstrip("/")
+                if folder.is_dir():
+                    return MemoryCgroup(path, folder, top, version)
+    return None
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """This machine's RAM as this process may use it.
+
+    ``available`` is the kernel's MemAvailable, not MemTotal: memory that other processes hold is not
+    this run's to take (there may be no swap), as a GPU's memory held by another process is not, while
+    the page cache the kernel would drop counts as free. A memory cgroup's limit, less what its
+    processes already use, can be tighter still."""
+
+    total: int  # MemTotal
+    available: int  # MemAvailable
+    cgroup: Optional[str] = None  # the memory cgroup whose limit leaves the least room, if any
+    cgroup_limit: Optional[int] = None
+    cgroup_used: Optional[int] = None
+
+    @property
+    def usable(self) -> int:
+        if self.cgroup_limit is None:
+            return self.available
+        return min(self.available, max(0, self.cgroup_limit - (self.cgroup_used or 0)))
+
+    @property
+    def bound_by_cgroup(self) -> bool:
+        return self.cgroup_limit is not None and self.usable < self.available
+
+    def describe(self) -> str:
+        """E.g. "23.10 GiB available (MemAvailable; 23.54 GiB of RAM)", or with a limiting memory cgroup
+        "5.52 GiB left under the memory cgroup /x's limit of 6.00 GiB (0.48 GiB in use; 23.54 GiB of RAM)"."""
+        if self.bound_by_cgroup:
+            return (f"{self.usable / GIB:.2f} GiB left under the memory cgroup {self.cgroup}'s limit of "
+                    f"{self.cgroup_limit / GIB:.2f} GiB ({(self.cgroup_used or 0) / GIB:.2f} GiB in use; "
+                    f"{self.total / GIB:.2f} GiB of RAM)")
+        return f"{self.available / GIB:.2f} GiB available (MemAvailable; {self.total / GIB:.2f} GiB of RAM)"
+
+
+def host_memory(cgroup: Optional[MemoryCgroup] = None) -> HostMemory:
+    """This machine's RAM and, where this process's memory cgroup (default: read it) has a limit, the
+    room left under it."""
+    import psutil
+
+    ram = psutil.virtual_memory()  # total = MemTotal, available = MemAvailable on Linux
+    cgroup = cgroup or memory_cgroup()
+    limit = cgroup.tightest_limit() if cgroup is not None else None
+    if limit is None:
+        return HostMemory(ram.total, ram.available)
+    return HostMemory(ram.total, ram.available, cgroup=limit[2], cgroup_limit=limit[0], cgroup_used=limit[1])
+
+
+_CUDA_FREE: dict[tuple[int, ...], tuple[float, list[tuple[int, int]]]] = {}
+CUDA_FREE_TTL_S = 60.0  # a sweep checks its jobs one after another: ask the GPUs once a minute at most
+
+
+def cuda_free_memory(devices: tuple[int, ...], *, in_process: bool) -> list[tuple[int, int]]:
+    """(free, total) bytes of each CUDA device, as torch.cuda.mem_get_info reports them.
+
+    ``in_process``: ask here, creating a CUDA context on each device (a rank that will use its device
+    anyway). Otherwise ask in a short child process: a launcher that made contexts would hold hundreds
+    of MiB on every GPU for the whole run, away from its ranks."""
+    if in_process:
+        import torch
+
+        return [tuple(torch.cuda.mem_get_info(device)) for device in devices]
+    asked, answer = _CUDA_FREE.get(devices, (0.0, []))
+    if time.monotonic() - asked > CUDA_FREE_TTL_S:
+        code = ("import json, sys, torch; "
+                "print(json.dumps([torch.cuda.mem_get_info(int(d)) for d in sys.argv[1:]]))")
+        out = subprocess.run([sys.executable, "-c", code, *map(str, devices)], capture_output=True, text=True,
+                             timeout=120, check=True).stdout
+        answer = [tuple(pair) for pair in json.loads(out.strip().splitlines()[-1])]
+        _CUDA_FREE[devices] = (time.monotonic(), answer)
+    return answer

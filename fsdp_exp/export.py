@@ -2,17 +2,16 @@
 
 - ``checkpoint.export=safetensors``: ``<export dir>/model.safetensors`` with fsdp_exp's parameter
   names (``layers.0.attention.wq.weight``, ...) plus ``fsdp_exp_model.json`` (the model config).
-- ``checkpoint.export=hf``: a Hugging Face Llama folder (``config.json`` + ``model.safetensors`` with
-  HF names) that ``transformers.LlamaForCausalLM.from_pretrained`` loads offline.
+- ``checkpoint.export=hf``: a Hugging Face folder (``config.json`` + ``model.safetensors`` with HF
+  names); for Llama, ``transformers.LlamaForCausalLM.from_pretrained`` loads it offline.
 
 Consolidation: ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` all-gathers one
 parameter at a time; only rank 0 keeps each full tensor, on the CPU; the other ranks get nothing.
 So no rank holds more than one unsharded parameter on its device, and only rank 0 the full model on
 the host.
 
-Rotary embeddings: fsdp_exp rotates interleaved pairs (x[2i], x[2i+1]) like Meta's original Llama;
-HF's LlamaForCausalLM rotates halves (x[i], x[i + d/2]). The rows of wq and wk are permuted per head
-on export (as in HF's convert_llama_weights_to_hf.py), which leaves q.k, and so the model, unchanged.
+The Hugging Face names, the config.json and any rewriting of tensors (Llama's rotary layout) are
+the model family's (``ModelSpec.to_hf`` / ``hf_config``, for Llama in fsdp_exp.models.llama_spec).
 
 A checkpoint can be exported after the fact, without ranks:
 ``python -m fsdp_exp.export <checkpoint step_N folder> <out dir> [--format hf|safetensors]``.
@@ -25,9 +24,12 @@ import os
 import time
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from fsdp_exp.config.schema import ModelConfig
 
 MODEL_FILE = "model.safetensors"
 MODEL_CONFIG = "fsdp_exp_model.json"
@@ -41,18 +43,21 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def export_model(trainer) -> Optional[dict]:
-    """At the end of a run (every rank): write ``checkpoint.export`` to ``checkpoint.export_dir``. Rank 0
-    returns what it wrote."""
+def export_dir(setting: Optional[str], run_dir: Path) -> Path:
+    """``checkpoint.export_dir``, or ``<run dir>/export`` when it is unset."""
+    return Path(setting).expanduser() if setting else Path(run_dir) / "export"
+
+
+def export_model(model, model_cfg, fmt: str, out: Path, is_main: bool) -> Optional[dict]:
+    """At the end of a run (every rank): consolidate ``model`` and write it as ``fmt`` (``checkpoint.export``)
+    to ``out``. Rank 0 (``is_main``) returns what it wrote, the others None."""
     import torch.distributed as dist
 
-    cfg = trainer.cfg
-    out = Path(cfg.checkpoint.export_dir).expanduser() if cfg.checkpoint.export_dir else Path(trainer.run_dir) / "export"
     t0 = time.perf_counter()
-    state = full_state_dict(trainer.model)
+    state = full_state_dict(model)
     written = None
-    if trainer.info.is_main:
-        written = write_export(state, cfg.model, out, cfg.checkpoint.export)
+    if is_main:
+        written = write_export(state, model_cfg, out, fmt)
         written["export_s"] = round(time.perf_counter() - t0, 4)
     del state
     dist.barrier()
@@ -65,9 +70,13 @@ def write_export(state: dict[str, torch.Tensor], model_cfg, out: Path, fmt: str)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model = asdict(model_cfg) if is_dataclass(model_cfg) else dict(model_cfg)
-    if fmt == "hf":
-        tensors, config = to_hf(state, model), hf_config(model)
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if fmt == "hf":  # the family's names and config.json (fsdp_exp.models.spec)
+        from fsdp_exp.models import spec_for
+
+        cfg = model_config(model)
+        spec = spec_for(cfg)
+        tensors = spec.to_hf(state, cfg)
+        (out / "config.json").write_text(json.dumps(spec.hf_config(cfg), indent=2) + "\n")
     else:
         tensors = dict(state)
         (out / MODEL_CONFIG).write_text(json.dumps(model, indent=2) + "\n")
@@ -95,85 +104,11 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
     tmp.replace(path)
 
 
-# ------------------------------------------------------------------------------ Hugging Face
-LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
+def model_config(model: dict) -> "ModelConfig":
+    """The model config of a run's or a checkpoint's record (keys it lacks take the schema's defaults)."""
+    from fsdp_exp.config.schema import ModelConfig
 
-
-def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of a q/k projection reordered per head from interleaved pairs to halves."""
-    rows, cols = w.shape
-    head_dim = rows // n_heads
-    return w.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def to_hf(state: dict[str, torch.Tensor], model: dict) -> dict[str, torch.Tensor]:
-    if model.get("n_experts", 0) > 0:
-        raise ValueError("HF export writes LlamaForCausalLM; a mixture-of-experts model has no such layout")
-    n_heads = model["n_heads"]
-    n_kv = model.get("n_kv_heads") or n_heads
-    out = {}
-    for name, tensor in state.items():
-        if name in TOP_NAMES:
-            if name == "output.weight" and model.get("tie_embeddings"):
-                continue  # HF ties lm_head to embed_tokens itself
-            out[TOP_NAMES[name]] = tensor
-            continue
-        parts = name.split(".", 2)
-        if parts[0] != "layers" or parts[2] not in LAYER_NAMES:
-            raise ValueError(f"no Hugging Face name for parameter {name!r}")
-        if parts[2] == "attention.wq.weight":
-            tensor = interleaved_to_half(tensor, n_heads)
-        elif parts[2] == "attention.wk.weight":
-            tensor = interleaved_to_half(tensor, n_kv)
-        out[f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"] = tensor
-    return out
-
-
-def hf_config(model: dict) -> dict:
-    from fsdp_exp.config import ModelConfig
-    from fsdp_exp.models.llama import ffn_hidden_dim
-
-    fields = {k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__}
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": model["dim"],
-        "intermediate_size": ffn_hidden_dim(ModelConfig(**fields)),
-        "num_hidden_layers": model["n_layers"],
-        "num_attention_heads": model["n_heads"],
-        "num_key_value_heads": model.get("n_kv_heads") or model["n_heads"],
-        "head_dim": model["dim"] // model["n_heads"],
-        "vocab_size": model["vocab_size"],
-        "max_position_embeddings": model["max_seq_len"],
-        "rms_norm_eps": model["norm_eps"],
-        "rope_theta": model["rope_theta"],
-        "rope_parameters": {"rope_type": "default", "rope_theta": model["rope_theta"]},
-        "rope_scaling": None,
-        "tie_word_embeddings": bool(model.get("tie_embeddings")),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": model.get("init_std", 0.02),
-        "pretraining_tp": 1,
-        "use_cache": True,
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "torch_dtype": "float32",
-        "dtype": "float32",
-    }
+    return ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__})
 
 
 # ------------------------------------------------------------------------- from a checkpoint

@@ -9,7 +9,7 @@
   a few seconds to end on their own, then kills them; it names the rank and its error, marks the run
   record failed and exits non-zero. SIGTERM / SIGUSR1 sent to the launcher (a scheduler's preemption or
   pre-timeout signal) are forwarded to every worker, which save a checkpoint and exit cleanly
-  (fsdp_exp/checkpoint.py). Workers die with the launcher (PR_SET_PDEATHSIG): no orphans.
+  (fsdp_exp/checkpoint/). Workers die with the launcher (PR_SET_PDEATHSIG): no orphans.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Optional
 
 from fsdp_exp.config import RunConfig, Topology, fail, plain
 from fsdp_exp.config.preflight import validate
-from fsdp_exp.env import cuda_device_count, external_world
+from fsdp_exp.env import cuda_device_count, external_world, local_rank
 from fsdp_exp.errors import RunFailed  # noqa: F401 - raised here, caught by __main__ and slurm
-from fsdp_exp.sinks import RunRecord
+from fsdp_exp.record import RunRecord
 
 ERRORS_DIR = "errors"
 # After a rank fails, how long the others get to end on their own (they usually fail at once on the
@@ -80,7 +80,8 @@ def free_port() -> int:
 
 
 def prepare(cfg: RunConfig, world: Optional[tuple[int, int]] = None) -> Topology:
-    """Validate before anything is spawned; raises ConfigError naming the fix."""
+    """Validate before anything is spawned, and check that the run fits this node's memory
+    (fsdp_exp/config/fit.py; ``trainer.check_fit``); raises ConfigError naming the fix."""
     if world is not None:
         # The outside launcher decided the ranks; the config's counts must not contradict it.
         nodes = max(1, world[0] // world[1])
@@ -93,7 +94,14 @@ def prepare(cfg: RunConfig, world: Optional[tuple[int, int]] = None) -> Topology
                  f"drop trainer.nnodes (or pass {nodes}), or start the job on {cfg.trainer.nnodes} nodes")
         cfg.trainer.nproc_per_node = str(world[1])
         cfg.trainer.nnodes = nodes
-    return validate(cfg, cuda_devices=cuda_device_count(), world_size=world[0] if world else None)
+    topology = validate(cfg, cuda_devices=cuda_device_count(), world_size=world[0] if world else None)
+    # Then ask the planner whether it fits this node (above validate: the planner validates its variants).
+    # Under torchrun / SLURM every rank asks, before the process group starts, for its own GPU.
+    from fsdp_exp.config.fit import check_fit
+
+    check_fit(cfg, topology, world_size=world[0] if world else None,
+              rank_of_node=local_rank() if world is not None else None)
+    return topology
 
 
 def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
@@ -118,7 +126,7 @@ def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
         # taken for this one's: each rank clears its own before it joins the others.
         (errors / f"rank{rank}.txt").unlink(missing_ok=True)
         if rank == 0 and "sweep" in meta:
-            RunRecord(run_dir).update(sweep=meta["sweep"])
+            RunRecord(run_dir).in_sweep(meta["sweep"])
         try:
             run_worker(payload)
         except Exception:
@@ -126,12 +134,8 @@ def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
         return RunRecord(run_dir).read()
 
     record = RunRecord(run_dir)
-    record.update(status="starting", config=payload["config"], topology=payload["topology"],
-                  overrides=meta.get("overrides", []), choices=meta.get("choices", {}))
-    if "sweep" in meta:
-        record.update(sweep=meta["sweep"])
-    if data_info is not None:
-        record.update(data=data_info)
+    record.starting(config=payload["config"], topology=payload["topology"], overrides=meta.get("overrides", []),
+                    choices=meta.get("choices", {}), sweep=meta.get("sweep"), data=data_info)
     forward = list(cfg.checkpoint.signals) if cfg.checkpoint.on_signal else ["SIGTERM"]
     try:
         _spawn(payload, topology.nproc_per_node, forward)
@@ -192,38 +196,36 @@ def record_failure(run_dir: Path, cfg, meta: dict, rank: Optional[int], message:
     """Record a run that failed (before its ranks started, or because one of them failed): run.json gets
     status "failed" and the error; W&B (unless disabled) gets the same, in the run rank 0 opened if
     there is one. ``cfg``: the RunConfig, or the composed config when it could not be typed."""
+    try:
+        config = plain(cfg)
+    except Exception:  # noqa: BLE001 - an unresolvable config still deserves its failure record
+        config = None
     record = RunRecord(run_dir)
-    previous = record.read()
-    fields = {"status": "failed", "error": {"rank": rank, "message": message},
-              "overrides": meta.get("overrides", []), "choices": meta.get("choices", {})}
-    if "sweep" in meta:
-        fields["sweep"] = meta["sweep"]
-    if "config" not in previous:
-        try:
-            fields["config"] = plain(cfg)
-        except Exception:  # noqa: BLE001 - an unresolvable config still deserves its failure record
-            pass
-    result = record.update(**fields)
+    sweep = {"sweep": meta["sweep"]} if "sweep" in meta else {}
+    result = record.failed(rank, message, config=config, overrides=meta.get("overrides", []),
+                           choices=meta.get("choices", {}), **sweep)
     wandb_cfg = cfg.logger.wandb
     if note_wandb and wandb_cfg.mode != "disabled":
-        from fsdp_exp.sinks import note_failure_in_wandb
+        from fsdp_exp.record import note_failure_in_wandb
 
-        run_id = (previous.get("wandb") or {}).get("run_id")
         try:
-            run_id = note_failure_in_wandb(wandb_cfg, run_dir, fields.get("config") or previous.get("config", {}),
-                                           meta.get("overrides", []), meta.get("choices", {}), run_id,
-                                           fields["error"])
+            run_id = note_failure_in_wandb(wandb_cfg, run_dir, result.get("config", {}), meta.get("overrides", []),
+                                           meta.get("choices", {}), (result.get("wandb") or {}).get("run_id"),
+                                           result["error"])
         except Exception as exc:  # noqa: BLE001 - W&B trouble must not hide the run's own error
             print(f"fsdp_exp: could not record the failure in W&B: {exc}", file=sys.stderr)
         else:
-            result = record.update(wandb={**(previous.get("wandb") or {}), "mode": wandb_cfg.mode, "run_id": run_id})
+            result = record.wandb_noted(wandb_cfg.mode, run_id)
     return result
 
 
 def _spawn(payload: dict, nprocs: int, forward: list[str] = ("SIGTERM",)) -> None:
     import torch.multiprocessing as mp
 
+    from fsdp_exp.oom import OomWatch
+
     port = free_port()
+    oom = OomWatch()  # the OOM killer's counters and the node's memory before the ranks start
     ctx = mp.start_processes(_spawned_rank, args=(nprocs, port, payload), nprocs=nprocs, join=False,
                              start_method="spawn")
     previous = _forward_signals(ctx.processes, forward)
@@ -238,7 +240,8 @@ def _spawn(payload: dict, nprocs: int, forward: list[str] = ("SIGTERM",)) -> Non
             except OSError:
                 pass
     if failed is not None:
-        raise _failure(Path(payload["run_dir"]), failed, ctx.processes[failed].exitcode)
+        process = ctx.processes[failed]
+        raise _failure(Path(payload["run_dir"]), failed, process.exitcode, oom, process.pid)
 
 
 def _forward_signals(processes, names) -> dict:
@@ -310,7 +313,9 @@ def _end_all(processes) -> set[int]:
     return killed
 
 
-def _failure(run_dir: Path, rank: int, exitcode: int) -> RunFailed:
+def _failure(run_dir: Path, rank: int, exitcode: int, oom=None, pid: Optional[int] = None) -> RunFailed:
+    """Why a rank failed. ``oom`` (fsdp_exp.oom.OomWatch, from before the ranks started) tells whether
+    a rank killed by SIGKILL, which leaves no error of its own, was killed by the OOM killer."""
     if (run_dir / ERRORS_DIR / f"rank{rank}.txt").exists():  # it raised: its own words
         return RunFailed(rank, _error_summary(run_dir, rank, ""))
     if exitcode < 0:
@@ -318,7 +323,10 @@ def _failure(run_dir: Path, rank: int, exitcode: int) -> RunFailed:
             name = signal.Signals(-exitcode).name
         except ValueError:
             name = f"signal {-exitcode}"
-        return RunFailed(rank, f"the process was killed by {name}")
+        why = f"the process was killed by {name}"
+        if exitcode == -signal.SIGKILL and oom is not None:
+            why += f": {oom.explain(pid)}"
+        return RunFailed(rank, why)
     return RunFailed(rank, f"the process exited with code {exitcode}")
 
 

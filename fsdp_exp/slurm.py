@@ -116,17 +116,16 @@ class SlurmLauncher(SubmititSlurmLauncher):
             reason = (f"SLURM job {job.job_id} ended {job.state} and rank 0 left no result: its process was "
                       f"killed (a signal, out of memory, the time limit) or crashed; see {job.paths.stderr}")
         run_dir = _job_dir(cfg, num)
-        from fsdp_exp.sinks import RunRecord
+        from fsdp_exp.record import RunRecord
 
         record = RunRecord(run_dir)
-        previous = record.read()
         # A record the ranks already closed keeps its own words (rank 0 usually names the dead rank).
+        previous = record.read()
         if previous.get("status") not in ("completed", "interrupted", "failed"):
-            fields = {"status": "failed", "error": {"rank": None, "message": reason}, "overrides": list(overrides),
-                      "slurm": {"job_id": job.job_id, "state": job.state, "log": str(job.paths.stderr)}}
-            if "config" not in previous:
-                fields["config"] = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
-            record.update(**fields)
+            config = None if "config" in previous else \
+                {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
+            record.failed(None, reason, config=config, overrides=list(overrides),
+                          slurm={"job_id": job.job_id, "state": job.state, "log": str(job.paths.stderr)})
         log.error(f"#{num}: {reason}")
         return JobReturn(overrides=list(overrides), working_dir=str(run_dir), task_name=str(cfg.hydra.job.name),
                          status=JobStatus.COMPLETED, _return_value={"status": "failed", "error": reason})

@@ -9,8 +9,20 @@ a sweep list is already refused before any job runs. What Hydra lets through, th
 - a value listed twice in one sweep (``precision=fp32,fp32``: two identical jobs).
 
 Combinations that compose but cannot run (``sharding=ddp offload=params``, a batch that does not
-divide the ranks) are not refused: a grid naturally contains some. They are announced before the
-first job, then each is recorded as a failed run with its reason, and the sweep goes on.
+divide the ranks, a model the planner says does not fit this machine's memory: fsdp_exp/config/fit.py)
+are not refused: a grid naturally contains some. They are announced before the first job, then each
+is recorded as a failed run with its reason ("does not fit: ...") without running, and the sweep goes
+on; the multirun exits non-zero at the end, as for any failed job.
+
+Job order: repeats interleave. ``trainer.repeat=0,1,2`` measures every configuration three times
+(fsdp_exp.identity: the repeat changes nothing but the run's identity), and a slow spell of the
+machine should not fall on the repeats of one configuration. Hydra's basic sweeper runs the cartesian
+product in override order, so ``sharding=full,grad_op trainer.repeat=0,1`` would run full's repeats
+back to back; fsdp_exp's sweeper (``hydra/sweeper=interleaved``, the default; the plugin in
+hydra_plugins/fsdp_exp_sweeper) makes the same jobs and reorders them with ``interleave_repeats``:
+every configuration's repeat 0, then every configuration's repeat 1, and so on, each job keeping its
+overrides (and so its folder name). Repeats are not duplicates: the duplicate check below looks at one
+list's values, and ``trainer.repeat=0,1`` lists two.
 
 At the end (``on_multirun_end``) every job of this sweep is read back from its ``run.json``: a
 table of outcomes is printed, and if any job failed the multirun exits with code 1 naming them.
@@ -29,8 +41,12 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from fsdp_exp.identity import REPEAT_KEY
+
 EXIT_BAD_SWEEP = 2
 EXIT_JOB_FAILED = 1
+# Sweepers that make the cartesian product of the overrides (fsdp_exp's orders its jobs differently).
+PRODUCT_SWEEPERS = ("BasicSweeper", "InterleavedSweeper")
 
 
 def sweep_problems(overrides: list[str]) -> list[str]:
@@ -49,8 +65,10 @@ def sweep_problems(overrides: list[str]) -> list[str]:
                 problems.append(f"{key}: the sweep lists no value; give at least one ({key}=a,b)")
             duplicates = sorted({v for v in values if values.count(v) > 1})
             if duplicates:
+                hint = f" (to measure each configuration {len(values)} times: {key}=" \
+                       f"{','.join(map(str, range(len(values))))})" if key == REPEAT_KEY else ""
                 problems.append(f"{key}: {', '.join(duplicates)} listed twice; every job would run twice. "
-                                f"List each value once")
+                                f"List each value once{hint}")
             chosen = values
         elif override.value() == [] and _group_options(key):
             problems.append(f"{key}=[] selects no option of the group; pick one of: "
@@ -95,13 +113,30 @@ def _group_options(key: str) -> list[str]:
 
 
 def _combinations(overrides: list[str]) -> list[list[str]]:
-    """The jobs a basic sweep makes of these overrides (Hydra's own expansion)."""
+    """The jobs a sweep makes of these overrides, in the order they run (Hydra's own expansion, repeats
+    interleaved as fsdp_exp's sweeper runs them)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(overrides)
     (batch,) = BasicSweeper.split_arguments(parsed, None)
-    return batch
+    return interleave_repeats(batch)
+
+
+def interleave_repeats(jobs: list[list[str]]) -> list[list[str]]:
+    """The jobs reordered so that every configuration's first repeat runs before any second one, and so on.
+
+    A stable sort by the job's ``trainer.repeat`` value, ranked by where that value first appears (the
+    order it was listed in): within one repeat the configurations keep Hydra's order. A sweep without
+    ``trainer.repeat`` keeps Hydra's order.
+    """
+    def value(job: list[str]) -> Optional[str]:
+        return next((o.partition("=")[2] for o in job if o.lstrip("+~").partition("=")[0] == REPEAT_KEY), None)
+
+    order: dict[Optional[str], int] = {}
+    for job in jobs:
+        order.setdefault(value(job), len(order))
+    return sorted(jobs, key=lambda job: order[value(job)])
 
 
 def invalid_combinations(overrides: list[str], config_name: str = "config") -> list[tuple[str, str]]:
@@ -143,7 +178,7 @@ def _job_number(path: Path) -> tuple[int, str]:
 
 
 class SweepCallback(Callback):
-    """Installed in fsdp_exp/conf/config.yaml (hydra.callbacks.sweep)."""
+    """Installed in conf/config.yaml (hydra.callbacks.sweep)."""
 
     def __init__(self) -> None:
         self.started: Optional[float] = None
@@ -157,11 +192,13 @@ class SweepCallback(Callback):
         self.started = time.time()
         # Judged here only when the jobs run on this machine (local launcher, basic sweeper): a SLURM
         # node may resolve `auto` against GPUs this machine does not have.
-        if config.hydra.sweeper._target_.endswith("BasicSweeper") and \
+        if config.hydra.sweeper._target_.endswith(PRODUCT_SWEEPERS) and \
                 config.hydra.launcher._target_.endswith("BasicLauncher"):
             refused = invalid_combinations(overrides, kwargs.get("config_name") or "config")
             if refused:
-                print(f"fsdp_exp: {len(refused)} combination(s) of this sweep cannot run; each will be "
+                too_big = sum(reason.startswith("does not fit") for _, reason in refused)
+                memory = f" ({too_big} of them do not fit this machine's memory)" if too_big else ""
+                print(f"fsdp_exp: {len(refused)} combination(s) of this sweep cannot run{memory}; each will be "
                       f"recorded as a failed run and the sweep goes on:", file=sys.stderr)
                 for label, reason in refused:
                     print(f"  {label}: {reason}", file=sys.stderr)

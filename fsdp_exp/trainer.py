@@ -14,7 +14,6 @@ import faulthandler
 import hashlib
 import os
 import platform
-import signal
 import socket
 import statistics
 import subprocess
@@ -28,7 +27,13 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fsdp_exp import __version__
-from fsdp_exp.checkpoint import Checkpointer, check_identical_init, install_signal_handlers
+from fsdp_exp.checkpoint.faults import inject_step_fault
+from fsdp_exp.checkpoint.init_check import check_identical_init
+from fsdp_exp.checkpoint.layout import checkpoint_root
+from fsdp_exp.checkpoint.manager import Checkpointer
+from fsdp_exp.checkpoint.rng import RngState
+from fsdp_exp.checkpoint.signals import install_signal_handlers
+from fsdp_exp.checkpoint.states import sharded_state
 from fsdp_exp.config import RunConfig, Topology, plain, to_run_config
 from fsdp_exp.data import build_data
 from fsdp_exp.env import default_threads
@@ -38,15 +43,11 @@ from fsdp_exp.metrics import memory
 from fsdp_exp.metrics.flops import lookup_peak_tflops, mfu, recompute_flops_per_token
 from fsdp_exp.metrics.tracker import BREAKDOWN, PHASES, StepMemory
 from fsdp_exp.models import build_meta, canonical_name, count_params, flops_per_token, matrix_parameter_names
-from fsdp_exp.optim import build_optimizer, build_scheduler
+from fsdp_exp.optim import build_scheduler
 from fsdp_exp.parallel import parallelize
-from fsdp_exp.sinks import ConsoleSink, JsonlSink, RunRecord, WandbSink
+from fsdp_exp.record import ConsoleSink, JsonlSink, RunRecord, WandbSink
 
 GIB = memory.GIB
-
-
-class InjectedFailure(RuntimeError):
-    """Raised on purpose by debug.fail_at_step, to exercise failure handling."""
 
 
 def run_worker(payload: dict) -> None:
@@ -80,18 +81,26 @@ class Trainer:
         self.mesh = build_mesh(topology)
         meta_model = build_meta(cfg.model)
         decay_names = matrix_parameter_names(meta_model)
-        parallel = parallelize(meta_model, cfg, self.mesh, self.device)
-        self.model, self.applied, self.runtime = parallel.model, parallel.applied, parallel.runtime
+        # The backend, bound to this run, also does its part of the step (sync, autocast, clipping, scaler).
+        self.parallel = parallelize(meta_model, cfg, self.mesh, self.device)
+        self.model, self.applied, self.backend = self.parallel.model, self.parallel.applied, self.parallel.backend
 
-        self.optimizer = build_optimizer(self.model, cfg.optim, decay_names)
+        self.optimizer = self.parallel.build_optimizer(decay_names)
         self.state_bytes = memory.ModelStateBytes(self.model, self.optimizer)  # mem/params_gib_* etc., per step
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.steps)
         # fp16: a loss scaler that agrees over ranks on skipped steps (sharded for FSDP).
-        self.scaler = self.runtime.grad_scaler(self.device) if cfg.precision.loss_scaler == "dynamic" else None
+        self.scaler = self.parallel.grad_scaler() if cfg.precision.loss_scaler == "dynamic" else None
         self.data = build_data(cfg, topology, dp_rank=info.rank // topology.tp_size, device=self.device)
-        # Diagnostics, then resume: everything a checkpoint restores exists now (fsdp_exp/checkpoint.py).
-        self.init_check = check_identical_init(self.model, cfg, info) if cfg.debug.check_identical_init else None
-        self.checkpointer = Checkpointer(self)
+        # Diagnostics, then resume: everything a checkpoint restores exists now (fsdp_exp/checkpoint/).
+        self.init_check = check_identical_init(self.backend, self.model, cfg.trainer.seed, info.world_size) \
+            if cfg.debug.check_identical_init else None
+        self.record = RunRecord(run_dir) if info.is_main else None  # run.json's writer (rank 0's part)
+        self.checkpointer = Checkpointer(
+            root=checkpoint_root(cfg.checkpoint.dir, run_dir), info=info, topology=topology, config=plain(cfg),
+            sharded=sharded_state(self.model, self.optimizer, self.backend),
+            replicated={"scheduler": self.scheduler, "scaler": self.scaler, "data": self.data},
+            per_rank={"rng": RngState(self.device)}, settings=cfg.checkpoint, faults=cfg.debug,
+            total_steps=cfg.trainer.steps, on_saved=self.record.checkpoint_saved if self.record else None)
         self.start_step = self.checkpointer.resume()
 
         self.tokens_per_step = cfg.trainer.global_batch_size * cfg.trainer.seq_len
@@ -113,8 +122,8 @@ class Trainer:
         self.history: list[dict] = []
         self.pending_metrics: dict = {}  # metrics of a sampled step, added to its logged row
         t = cfg.trainer
-        # torch's MemTracker cannot hook FSDP1's parameters (views into flat parameters): no breakdown there.
-        trackable = t.track_memory and t.warmup_steps > 0 and cfg.sharding.backend != "fsdp1"
+        # Not every backend's parameters can be followed by torch's memory trackers: no breakdown there.
+        trackable = t.track_memory and t.warmup_steps > 0 and self.backend.tracks_memory
         self.track_step = (t.track_memory_step if t.track_memory_step is not None else t.warmup_steps - 1) \
             if trackable else None
         # CUDA allocator history on the same sampled step (the last warm-up step when nothing is tracked).
@@ -204,7 +213,6 @@ class Trainer:
 
     def _open_sinks(self) -> None:
         cfg = self.cfg
-        self.record = RunRecord(self.run_dir)
         # A resumed run keeps the rows through its checkpoint's step (later ones are trained again) and
         # summarizes them with its own.
         self.jsonl = JsonlSink(self.run_dir, keep_through_step=self.checkpointer.metrics_keep_through)
@@ -225,18 +233,13 @@ class Trainer:
                                     "overrides": self.meta.get("overrides", [])},
                                    self.meta.get("overrides", []), self.meta.get("choices", {}),
                                    run_id=self.checkpointer.wandb_run_id)  # a resumed run continues its W&B run
-        extra = {"resumed_from": self.checkpointer.resumed, "error": None, "interrupted": None} \
-            if self.checkpointer.resumed else {}
-        if self.init_check is not None:
-            extra["init_check"] = self.init_check
-        if extra:
-            self.record.update(**extra)
-        self.record.update(status="running", config=config, choices=self.meta.get("choices", {}),
-                           overrides=self.meta.get("overrides", []), topology=self.topology.as_dict(),
-                           applied=self.applied, env=env,
-                           wandb={"mode": self.cfg.logger.wandb.mode,
-                                  "run_id": self.wandb.run_id if self.wandb else None})
-        self.record.update(plan=self.plan)
+        wandb_run_id = self.wandb.run_id if self.wandb else None
+        self.checkpointer.wandb_run_id = wandb_run_id  # the run its checkpoints name from now on
+        self.record.running(config=config, choices=self.meta.get("choices", {}),
+                            overrides=self.meta.get("overrides", []), topology=self.topology.as_dict(),
+                            applied=self.applied, env=env, wandb={"mode": self.cfg.logger.wandb.mode,
+                                                                  "run_id": wandb_run_id},
+                            plan=self.plan, resumed_from=self.checkpointer.resumed, init_check=self.init_check)
 
     # ------------------------------------------------------------------------------------- loop
     def fit(self) -> None:
@@ -245,7 +248,7 @@ class Trainer:
         try:
             for step in range(self.start_step, self.cfg.trainer.steps):
                 start = time.perf_counter()
-                self._check_injected_failure(step)
+                inject_step_fault(self.cfg.debug, step, self.info.rank, self.model)  # debug.fail_at_step etc.
                 if step in (self.track_step, self.snapshot_step):
                     loss, grad_norm, lr = self._sampled_step(step)
                 elif step in self.profile_steps:
@@ -261,25 +264,26 @@ class Trainer:
                     break
             self.checkpointer.finish()
             if stopped is None and self.cfg.checkpoint.export != "none":
-                from fsdp_exp.export import export_model
+                from fsdp_exp.export import export_dir, export_model
 
-                exported = export_model(self)
+                exported = export_model(self.model, self.cfg.model, self.cfg.checkpoint.export,
+                                        export_dir(self.cfg.checkpoint.export_dir, self.run_dir), self.info.is_main)
                 if self.info.is_main:
-                    self.record.update(export=exported)
+                    self.record.exported(exported)
         except BaseException as exc:
             if self.info.is_main and self.sinks_open:
                 self._close_sinks(status="failed", error=f"{type(exc).__name__}: {exc}")
             raise
         if stopped:
             if self.info.is_main:
-                self.record.update(interrupted={"signal": stopped, "checkpoint": self.checkpointer.last_saved})
+                self.record.interrupted(stopped, self.checkpointer.last_saved)
                 self._close_sinks(status="interrupted")
             return
         summary = self._summary()
         digests = self._shard_digests() if self.cfg.trainer.digest_shards else None
         if self.info.is_main:
             if digests is not None:
-                self.record.update(shard_digests=digests)
+                self.record.shard_digests(digests)
             self._close_sinks(status="completed", summary=summary)
 
     def _sampled_step(self, step: int) -> tuple[torch.Tensor, float, float]:
@@ -293,7 +297,7 @@ class Trainer:
         try:
             if step != self.track_step:
                 return self.train_step(step)
-            with StepMemory(self.model, self.optimizer, self.cfg.sharding.backend, self.device) as mem:
+            with StepMemory(self.model, self.optimizer, self.backend, self.device) as mem:
                 result = self.train_step(step, mem.phase)
             self._log_breakdown(step, mem.breakdown())
             return result
@@ -321,7 +325,7 @@ class Trainer:
             def table(values, i):
                 return {kind: values[i, j].item() for j, kind in enumerate(BREAKDOWN)}
 
-            self.record.update(memory_breakdown={
+            self.record.memory_breakdown({
                 "step": step + 1, "unit": "GiB",
                 **{f"{kind}_gib_max": hi[0, j].item() for j, kind in enumerate(BREAKDOWN)},
                 **{f"{kind}_gib_mean": mean[0, j].item() for j, kind in enumerate(BREAKDOWN)},
@@ -348,7 +352,7 @@ class Trainer:
                                      "traces": f"traces/rank<N>_step{step + 1}.json",
                                      "per_rank": [dict(zip(names, r.tolist())) for r in ranks],
                                      "collectives_rank0": comm["collectives"]})
-            self.record.update(comm=self.comm_record)
+            self.record.comm(self.comm_record)
         return result
 
     def _shard_digests(self) -> list[str]:
@@ -376,47 +380,22 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(self.data.micro_batches(step)):
             # Reduce gradients only after the last micro-batch; the others accumulate locally.
-            with self.runtime.gradient_sync(self.model, i == accum - 1):
-                with self.runtime.autocast():
+            with self.parallel.gradient_sync(i == accum - 1):
+                with self.parallel.autocast():
                     logits = self.model(batch.inputs)
                     loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten()) / accum
                 if phase:
                     phase("backward")
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                self.parallel.backward(loss, self.scaler)
             loss_sum += loss.detach()
             if phase and i < accum - 1:
                 phase("forward")
         if phase:
             phase("optimizer")
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.trainer.grad_clip or float("inf")
-        grad_norm = self.runtime.clip_grad_norm(self.model, max_norm)
         lr = self.scheduler.get_last_lr()[0]
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        grad_norm = self.parallel.optimizer_step(self.optimizer, self.scaler, self.cfg.trainer.grad_clip or float("inf"))
         self.scheduler.step()
         return loss_sum, grad_norm.item(), lr
-
-    def _check_injected_failure(self, step: int) -> None:
-        d = self.cfg.debug
-        if d.nan_at_step == step and self.info.rank == d.fail_rank:
-            # A real NaN: through this rank's forward, its gradients, the reduction and the loss.
-            with torch.no_grad():
-                for param in self.model.parameters():
-                    local = param.to_local() if isinstance(param, DTensor) else param
-                    if local.numel():
-                        local.fill_(float("nan"))
-                        break
-        if d.fail_at_step is not None and step == d.fail_at_step and self.info.rank == d.fail_rank \
-                and d.fail_during == "step":
-            if d.fail_signal:  # SIGKILL ends the rank here; a handled signal (SIGTERM) asks for a save and stop
-                os.kill(os.getpid(), getattr(signal, d.fail_signal))
-                return
-            raise InjectedFailure(f"debug.fail_at_step={d.fail_at_step} on rank {d.fail_rank}")
 
     def evaluate(self) -> dict:
         """Mean cross-entropy per token on ``data.val_batches`` global batches of the validation data
@@ -427,7 +406,7 @@ class Trainer:
         tokens = 0
         with torch.no_grad():
             for batch in self.data.val_micro_batches():
-                with self.runtime.autocast():
+                with self.parallel.autocast():
                     logits = self.model(batch.inputs)
                 total += F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="sum")
                 tokens += batch.targets.numel()
@@ -492,6 +471,7 @@ class Trainer:
         # Post-warm-up steps, without the profiled ones (the profiler slows its step down).
         measured = [h for h in self.history if h["step"] > self.cfg.trainer.warmup_steps and "comm/total_s" not in h]
         times = sorted(h["perf/step_time_s"] for h in measured)
+        speeds = sorted(h["perf/tokens_per_s"] for h in measured)  # the run's own spread, beside its median
 
         def median(key, rows=measured):
             values = [h[key] for h in rows if h.get(key) is not None]
@@ -513,6 +493,8 @@ class Trainer:
             "summary/step_time_s_median": median("perf/step_time_s"),
             "summary/step_time_s_p90": _percentile(times, 0.9),
             "summary/tokens_per_s_median": median("perf/tokens_per_s"),
+            "summary/tokens_per_s_p10": _percentile(speeds, 0.1),
+            "summary/tokens_per_s_p90": _percentile(speeds, 0.9),
             "summary/tokens_per_s_per_rank_median": median("perf/tokens_per_s_per_rank"),
             "summary/tflops_per_rank_median": median("perf/tflops_per_rank"),
             "summary/mfu_median": median("perf/mfu"),
@@ -539,19 +521,9 @@ class Trainer:
 
     def _close_sinks(self, status: str, summary: Optional[dict] = None, error: Optional[str] = None) -> None:
         self.sinks_open = False
-        fields = {"status": status}
-        if summary is not None:
-            fields["summary"] = summary
-        if error is not None:
-            # Under torchrun / SLURM the rank whose error is its own records it first (launch.py); rank 0
-            # usually fails only on its vanished peer and must not overwrite that.
-            earlier = self.record.read().get("error")
-            if not (isinstance(earlier, dict) and earlier.get("rank") not in (None, 0)):
-                fields["error"] = {"rank": 0, "message": error}
         files = sorted(p for folder in ("traces", "memory") for p in (self.run_dir / folder).glob("rank*_step*.*"))
-        if files:
-            fields["artifacts"] = [str(p.relative_to(self.run_dir)) for p in files]
-        self.record.update(**fields)
+        self.record.ended(status, summary=summary, error=error,
+                          artifacts=[str(p.relative_to(self.run_dir)) for p in files])
         self.jsonl.close()
         if self.wandb:
             if files:
@@ -559,8 +531,8 @@ class Trainer:
             if summary:
                 self.wandb.summary(summary)
             self.wandb.close(exit_code=0 if status in ("completed", "interrupted") else 1)
-            if self.wandb.error:  # W&B stopped mid-run; the run went on (sinks.WandbSink._guarded)
-                self.record.update(wandb={**self.record.read().get("wandb", {}), "error": self.wandb.error})
+            if self.wandb.error:  # W&B stopped mid-run; the run went on (record.WandbSink._guarded)
+                self.record.wandb_stopped(self.wandb.error)
         if summary is not None:
             self.console.summary(summary, title=f"fsdp_exp run: {self.run_dir}")
         else:

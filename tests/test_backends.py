@@ -2,7 +2,7 @@
 
 Each case runs for real on gloo ranks and must (1) match the single-process reference within the
 dtype's tolerance and (2) show, read back from the live wrapped model (``applied["inspected"]``,
-produced by fsdp_exp.parallel.inspect from torch's own objects), that every knob reached the API.
+produced by each backend's ``inspect`` from torch's own objects), that every knob reached the API.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def test_vocabulary_docs_are_generated_from_the_backends():
     for strategy in ("full", "grad_op", "hybrid", "no_shard"):
         row = rows[f"`sharding={strategy}`"]
         assert f"reshard_after_forward={fsdp2.RESHARD_AFTER_FORWARD[strategy]}" in row[1]
-        assert fsdp1.STRATEGY[strategy].name in row[2]
+        assert fsdp1.sharding_strategy(strategy).name in row[2]
 
 
 def test_model_states_by_strategy_match_theory(tmp_path):

@@ -6,11 +6,17 @@ The sweep is made once per module with real runs, as a user makes one:
   a real duplicate whose configs differ (prefetch.forward 1 vs 2).
 - ``sharding=grad_op`` into ``2_sharding=grad_op``: another setting, so that the ranking has two runs.
 - ``debug=fail_rank`` into ``3_failed``: rank 1 raises at step 2; the run exits 1 and records the error.
+
+A second sweep measures two configurations twice each (``sharding=full,grad_op trainer.repeat=0,1``, W&B
+offline): the jobs' order, the report's grouping of repeats with their intervals and tie marks, the
+figure's error bars, and the W&B job type the repeats share.
 """
 
 from __future__ import annotations
 
 import base64
+import csv
+import io
 import json
 import os
 import shutil
@@ -22,7 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.report import build_report, load_runs, plot_report, plotted_point_count, settings_key
+from fsdp_exp.report import (build_report, load_runs, plot_report, plotted_intervals, plotted_point_count, png_bytes,
+                             settings_key)
+from fsdp_exp.report.intervals import bootstrap_median
 from fsdp_exp.report.__main__ import main as report_main
 
 from conftest import BASE_ENV, QUIET, REPO
@@ -309,3 +317,113 @@ def test_notebook_executes_on_the_sweep(sweep, monkeypatch, tmp_path):
     assert "3 completed runs plotted" in text
     assert "4 runs with logged steps" in text  # the failed run's rows up to its failure included
     assert sum("image/png" in o.get("data", {}) for o in outputs) == 3
+
+
+# ------------------------------------------------------------------------------------ repeats
+REPEATS = ["sharding=full,grad_op", "trainer.repeat=0,1", "trainer.steps=3", "trainer.warmup_steps=1",
+           "logger.wandb.mode=offline", *QUIET]
+
+
+@pytest.fixture(scope="module")
+def repeated(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A real sweep of 2 configurations x 2 repeats, then ``python -m fsdp_exp.report`` on it."""
+    root = tmp_path_factory.mktemp("repeats")
+    sweep_dir, env = root / "sweep", _env(root / "home")
+    multirun = subprocess.run([sys.executable, "-m", "fsdp_exp", "-m", *REPEATS, f"hydra.sweep.dir={sweep_dir}"],
+                              cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert multirun.returncode == 0, multirun.stderr[-3000:]
+    report = subprocess.run([sys.executable, "-m", "fsdp_exp.report", str(sweep_dir)], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, **BASE_ENV})
+    assert report.returncode == 0, report.stderr[-3000:]
+    return sweep_dir, report
+
+
+def _job_order(sweep: Path) -> list[tuple[str, int]]:
+    """(sharding, repeat) of each job, in the order the jobs finished (the local launcher runs one at a time)."""
+    paths = sorted(sweep.glob("*/run.json"), key=lambda p: p.stat().st_mtime)
+    records = [json.loads(p.read_text()) for p in paths]
+    assert [r["sweep"]["job"] for r in records] == list(range(len(records)))  # Hydra's job numbers, in run order
+    return [(r["choices"]["sharding"], r["config"]["trainer"]["repeat"]) for r in records]
+
+
+def test_a_multirun_orders_repeats_interleaved(repeated):
+    """Hydra's basic sweeper would run full/0, full/1, grad_op/0, grad_op/1; fsdp_exp's sweeper runs every
+    configuration's repeat 0 first."""
+    sweep, _ = repeated
+    assert _job_order(sweep) == [("full", 0), ("grad_op", 0), ("full", 1), ("grad_op", 1)]
+    # Each job keeps its overrides, and so its folder name.
+    assert sorted(p.parent.name.split(",")[0] for p in sweep.glob("*/run.json")) == \
+        ["0_sharding=full", "1_sharding=grad_op", "2_sharding=full", "3_sharding=grad_op"]
+
+
+def test_the_report_groups_repeats_with_an_interval_over_them(repeated):
+    sweep, cli = repeated
+    report = _report_json(sweep)
+    records = {Path(p.parent).name: json.loads(p.read_text()) for p in sweep.glob("*/run.json")}
+    assert report["duplicates"] == [] and report["not_ranked"] == []
+    assert {r["label"] for r in report["ranked"]} == {"sharding=full", "sharding=grad_op"}
+    for row in report["ranked"]:
+        runs = [records[Path(run["path"]).name] for run in row["repeats"]]
+        assert [run["config"]["trainer"]["repeat"] for run in runs] == [0, 1]
+        assert {run["choices"]["sharding"] for run in runs} == {row["label"].split("=")[1]}
+        medians = [run["summary"]["summary/tokens_per_s_median"] for run in runs]
+        assert row["repeat_count"] == 2 and row["interval_over"] == "repeats"
+        assert row["tokens_per_s"] == statistics.median(medians)
+        assert [row["ci_low"], row["ci_high"]] == list(bootstrap_median(medians))
+        for run in runs:  # each run's own spread, beside its median
+            s = run["summary"]
+            assert s["summary/steps_measured"] == 2
+            assert s["summary/tokens_per_s_p10"] <= s["summary/tokens_per_s_median"] <= s["summary/tokens_per_s_p90"]
+    first, second = report["ranked"]
+    assert first["tied_with_best"] is None and isinstance(second["tied_with_best"], bool)
+    tied = second["ci_high"] >= first["ci_low"]
+    assert second["tied_with_best"] == tied
+    # The console: the ranked table with interval, what it resampled and the tie mark, then each repeat.
+    out = cli.stdout
+    for column in ("95% interval", "interval over", "vs #1"):
+        assert column in out
+    assert out.count("2 repeats") == 2 and ("tied" if tied else "below") in out
+    assert "Runs of the configurations measured more than once" in out
+    # The CSV: the 2 configurations, then their 4 runs; the HTML: the same intervals, and the runs.
+    rows = list(csv.DictReader(io.StringIO((sweep / "report.csv").read_text())))
+    assert [r["kind"] for r in rows] == ["ranked"] * 2 + ["repeat"] * 4
+    assert [float(r["ci_low"]) for r in rows[:2]] == [r["ci_low"] for r in report["ranked"]]
+    parsed = _Tables()
+    parsed.feed((sweep / "report.html").read_text())
+    header, *ranked = parsed.tables["ranked"]
+    interval = header.index("95% interval")
+    assert [r[interval] for r in ranked] == [f"{r['ci_low']:,.0f} – {r['ci_high']:,.0f}" for r in report["ranked"]]
+    assert len(parsed.tables["repeats"]) == 1 + 4
+
+
+def test_the_pngs_error_bars_match_the_table(repeated):
+    sweep, _ = repeated
+    report = _report_json(sweep)
+    fig, shown = plot_report(build_report(load_runs([sweep])))
+    assert png_bytes(fig) == (sweep / "report.png").read_bytes()  # the figure below is the PNG's
+    drawn = sorted((low, high) for _, low, high in plotted_intervals(fig))
+    assert drawn == sorted((r["ci_low"], r["ci_high"]) for r in report["ranked"])
+    kinds = [p["kind"] for p in shown["points"]]
+    assert kinds.count("configuration") == 2 and kinds.count("repeat") == 4
+    assert plotted_point_count(fig) == 6
+
+
+def _wandb_run(run_dir: Path) -> dict:
+    """The run record (name, group, job type, tags) of a job's offline W&B run."""
+    wandb_bin = Path(sys.executable).with_name("wandb")
+    (log,) = (run_dir / "wandb").glob("offline-run-*/*.wandb")
+    lines = subprocess.run([str(wandb_bin), "leet", "inspect", "--json", str(log)], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    return next(r["run"] for r in map(json.loads, lines) if r["type"] == "run")
+
+
+def test_repeats_share_a_wandb_job_type(repeated):
+    """W&B groups runs by job type: the repeats of one configuration share one, the report's config_id."""
+    sweep, _ = repeated
+    report = _report_json(sweep)
+    for row in report["ranked"]:
+        runs = [_wandb_run(Path(run["path"])) for run in row["repeats"]]
+        assert {run["job_type"] for run in runs} == {row["config_id"]}
+        assert [f"repeat:{r}" in run["tags"] for r, run in enumerate(runs)] == [True, True]
+        assert all(run["run_group"] == "sweep" for run in runs)
+    assert report["ranked"][0]["config_id"] != report["ranked"][1]["config_id"]

@@ -118,7 +118,7 @@ def test_a_crashed_rank_fails_its_job_not_the_sweep(tmp_path):
     (["sharding=[]"], "sharding=[] selects no option of the group; pick one of: ddp, full"),
     (["precision=fp32,bf16,fp32"], "precision: fp32 listed twice"),
     (["trainer.steps=choice()"], "empty choice is not legal"),  # Hydra's own refusal, also before any job
-    (["trainer.stepz=3,4"], "Key 'stepz' not in 'TrainerConfig'"),
+    (["trainer.stepz=3,4"], "trainer.stepz is not a setting of fsdp_exp (did you mean trainer.steps?)"),  # ours, before Hydra's
 ])
 def test_bad_sweep_input_fails_before_any_job(tmp_path, args, says):
     sweep_dir = tmp_path / "sweep"
@@ -149,7 +149,7 @@ def _product(params: dict[str, list]) -> list[list[str]]:
     return [[f"{k}={v}" for k, v in zip(keys, values)] for values in itertools.product(*params.values())]
 
 
-PRESETS = sorted(p.stem for p in (REPO / "fsdp_exp" / "conf" / "experiment").glob("*.yaml"))
+PRESETS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -209,3 +209,22 @@ def test_a_preset_sweep_names_its_jobs_by_what_varies(tmp_path):
     assert [label for label, _ in refused] == ["sharding=ddp"]
     assert "offload=params cannot be honoured" in refused[0][1]
 
+
+
+def test_repeats_are_not_duplicates_but_a_repeat_listed_twice_is():
+    """`trainer.repeat=0,1` measures each configuration twice and passes the duplicate-value check; a repeat
+    index listed twice would run identical jobs and is refused, with the list that measures N times. A
+    negative repeat is refused before any rank starts."""
+    from fsdp_exp.config import ConfigError
+    from fsdp_exp.sweep import invalid_combinations, sweep_problems
+
+    with initialize_config_module(config_module="fsdp_exp.conf", version_base="1.3"):
+        assert sweep_problems(["sharding=full,grad_op", "trainer.repeat=0,1,2"]) == []
+        (problem,) = sweep_problems(["sharding=full,grad_op", "trainer.repeat=0,1,1"])
+        assert problem.startswith("trainer.repeat: 1 listed twice")
+        assert "to measure each configuration 3 times: trainer.repeat=0,1,2" in problem
+        refused = invalid_combinations(["sharding=full", "trainer.repeat=0,-1"])
+        with pytest.raises(ConfigError, match="pass trainer.repeat=0"):
+            _validate(["trainer.repeat=-1"])
+    assert [label for label, _ in refused] == ["trainer.repeat=-1"]
+    assert "trainer.repeat=-1 is negative" in refused[0][1]

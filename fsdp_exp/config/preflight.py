@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from fsdp_exp.config.schema import DTYPES, ModelConfig, OptimConfig, PrefetchConfig, RunConfig, WrapConfig
+from fsdp_exp.config.schema import DTYPES, ModelConfig, OptimConfig, RunConfig
 from fsdp_exp.config.topology import Topology, largest_divisor_at_most as _largest_divisor_at_most, resolve_nproc
+from fsdp_exp.checkpoint.checks import check_checkpoint
 from fsdp_exp.errors import fail
+from fsdp_exp.parallel.backend import backend_for, check_backend_name
 
 
 def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = None) -> Topology:
@@ -40,6 +42,9 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
                         ("trainer.global_batch_size", t.global_batch_size), ("trainer.log_every", t.log_every)):
         if value < 1:
             fail(f"{name}={value} must be at least 1.", f"pass a positive {name}")
+    if t.repeat < 0:
+        fail(f"trainer.repeat={t.repeat} is negative; it numbers the repetitions of a configuration from 0.",
+              "pass trainer.repeat=0 (or trainer.repeat=0,1,2 in a multirun to measure each configuration 3 times)")
     if not 0 <= t.warmup_steps < t.steps:
         fail(f"trainer.warmup_steps={t.warmup_steps} leaves no step for the summary of {t.steps} steps.",
               f"pass trainer.warmup_steps={max(0, t.steps // 5)} or raise trainer.steps")
@@ -52,7 +57,7 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
               f"pass trainer.warmup_steps={t.track_memory_step + 1} or more, or trainer.track_memory_step=null")
     # The memory-sampled step (the trainer's): the tracked one, else the CUDA snapshot's (last warm-up step).
     sampled = (t.track_memory_step if t.track_memory_step is not None else t.warmup_steps - 1) \
-        if t.track_memory and t.warmup_steps > 0 and s.backend != "fsdp1" else \
+        if t.track_memory and t.warmup_steps > 0 and backend_for(cfg).tracks_memory else \
         (t.warmup_steps - 1 if t.memory_snapshot else None)
     for step in t.profile_steps:
         if not 0 <= step < t.steps:
@@ -125,35 +130,31 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
             and not 0 <= cfg.debug.fail_rank < world:
         fail(f"debug.fail_rank={cfg.debug.fail_rank} is not a rank of a world of {world}.",
               f"pass debug.fail_rank between 0 and {world - 1}")
-    _validate_checkpoint(cfg)
+    check_checkpoint(cfg)
 
     return Topology(device_type=device_type, nproc_per_node=nproc, nnodes=t.nnodes, world_size=world,
                     dp_size=dp, tp_size=cfg.parallel.tp, mesh_shape=mesh_shape, mesh_dim_names=mesh_names,
                     micro_batch_size=micro, grad_accum_steps=per_rank // micro)
 
 
-BACKENDS = ("fsdp2", "fsdp1", "ddp")
 STRATEGIES = ("full", "grad_op", "hybrid", "no_shard")
 
 
 def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str):
-    """The device mesh: data-parallel dims from the strategy, then a tp dim. Returns (shape, names, dp)."""
+    """The device mesh: data-parallel dims from the strategy (laid out by the backend), then a tp dim.
+    Returns (shape, names, dp)."""
     s, tp = cfg.sharding, cfg.parallel.tp
-    if s.backend not in BACKENDS:
-        fail(f"sharding.backend={s.backend!r} is not one of {', '.join(BACKENDS)}.",
-              "pass sharding.backend=fsdp2 (or a preset: sharding=full|grad_op|hybrid|no_shard|ddp)")
+    check_backend_name(s.backend)
     if s.strategy not in STRATEGIES:
         fail(f"sharding.strategy={s.strategy!r} is not one of {', '.join(STRATEGIES)}.",
               "pick one with sharding=full|grad_op|hybrid|no_shard")
-    if s.backend == "ddp" and s.strategy != "no_shard":
-        fail(f"DDP replicates the model; it cannot do sharding.strategy={s.strategy}.",
-              "pass sharding=ddp alone, or sharding.backend=fsdp2 for a sharded strategy")
     if tp < 1 or world % tp:
         fail(f"parallel.tp={tp} does not divide the world size {world}.",
               f"pass parallel.tp={_largest_divisor_at_most(world, max(tp, 1))} (a divisor of {world})")
     if tp > 1:
         _validate_tp(cfg, tp)
     dp = world // tp
+    replicate, shard = 1, dp
     if s.strategy == "hybrid":
         local_dp = max(1, min(nproc // tp, dp)) if nproc >= tp else 1
         shard = s.shard_size if s.shard_size is not None else (
@@ -165,39 +166,30 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
                   f"got {replicate} x {shard}.",
                   f"pass sharding.shard_size and sharding.replicate_size whose product is {dp}, "
                   f"e.g. sharding.replicate_size={dp // good} sharding.shard_size={good}")
-        shape, names = (replicate, shard), ("replicate", "shard")
-    elif s.strategy == "no_shard":
-        shape, names = ((dp,), ("replicate",)) if s.backend == "ddp" else ((dp, 1), ("replicate", "shard"))
-    else:
-        if s.replicate_size is not None or s.shard_size is not None:
-            fail(f"sharding.replicate_size/shard_size only apply to sharding=hybrid, not {s.strategy}.",
-                  "drop them, or pass sharding=hybrid")
-        shape, names = (dp,), ("shard",)
+    elif s.strategy != "no_shard" and (s.replicate_size is not None or s.shard_size is not None):
+        fail(f"sharding.replicate_size/shard_size only apply to sharding=hybrid, not {s.strategy}.",
+              "drop them, or pass sharding=hybrid")
+    shape, names = backend_for(cfg).data_parallel_mesh(s.strategy, dp, replicate, shard)
     if tp > 1:
         shape, names = (*shape, tp), (*names, "tp")
     return shape, names, dp
 
 
 def _validate_tp(cfg: RunConfig, tp: int) -> None:
-    from fsdp_exp.models.llama import ffn_hidden_dim
+    from fsdp_exp.models import spec_for
 
-    m = cfg.model
-    if cfg.sharding.backend != "fsdp2":
-        fail(f"parallel.tp={tp} composes with FSDP2 only, not sharding.backend={cfg.sharding.backend}.",
-              "pass sharding.backend=fsdp2 (or parallel.tp=1)")
-    for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads or m.n_heads),
-                        ("the SwiGLU width", ffn_hidden_dim(m))):
-        if value % tp:
-            fail(f"parallel.tp={tp} does not divide {name} ({value}).", "pick parallel.tp that divides it")
+    # Which backends compose with tensor parallel is theirs to say (their check); what tp must divide
+    # is the model family's (its tensor-parallel plan).
+    spec_for(cfg.model).check_tensor_parallel(cfg.model, tp)
     if cfg.parallel.sequence_parallel and cfg.trainer.seq_len % tp:
         fail(f"parallel.sequence_parallel shards the sequence, but trainer.seq_len={cfg.trainer.seq_len} "
               f"does not divide by parallel.tp={tp}.", f"pass a trainer.seq_len that is a multiple of {tp}")
 
 
 def _validate_backend_knobs(cfg: RunConfig, device_type: str) -> None:
-    """Every knob either reaches the chosen backend's API or is refused here, naming the equivalent."""
-    s, p, pf, w = cfg.sharding, cfg.precision, cfg.prefetch, cfg.wrap
-    b = s.backend
+    """Every knob either reaches the chosen backend's API or is refused here, naming the equivalent: the
+    values no backend could take first, then the backend's own refusals (``Backend.check``)."""
+    s, pf, w = cfg.sharding, cfg.prefetch, cfg.wrap
     if pf.forward < 0:
         fail(f"prefetch.forward={pf.forward} is negative.", "pass prefetch.forward=0 (none) or more")
     if pf.backward is not None and pf.backward < 0:
@@ -223,135 +215,14 @@ def _validate_backend_knobs(cfg: RunConfig, device_type: str) -> None:
     if rs not in ("auto", "true", "false") and not (rs.isdigit() and int(rs) >= 1):
         fail(f"sharding.reshard_after_forward={s.reshard_after_forward!r} is not auto, true, false or a "
               "positive whole number.", "pass sharding.reshard_after_forward=auto")
-
-    def refuse(knob: str, why: str, fix: str) -> None:
-        fail(f"{knob} cannot be honoured by sharding.backend={b}: {why}", fix)
-
-    if b == "fsdp2":
-        if pf.backward == 0:
-            refuse("prefetch.backward=0", "FSDP2 always prefetches at least one unit in backward (an empty "
-                   "prefetch list means its implicit one).",
-                   "pass prefetch.backward=null (FSDP2's implicit one unit) or a depth of 1 or more")
-        if pf.backward_timing != "pre":
-            refuse("prefetch.backward_timing=post", "FSDP2 issues backward prefetch before a unit's gradient "
-                   "computation only (FSDP1's BACKWARD_PRE).", "drop it, or pass sharding.backend=fsdp1")
-        if pf.limit_all_gathers is not None:
-            refuse("prefetch.limit_all_gathers", "FSDP2 always bounds in-flight all-gathers by its own stream "
-                   "synchronization; there is no switch.", "drop it; tune prefetch.forward / prefetch.backward")
-        for knob in ("use_orig_params", "sync_module_states"):
-            if getattr(s, knob) is not None:
-                refuse(f"sharding.{knob}", "FSDP2 always keeps the original parameters (as DTensors) and fsdp_exp "
-                       "initializes every shard identically by seed.", f"drop sharding.{knob}")
-        if p.buffer_dtype is not None:
-            refuse("precision.buffer_dtype", "FSDP2's MixedPrecisionPolicy has no buffer dtype (buffers keep "
-                   "their dtype).", "drop precision.buffer_dtype")
-        if rs.isdigit() and cfg.sharding.strategy in ("no_shard",):
-            refuse("an integer sharding.reshard_after_forward", "no_shard has nothing to reshard.",
-                   "pass sharding.reshard_after_forward=auto")
-    else:
-        if rs != "auto":
-            refuse(f"sharding.reshard_after_forward={s.reshard_after_forward}",
-                   "FSDP1 and DDP take resharding from the strategy (FULL_SHARD reshards, SHARD_GRAD_OP keeps).",
-                   "pass sharding=full or sharding=grad_op, or sharding.backend=fsdp2")
-        if s.reshard_last_block is not None:
-            refuse("sharding.reshard_last_block", "only FSDP2 sets resharding per unit.",
-                   "drop it, or pass sharding.backend=fsdp2")
-        if p.output_dtype is not None:
-            refuse("precision.output_dtype", "only FSDP2's MixedPrecisionPolicy casts the outputs.",
-                   "drop precision.output_dtype")
-    if b == "fsdp1":
-        if pf.forward > 1 or (pf.backward or 0) > 1:
-            refuse(f"prefetch depth forward={pf.forward} backward={pf.backward}",
-                   "FSDP1 prefetches exactly one unit (forward_prefetch, backward_prefetch).",
-                   "pass prefetch.forward and prefetch.backward of 0 or 1, or sharding.backend=fsdp2")
-        if device_type == "cpu" and s.sync_module_states:
-            refuse("sharding.sync_module_states=true on CPU", "torch's FSDP1 refuses to broadcast CPU "
-                   "parameters.", "drop it (fsdp_exp initializes every rank identically) or run on CUDA")
-        if device_type == "cpu" and cfg.offload.params:
-            refuse("offload=params on CPU-only torch", "FSDP1's CPUOffload pins host memory, which needs CUDA.",
-                   "pass offload=none, or sharding.backend=fsdp2 (its CPUOffloadPolicy runs unpinned)")
-        if s.use_orig_params is False and cfg.optim.weight_decay > 0:
-            refuse("sharding.use_orig_params=false with weight decay", "flat parameters mix matrices and norm "
-                   "weights, so weight decay could not skip the norms.",
-                   "pass optim.weight_decay=0, or drop sharding.use_orig_params=false")
-        if cfg.compile and s.use_orig_params is False:
-            refuse("compile=true with sharding.use_orig_params=false", "torch.compile needs the original "
-                   "parameters.", "drop sharding.use_orig_params=false")
-    if b == "ddp":
-        if pf != PrefetchConfig():
-            refuse("a prefetch setting", "DDP has no all-gathers to prefetch.",
-                   "leave the prefetch group at its default (drop prefetch=...)")
-        if w != WrapConfig():
-            refuse(f"wrap={w.policy}", "DDP has no wrapped units (it buckets gradients).",
-                   "leave the wrap group at its default (drop wrap=...)")
-        if cfg.offload.params:
-            refuse("offload=params", "DDP keeps full replicas on the device.",
-                   "pass sharding=no_shard (FSDP2 replication with offload) or offload=none")
-        if p.reduce_dtype == "bf16" and device_type == "cpu":
-            refuse("precision.reduce_dtype=bf16 on CPU", "torch's bf16 gradient-compression hook for DDP needs "
-                   "NCCL (CUDA) or XCCL.", "pass precision.reduce_dtype=fp32 (e.g. precision=bf16)")
-        if p.param_dtype != p.reduce_dtype and p.reduce_dtype != "fp32":
-            refuse(f"precision.reduce_dtype={p.reduce_dtype} with param_dtype={p.param_dtype}",
-                   "DDP compresses gradients to the reduce dtype with a communication hook; only fp32 or "
-                   "the compute dtype are offered.", "pass precision.reduce_dtype=fp32")
-        if p.buffer_dtype is not None or not p.cast_forward_inputs:
-            refuse("precision.buffer_dtype / cast_forward_inputs", "DDP runs mixed precision by autocast.",
-                   "drop them")
-
-
-def _validate_checkpoint(cfg: RunConfig) -> None:
-    """The checkpoint group and the fault-injection knobs that exercise it."""
-    import signal
-
-    c, d = cfg.checkpoint, cfg.debug
-    if c.every < 0:
-        fail(f"checkpoint.every={c.every} is negative.", "pass checkpoint.every=0 (no periodic saves) or a step interval")
-    if c.keep < 0:
-        fail(f"checkpoint.keep={c.keep} is negative.", "pass checkpoint.keep=2 (or 0 to keep every checkpoint)")
-    if not c.resume:
-        fail("checkpoint.resume is empty.", "pass checkpoint.resume=auto, none, or a path to a step_<N> folder")
-    if c.export not in ("none", "safetensors", "hf"):
-        fail(f"checkpoint.export={c.export!r} is not one of none, safetensors, hf.", "pass checkpoint.export=safetensors")
-    if c.export == "hf" and cfg.model.n_experts > 0:
-        fail("checkpoint.export=hf writes a LlamaForCausalLM, and this model is a mixture of experts.",
-              "pass checkpoint.export=safetensors (fsdp_exp's own parameter names)")
-    if c.export == "hf" and cfg.model.name != "llama":
-        fail(f"checkpoint.export=hf knows the Llama layout only, not model.name={cfg.model.name}.",
-              "pass checkpoint.export=safetensors")
-    for name in c.signals:
-        if not name.startswith("SIG") or not hasattr(signal, name) or name in ("SIGKILL", "SIGSTOP"):
-            fail(f"checkpoint.signals holds {name!r}, which is not a signal a process can catch.",
-                  "pass checkpoint.signals=[SIGTERM,SIGUSR1]")
-    if d.fail_signal is not None and (not d.fail_signal.startswith("SIG") or not hasattr(signal, d.fail_signal)):
-        fail(f"debug.fail_signal={d.fail_signal!r} is not a signal name.", "pass debug.fail_signal=SIGKILL (or null)")
-    if d.fail_during not in ("step", "save"):
-        fail(f"debug.fail_during={d.fail_during!r} is not one of step, save.", "pass debug.fail_during=step")
-    if d.fail_during == "save":
-        if d.fail_at_step is None or c.every < 1 or d.fail_at_step % c.every or d.fail_at_step < 1:
-            fail(f"debug.fail_during=save fails inside the save of checkpoint step_<debug.fail_at_step>, but "
-                  f"checkpoint.every={c.every} never saves step {d.fail_at_step}.",
-                  "pass checkpoint.every=N and debug.fail_at_step=<a positive multiple of N>")
+    backend_for(cfg).check(cfg, device_type)
 
 
 def _validate_model(m: ModelConfig) -> None:
-    from fsdp_exp.models import REGISTRY
+    """The family must be registered (with a "did you mean"); then its own checks."""
+    from fsdp_exp.models import get_spec
 
-    if m.name not in REGISTRY:
-        fail(f"model.name={m.name!r} is not a known architecture ({', '.join(sorted(REGISTRY))}).",
-              "pick a preset with model=llama_tiny|llama7b|... or pass model.name=llama")
-    for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
-        if getattr(m, name) < 1:
-            fail(f"model.{name}={getattr(m, name)} must be positive.", f"pass a positive model.{name}")
-    if m.dim % m.n_heads:
-        fail(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.",
-              "pick model.n_heads that divides model.dim")
-    kv = m.n_kv_heads or m.n_heads
-    if m.n_heads % kv:
-        fail(f"model.n_kv_heads={kv} does not divide model.n_heads={m.n_heads} (grouped-query attention).",
-              "pick model.n_kv_heads that divides model.n_heads, or null")
-    if (m.dim // m.n_heads) % 2:
-        fail(f"head dimension model.dim/model.n_heads={m.dim // m.n_heads} is odd; rotary embeddings need it even.",
-              "change model.dim or model.n_heads")
+    get_spec(m.name).check(m)
 
 
 def _validate_data(cfg: RunConfig) -> None:

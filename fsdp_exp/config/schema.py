@@ -41,7 +41,7 @@ class ModelConfig:
 class ShardingConfig:
     """How parameters, gradients and optimizer state are spread over data-parallel ranks.
 
-    ``strategy`` speaks the user's vocabulary; each backend in ``fsdp_exp.parallel`` translates it
+    ``strategy`` speaks the user's vocabulary; each backend under ``fsdp_exp.parallel`` translates it
     (docs/vocabulary.md). ``replicate_size`` x ``shard_size`` is the 2-D mesh of ``hybrid``.
     """
 
@@ -161,6 +161,10 @@ class TrainerConfig:
     nproc_per_node: str = "auto"  # "auto" = number of CUDA GPUs, or 2 CPU ranks without CUDA
     nnodes: int = 1
     seed: int = 0
+    # Which repetition of a configuration this run is: changes nothing in the run (not the seed, not the
+    # data), only its identity, so that trainer.repeat=0,1,2 measures each configuration of a sweep three
+    # times and the report groups them (fsdp_exp/report/repeats.py).
+    repeat: int = 0
     global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: Optional[int] = None  # sequences per rank per forward; None = no accumulation
     seq_len: int = 128
@@ -181,6 +185,9 @@ class TrainerConfig:
     # warm-up step) and dump a snapshot per rank to <run dir>/memory/ (open it in pytorch.org/memory_viz).
     memory_snapshot: bool = False
     digest_shards: bool = True  # hash every rank's parameter shards at the end (replicas must agree)
+    # Before any rank starts, refuse a run the memory planner says cannot fit this node (a GPU's free
+    # memory, or a CPU host's RAM under its memory cgroup's limit): fsdp_exp/config/fit.py. false = run anyway.
+    check_fit: bool = True
 
 
 @dataclass
@@ -220,7 +227,7 @@ class DebugConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Sharded checkpoints (fsdp_exp/checkpoint.py): when to save, where, how many to keep, how to resume.
+    """Sharded checkpoints (fsdp_exp/checkpoint/): when to save, where, how many to keep, how to resume.
 
     A checkpoint is ``<dir>/step_<N>/`` (torch.distributed.checkpoint shards, each rank's RNG state,
     the trainer state and ``fsdp_exp_checkpoint.json``), written as ``step_<N>.tmp`` and renamed when

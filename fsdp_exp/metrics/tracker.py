@@ -1,8 +1,10 @@
 """Memory breakdown of one sampled step, phase by phase, from torch's own memory trackers.
 
-FSDP2 models go through ``FSDPMemTracker`` (it tells sharded from unsharded parameters and
-gradients, and the all-gather / reduce-scatter buffers); FSDP1 and DDP through the generic
-``MemTracker``. Both count every tensor the step allocates, by what it is, on CPU and CUDA alike.
+The backend picks the tracker (``Backend.memory_tracker``): FSDP2's ``FSDPMemTracker`` tells sharded
+from unsharded parameters and gradients, and the all-gather / reduce-scatter buffers; other backends
+get the generic ``MemTracker``, and a backend whose parameters torch cannot follow says so
+(``Backend.tracks_memory``). Both count every tensor the step allocates, by what it is, on CPU and
+CUDA alike.
 The tracker instruments each op, so the tracked step is slow: the trainer samples it inside the
 warm-up steps, which the summary leaves out.
 
@@ -22,10 +24,13 @@ tracker's peak over the whole step.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from fsdp_exp.parallel.backend import Backend
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -69,16 +74,9 @@ class StepMemory:
     micro-batch resets the tracker's per-module statistics, which otherwise refuse a second forward
     of the root module (the running peak is kept: torch documents ``reset_mod_stats`` for this)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, backend: str, device: torch.device):
-        if backend == "fsdp2":
-            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-            self.tracker = FSDPMemTracker(model, optimizer)
-        else:
-            from torch.distributed._tools.mem_tracker import MemTracker
-
-            self.tracker = MemTracker()
-            self.tracker.track_external(model, optimizer)
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, backend: "Backend",
+                 device: torch.device):
+        self.tracker = backend.memory_tracker(model, optimizer)
         self.device = device
         self.current: Optional[str] = None
         self.forwards = 0

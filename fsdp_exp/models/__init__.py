@@ -1,63 +1,78 @@
-"""Model registry: architecture name -> how to build it, which module is a block, its FLOPs per token.
+"""Model families: the registry (``model.name`` -> its ``ModelSpec``, see ``fsdp_exp.models.spec``)
+and what every family shares: building on meta, counting parameters, FLOPs per token, canonical
+parameter names and the seeded initialization that gives the same values at any world size.
 
 Models are plain ``nn.Module``s; everything parallel is applied from outside by fsdp_exp.parallel,
-which needs to know the block class (the unit of wrapping) from the spec here.
+which reads what it needs (the block class, the tensor-parallel plan) from the family's spec.
+A new family is one module with a ``ModelSpec`` subclass and one line in ``REGISTRY``.
 """
 
 from __future__ import annotations
 
+import difflib
 import zlib
-from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
+from fsdp_exp.errors import fail
+from fsdp_exp.models.llama_spec import LLAMA
+from fsdp_exp.models.spec import ModelSpec
 
-from fsdp_exp.config import ModelConfig
-from fsdp_exp.models.llama import Llama, TransformerBlock
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    build: Callable[[ModelConfig], nn.Module]
-    block_class: type[nn.Module]
-
+    from fsdp_exp.config.schema import ModelConfig
 
 REGISTRY: dict[str, ModelSpec] = {
-    "llama": ModelSpec(build=Llama, block_class=TransformerBlock),
+    LLAMA.name: LLAMA,
 }
 
 
-def build_meta(cfg: ModelConfig) -> nn.Module:
-    """Build the model on the meta device: shapes only, no memory."""
+def get_spec(name: str) -> ModelSpec:
+    """The family ``model.name`` names; an unknown name is refused with a "did you mean"."""
+    if name not in REGISTRY:
+        close = difflib.get_close_matches(name, REGISTRY, n=1)
+        hint = f"did you mean model.name={close[0]}? " if close else ""
+        fail(f"model.name={name!r} is not a known architecture ({', '.join(sorted(REGISTRY))}).",
+             f"{hint}pick a preset with model=llama_tiny|llama7b|... or pass model.name=llama")
+    return REGISTRY[name]
+
+
+def spec_for(cfg: "ModelConfig") -> ModelSpec:
+    return get_spec(cfg.name)
+
+
+def spec_of(model: "nn.Module") -> ModelSpec:
+    """The family of a built model (the plain model, or FSDP2's in-place sharded one)."""
+    for spec in REGISTRY.values():
+        if isinstance(model, spec.model_class):
+            return spec
+    raise TypeError(f"{type(model).__name__} is not a model of a registered family ({', '.join(REGISTRY)})")
+
+
+def build_meta(cfg: "ModelConfig") -> "nn.Module":
+    """Build the model on the meta device: shapes only, no memory. A fresh one each call (to wrap)."""
+    import torch
+
     with torch.device("meta"):
-        return REGISTRY[cfg.name].build(cfg)
+        return spec_for(cfg).build(cfg)
 
 
-def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> int:
-    model = build_meta(cfg)
-    seen, total = set(), 0
-    for name, p in model.named_parameters():  # named_parameters already skips tied duplicates
-        if id(p) in seen or (exclude_embeddings and name.startswith("tok_embeddings.")):
-            continue
-        seen.add(id(p))
-        total += p.numel()
-    return total
+def count_params(cfg: "ModelConfig", *, exclude_embeddings: bool = False) -> int:
+    """Parameters of the model (tied ones once); without the input embeddings when asked."""
+    inventory = spec_for(cfg).inventory(cfg)
+    return sum(p.numel for p in inventory.params
+               if not (exclude_embeddings and p.name in inventory.input_params))
 
 
-def matrix_parameter_names(model: nn.Module) -> set[str]:
+def matrix_parameter_names(model: "nn.Module") -> set[str]:
     """Canonical names of the parameters that are matrices (weight decay applies to these only)."""
     return {canonical_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs per token: 6 N + 12 L d S (forward + backward, no recompute).
-
-    N counts parameters without the input embedding (a lookup, no matmul); the output projection
-    is a matmul and counts. 12 L d S is attention's score and value products (PaLM appendix B).
-    """
-    n = count_params(cfg, exclude_embeddings=True)
-    return 6 * n + 12 * cfg.n_layers * cfg.dim * seq_len
+def flops_per_token(cfg: "ModelConfig", seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward, no recompute): the family's formula."""
+    return spec_for(cfg).flops_per_token(cfg, seq_len)
 
 
 # Path components that wrappers (activation checkpointing, FSDP1, torch.compile) insert into
@@ -69,10 +84,13 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
 
 
-def full_param_init(model: nn.Module, name: str, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
+def full_param_init(model: "nn.Module", name: str, shape: "torch.Size", seed: int,
+                    device: "torch.device") -> "torch.Tensor":
     """The full (unsharded) initial value of parameter ``name``: a function of (seed, name) only."""
+    import torch
+
     name = canonical_name(name)
-    std = model.init_std(name)
+    std = spec_of(model).init_std(model, name)
     full = torch.empty(shape, dtype=torch.float32, device=device)
     if std is None:
         return full.fill_(1.0)
@@ -84,8 +102,7 @@ def _param_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-@torch.no_grad()
-def init_weights(model: nn.Module, seed: int, device: torch.device) -> None:
+def init_weights(model: "nn.Module", seed: int, device: "torch.device") -> None:
     """Fill every parameter from (seed, its name) alone, so any sharding gets the same values.
 
     Each full parameter is drawn on the parameter's device, one at a time, and each rank keeps its
@@ -93,12 +110,14 @@ def init_weights(model: nn.Module, seed: int, device: torch.device) -> None:
     No rank ever holds more than one unsharded parameter. ``model`` is the plain model (or FSDP2's
     in-place sharded one); wrapper backends call ``full_param_init`` themselves.
     """
+    import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    for name, param in model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        full = full_param_init(model, name, param.shape, seed, local.device)
-        if isinstance(param, DTensor):
-            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        local.copy_(full.to(local.dtype))
-    model.init_buffers(device)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            full = full_param_init(model, name, param.shape, seed, local.device)
+            if isinstance(param, DTensor):
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            local.copy_(full.to(local.dtype))
+    spec_of(model).init_buffers(model, device)

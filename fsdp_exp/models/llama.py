@@ -1,10 +1,14 @@
 """A plain Llama decoder (RMSNorm, rotary embeddings, SwiGLU, grouped-query SDPA attention).
 
-No parallel code lives here: fsdp_exp.parallel wraps these modules. The model is built on the meta
-device and materialized after sharding, so ``init_weights`` must be able to run on any device and
-any sharding; it fills each parameter from its name alone (see fsdp_exp.models.init).
+No parallel code lives here: fsdp_exp.parallel wraps these modules, following the family's spec
+(``fsdp_exp.models.llama_spec``: its tensor-parallel plan, export mapping and planner inventory).
+The model is built on the meta device and materialized after sharding, so initialization must run
+on any device and any sharding: ``fsdp_exp.models.init_weights`` fills each parameter from (seed,
+its name) alone, with the std that ``Llama.init_std`` gives it.
 
-    python -c "from fsdp_exp.models import count_params; print(count_params('llama7b'))"
+    python -m fsdp_exp.plan model=llama7b        # its parameters and per-rank memory, on meta
+    python -c "from fsdp_exp.config.schema import ModelConfig; from fsdp_exp.models import count_params; \
+print(count_params(ModelConfig(dim=4096, n_layers=32, n_heads=32, vocab_size=32000)))"
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_exp.config import ModelConfig
+from fsdp_exp.config.schema import ModelConfig
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:

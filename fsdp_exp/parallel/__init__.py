@@ -1,36 +1,70 @@
 """Parallelism, applied in a fixed order like a recipe: tensor parallel, activation checkpointing,
-compile, then the data-parallel backend (FSDP2, FSDP1 or DDP), which also materializes the model and
-initializes it identically on every rank. Each step records what it handed to torch ("applied").
+compile, then the data-parallel backend (``backend_for(cfg)``: FSDP2, FSDP1 or DDP, see backend.py),
+which also materializes the model and initializes it identically on every rank. Each step records what
+it handed to torch ("applied"); the backend then reads back what torch holds (``applied["inspected"]``).
+
+The result binds the backend to this run's model, config and device, so that the training step asks it
+for the optimizer, gradient sync, autocast, backward, clipping, the loss scaler and the optimizer step
+without knowing which backend it is (a backend whose engine owns the step overrides them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from fsdp_exp.parallel.backend import Backend, backend_for
 
-from fsdp_exp.config import RunConfig
+if TYPE_CHECKING:  # importing this package stays cheap: the backends import torch when they are used
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp_exp.config import RunConfig
 
 
 @dataclass
 class Parallelized:
-    model: nn.Module
+    """The model to train, what was applied to it, and its backend's part of the training step."""
+
+    model: "nn.Module"
     applied: dict
-    runtime: Any  # the backend's Runtime: gradient_sync, autocast, clip_grad_norm, grad_scaler
+    backend: Backend
+    cfg: "RunConfig"
+    device: "torch.device"
+
+    def gradient_sync(self, enabled: bool):
+        """A context for one micro-batch's backward: reduce gradients only when ``enabled``."""
+        return self.backend.gradient_sync(self.model, enabled)
+
+    def autocast(self):
+        return self.backend.autocast(self.cfg, self.device)
+
+    def clip_grad_norm(self, max_norm: float) -> "torch.Tensor":
+        return self.backend.clip_grad_norm(self.model, max_norm)
+
+    def grad_scaler(self):
+        return self.backend.grad_scaler(self.device)
+
+    def build_optimizer(self, decay_names: set[str]):
+        return self.backend.build_optimizer(self.model, self.cfg, decay_names)
+
+    def backward(self, loss: "torch.Tensor", scaler) -> None:
+        self.backend.backward(loss, scaler)
+
+    def optimizer_step(self, optimizer, scaler, max_norm: float) -> "torch.Tensor":
+        return self.backend.optimizer_step(self.model, optimizer, scaler, max_norm)
 
 
-def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+def _without_tp(mesh: "DeviceMesh") -> "DeviceMesh":
+    """The data-parallel dims of the run's mesh (tensor parallel has already used its own)."""
     names = tuple(n for n in (mesh.mesh_dim_names or ()) if n != "tp")
     return mesh[names] if len(names) < len(mesh.mesh_dim_names or ()) else mesh
 
 
-def parallelize(model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torch.device) -> Parallelized:
+def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.device") -> Parallelized:
     """``model`` is on the meta device; the result is sharded, materialized and initialized."""
-    from fsdp_exp.parallel import ac, compile, ddp, fsdp1, fsdp2, tp
-    from fsdp_exp.parallel.inspect import inspect
+    from fsdp_exp.parallel import ac, compile, tp
 
     applied: dict = {}
     if cfg.parallel.tp > 1:
@@ -39,8 +73,8 @@ def parallelize(model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torc
         applied["ac"] = ac.apply(model, cfg)
     if cfg.compile:
         applied["compile"] = compile.apply(model, cfg)
-    backend = {"fsdp2": fsdp2, "fsdp1": fsdp1, "ddp": ddp}[cfg.sharding.backend]
-    model, dp_applied, runtime = backend.apply(model, cfg, data_parallel_mesh(mesh), device)
+    backend = backend_for(cfg)
+    model, dp_applied = backend.apply(model, cfg, _without_tp(mesh), device)
     # What torch holds, read back from the wrapped model (tests compare it with the config).
-    applied = {**dp_applied, **applied, "inspected": inspect(model, cfg.sharding.backend)}
-    return Parallelized(model=model, applied=applied, runtime=runtime)
+    applied = {**dp_applied, **applied, "inspected": backend.inspect(model)}
+    return Parallelized(model=model, applied=applied, backend=backend, cfg=cfg, device=device)

@@ -7,9 +7,11 @@ it, how its shards are hashed, its checkpoint state-dict options, the planner's 
 layout and its column of docs/vocabulary.md. Outside ``fsdp_exp.parallel`` no code compares a
 backend's name: it asks ``backend_for(cfg)``.
 
-The training step's pieces (optimizer creation, gradient sync, autocast, clipping, loss scaling,
-backward and optimizer step) are the backend's too. The defaults below are the torch-optimizer path
-that FSDP2, FSDP1 and DDP share; a backend whose engine owns the step (DeepSpeed) overrides them.
+The training step's pieces (optimizer creation, gradient sync, autocast, clipping, the loss scaler)
+are the backend's too; ``fsdp_exp.parallel.parallelize`` binds them to one run's model, config and
+device, so the trainer calls them without arguments that name a backend. The defaults below are the
+torch-optimizer path that FSDP2, FSDP1 and DDP share; a backend whose engine owns the whole step
+(DeepSpeed: backward, optimizer step, accumulation) overrides them and adds those pieces here.
 
 A new backend is one module under ``fsdp_exp/parallel/`` with a ``Backend`` subclass, one line in
 ``BACKEND_MODULES`` and (optionally) a preset in ``conf/sharding/``.
@@ -21,7 +23,7 @@ import contextlib
 import difflib
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
 from fsdp_exp.errors import fail
 
@@ -49,9 +51,10 @@ def check_backend_name(name: str) -> None:
     if name in BACKEND_MODULES:
         return
     close = difflib.get_close_matches(name, BACKEND_MODULES, n=1)
-    hint = f"did you mean sharding.backend={close[0]}? " if close else ""
+    presets = "(or a preset: sharding=full|grad_op|hybrid|no_shard|ddp)"
     fail(f"sharding.backend={name!r} is not one of {', '.join(BACKEND_MODULES)}.",
-         f"{hint}pass sharding.backend=fsdp2 (or a preset: sharding=full|grad_op|hybrid|no_shard|ddp)")
+         f"did you mean sharding.backend={close[0]}? {presets}" if close
+         else f"pass sharding.backend=fsdp2 {presets}")
 
 
 def get_backend(name: str) -> "Backend":
@@ -96,7 +99,11 @@ class Backend:
     name: str = ""
     api: str = ""  # what users see torch call it, e.g. torch.distributed.fsdp.fully_shard
     strategies: tuple[str, ...] = ()  # the sharding strategies it can run
-    tracks_memory: bool = True  # torch's FSDP memory tracker can follow this backend's parameters
+    tracks_memory: bool = True  # torch's memory trackers can follow this backend's parameters
+
+    def refuse(self, knob: str, why: str, fix: str) -> None:
+        """Refuse a knob this backend cannot honour (the one message shape every backend uses)."""
+        fail(f"{knob} cannot be honoured by sharding.backend={self.name}: {why}", fix)
 
     # ------------------------------------------------------------------------------- preflight
     def check(self, cfg: "RunConfig", device_type: str) -> None:
@@ -125,6 +132,15 @@ class Backend:
         """The plain model inside the wrapper (itself for in-place backends)."""
         return getattr(model, "module", model)
 
+    def memory_tracker(self, model: "nn.Module", optimizer: "torch.optim.Optimizer"):
+        """A torch memory tracker (a context manager) that follows one step of ``model`` (when
+        ``tracks_memory``): the generic ``MemTracker`` unless the backend has a better one."""
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
+        return tracker
+
     # ------------------------------------------------------------------------- training step
     def build_optimizer(self, model: "nn.Module", cfg: "RunConfig", decay_names: set[str]):
         from fsdp_exp.optim import build_optimizer
@@ -135,7 +151,9 @@ class Backend:
         """A context for one micro-batch's backward: reduce gradients only when ``enabled``."""
         return contextlib.nullcontext() if enabled else model.no_sync()
 
-    def autocast(self):
+    def autocast(self, cfg: "RunConfig", device: "torch.device"):
+        """A context for the forward: how compute runs in ``precision.param_dtype`` (nothing to do when
+        the backend casts the parameters themselves)."""
         return contextlib.nullcontext()
 
     def clip_grad_norm(self, model: "nn.Module", max_norm: float) -> "torch.Tensor":
@@ -145,6 +163,23 @@ class Backend:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device=device.type)  # all-reduces inf checks over the shards
+
+    def backward(self, loss: "torch.Tensor", scaler) -> None:
+        """Backpropagate one micro-batch's loss (scaled when a loss scaler is in use)."""
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    def optimizer_step(self, model: "nn.Module", optimizer, scaler, max_norm: float) -> "torch.Tensor":
+        """After the last micro-batch: unscale, clip to ``max_norm`` (inf = never), step the optimizer
+        (skipped by the scaler on inf/NaN gradients). Returns the global gradient norm before clipping."""
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        grad_norm = self.clip_grad_norm(model, max_norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        return grad_norm
 
     # ------------------------------------------------------------------------------ checkpoint
     def state_dict_options(self) -> dict:
@@ -157,8 +192,11 @@ class Backend:
     def init_digests(self, model: "nn.Module", seed: int) -> list[dict]:
         """This rank's view of its initial parameters, for the identical-init check
         (``debug.check_identical_init``): per tensor its name, which slice this rank holds, the hash of
-        that slice and the hash the seeded initialization says it must have."""
-        raise NotImplementedError
+        that slice and the hash the seeded initialization says it must have. The default reads each
+        parameter as the module holds it: whole, or this rank's DTensor shard."""
+        from fsdp_exp.parallel.digests import parameter_digests
+
+        return parameter_digests(self.unwrap(model), seed)
 
     # --------------------------------------------------------------------------------- planner
     def planner_rules(self, cfg: "RunConfig") -> PlannerRules:
@@ -173,11 +211,8 @@ class Backend:
     column_title: str = ""  # the heading of this backend's column in docs/vocabulary.md
 
     def vocabulary(self) -> dict[str, str]:
-        """This backend's cell for each row of docs/vocabulary.md (row key -> text); rows it leaves
-        out read "refused at validation"."""
+        """This backend's cell for each row of docs/vocabulary.md: row key (the config knob, as
+        ``fsdp_exp.parallel.vocabulary.ROWS`` names it) -> text. Rows it leaves out read "refused at
+        validation", and ``check`` must refuse them (tests/unit/test_backend_interface.py tries each)."""
         return {}
 
-
-def describe_refusal(backend: Backend, knob: str, why: str, fix: str) -> Any:
-    """Refuse a knob that ``backend`` cannot honour (the one message shape every backend uses)."""
-    fail(f"{knob} cannot be honoured by sharding.backend={backend.name}: {why}", fix)

@@ -1,4 +1,5 @@
-"""Helpers shared by the parallel backends: dtype names, and JSON-ready descriptions of API arguments."""
+"""Helpers shared by the parallel backends: dtype names, JSON-ready descriptions of API arguments, unit
+names as inspect reports them, and the refusal of the knobs only FSDP2 honours."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import enum
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_exp.errors import fail
+from fsdp_exp.models import canonical_name
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -32,3 +36,26 @@ def describe(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return repr(value)
+
+
+def unit_label(name: str) -> str:
+    """A wrapped module's name as ``applied["inspected"]`` reports it (``<root>`` for the model)."""
+    return canonical_name(name) or "<root>"
+
+
+def refuse_fsdp2_only_knobs(backend, cfg) -> None:
+    """FSDP1 and DDP: refuse tensor parallel, per-unit resharding and the root's output dtype (FSDP2's)."""
+    s, tp = cfg.sharding, cfg.parallel.tp
+    if tp > 1:
+        fail(f"parallel.tp={tp} composes with FSDP2 only, not sharding.backend={backend.name}.",
+             "pass sharding.backend=fsdp2 (or parallel.tp=1)")
+    if s.reshard_after_forward.lower() != "auto":
+        backend.refuse(f"sharding.reshard_after_forward={s.reshard_after_forward}",
+                       "FSDP1 and DDP take resharding from the strategy (FULL_SHARD reshards, SHARD_GRAD_OP keeps).",
+                       "pass sharding=full or sharding=grad_op, or sharding.backend=fsdp2")
+    if s.reshard_last_block is not None:
+        backend.refuse("sharding.reshard_last_block", "only FSDP2 sets resharding per unit.",
+                       "drop it, or pass sharding.backend=fsdp2")
+    if cfg.precision.output_dtype is not None:
+        backend.refuse("precision.output_dtype", "only FSDP2's MixedPrecisionPolicy casts the outputs.",
+                       "drop precision.output_dtype")

@@ -15,52 +15,117 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from fsdp_exp.config import RunConfig
+from fsdp_exp.config import PrefetchConfig, RunConfig, Topology, WrapConfig
+from fsdp_exp.errors import fail
 from fsdp_exp.models import init_weights
-from fsdp_exp.parallel.common import describe, dtype_of
+from fsdp_exp.parallel.backend import Backend, PlannerRules
+from fsdp_exp.parallel.common import describe, dtype_of, refuse_fsdp2_only_knobs
 
 COMM_HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
 
 
-def apply(model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torch.device):
-    model.to_empty(device=device)
-    init_weights(model, cfg.trainer.seed, device)
-    kwargs = dict(device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh.get_group(),
-                  forward_sync_buffers=False)  # buffers are derived (rotary tables), identical everywhere
-    wrapped = DistributedDataParallel(model, **kwargs)
-    hook = COMM_HOOKS.get(cfg.precision.reduce_dtype)
-    if hook is not None:
-        wrapped.register_comm_hook(mesh.get_group(), hook)
-    runtime = Runtime(dtype_of(cfg.precision.param_dtype), device.type)
-    return wrapped, {
-        "backend": "ddp",
-        "api": "torch.nn.parallel.DistributedDataParallel",
-        "mesh": {"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names or ())},
-        "num_units": 1,
-        "units": [{"module": "<root>"}],
-        "DistributedDataParallel": describe({**kwargs, "process_group": f"{mesh.size()} ranks"}),
-        "comm_hook": hook.__name__ if hook else None,
-        "autocast": describe(runtime.compute_dtype) if cfg.precision.param_dtype != "fp32" else None,
-    }, runtime
+class DDP(Backend):
+    name = "ddp"
+    api = "torch.nn.parallel.DistributedDataParallel"
+    strategies = ("no_shard",)
+    column_title = "DDP"
 
+    def check(self, cfg: RunConfig, device_type: str) -> None:
+        s, p, pf, w = cfg.sharding, cfg.precision, cfg.prefetch, cfg.wrap
+        if s.strategy not in self.strategies:
+            fail(f"DDP replicates the model; it cannot do sharding.strategy={s.strategy}.",
+                 "pass sharding=ddp alone, or sharding.backend=fsdp2 for a sharded strategy")
+        refuse_fsdp2_only_knobs(self, cfg)
+        if pf != PrefetchConfig():
+            self.refuse("a prefetch setting", "DDP has no all-gathers to prefetch.",
+                        "leave the prefetch group at its default (drop prefetch=...)")
+        if w != WrapConfig():
+            self.refuse(f"wrap={w.policy}", "DDP has no wrapped units (it buckets gradients).",
+                        "leave the wrap group at its default (drop wrap=...)")
+        for knob in ("use_orig_params", "sync_module_states"):  # FSDP1's: docs/vocabulary.md says refused
+            if getattr(s, knob) is not None:
+                self.refuse(f"sharding.{knob}", "DDP trains the original parameters, and fsdp_exp initializes "
+                            "every replica identically by seed.", f"drop sharding.{knob}")
+        if cfg.offload.params:
+            self.refuse("offload=params", "DDP keeps full replicas on the device.",
+                        "pass sharding=no_shard (FSDP2 replication with offload) or offload=none")
+        if p.reduce_dtype == "bf16" and device_type == "cpu":
+            self.refuse("precision.reduce_dtype=bf16 on CPU", "torch's bf16 gradient-compression hook for DDP "
+                        "needs NCCL (CUDA) or XCCL.", "pass precision.reduce_dtype=fp32 (e.g. precision=bf16)")
+        if p.param_dtype != p.reduce_dtype and p.reduce_dtype != "fp32":
+            self.refuse(f"precision.reduce_dtype={p.reduce_dtype} with param_dtype={p.param_dtype}",
+                        "DDP compresses gradients to the reduce dtype with a communication hook; only fp32 or "
+                        "the compute dtype are offered.", "pass precision.reduce_dtype=fp32")
+        if p.buffer_dtype is not None or not p.cast_forward_inputs:
+            self.refuse("precision.buffer_dtype / cast_forward_inputs", "DDP runs mixed precision by autocast.",
+                        "drop them")
 
-class Runtime:
-    def __init__(self, compute_dtype: torch.dtype, device_type: str):
-        self.compute_dtype, self.device_type = compute_dtype, device_type
+    def data_parallel_mesh(self, strategy: str, dp: int, replicate: int, shard: int) -> tuple[tuple, tuple]:
+        return (dp,), ("replicate",)  # one group of whole replicas
 
-    @staticmethod
-    def gradient_sync(model: nn.Module, enabled: bool):
-        return contextlib.nullcontext() if enabled else model.no_sync()
+    def apply(self, model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torch.device):
+        """Materialize and seed the whole model on this rank, then wrap it (and hook fp16/bf16 reduction)."""
+        model.to_empty(device=device)
+        init_weights(model, cfg.trainer.seed, device)
+        kwargs = dict(device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh.get_group(),
+                      forward_sync_buffers=False)  # buffers are derived (rotary tables), identical everywhere
+        wrapped = DistributedDataParallel(model, **kwargs)
+        hook = COMM_HOOKS.get(cfg.precision.reduce_dtype)
+        if hook is not None:
+            wrapped.register_comm_hook(mesh.get_group(), hook)
+        return wrapped, {
+            "backend": self.name,
+            "api": self.api,
+            "mesh": {"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names or ())},
+            "num_units": 1,
+            "units": [{"module": "<root>"}],
+            "DistributedDataParallel": describe({**kwargs, "process_group": f"{mesh.size()} ranks"}),
+            "comm_hook": hook.__name__ if hook else None,
+            "autocast": None if cfg.precision.param_dtype == "fp32" else describe(dtype_of(cfg.precision.param_dtype)),
+        }
 
-    def autocast(self):
-        if self.compute_dtype == torch.float32:
+    def inspect(self, model: nn.Module) -> list[dict]:
+        hooks = [hook.__name__ for hook, _state in getattr(model, "_comm_hooks", [])]
+        return [{"module": "<root>", "class": type(model).__name__, "comm_hooks": hooks,
+                 "process_group_size": model.process_group.size(), "num_params": len(list(model.parameters()))}]
+
+    # ------------------------------------------------------------------------- training step
+    def autocast(self, cfg: RunConfig, device: torch.device):
+        if cfg.precision.param_dtype == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=self.compute_dtype)
+        return torch.autocast(device.type, dtype=dtype_of(cfg.precision.param_dtype))
 
-    @staticmethod
-    def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # gradients are already whole
 
-    @staticmethod
-    def grad_scaler(device: torch.device):
+    def grad_scaler(self, device: torch.device):
         return torch.amp.GradScaler(device.type)  # every rank sees the same all-reduced gradients
+
+    # --------------------------------------------------------------------------------- planner
+    def planner_rules(self, cfg: RunConfig) -> PlannerRules:
+        return PlannerRules(param_layout="replicated", gathers_units=False,
+                            autocast=cfg.precision.param_dtype != "fp32", root_output_dtype=None,
+                            reshard_after_forward=False, gradient_buckets=True, offloads=False)
+
+    def shard_group(self, topology: Topology) -> int:
+        return 1  # every rank holds whole parameters
+
+    # ------------------------------------------------------------------------------------ docs
+    def vocabulary(self) -> dict[str, str]:
+        return {
+            "sharding=no_shard": "`DistributedDataParallel` (`sharding=ddp`)",
+            "precision.param_dtype": "`torch.autocast(dtype)`",
+            "precision.reduce_dtype": "`bf16_compress_hook` / `fp16_compress_hook` (bf16 needs NCCL)",
+            "precision.cast_forward_inputs": "must stay true",
+            "precision.loss_scaler=dynamic": "`torch.amp.GradScaler`",
+            "prefetch.forward=k": "must stay default",
+            "prefetch.backward=k": "must stay default",
+            "prefetch.backward_timing": "must stay default",
+            "prefetch.limit_all_gathers": "must stay default",
+            "wrap=block": "must stay default",
+            "ac=full / selective / selective_op": "`checkpoint_wrapper` on blocks",
+            "compile=true": "same",
+        }
+
+
+BACKEND = DDP()

@@ -12,19 +12,27 @@ then each rank materializes only its shards and fills them from the seed (models
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from fsdp_exp.config import RunConfig
 from fsdp_exp.models import init_weights
-from fsdp_exp.parallel.common import describe, dtype_of
+from fsdp_exp.parallel.backend import Backend, PlannerRules
+from fsdp_exp.parallel.common import describe, dtype_of, unit_label
 from fsdp_exp.parallel.wrap import top_level, unit_names
 
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+# torch.distributed.fsdp and DTensor are imported where they are used: loading them takes seconds, and
+# the config checks, the planner and the docs ask this module only about the config.
+
 RESHARD_AFTER_FORWARD = {"full": True, "grad_op": False, "hybrid": True, "no_shard": False}
+MESH = {"full": "1-D mesh (shard)", "grad_op": "1-D mesh (shard)", "hybrid": "2-D mesh (replicate, shard)",
+        "no_shard": "2-D mesh (world, 1)"}
 
 
 def reshard_after_forward(cfg: RunConfig) -> bool | int:
@@ -39,6 +47,8 @@ def reshard_after_forward(cfg: RunConfig) -> bool | int:
 def mp_policy(cfg: RunConfig, root: bool) -> MixedPrecisionPolicy:
     """``output_dtype`` goes to the root only: inner units' outputs feed modules that compute in
     ``param_dtype`` and are not themselves units (the final norm and output projection)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     p = cfg.precision
     return MixedPrecisionPolicy(
         param_dtype=dtype_of(p.param_dtype),
@@ -49,43 +59,12 @@ def mp_policy(cfg: RunConfig, root: bool) -> MixedPrecisionPolicy:
 
 
 def offload_policy(cfg: RunConfig, device_type: str) -> OffloadPolicy:
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
     if not cfg.offload.params:
         return OffloadPolicy()
     pin = cfg.offload.pin_memory if cfg.offload.pin_memory is not None else device_type == "cuda"
     return CPUOffloadPolicy(pin_memory=pin)
-
-
-def apply(model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torch.device):
-    """Shard ``model`` (on meta) in place, materialize this rank's shards, initialize them."""
-    common = dict(mesh=mesh, mp_policy=mp_policy(cfg, root=False), offload_policy=offload_policy(cfg, mesh.device_type))
-    reshard = reshard_after_forward(cfg)
-    units = unit_names(model, cfg)
-    chain = top_level(units)
-    applied_units: list[dict] = []
-    for name in units:
-        # The last unit in forward is the first in backward: resharding it would all-gather it again at once.
-        keep_last = name == chain[-1] and reshard is not False and not cfg.sharding.reshard_last_block
-        kwargs = {**common, "reshard_after_forward": False if keep_last else reshard}
-        fully_shard(model.get_submodule(name), **kwargs)
-        applied_units.append({"module": name, "fully_shard": describe(kwargs)})
-    root_kwargs = {**common, "mp_policy": mp_policy(cfg, root=True), "reshard_after_forward": reshard}
-    fully_shard(model, **root_kwargs)
-    applied_units.append({"module": "<root>", "fully_shard": describe(root_kwargs)})
-
-    prefetch = _set_prefetch(model, chain, cfg.prefetch.forward, cfg.prefetch.backward)
-    for unit in applied_units:
-        unit.update(prefetch.get(unit["module"], {}))
-
-    # CPU offload keeps the shards on the host; the device moves them in for compute.
-    model.to_empty(device="cpu" if cfg.offload.params else device)
-    init_weights(model, cfg.trainer.seed, device)
-    return model, {
-        "backend": "fsdp2",
-        "api": "torch.distributed.fsdp.fully_shard",
-        "mesh": {"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names or ())},
-        "num_units": len(applied_units),
-        "units": applied_units,
-    }, Runtime()
 
 
 def _set_prefetch(model: nn.Module, chain: list[str], forward: int, backward: int | None) -> dict:
@@ -109,23 +88,118 @@ def _set_prefetch(model: nn.Module, chain: list[str], forward: int, backward: in
     return applied
 
 
-class Runtime:
-    """What the training step needs from the backend."""
+class FSDP2(Backend):
+    name = "fsdp2"
+    api = "torch.distributed.fsdp.fully_shard"
+    strategies = tuple(RESHARD_AFTER_FORWARD)
+    column_title = "FSDP2 (`fully_shard`)"
 
-    @staticmethod
-    def gradient_sync(model: nn.Module, enabled: bool):
+    def check(self, cfg: RunConfig, device_type: str) -> None:
+        s, p, pf = cfg.sharding, cfg.precision, cfg.prefetch
+        if pf.backward == 0:
+            self.refuse("prefetch.backward=0", "FSDP2 always prefetches at least one unit in backward (an empty "
+                        "prefetch list means its implicit one).",
+                        "pass prefetch.backward=null (FSDP2's implicit one unit) or a depth of 1 or more")
+        if pf.backward_timing != "pre":
+            self.refuse("prefetch.backward_timing=post", "FSDP2 issues backward prefetch before a unit's gradient "
+                        "computation only (FSDP1's BACKWARD_PRE).", "drop it, or pass sharding.backend=fsdp1")
+        if pf.limit_all_gathers is not None:
+            self.refuse("prefetch.limit_all_gathers", "FSDP2 always bounds in-flight all-gathers by its own "
+                        "stream synchronization; there is no switch.",
+                        "drop it; tune prefetch.forward / prefetch.backward")
+        for knob in ("use_orig_params", "sync_module_states"):
+            if getattr(s, knob) is not None:
+                self.refuse(f"sharding.{knob}", "FSDP2 always keeps the original parameters (as DTensors) and "
+                            "fsdp_exp initializes every shard identically by seed.", f"drop sharding.{knob}")
+        if p.buffer_dtype is not None:
+            self.refuse("precision.buffer_dtype", "FSDP2's MixedPrecisionPolicy has no buffer dtype (buffers keep "
+                        "their dtype).", "drop precision.buffer_dtype")
+        if s.reshard_after_forward.isdigit() and s.strategy == "no_shard":
+            self.refuse("an integer sharding.reshard_after_forward", "no_shard has nothing to reshard.",
+                        "pass sharding.reshard_after_forward=auto")
+
+    def apply(self, model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torch.device):
+        """Shard ``model`` (on meta) in place, materialize this rank's shards, initialize them."""
+        from torch.distributed.fsdp import fully_shard
+
+        common = dict(mesh=mesh, mp_policy=mp_policy(cfg, root=False),
+                      offload_policy=offload_policy(cfg, mesh.device_type))
+        reshard = reshard_after_forward(cfg)
+        units = unit_names(model, cfg)
+        chain = top_level(units)
+        applied_units: list[dict] = []
+        for name in units:
+            # The last unit in forward is the first in backward: resharding it would all-gather it again.
+            keep_last = name == chain[-1] and reshard is not False and not cfg.sharding.reshard_last_block
+            kwargs = {**common, "reshard_after_forward": False if keep_last else reshard}
+            fully_shard(model.get_submodule(name), **kwargs)
+            applied_units.append({"module": name, "fully_shard": describe(kwargs)})
+        root_kwargs = {**common, "mp_policy": mp_policy(cfg, root=True), "reshard_after_forward": reshard}
+        fully_shard(model, **root_kwargs)
+        applied_units.append({"module": "<root>", "fully_shard": describe(root_kwargs)})
+
+        prefetch = _set_prefetch(model, chain, cfg.prefetch.forward, cfg.prefetch.backward)
+        for unit in applied_units:
+            unit.update(prefetch.get(unit["module"], {}))
+
+        # CPU offload keeps the shards on the host; the device moves them in for compute.
+        model.to_empty(device="cpu" if cfg.offload.params else device)
+        init_weights(model, cfg.trainer.seed, device)
+        return model, {
+            "backend": self.name,
+            "api": self.api,
+            "mesh": {"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names or ())},
+            "num_units": len(applied_units),
+            "units": applied_units,
+        }
+
+    def inspect(self, model: nn.Module) -> list[dict]:
+        """Per unit: its prefetch lists, mesh, resharding, mixed-precision and offload policies, read from
+        FSDP2's own state (torch internals, on purpose and only here)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        states = {}
+        for name, module in model.named_modules():
+            if isinstance(module, FSDPModule):
+                states[id(module._get_fsdp_state())] = unit_label(name)
+        units = []
+        for name, module in model.named_modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            group = state._fsdp_param_groups[0] if state._fsdp_param_groups else None
+            unit = {"module": unit_label(name),
+                    "forward_prefetch": [states[id(s)] for s in state._states_to_forward_prefetch],
+                    "backward_prefetch": [states[id(s)] for s in state._states_to_backward_prefetch]}
+            if group is not None:
+                post = group.post_forward_mesh_info
+                unit.update(
+                    num_params=len(group.fsdp_params),
+                    mesh_shape=list(group.mesh_info.mesh.mesh.shape),
+                    reshard_after_forward=False if post is None else (
+                        True if post.shard_mesh_size == group.mesh_info.shard_mesh_size else post.shard_mesh_size),
+                    mp_policy=describe(group.mp_policy),
+                    offload=type(group.offload_policy).__name__,
+                )
+            units.append(unit)
+        return units
+
+    def memory_tracker(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker(model, optimizer)  # tells sharded from unsharded, and the comm buffers
+
+    # ------------------------------------------------------------------------- training step
+    def gradient_sync(self, model: nn.Module, enabled: bool):
         model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
 
-    @staticmethod
-    def autocast():
-        return contextlib.nullcontext()  # MixedPrecisionPolicy casts parameters instead
-
-    @staticmethod
-    def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Global L2 norm over all gradients, then clip. Gradients can live on different meshes (with
         tensor parallel, norm weights are sharded by FSDP only, matrices by FSDP and TP), and DTensor
         cannot combine norms across meshes: take each mesh's norm, then combine the plain numbers."""
+        from torch.distributed.tensor import DTensor
+
         params = [p for p in model.parameters() if p.grad is not None]
         by_mesh: dict = {}
         for p in params:
@@ -141,13 +215,47 @@ class Runtime:
                 torch._foreach_mul_(grads, coef)
         return total
 
-    @staticmethod
-    def grad_scaler(device: torch.device):
+    def grad_scaler(self, device: torch.device):
         import warnings
-
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         # The found-inf flag is a 1-element tensor that DTensor ops replicate implicitly; that is the
         # intent, so the warning it triggers on every step is noise.
         warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
-        return ShardedGradScaler(device=device.type)  # all-reduces inf checks over the shards
+        return super().grad_scaler(device)
+
+    # --------------------------------------------------------------------------------- planner
+    def planner_rules(self, cfg: RunConfig) -> PlannerRules:
+        return PlannerRules(param_layout="dim0", gathers_units=True, autocast=False,
+                            root_output_dtype=cfg.precision.output_dtype,
+                            # an integer group still frees the unit's unsharded copy after forward
+                            reshard_after_forward=reshard_after_forward(cfg) is not False,
+                            gradient_buckets=False, offloads=True)
+
+    # ------------------------------------------------------------------------------------ docs
+    def vocabulary(self) -> dict[str, str]:
+        rows = {f"sharding={strategy}": f"`reshard_after_forward={reshard}`, {MESH[strategy]}"
+                for strategy, reshard in RESHARD_AFTER_FORWARD.items()}
+        return {
+            **rows,
+            "sharding.reshard_after_forward=N": "`reshard_after_forward=N` (reshard to groups of N ranks)",
+            "sharding.reshard_last_block": "last block's `reshard_after_forward` (default: false)",
+            "precision.param_dtype": "`MixedPrecisionPolicy(param_dtype)`",
+            "precision.reduce_dtype": "`MixedPrecisionPolicy(reduce_dtype)`",
+            "precision.output_dtype": "root's `MixedPrecisionPolicy(output_dtype)`",
+            "precision.cast_forward_inputs": "`MixedPrecisionPolicy(cast_forward_inputs)`",
+            "precision.loss_scaler=dynamic": "`ShardedGradScaler`",
+            "offload=params": "`CPUOffloadPolicy(pin_memory)`",
+            "prefetch.forward=k": "`set_modules_to_forward_prefetch` (next k units)",
+            "prefetch.backward=k": "`set_modules_to_backward_prefetch` (previous k units); null = implicit; 0 refused",
+            "prefetch.backward_timing": "pre only",
+            "wrap=block": "`fully_shard` per transformer block, then the root",
+            "wrap=size": "`fully_shard` per module by the size rule",
+            "wrap=experts": "`fully_shard` per expert, then per block",
+            "wrap=none": "`fully_shard` on the root only",
+            "ac=full / selective / selective_op": "`checkpoint_wrapper` on blocks, before sharding",
+            "compile=true": "`Module.compile()` per block, before sharding",
+            "parallel.tp=N": "`parallelize_module` (Colwise / Rowwise) on a (dp, tp) mesh",
+        }
+
+
+BACKEND = FSDP2()

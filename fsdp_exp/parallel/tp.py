@@ -1,9 +1,11 @@
-"""Tensor parallel for the Llama blocks (Megatron-style), composed with FSDP2 on a (dp, tp) mesh.
+"""Tensor parallel (Megatron-style), composed with FSDP2 on a (dp, tp) mesh, applied on the meta
+device before FSDP2.
 
-Attention: wq/wk/wv column-parallel (each rank holds n_heads/tp heads), wo row-parallel. SwiGLU:
-w1/w3 column-parallel, w2 row-parallel. Embedding row-parallel, output column-parallel with
-replicated logits. With ``parallel.sequence_parallel`` the norms and the residual stream between
-the TP regions are sharded over the sequence as well. Applied on the meta device, before FSDP2.
+Which module is column- or row-parallel is the model family's (``ModelSpec.tensor_parallel_plan``,
+for Llama: wq/wk/wv and w1/w3 colwise, wo and w2 rowwise, the embedding rowwise, the output colwise
+with replicated logits); the memory planner reads the same plan. Here it becomes torch's styles.
+With ``parallel.sequence_parallel`` the norms and the residual stream between the TP regions are
+sharded over the sequence as well.
 """
 
 from __future__ import annotations
@@ -15,38 +17,38 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, parallelize_module)
 
 from fsdp_exp.config import RunConfig
+from fsdp_exp.models import spec_for
+from fsdp_exp.models.spec import COLWISE, TensorParallelPlan
 from fsdp_exp.parallel.wrap import blocks
+
+
+def styles(plan: TensorParallelPlan, sequence_parallel: bool) -> tuple[dict, dict]:
+    """(root plan, block plan): module name -> torch's parallel style, for ``parallelize_module``."""
+    residual = Shard(1) if sequence_parallel else Replicate()  # the residual stream between TP regions
+    root_plan = {
+        # The ends of the residual stream: colwise gives replicated outputs (the logits), rowwise
+        # takes replicated inputs (token ids).
+        name: ColwiseParallel(input_layouts=residual, output_layouts=Replicate(), use_local_output=True)
+        if style == COLWISE else RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        for name, style in plan.root.items()
+    }
+    block_plan = {name: ColwiseParallel() if style == COLWISE else RowwiseParallel(output_layouts=residual)
+                  for name, style in plan.block.items()}
+    if sequence_parallel:
+        root_plan.update({name: SequenceParallel() for name in plan.sequence_parallel_root})
+        block_plan.update({name: SequenceParallel() for name in plan.sequence_parallel_block})
+        # Gather the sequence before the column-parallel projections.
+        block_plan.update({
+            name: PrepareModuleInput(input_layouts=(Shard(1), *[None] * (n - 1)),
+                                     desired_input_layouts=(Replicate(), *[None] * (n - 1)))
+            for name, n in plan.gathered_inputs.items()})
+    return root_plan, block_plan
 
 
 def apply(model: nn.Module, cfg: RunConfig, tp_mesh: DeviceMesh) -> dict:
     sp = cfg.parallel.sequence_parallel
-    residual = Shard(1) if sp else Replicate()  # layout of the residual stream between TP regions
-    root_plan = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-        "output": ColwiseParallel(input_layouts=residual, output_layouts=Replicate(), use_local_output=True),
-    }
-    if sp:
-        root_plan["norm"] = SequenceParallel()
+    root_plan, block_plan = styles(spec_for(cfg.model).tensor_parallel_plan(cfg.model), sp)
     parallelize_module(model, tp_mesh, root_plan)
-
-    block_plan = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=residual),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
-    }
-    if sp:
-        block_plan.update({
-            "attention_norm": SequenceParallel(),
-            "ffn_norm": SequenceParallel(),
-            # Gather the sequence before the column-parallel projections.
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        })
     names = blocks(model, cfg)
     for name in names:
         parallelize_module(model.get_submodule(name), tp_mesh, block_plan)

@@ -1,83 +1,70 @@
 """The knob vocabulary: each config value and what every backend hands torch for it.
 
-The sharding rows are built from the very mappings the backends use (fsdp2.RESHARD_AFTER_FORWARD,
-fsdp1.STRATEGY), so the table cannot drift from the code; docs/vocabulary.md is this module's output
-(``python -m fsdp_exp.parallel.vocabulary > docs/vocabulary.md``) and a test keeps them equal.
+docs/vocabulary.md is this module's output (``python -m fsdp_exp.parallel.vocabulary > docs/vocabulary.md``)
+and a test keeps them equal. The rows are the config knobs listed below; each registered backend
+(``fsdp_exp.parallel.backend.BACKEND_MODULES``) fills its own column from ``Backend.vocabulary()``, which
+builds the sharding rows from the very mappings its ``apply`` uses (fsdp2.RESHARD_AFTER_FORWARD,
+fsdp1.STRATEGY_NAMES). A row a backend leaves out reads "refused at validation", and its ``check``
+refuses that knob: tests/unit/test_backend_interface.py tries each such row against each backend.
 """
 
 from __future__ import annotations
 
-from fsdp_exp.parallel import fsdp1, fsdp2
+from fsdp_exp.parallel.backend import Backend, backend_names, get_backend
 
-ZERO_STAGE = {"full": "stage 3", "grad_op": "stage 2", "hybrid": "stage 3 within a shard group (MiCS / hpZ)",
-              "no_shard": "stage 0"}
-MESH = {"full": "1-D mesh (shard)", "grad_op": "1-D mesh (shard)", "hybrid": "2-D mesh (replicate, shard)",
-        "no_shard": "2-D mesh (world, 1)"}
 REFUSED = "refused at validation"
 
+# The table's rows: config knob -> its ZeRO analogue (the reader's reference point, not a backend).
+ROWS: dict[str, str] = {
+    "sharding=full": "stage 3",
+    "sharding=grad_op": "stage 2",
+    "sharding=hybrid": "stage 3 within a shard group (MiCS / hpZ)",
+    "sharding=no_shard": "stage 0",
+    "sharding.reshard_after_forward=N": "hpZ secondary partition",
+    "sharding.reshard_last_block": "n/a",
+    "precision.param_dtype": "bf16 / fp16 section",
+    "precision.reduce_dtype": "`communication_data_type`",
+    "precision.output_dtype": "n/a",
+    "precision.buffer_dtype": "n/a",
+    "precision.cast_forward_inputs": "n/a",
+    "precision.loss_scaler=dynamic": "`fp16.loss_scale=0`",
+    "offload=params": "`offload_param` + `offload_optimizer`",
+    "prefetch.forward=k": "`stage3_prefetch_bucket_size`",
+    "prefetch.backward=k": "`stage3_prefetch_bucket_size`",
+    "prefetch.backward_timing": "n/a",
+    "prefetch.limit_all_gathers": "`stage3_max_live_parameters`",
+    "wrap=block": "n/a",
+    "wrap=size": "n/a",
+    "wrap=experts": "MoE expert groups",
+    "wrap=none": "n/a",
+    "sharding.use_orig_params": "n/a",
+    "sharding.sync_module_states": "n/a",
+    "ac=full / selective / selective_op": "`activation_checkpointing`",
+    "compile=true": "n/a",
+    "parallel.tp=N": "Megatron TP",
+}
+SHARDING_ROWS = [key for key in ROWS if key.startswith("sharding=")]
 
-def sharding_rows() -> list[tuple[str, str, str, str, str]]:
-    rows = []
-    for strategy, reshard in fsdp2.RESHARD_AFTER_FORWARD.items():
-        fsdp1_value = f"`ShardingStrategy.{fsdp1.STRATEGY[strategy].name}`"
-        if strategy == "hybrid":
-            fsdp1_value += " with the 2-D `device_mesh`"
-        ddp = "`DistributedDataParallel` (`sharding=ddp`)" if strategy == "no_shard" else REFUSED
-        rows.append((f"`sharding={strategy}`", f"`reshard_after_forward={reshard}`, {MESH[strategy]}",
-                     fsdp1_value, ddp, ZERO_STAGE[strategy]))
-    return rows
+
+def backends() -> list[Backend]:
+    return [get_backend(name) for name in backend_names()]
 
 
-KNOB_ROWS: list[tuple[str, str, str, str, str]] = [
-    ("`sharding.reshard_after_forward=N`", "`reshard_after_forward=N` (reshard to groups of N ranks)", REFUSED,
-     REFUSED, "hpZ secondary partition"),
-    ("`sharding.reshard_last_block`", "last block's `reshard_after_forward` (default: false)", REFUSED, REFUSED,
-     "n/a"),
-    ("`precision.param_dtype`", "`MixedPrecisionPolicy(param_dtype)`", "`MixedPrecision(param_dtype)`",
-     "`torch.autocast(dtype)`", "bf16 / fp16 section"),
-    ("`precision.reduce_dtype`", "`MixedPrecisionPolicy(reduce_dtype)`", "`MixedPrecision(reduce_dtype)`",
-     "`bf16_compress_hook` / `fp16_compress_hook` (bf16 needs NCCL)", "`communication_data_type`"),
-    ("`precision.output_dtype`", "root's `MixedPrecisionPolicy(output_dtype)`", REFUSED, REFUSED, "n/a"),
-    ("`precision.buffer_dtype`", REFUSED, "`MixedPrecision(buffer_dtype)`", REFUSED, "n/a"),
-    ("`precision.cast_forward_inputs`", "`MixedPrecisionPolicy(cast_forward_inputs)`",
-     "`MixedPrecision(cast_forward_inputs)`", "must stay true", "n/a"),
-    ("`precision.loss_scaler=dynamic`", "`ShardedGradScaler`", "`ShardedGradScaler`", "`torch.amp.GradScaler`",
-     "`fp16.loss_scale=0`"),
-    ("`offload=params`", "`CPUOffloadPolicy(pin_memory)`", "`CPUOffload(offload_params=True)` (CUDA only)",
-     REFUSED, "`offload_param` + `offload_optimizer`"),
-    ("`prefetch.forward=k`", "`set_modules_to_forward_prefetch` (next k units)", "`forward_prefetch=k>0` (k <= 1)",
-     "must stay default", "`stage3_prefetch_bucket_size`"),
-    ("`prefetch.backward=k`", "`set_modules_to_backward_prefetch` (previous k units); null = implicit; 0 refused",
-     "`backward_prefetch`: 0 = None, else by timing (k <= 1)", "must stay default", "`stage3_prefetch_bucket_size`"),
-    ("`prefetch.backward_timing`", "pre only", "`BackwardPrefetch.BACKWARD_PRE` / `BACKWARD_POST`",
-     "must stay default", "n/a"),
-    ("`prefetch.limit_all_gathers`", REFUSED, "`limit_all_gathers`", "must stay default",
-     "`stage3_max_live_parameters`"),
-    ("`wrap=block`", "`fully_shard` per transformer block, then the root", "`ModuleWrapPolicy({block})`",
-     "must stay default", "n/a"),
-    ("`wrap=size`", "`fully_shard` per module by the size rule", "`size_based_auto_wrap_policy(min_num_params)`",
-     REFUSED, "n/a"),
-    ("`wrap=experts`", "`fully_shard` per expert, then per block", "`CustomPolicy` (experts, then blocks)",
-     REFUSED, "MoE expert groups"),
-    ("`wrap=none`", "`fully_shard` on the root only", "no `auto_wrap_policy`", REFUSED, "n/a"),
-    ("`sharding.use_orig_params`", REFUSED, "`use_orig_params` (default true)", REFUSED, "n/a"),
-    ("`sharding.sync_module_states`", REFUSED, "`sync_module_states` (CUDA only)", REFUSED, "n/a"),
-    ("`ac=full / selective / selective_op`", "`checkpoint_wrapper` on blocks, before sharding",
-     "`checkpoint_wrapper` on blocks, before wrapping", "`checkpoint_wrapper` on blocks",
-     "`activation_checkpointing`"),
-    ("`compile=true`", "`Module.compile()` per block, before sharding", "same (needs use_orig_params)",
-     "same", "n/a"),
-    ("`parallel.tp=N`", "`parallelize_module` (Colwise / Rowwise) on a (dp, tp) mesh", REFUSED, REFUSED,
-     "Megatron TP"),
-]
+def row(key: str) -> tuple[str, ...]:
+    """One row of the table: the knob, each backend's cell (in registry order), the ZeRO analogue."""
+    return (f"`{key}`", *(backend.vocabulary().get(key, REFUSED) for backend in backends()), ROWS[key])
+
+
+def sharding_rows() -> list[tuple[str, ...]]:
+    return [row(key) for key in SHARDING_ROWS]
 
 
 def render_markdown() -> str:
-    header = ("| config | FSDP2 (`fully_shard`) | FSDP1 (`FullyShardedDataParallel`) | DDP | ZeRO analogue |\n"
-              "|---|---|---|---|---|")
-    rows = "\n".join("| " + " | ".join(row) + " |" for row in sharding_rows() + KNOB_ROWS)
+    titles = ["config", *(backend.column_title for backend in backends()), "ZeRO analogue"]
+    header = "| " + " | ".join(titles) + " |\n" + "|" + "---|" * len(titles)
+    rows = "\n".join("| " + " | ".join(row(key)) + " |" for key in ROWS)
     return ("# Knob vocabulary\n\nGenerated by `python -m fsdp_exp.parallel.vocabulary`; do not edit by hand. "
-            "Select the backend with `sharding.backend=fsdp2|fsdp1|ddp` (`sharding=ddp` for DDP). "
+            f"Select the backend with `sharding.backend={'|'.join(backend_names())}` (`sharding=ddp` for DDP). "
             f"\"{REFUSED}\" means the combination fails before any rank starts, with a message naming "
             "the equivalent; every run records what reached torch in `run.json[\"applied\"]` and reads it "
             "back from the wrapped model in `applied[\"inspected\"]`.\n\n" + header + "\n" + rows + "\n")

@@ -5,16 +5,18 @@
     fig, shown = plot_report(report)
 
 Modules, one concern each: ``load`` (find run folders, read damaged ones), ``wandb_source`` (the same
-from a W&B project), ``duplicates`` (runs with the same applied settings), ``table`` (rows, ranking,
-Pareto front, per-option means, the console table), ``plots`` (the figure), ``html`` (the
-self-contained page), ``write`` (report.png / .html / .json / .csv).
+from a W&B project), ``duplicates`` (runs with the same applied settings), ``repeats`` (runs that repeat
+one configuration: ``trainer.repeat``), ``intervals`` (the bootstrap interval of a median, ties),
+``table`` (configuration rows, ranking, ties, Pareto front, per-option means, the console table),
+``plots`` (the figure, with error bars), ``html`` (the self-contained page), ``write`` (report.png /
+.html / .json / .csv).
 """
 
-from fsdp_exp.report.duplicates import find_duplicates, settings_key
+from fsdp_exp.report.duplicates import configuration_key, find_duplicates, settings_key
 from fsdp_exp.report.load import NoRuns, Run, find_run_dirs, load_runs, read_run
-from fsdp_exp.report.plots import plot_report, plotted_point_count, png_bytes
+from fsdp_exp.report.plots import plot_report, plotted_intervals, plotted_point_count, png_bytes
 from fsdp_exp.report.table import METRICS, Report, Row, build_report, print_report
 
-__all__ = ["METRICS", "NoRuns", "Report", "Row", "Run", "build_report", "find_duplicates", "find_run_dirs",
-           "load_runs", "plot_report", "plotted_point_count", "png_bytes", "print_report", "read_run",
-           "settings_key"]
+__all__ = ["METRICS", "NoRuns", "Report", "Row", "Run", "build_report", "configuration_key", "find_duplicates",
+           "find_run_dirs", "load_runs", "plot_report", "plotted_intervals", "plotted_point_count", "png_bytes",
+           "print_report", "read_run", "settings_key"]

@@ -12,7 +12,8 @@ import json
 from datetime import datetime, timezone
 from html import escape
 
-from fsdp_exp.report.table import METRICS, Report, caption, fmt_metric, table_cells, table_columns
+from fsdp_exp.report.table import (METRICS, Report, caption, fmt_metric, repeat_cells, repeat_columns, repeated,
+                                   table_cells, table_columns)
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
@@ -26,7 +27,8 @@ img { max-width: 100%; }
 code { background: #f3f3f3; padding: 0 0.2em; }
 """
 
-_TEXT_COLUMNS = {"run", "peak from", "status", "same as", "error", "group", "option", "folder"}
+_TEXT_COLUMNS = {"run", "peak from", "status", "same as", "error", "group", "option", "folder", "configuration",
+                 "interval over", "vs #1"}
 
 
 def _cls(column: str) -> str:
@@ -57,6 +59,11 @@ def render_html(report: Report, png: bytes) -> str:
                ["pareto" if r.pareto else "" for r in report.ranked], table_id="ranked"),
         f'<p class="caption">{escape(caption(report))}</p>',
     ]
+    runs = repeated(report)
+    if runs:
+        sections += ["<h2>Runs of the configurations measured more than once</h2>",
+                     _table(repeat_columns(report) + ["folder"],
+                            [repeat_cells(report, r) + [r.path] for r in runs], table_id="repeats")]
     if report.duplicates:
         sections += ["<h2>Same applied settings as a ranked run (counted once)</h2>",
                      _table(["run", "same as", header, "folder"],

@@ -1,6 +1,6 @@
 """Find run folders and read their records, whatever state a run was left in.
 
-A run folder is one that holds ``run.json`` or ``metrics.jsonl`` (fsdp_exp.sinks). A sweep folder holds
+A run folder is one that holds ``run.json`` or ``metrics.jsonl`` (fsdp_exp.record). A sweep folder holds
 run folders at any depth (Hydra's ``<num>_<override_dirname>/``, or folders a user gathered by hand).
 Nothing here raises on a damaged run: a missing or unreadable ``run.json``, fields an older or
 interrupted run never wrote, a ``metrics.jsonl`` whose last line a crash cut short. Each problem is
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from fsdp_exp.sinks import METRICS_FILE, RUN_RECORD, run_name
+from fsdp_exp.record import METRICS_FILE, RUN_RECORD, run_name
 
 GIB = 2**30
 # Folders inside a run (or next to runs) that never hold a run of their own; not descending into them

@@ -1,4 +1,9 @@
-"""The report's figure: throughput against peak memory per rank with the Pareto front, and per-option bars.
+"""The report's figure: throughput against peak memory per rank with intervals and the Pareto front, and
+per-option bars.
+
+Each ranked configuration is one marker at its medians with an error bar: the table's 95% interval (solid
+over repeats, dashed over the steps of a configuration measured once); the repeats of a configuration
+measured more than once are grey dots under it.
 
 Built on a bare ``matplotlib.figure.Figure`` (no pyplot): no global figure state, no GUI backend, the same
 figure in a terminal, a test and a notebook. ``plot_report`` returns the figure and the data it drew, so
@@ -10,9 +15,11 @@ from __future__ import annotations
 import io
 import math
 
+from matplotlib.collections import LineCollection, PathCollection
 from matplotlib.figure import Figure
 
-from fsdp_exp.report.table import METRICS, Report, fmt_metric
+from fsdp_exp.report.intervals import CONFIDENCE
+from fsdp_exp.report.table import METRICS, Report, Row, fmt_metric
 
 MARKERS = {"tracked": "o", "cuda": "s", "model states": "^", None: "x"}
 # Beyond this many points, names would cover each other: points show their rank and the table maps it.
@@ -30,7 +37,8 @@ def _memory_unit(values: list[float]) -> tuple[str, float]:
 
 
 def plot_report(report: Report) -> tuple[Figure, dict]:
-    """The figure and what it shows: ``points`` (one per completed run), ``front`` and ``bars``."""
+    """The figure and what it shows: ``points`` (each marker: a ranked configuration with its interval, a
+    duplicate, or one repeat of a configuration measured more than once), ``front`` and ``bars``."""
     header = METRICS[report.metric].header
     bar_keys = list(report.option_means)
     bar_rows = math.ceil(len(bar_keys) / BARS_PER_ROW)
@@ -39,15 +47,30 @@ def plot_report(report: Report) -> tuple[Figure, dict]:
     ax = fig.add_subplot(grid[0, :])
     ax.set_gid("scatter")
 
-    points = [r for r in report.completed if r.peak_gib is not None and r.value(report.metric) is not None]
-    unit, scale = _memory_unit([r.peak_gib for r in points])
+    def shown(rows: list[Row]) -> list[Row]:
+        return [r for r in rows if r.peak_gib is not None and r.value(report.metric) is not None]
+
+    configurations, duplicates = shown(report.ranked), shown(report.duplicates)
+    repeats = shown([run for row in configurations if row.repeat_count > 1 for run in row.repeats])
+    unit, scale = _memory_unit([r.peak_gib for r in configurations + duplicates + repeats])
     data = {"metric": report.metric, "memory_unit": unit, "points": [], "front": [], "bars": {}}
-    named = len(points) <= MAX_NAMED_POINTS
-    ranks = {r.label: r.rank for r in report.ranked}
+    named = len(configurations) + len(duplicates) <= MAX_NAMED_POINTS
+    # A duplicate names the run it repeats; the table ranks that run's configuration.
+    ranks = {run.label: row.rank for row in report.ranked for run in row.repeats}
+
+    # The repeats sit on their configuration's error bar (same memory): grey with a white rim, above the bar
+    # and under the configuration's marker.
+    if repeats:
+        ax.scatter([r.peak_gib * scale for r in repeats], [r.value(report.metric) for r in repeats], marker="o",
+                   s=28, color="tab:gray", edgecolors="white", linewidths=0.8, zorder=2.8,
+                   label="one repeat (its run's median)")
+        for r in repeats:
+            data["points"].append({"kind": "repeat", "label": r.label, "configuration": r.repeat_of,
+                                   "peak": r.peak_gib * scale, "value": r.value(report.metric)})
     # One scatter call per (kind of peak, duplicate or not) so that each gets one legend entry.
     for source in MARKERS:
         for duplicate in (False, True):
-            group = [r for r in points if r.peak_source == source and (r.duplicate_of is not None) == duplicate]
+            group = [r for r in (duplicates if duplicate else configurations) if r.peak_source == source]
             if not group:
                 continue
             what = f"peak from {source}" if source else "peak unknown"
@@ -55,32 +78,61 @@ def plot_report(report: Report) -> tuple[Figure, dict]:
                        marker=MARKERS[source], s=60, zorder=3,
                        facecolors="none" if duplicate else "tab:blue", edgecolors="tab:blue",
                        label=f"{what}, same settings as a ranked run" if duplicate else what)
-    for r in points:
+    # Error bars: the table's interval of each configuration; dashed where it only resamples one run's steps.
+    for over, style in (("repeats", "-"), ("steps", "--")):
+        group = [r for r in configurations if r.interval_over == over and r.ci_low is not None]
+        if not group:
+            continue
+        values = [r.value(report.metric) for r in group]
+        bars = ax.errorbar([r.peak_gib * scale for r in group], values,
+                           yerr=[[v - r.ci_low for v, r in zip(values, group)],
+                                 [r.ci_high - v for v, r in zip(values, group)]],
+                           fmt="none", ecolor="tab:blue", elinewidth=1.2, capsize=4, zorder=2.5,
+                           label=f"{int(CONFIDENCE * 100)}% interval over "
+                                 + ("repeats" if over == "repeats" else "one run's steps (within-run only)"))
+        bars[2][0].set_linestyle(style)
+        bars[2][0].set_gid(f"interval-{over}")
+    for r in configurations + duplicates:
         x, y = r.peak_gib * scale, r.value(report.metric)
-        if named:
-            text = r.label if r.duplicate_of is None else f"{r.label} (= {r.duplicate_of})"
+        if r.duplicate_of is None:
+            tie = " (tied #1)" if r.tied_with_best else ""
+            repeat = f" x{r.repeat_count}" if r.repeat_count > 1 else ""
+            text = (r.label if named else f"#{r.rank}") + repeat + tie
         else:
-            text = f"#{r.rank}" if r.duplicate_of is None else f"=#{ranks.get(r.duplicate_of)}"
+            text = f"{r.label} (= {r.duplicate_of})" if named else f"=#{ranks.get(r.duplicate_of)}"
         ax.annotate(text, (x, y), xytext=(5, 5), textcoords="offset points", fontsize=8)
-        data["points"].append({"label": r.label, "peak": x, "value": y, "peak_source": r.peak_source,
-                               "duplicate_of": r.duplicate_of, "pareto": r.pareto})
+        point = {"kind": "duplicate" if r.duplicate_of else "configuration", "label": r.label, "peak": x,
+                 "value": y, "peak_source": r.peak_source, "duplicate_of": r.duplicate_of, "pareto": r.pareto}
+        if r.duplicate_of is None:
+            point.update(interval=None if r.ci_low is None else [r.ci_low, r.ci_high],
+                         interval_over=r.interval_over, repeats=r.repeat_count, tied_with_best=r.tied_with_best,
+                         pareto_tied=r.pareto_tied)
+        data["points"].append(point)
 
     front = sorted((r for r in report.ranked if r.pareto), key=lambda r: r.peak_gib)
     if front:
         # A staircase: with memory up to the next front run's, the best throughput on offer is this run's.
         ax.plot([r.peak_gib * scale for r in front], [r.value(report.metric) for r in front], "--", color="tab:red",
                 drawstyle="steps-post", marker="o", markersize=11, markerfacecolor="none", zorder=2,
-                label="Pareto front (higher throughput, lower memory)")
+                label="Pareto front of the medians (higher throughput, lower memory)")
         data["front"] = [r.label for r in front]
-    if points:
+    front_ties = [r for r in configurations if r.pareto_tied]
+    if front_ties:
+        ax.scatter([r.peak_gib * scale for r in front_ties], [r.value(report.metric) for r in front_ties],
+                   marker="o", s=150, facecolors="none", edgecolors="tab:red", linestyles=":", zorder=2,
+                   label="off the front, tied with what beats it").set_gid("front-ties")
+        data["front_tied"] = [r.label for r in front_ties]
+    if configurations or duplicates:
         ax.legend(loc="best", fontsize=8)
         ax.margins(0.15)
     else:
         ax.text(0.5, 0.5, f"no completed run with a measured {header} and peak memory", ha="center",
                 va="center", transform=ax.transAxes)
     ax.set_xlabel(f"peak memory per rank ({unit}, max over ranks)")
-    ax.set_ylabel(f"{header} (median over measured steps)")
-    ax.set_title(f"{header} vs peak memory per rank: {len(points)} completed runs")
+    ax.set_ylabel(f"{header}: median over repeats of run medians")
+    runs = len(report.completed) - len(report.duplicates)
+    ax.set_title(f"{header} vs peak memory per rank: {len(configurations)} configurations from {runs} runs, "
+                 f"{int(CONFIDENCE * 100)}% intervals")
     ax.grid(True, alpha=0.3)
 
     for index, key in enumerate(bar_keys):
@@ -105,6 +157,19 @@ def png_bytes(fig: Figure, dpi: int = 110) -> bytes:
 
 
 def plotted_point_count(fig: Figure) -> int:
-    """Markers on the scatter (the Pareto line's rings are not counted): what a reader sees as runs."""
+    """Markers on the scatter: configurations, duplicates and single repeats (not the Pareto rings, not the
+    error bars): what a reader sees as points."""
     ax = next(a for a in fig.axes if a.get_gid() == "scatter")
-    return sum(len(c.get_offsets()) for c in ax.collections)
+    return sum(len(c.get_offsets()) for c in ax.collections
+               if isinstance(c, PathCollection) and c.get_gid() != "front-ties")
+
+
+def plotted_intervals(fig: Figure) -> list[tuple[float, float, float]]:
+    """(x, low, high) of every error bar drawn on the scatter, read back from the figure."""
+    ax = next(a for a in fig.axes if a.get_gid() == "scatter")
+    bars = []
+    for collection in ax.collections:
+        if isinstance(collection, LineCollection) and str(collection.get_gid()).startswith("interval-"):
+            bars += [(float(seg[0][0]), float(min(seg[0][1], seg[1][1])), float(max(seg[0][1], seg[1][1])))
+                     for seg in collection.get_segments()]
+    return bars

@@ -1,33 +1,55 @@
-"""The report's rows: completed runs ranked by a throughput metric, duplicates, runs that did not complete.
+"""The report's rows: configurations ranked by a throughput metric, duplicates, runs that did not complete.
 
 Every number comes from the run's own record (``run.json["summary"]``, ``plan``, ``memory_breakdown``)
 or, where the record lacks it, from its logged rows under the same metric name (fsdp_exp.metrics.schema).
+
+A ranked row is a configuration: the runs that differ only in ``trainer.repeat`` (fsdp_exp.report.repeats),
+summarized by the median over repeats of each run's median, with a 95% interval of that median
+(fsdp_exp.report.intervals: over the repeats, or over the steps of a single run) and a mark for the
+configurations whose interval overlaps the best one's. A configuration measured once is its run.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
-from fsdp_exp.report.duplicates import find_duplicates
+from fsdp_exp.identity import repeat_index
+from fsdp_exp.record import run_name
+from fsdp_exp.report.duplicates import configuration_id, find_duplicates
+from fsdp_exp.report.intervals import CONFIDENCE, RESAMPLES, SEED, Estimate, estimate, overlap
 from fsdp_exp.report.load import GIB, Run
-from fsdp_exp.sinks import run_name
+from fsdp_exp.report.repeats import group_repeats, is_repeat_override, measured_step_values, without_repeat
 
 
 @dataclass(frozen=True)
 class RankMetric:
     summary_key: str
     header: str
+    step_key: str  # the per-step metric whose median the summary holds
 
 
 # What ranks the runs (--metric); all are higher-is-better medians over the measured steps.
 METRICS = {
-    "tokens_per_s": RankMetric("summary/tokens_per_s_median", "tokens/s"),
-    "tokens_per_s_per_rank": RankMetric("summary/tokens_per_s_per_rank_median", "tokens/s/rank"),
-    "tflops_per_rank": RankMetric("summary/tflops_per_rank_median", "TFLOPS/rank"),
-    "mfu": RankMetric("summary/mfu_median", "MFU"),
+    "tokens_per_s": RankMetric("summary/tokens_per_s_median", "tokens/s", "perf/tokens_per_s"),
+    "tokens_per_s_per_rank": RankMetric("summary/tokens_per_s_per_rank_median", "tokens/s/rank",
+                                        "perf/tokens_per_s_per_rank"),
+    "tflops_per_rank": RankMetric("summary/tflops_per_rank_median", "TFLOPS/rank", "perf/tflops_per_rank"),
+    "mfu": RankMetric("summary/mfu_median", "MFU", "perf/mfu"),
+}
+
+# How the ranked rows' intervals are made (report.json "interval"; fsdp_exp.report.intervals).
+INTERVAL_METHOD = {
+    "confidence": CONFIDENCE, "of": "the median over repeats of each run's median over its measured steps",
+    "method": f"percentile bootstrap, {RESAMPLES} resamples, seed {SEED}",
+    "over": {"repeats": "the runs' medians, resampled: run-to-run variation on the machine that ran them",
+             "steps": "a configuration measured once: its measured steps, resampled; within-run jitter only, "
+                      "narrower than run-to-run variation"},
+    "not_covered": "what every run shares (machine, software, seed, data) and drift that lasts the whole sweep",
+    "tied_with_best": "the interval overlaps the best configuration's",
+    "pareto_tied": "off the Pareto front of medians, but tied with every configuration that beats it",
 }
 
 # Which measured peak a row shows, best first (see measured_peak).
@@ -41,6 +63,12 @@ PEAK_SOURCES = {
 
 @dataclass
 class Row:
+    """One run, or (in ``Report.ranked``) one configuration: its repeats' medians of the run values.
+
+    A configuration's ``path``, ``overrides`` and ``choices`` are its first repeat's (less the repeat
+    override); its ``steps_measured`` is the sum over its repeats.
+    """
+
     label: str
     status: str
     path: str
@@ -62,6 +90,22 @@ class Row:
     duplicate_of: Optional[str] = None  # the ranked run with the same settings
     duplicates: list[str] = field(default_factory=list)  # labels of runs with this one's settings
     error: Optional[str] = None  # why it is not ranked
+    # One run's own spread: p10 and p90 of its per-step tokens/s (None for a configuration of several runs).
+    tokens_per_s_p10: Optional[float] = None
+    tokens_per_s_p90: Optional[float] = None
+    repeat: Optional[int] = None  # the run's trainer.repeat (None for a configuration of several runs)
+    config_id: Optional[str] = None  # the configuration's short key: W&B job type of each of its runs
+    # A ranked configuration, by the report's metric: the median's 95% interval, what it resampled
+    # ("repeats", or "steps" of its single run), why there is none, and its runs.
+    repeat_count: int = 1
+    ci_low: Optional[float] = None
+    ci_high: Optional[float] = None
+    interval_over: Optional[str] = None
+    interval_note: Optional[str] = None
+    tied_with_best: Optional[bool] = None  # interval overlaps #1's (None: #1 itself, or no interval to say)
+    pareto_tied: bool = False  # off the Pareto front by medians, but tied with every row that beats it
+    repeats: list["Row"] = field(default_factory=list)  # a ranked configuration's runs, in job order
+    repeat_of: Optional[str] = None  # a run listed under a configuration: that configuration's label
 
     def value(self, metric: str) -> Optional[float]:
         return getattr(self, metric)
@@ -80,14 +124,15 @@ class Report:
 
     @property
     def completed(self) -> list[Row]:
-        """Every completed run with a value: the ranked ones and their duplicates (what the scatter plots)."""
-        return self.ranked + self.duplicates
+        """Every completed run with a value: each ranked configuration's runs, then the duplicates."""
+        return [run for row in self.ranked for run in row.repeats] + self.duplicates
 
     def as_dict(self) -> dict:
         return {
             "sources": self.sources,
             "metric": self.metric,
             "metric_summary_key": METRICS[self.metric].summary_key,
+            "interval": INTERVAL_METHOD,
             "common_overrides": self.common_overrides,
             "peak_sources": PEAK_SOURCES,
             "ranked": [asdict(r) for r in self.ranked],
@@ -150,7 +195,10 @@ def _row(run: Run, label: str) -> Row:
                steps_measured=int(steps) if isinstance(steps, (int, float)) else None,
                peak_gib=peak, peak_source=source, predicted_peak_gib=predicted_peak(run),
                final_loss=_number(s.get("summary/final_loss")),
-               world_size=int(world) if isinstance(world, int) else None)
+               world_size=int(world) if isinstance(world, int) else None,
+               tokens_per_s_p10=_number(s.get("summary/tokens_per_s_p10")),
+               tokens_per_s_p90=_number(s.get("summary/tokens_per_s_p90")),
+               repeat=repeat_index(run.config) if run.config else None, config_id=configuration_id(run))
 
 
 def _why_not_ranked(run: Run, row: Row, metric: str) -> str:
@@ -185,12 +233,16 @@ def common_overrides(runs: list[Run]) -> list[str]:
     return [o for o in lists[0] if all(o in other for other in lists[1:])]
 
 
-def labels(runs: list[Run], common: list[str]) -> list[str]:
-    """Each run's overrides minus the common ones; a folder name is added where two labels would clash."""
+def labels(runs: list[Run], common: list[str], configuration: bool = False) -> list[str]:
+    """Each run's overrides minus the common ones; a folder name is added where two labels would clash.
+    ``configuration``: less ``trainer.repeat`` too, naming what the run's repeats share."""
     names = []
     for run in runs:
         if isinstance(run.record.get("overrides"), list):
-            names.append(run_name([o for o in run.overrides if o not in common]))
+            shown = [o for o in run.overrides if o not in common]
+            names.append(run_name(without_repeat(shown) if configuration else shown))
+        elif configuration:  # a W&B run's name, built from the overrides the same way
+            names.append(",".join(without_repeat(run.label.split(","))) or "default")
         else:
             names.append(run.label)
     clashes = {n for n in names if names.count(n) > 1}
@@ -207,7 +259,8 @@ def option_values(runs: list[Run]) -> dict[str, list[Optional[str]]]:
                 keys.setdefault(group, None)
         for override in run.overrides:
             key, _ = _override_key(override)
-            if "." in key and not _excluded(override):
+            # trainer.repeat is no option of the experiment: the report groups repeats instead
+            if "." in key and not _excluded(override) and not is_repeat_override(override):
                 keys.setdefault(key, None)
     values: dict[str, list[Optional[str]]] = {}
     for key in keys:
@@ -242,18 +295,61 @@ def option_means(runs: list[Run], rows: list[Row], metric: str) -> dict[str, lis
     return result
 
 
+def dominates(o: Row, r: Row, metric: str) -> bool:
+    """``o`` is at least as fast and as small as ``r``, and better on one count."""
+    return o.value(metric) >= r.value(metric) and o.peak_gib <= r.peak_gib \
+        and (o.value(metric) > r.value(metric) or o.peak_gib < r.peak_gib)
+
+
 def pareto_front(rows: list[Row], metric: str) -> list[Row]:
     """Rows no other row beats on both counts: higher metric and lower peak memory per rank."""
     candidates = [r for r in rows if r.value(metric) is not None and r.peak_gib is not None]
+    return [r for r in candidates if not any(dominates(o, r, metric) for o in candidates)]
 
-    def dominated(r: Row) -> bool:
-        return any(o.value(metric) >= r.value(metric) and o.peak_gib <= r.peak_gib
-                   and (o.value(metric) > r.value(metric) or o.peak_gib < r.peak_gib) for o in candidates)
 
-    return [r for r in candidates if not dominated(r)]
+def pareto_ties(rows: list[Row], metric: str, estimates: dict[int, Estimate]) -> list[Row]:
+    """Rows off the front whose every dominator is tied with them on the metric (overlapping intervals):
+    the order of medians that puts them off could be the noise's. Memory counts as exact (the same
+    configuration peaks alike run after run); only throughput has an interval."""
+    candidates = [r for r in rows if r.value(metric) is not None and r.peak_gib is not None]
+    tied = []
+    for r in candidates:
+        beaten_by = [o for o in candidates if dominates(o, r, metric)]
+        if beaten_by and all(overlap(estimates[id(o)], estimates[id(r)]) for o in beaten_by):
+            tied.append(r)
+    return tied
 
 
 # ------------------------------------------------------------------------------------ the report
+def _median(values: list[Optional[float]]) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def configuration_row(label: str, members: list[tuple[Run, Row]], metric: str) -> tuple[Row, Estimate]:
+    """One ranked row from the runs of one configuration (job order), and its estimate of the metric."""
+    run0, first = members[0]
+    runs = [replace(row, repeat_of=label) for _, row in members]
+    steps, why = measured_step_values(run0, METRICS[metric].step_key) if len(runs) == 1 else (None, None)
+    found = estimate([r.value(metric) for r in runs], steps)
+    note = f"one run, and {why}" if why else found.note
+    single = len(runs) == 1
+    measured = [r.steps_measured for r in runs]
+    row = Row(label=label, status="completed", path=first.path, overrides=without_repeat(first.overrides),
+              choices=first.choices,
+              **{m: _median([r.value(m) for r in runs]) for m in METRICS},
+              step_time_s=_median([r.step_time_s for r in runs]),
+              steps_measured=sum(measured) if None not in measured else None,
+              peak_gib=_median([r.peak_gib for r in runs]), peak_source=first.peak_source,
+              predicted_peak_gib=first.predicted_peak_gib, final_loss=_median([r.final_loss for r in runs]),
+              world_size=first.world_size, duplicates=[d for r in runs for d in r.duplicates],
+              tokens_per_s_p10=first.tokens_per_s_p10 if single else None,
+              tokens_per_s_p90=first.tokens_per_s_p90 if single else None,
+              repeat=first.repeat if single else None, config_id=first.config_id, repeat_count=len(runs),
+              ci_low=found.low, ci_high=found.high, interval_over=found.over, interval_note=note, repeats=runs)
+    return row, found
+
+
 def build_report(runs: list[Run], metric: str = "tokens_per_s", sources: Optional[list[str]] = None) -> Report:
     if metric not in METRICS:
         raise ValueError(f"unknown metric {metric!r}: use one of {', '.join(METRICS)}")
@@ -274,11 +370,27 @@ def build_report(runs: list[Run], metric: str = "tokens_per_s", sources: Optiona
         rows[dup].duplicate_of = rows[first].label
         rows[first].duplicates.append(rows[dup].label)
         duplicates.append(rows[dup])
-    ranked = sorted((rows[i] for i in usable if i not in same_as), key=lambda r: -r.value(metric))
+
+    # Repeats of one configuration become one row (duplicates are left out: they are counted once).
+    counted = [i for i in usable if i not in same_as]
+    groups = [[counted[g] for g in group] for group in group_repeats([runs[i] for i in counted])]
+    names = labels([runs[group[0]] for group in groups], common, configuration=True)
+    estimates: dict[int, Estimate] = {}
+    configurations = []
+    for name, group in zip(names, groups):
+        row, found = configuration_row(name, [(runs[i], rows[i]) for i in group], metric)
+        estimates[id(row)] = found
+        configurations.append(row)
+
+    ranked = sorted(configurations, key=lambda r: -r.value(metric))
     for position, row in enumerate(ranked, start=1):
         row.rank = position
+    for row in ranked[1:]:
+        row.tied_with_best = overlap(estimates[id(row)], estimates[id(ranked[0])])
     for row in pareto_front(ranked, metric):
         row.pareto = True
+    for row in pareto_ties(ranked, metric, estimates):
+        row.pareto_tied = True
     completed_runs = [runs[i] for i in usable]
     return Report(sources=sources or [], metric=metric, ranked=ranked, duplicates=duplicates,
                   not_ranked=not_ranked, common_overrides=[o for o in common if not _excluded(o)],
@@ -310,24 +422,65 @@ def fmt_number(value: Optional[float], digits: int = 4) -> str:
     return "n/a" if value is None else f"{value:.{digits}g}"
 
 
+def _shown(report: Report) -> list[str]:
+    return ["tokens_per_s", "mfu"] + ([report.metric] if report.metric not in ("tokens_per_s", "mfu") else [])
+
+
 def table_columns(report: Report) -> list[str]:
-    """The ranked table's columns, shared by the console and the HTML."""
-    shown = ["tokens_per_s", "mfu"] + ([report.metric] if report.metric not in ("tokens_per_s", "mfu") else [])
-    return ["#", "run"] + [METRICS[m].header for m in shown] + \
-        ["peak / rank", "peak from", "predicted peak", "final loss", "status"]
+    """The ranked table's columns, shared by the console and the HTML; the interval, what it resampled and
+    the tie mark follow the ranking metric's column."""
+    columns = ["#", "run"]
+    for m in _shown(report):
+        columns.append(METRICS[m].header)
+        if m == report.metric:
+            columns += [f"{int(CONFIDENCE * 100)}% interval", "interval over", "vs #1"]
+    return columns + ["peak / rank", "peak from", "predicted peak", "final loss", "status"]
+
+
+def fmt_interval(metric: str, row: Row) -> str:
+    if row.ci_low is None or row.ci_high is None:
+        return "n/a"
+    return f"{fmt_metric(metric, row.ci_low)} – {fmt_metric(metric, row.ci_high)}"
+
+
+def fmt_over(row: Row) -> str:
+    """What the interval resampled: "3 repeats", or "6 steps, 1 run" (a single run's jitter only)."""
+    if row.interval_over == "repeats":
+        return f"{row.repeat_count} repeats"
+    if row.interval_over == "steps":
+        return f"{row.steps_measured} steps, 1 run"
+    return f"none ({row.repeat_count} run{'s' * (row.repeat_count > 1)})"
+
+
+def fmt_vs_best(row: Row) -> str:
+    if row.rank == 1:
+        return "best"
+    return {True: "tied", False: "below", None: "n/a"}[row.tied_with_best]
+
+
+def rank_mark(row: Row) -> str:
+    return f"{row.rank}{'*' if row.pareto else ''}{'~' if row.pareto_tied else ''}"
 
 
 def table_cells(report: Report, row: Row) -> list[str]:
-    shown = ["tokens_per_s", "mfu"] + ([report.metric] if report.metric not in ("tokens_per_s", "mfu") else [])
     status = row.status + (f" (+{len(row.duplicates)} same)" if row.duplicates else "")
-    return [f"{row.rank}{'*' if row.pareto else ''}", row.label] + [fmt_metric(m, row.value(m)) for m in shown] + \
-        [fmt_gib(row.peak_gib), row.peak_source or "n/a", fmt_gib(row.predicted_peak_gib),
-         fmt_number(row.final_loss), status]
+    cells = [rank_mark(row), row.label]
+    for m in _shown(report):
+        cells.append(fmt_metric(m, row.value(m)))
+        if m == report.metric:
+            cells += [fmt_interval(m, row), fmt_over(row), fmt_vs_best(row)]
+    return cells + [fmt_gib(row.peak_gib), row.peak_source or "n/a", fmt_gib(row.predicted_peak_gib),
+                    fmt_number(row.final_loss), status]
 
 
 def caption(report: Report) -> str:
-    parts = [f"ranked by {METRICS[report.metric].header}, median over measured steps; "
-             "* = Pareto front (no other run is both faster and smaller)"]
+    header = METRICS[report.metric].header
+    parts = [f"ranked by {header}: per configuration, the median over its repeats (trainer.repeat) of each run's "
+             f"median over its measured steps",
+             f"{int(CONFIDENCE * 100)}% interval of that median: bootstrap over the repeats' medians, or over the "
+             f"steps of a configuration measured once (narrower: it misses run-to-run variation)",
+             "vs #1: tied = the interval overlaps #1's; * = Pareto front of the medians (no other configuration is "
+             "both faster and smaller); ~ = off it, but tied with every configuration that beats it"]
     if report.common_overrides:
         parts.append("all runs: " + " ".join(report.common_overrides))
     sources = {r.peak_source for r in report.ranked if r.peak_source}
@@ -335,8 +488,26 @@ def caption(report: Report) -> str:
     return "\n".join(parts)
 
 
+def repeated(report: Report) -> list[Row]:
+    """The runs of every configuration measured more than once, by rank then job order."""
+    return [run for row in report.ranked if row.repeat_count > 1 for run in row.repeats]
+
+
+def repeat_columns(report: Report) -> list[str]:
+    return ["configuration", "repeat", METRICS[report.metric].header, "tokens/s p10 – p90", "steps", "run"]
+
+
+def repeat_cells(report: Report, run: Row) -> list[str]:
+    spread = "n/a" if run.tokens_per_s_p10 is None or run.tokens_per_s_p90 is None else \
+        f"{fmt_metric('tokens_per_s', run.tokens_per_s_p10)} – {fmt_metric('tokens_per_s', run.tokens_per_s_p90)}"
+    return [run.repeat_of or "", "n/a" if run.repeat is None else str(run.repeat),
+            fmt_metric(report.metric, run.value(report.metric)), spread,
+            "n/a" if run.steps_measured is None else str(run.steps_measured), run.label]
+
+
 def print_report(report: Report, console=None) -> None:
-    """The ranked table, then duplicates, runs that did not complete and per-option means (rich)."""
+    """The ranked table, the runs of repeated configurations, duplicates, runs that did not complete and
+    per-option means (rich)."""
     from rich import box
     from rich.console import Console
     from rich.markup import escape
@@ -348,20 +519,34 @@ def print_report(report: Report, console=None) -> None:
         return [Text(value) for value in values]
 
     console = console or Console()
-    total = len(report.ranked) + len(report.duplicates) + len(report.not_ranked)
+    total = len(report.completed) + len(report.not_ranked)
 
     def heading(text: str) -> None:
         # Printed apart from the tables: rich wraps a title to its table's width, and these are short tables.
         console.print(f"[bold]{text}[/bold]", highlight=False)
 
-    heading(f"fsdp_exp report: {len(report.ranked)} ranked of {total} runs ({escape(', '.join(report.sources))})")
-    table = Table(caption=Text(caption(report)), caption_justify="left", box=box.SIMPLE_HEAD)
+    heading(f"fsdp_exp report: {len(report.ranked)} configurations ranked, from {len(report.completed)} completed "
+            f"of {total} runs ({escape(', '.join(report.sources))})")
+    # collapse_padding: two spaces between columns, not three; the ranked table has many of them.
+    table = Table(caption=Text(caption(report)), caption_justify="left", box=box.SIMPLE_HEAD, collapse_padding=True)
     for column in table_columns(report):
+        # Only the label folds: a number, an interval or a status split over two lines reads as two values.
         table.add_column(column, justify="left" if column in ("run", "peak from", "status") else "right",
-                         overflow="fold")
+                         overflow="fold", no_wrap=column != "run")
     for row in report.ranked:
         table.add_row(*cells(*table_cells(report, row)))
     console.print(table)
+
+    runs = repeated(report)
+    if runs:
+        heading("Runs of the configurations measured more than once (the repeats the medians and intervals use)")
+        each = Table(box=box.SIMPLE_HEAD)
+        for column in repeat_columns(report):
+            each.add_column(column, justify="left" if column in ("configuration", "run") else "right",
+                            overflow="fold")
+        for run in runs:
+            each.add_row(*cells(*repeat_cells(report, run)))
+        console.print(each)
 
     if report.duplicates:
         heading("Same applied settings as a ranked run (counted once)")

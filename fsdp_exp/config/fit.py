@@ -1,0 +1,283 @@
+"""Does the run fit the memory this node may really use? The planner answers before any rank starts.
+
+``check_fit`` runs in ``fsdp_exp.launch.prepare``, after ``preflight.validate`` and above it (the
+planner validates every variant it tries, so it cannot sit inside validate). It asks the planner
+(``fsdp_exp.plan``, the model on the meta device: about a second) for one rank's peak and compares it
+with what this node has (``fsdp_exp.env``):
+
+- on CUDA, the free memory of the GPUs the node's ranks will use (``torch.cuda.mem_get_info``; the
+  launcher asks from a child process, a rank asks for its own GPU), and host RAM for what
+  ``offload=params`` keeps there;
+- on a CPU host, what the kernel can hand out (MemAvailable) or, tighter, the room left under the
+  memory cgroup's limit. The node's ranks share that one RAM: the need is one rank's times their number.
+
+A run that does not fit is refused (exit 2) naming what it needs and what the node has, and the only
+changes suggested are those the planner, asked again, says would fit here (each is composed from the
+same config groups and validated like the run). ``trainer.check_fit=false`` runs it anyway.
+
+Under torchrun or a SLURM step every rank checks before the process group starts: each against its own
+GPU, or the shared RAM, so that all ranks of a node that cannot fit leave at once instead of some waiting
+for peers that left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from fsdp_exp.config.preflight import validate
+from fsdp_exp.config.schema import RunConfig
+from fsdp_exp.config.topology import Topology
+from fsdp_exp.env import GIB, HostMemory, cuda_device_count, cuda_free_memory, host_memory
+from fsdp_exp.errors import fail
+
+# Changes that lower one rank's memory, tried in this order (each only where it changes the config).
+CPU_CHANGES = ("precision=bf16", "ac=full", "trainer.micro_batch_size=1", "sharding=full", "trainer.nproc_per_node=1")
+CUDA_CHANGES = ("sharding=full", "precision=bf16", "ac=full", "offload=params", "trainer.micro_batch_size=1")
+# GPU layouts a CPU host's refusal offers for planning: (GPUs per node, nodes).
+GPU_LAYOUTS = ((1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8))
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """What one rank's device has on this node: a CPU host's usable RAM (all of the node's ranks share it)
+    or the least free memory among the node's GPUs; ``host`` is the RAM either way."""
+
+    kind: str  # cpu | cuda
+    device_bytes: int
+    described: str
+    host: HostMemory
+
+
+def node_memory(topology: Topology, rank_of_node: Optional[int] = None) -> NodeMemory:
+    """``rank_of_node``: this process is that rank of the node (torchrun, SLURM); None: it launches them."""
+    host = host_memory()
+    if topology.device_type != "cuda":
+        return NodeMemory("cpu", host.usable, f"this CPU host has {host.describe()}", host)
+    devices = (rank_of_node,) if rank_of_node is not None else tuple(range(topology.nproc_per_node))
+    free = cuda_free_memory(devices, in_process=rank_of_node is not None)
+    least = min(range(len(devices)), key=lambda i: free[i][0])
+    return NodeMemory("cuda", free[least][0], f"cuda:{devices[least]} has {_gib(free[least][0])} free of "
+                      f"{_gib(free[least][1])}", host)
+
+
+def check_fit(cfg: RunConfig, topology: Topology, *, world_size: Optional[int] = None,
+              rank_of_node: Optional[int] = None) -> None:
+    """Refuse (ConfigError) a run the planner says cannot fit this node; ``world_size``: an outside
+    launcher's, as given to validate."""
+    if not cfg.trainer.check_fit:
+        return
+    from fsdp_exp.plan import plan
+
+    try:
+        result = plan(cfg, topology)
+        node = node_memory(topology, rank_of_node)
+    except Exception as exc:  # noqa: BLE001 - the check is a help; a config it cannot judge still runs
+        print(f"fsdp_exp: the memory check could not judge this run ({type(exc).__name__}: {exc}); it runs "
+              "unchecked.", file=sys.stderr)
+        return
+    need = _need(result, topology, node.kind)
+    if _fits(need, node):
+        return
+    fail(_problem(result.per_rank_bytes["total"], need, topology, node), _fixes(cfg, node, world_size))
+
+
+def _need(result, topology: Topology, kind: str) -> tuple[int, int]:
+    """(bytes of the rank's device it needs: on a CPU host, for all of the node's ranks; bytes of host RAM
+    the node's ranks keep offloaded beside their GPUs)."""
+    per_rank = result.per_rank_bytes["total"]
+    if kind == "cpu":  # the planner counts offloaded states in a CPU rank's own peak: one memory
+        return per_rank * topology.nproc_per_node, 0
+    return per_rank, result.model_states["host"]["total"] * topology.nproc_per_node
+
+
+def _fits(need: tuple[int, int], node: NodeMemory) -> bool:
+    return need[0] <= node.device_bytes and need[1] <= node.host.usable
+
+
+def _problem(per_rank: int, need: tuple[int, int], topology: Topology, node: NodeMemory) -> str:
+    n = topology.nproc_per_node
+    if node.kind == "cpu":
+        who = f"the {n} ranks of this run on this node need" if n > 1 else "this run's rank needs"
+        each = f"{_gib(per_rank)} each, " if n > 1 else ""
+        return (f"does not fit: {who} {_gib(need[0])} of memory ({each}as python -m fsdp_exp.plan predicts), "
+                f"and {node.described}.")
+    short = []
+    if need[0] > node.device_bytes:
+        short.append(f"each rank of this run needs {_gib(per_rank)} of GPU memory (as python -m fsdp_exp.plan "
+                     f"predicts, with its margin), and {node.described}")
+    if need[1] > node.host.usable:
+        short.append(f"offload=params keeps {_gib(need[1])} of the node's {n} ranks in host RAM, and this host "
+                     f"has {node.host.describe()}")
+    return "does not fit: " + "; ".join(short) + "."
+
+
+def _fixes(cfg: RunConfig, node: NodeMemory, world_size: Optional[int]) -> str:
+    """The changes the planner says would fit this node, and how to run anyway."""
+    fitting = [f"{' '.join(changes)} ({_gib(need[0])})" for changes, need in _fitting_changes(cfg, node, world_size)]
+    parts = []
+    if node.kind == "cpu":
+        parts.append("On a CPU host all ranks share one RAM: more ranks or offload=params do not lower what "
+                     "the run needs.")
+    if fitting:
+        parts.append("The planner says these would fit here: " + "; ".join(fitting) + ".")
+    else:
+        parts.append("No change the planner tried fits here.")
+    if node.kind == "cpu":
+        gpus = _gpu_layouts(cfg)
+        if gpus:
+            parts.append(f"On GPUs it would fit {gpus}.")
+    parts.append("Or pass trainer.check_fit=false to run it anyway.")
+    return " ".join(parts)
+
+
+def _fitting_changes(cfg: RunConfig, node: NodeMemory, world_size: Optional[int]):
+    """[(changes, need)] for the changes the planner says fit this node: single changes, else all of them
+    at once; and the largest model preset that fits."""
+    from fsdp_exp.plan import plan
+
+    cuda_devices = cuda_device_count()
+
+    def need_of(changes: tuple[str, ...]) -> Optional[tuple[int, int]]:
+        variant = _variant(cfg, changes)
+        if variant is None:
+            return None
+        try:
+            topology = validate(variant, cuda_devices=cuda_devices, world_size=world_size)
+            return _need(plan(variant, topology), topology, node.kind)
+        except Exception:  # noqa: BLE001 - a change that cannot run here is no suggestion
+            return None
+
+    changes = list(CPU_CHANGES if node.kind == "cpu" else CUDA_CHANGES)
+    if world_size is None and node.kind == "cuda":  # the ranks are ours to choose
+        if cfg.trainer.nproc_per_node != str(cuda_devices):
+            changes.insert(0, f"trainer.nproc_per_node={cuda_devices}")
+    if world_size is not None:
+        changes = [c for c in changes if not c.startswith("trainer.nproc_per_node")]
+    singles = {c: need_of((c,)) for c in changes}
+    applicable = [c for c, need in singles.items() if need is not None]
+    found = [((c,), need) for c, need in singles.items() if need is not None and _fits(need, node)]
+    if not found and len(applicable) > 1:
+        need = need_of(tuple(applicable))
+        if need is not None and _fits(need, node):
+            found.append((tuple(applicable), need))
+    if not found and world_size is None and node.kind == "cuda":  # more nodes shard further
+        for nodes in (2, 4, 8):
+            need = need_of((f"trainer.nnodes={cfg.trainer.nnodes * nodes}",))
+            if need is not None and _fits(need, node):
+                found.append(((f"trainer.nnodes={cfg.trainer.nnodes * nodes}",), need))
+                break
+    models = []
+    for preset in _group_options("model"):
+        variant = _variant(cfg, (f"model={preset}",))
+        if variant is None:
+            continue
+        need = need_of((f"model={preset}",))
+        if need is not None and _fits(need, node):
+            from fsdp_exp.models import count_params
+
+            models.append((count_params(variant.model), preset, need))
+    if models:
+        _, preset, need = max(models)
+        found.append(((f"model={preset}",), need))
+    return found
+
+
+def _gpu_layouts(cfg: RunConfig) -> Optional[str]:
+    """For a run refused on a CPU host: the fewest GPUs it would fit (and the smallest GPU that would
+    do at 8 per node), as the planner says for the GPUs it knows; None if none would do."""
+    from fsdp_exp.plan import device_table, plan
+
+    gpus = sorted((d for d in device_table().values() if d.kind == "cuda"), key=lambda d: d.bytes)
+    offers = []
+    for per_node, nodes in GPU_LAYOUTS:
+        variant = _apply(cfg, (f"trainer.nproc_per_node={per_node}", f"trainer.nnodes={nodes}"))
+        try:
+            per_rank = plan(variant, validate(variant, cuda_devices=per_node), device_kind="cuda").per_rank_bytes["total"]
+        except Exception:  # noqa: BLE001 - a layout this config cannot take
+            continue
+        device = next((d for d in gpus if per_rank <= d.bytes), None)
+        if device is not None:
+            offers.append((per_node, nodes, device, per_rank))
+    if not offers:
+        return None
+    chosen = [offers[0]] + [o for o in offers if o[:2] == (8, 1) and o[2] != offers[0][2]][:1]
+    text = " or ".join(f"{p * n} x {d.name}" + (f" ({n} nodes)" if n > 1 else "") + f" ({_gib(need)} per GPU)"
+                       for p, n, d, need in chosen)
+    p, n, d, _ = chosen[-1]
+    return (f"{text}: see python -m fsdp_exp.plan <these overrides> plan.device={d.name} "
+            f"trainer.nproc_per_node={p}" + (f" trainer.nnodes={n}" if n > 1 else ""))
+
+
+# ------------------------------------------------------------------------------------------ variants
+def _apply(cfg: RunConfig, changes: tuple[str, ...]) -> RunConfig:
+    """``cfg`` with these overrides: ``group=option`` takes the option's whole node (the group's schema
+    defaults under the option's file), as a command line selecting it would; ``a.b=value`` sets one key."""
+    variant = copy.deepcopy(cfg)
+    for change in changes:
+        key, _, value = change.partition("=")
+        section, _, name = key.partition(".")
+        current = getattr(variant, section)
+        node = OmegaConf.from_dotlist([f"{name}={value}"]) if name else _option(section, value)
+        base = OmegaConf.structured(current if name else type(current)())
+        variant = dataclasses.replace(variant, **{section: OmegaConf.to_object(OmegaConf.merge(base, node))})
+    return variant
+
+
+def _variant(cfg: RunConfig, changes: tuple[str, ...]) -> Optional[RunConfig]:
+    """``cfg`` with these changes; None where they change nothing or cannot be composed."""
+    from fsdp_exp.config import plain
+
+    try:
+        variant = _apply(cfg, changes)
+    except Exception:  # noqa: BLE001 - an option this config cannot take
+        return None
+    return None if plain(variant) == plain(cfg) else variant
+
+
+@contextlib.contextmanager
+def _hydra():
+    """Hydra's config sources: the running app's (a run, a sweep's callback), else fsdp_exp's own configs."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        yield GlobalHydra.instance().config_loader()
+        return
+    from hydra import initialize_config_module
+
+    with initialize_config_module(config_module="fsdp_exp.conf", version_base="1.3"):
+        yield GlobalHydra.instance().config_loader()
+
+
+def _option(group: str, option: str):
+    """An option's own node, read from the first config source that has it (a file of the group's
+    package without a defaults list: the options fsdp_exp suggests); else composed in full."""
+    with _hydra() as loader:
+        path = f"{group}/{option}"
+        for source in loader.get_sources():
+            if source.is_config(path):
+                found = source.load_config(path)
+                if found.header.get("package") in (None, "_group_", group) and "defaults" not in found.config:
+                    return found.config
+                break
+        from hydra import compose
+
+        return compose(config_name="config", overrides=[f"{group}={option}"])[group]
+
+
+def _group_options(group: str) -> list[str]:
+    try:
+        with _hydra() as loader:
+            return sorted(loader.get_group_options(group))
+    except Exception:  # noqa: BLE001 - no config source to list: no preset to offer
+        return []
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"

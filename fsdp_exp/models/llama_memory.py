@@ -1,0 +1,127 @@
+"""What a Llama block (fsdp_exp/models/llama.py) keeps for backward, tensor by tensor: the memory
+planner's activation profile of the family (``fsdp_exp.models.spec.ActivationProfile``).
+
+Sizes are per rank and per micro-batch: tensor parallel divides the heads and the SwiGLU width,
+sequence parallel divides the residual stream's sequence. ``e`` is the compute dtype's size in bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LlamaActivations:
+    b: int  # micro-batch
+    s: int  # sequence length
+    d: int  # model width (the residual stream)
+    dq: int  # query width on this rank: n_heads * head_dim / tp
+    dkv: int  # key / value width on this rank
+    heads: int  # query heads on this rank
+    ffn: int  # SwiGLU hidden width on this rank (per expert)
+    vocab: int
+    experts: int
+    sp: int  # divisor of the residual stream (tp with sequence parallel, else 1)
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+    @property
+    def logits(self) -> int:
+        return self.tokens * self.vocab
+
+    @property
+    def peak_weight_grad(self) -> int:
+        """w2's weight gradient (one expert's), made at the block's backward peak."""
+        return self.d * self.ffn
+
+    @property
+    def block_weight_grads(self) -> int:
+        """w2's weight gradients of every expert, held at the backward peak when they stay unsharded."""
+        return self.d * self.ffn * max(1, self.experts)
+
+    def residual(self, e: int) -> int:
+        return e * self.tokens * self.d // self.sp
+
+    def block_saved(self, e: int, autocast: bool = False, math_attention: bool = False) -> dict[str, int]:
+        """Bytes one transformer block keeps for backward, tensor by tensor.
+
+        FSDP computes everything in ``param_dtype`` (its parameters are cast): RMSNorm saves two fp32
+        copies of its input when that is not fp32 (``x.float()`` twice) or the input itself in fp32,
+        its rsqrt, the normalized tensor and the weighted one (the input of the next linear); attention
+        saves the rotated q and k, v, the softmax log-sum-exp (fp32) and the output; SwiGLU saves w1's
+        and w3's outputs, silu's output and the product. Under DDP's autocast (``autocast=True``) the
+        residual stream and norms stay fp32 and every linear saves its own low-precision copy of its
+        input. The block's input is counted here (the previous block's output). ``math_attention``:
+        SDPA's math fallback (CUDA, fp32 with grouped-query attention, which the flash and
+        memory-efficient kernels do not take in fp32) also saves the attention probabilities and the
+        key / value heads repeated to the query heads.
+        """
+        bs = self.tokens
+        resid = bs * self.d // self.sp  # one residual-stream tensor, in elements
+        if autocast:
+            norms = 2 * (4 * bs // self.sp + 4 * resid)  # rsqrt and the fp32 normalized tensor, twice
+            residual = 2 * 4 * resid  # the block input and h, fp32
+            casts = e * bs * self.d * (3 + 2)  # the inputs of wq, wk, wv and w1, w3, each cast
+        else:
+            copies = 0 if e == 4 else 2 * 4 * resid  # x.float() twice when x is not fp32
+            norms = 2 * (copies + 4 * bs // self.sp + e * resid + e * bs * self.d)
+            residual = 2 * 4 * resid if e == 4 else 0  # fp32: the norms save the residual tensors themselves
+            casts = 0
+        attention = e * bs * self.dq * 2 + 2 * e * bs * self.dkv + 4 * self.b * self.heads * self.s
+        if math_attention:
+            attention += e * self.b * self.heads * self.s * self.s + 2 * e * bs * (self.dq - self.dkv)
+        if self.experts:
+            # Dense MoE: every expert's SwiGLU, the stacked expert outputs and the router's probabilities.
+            ffn = self.experts * (4 * e * bs * self.ffn) + e * bs * self.d * self.experts + 3 * 4 * bs * self.experts
+        else:
+            ffn = 4 * e * bs * self.ffn
+        return {"residual": residual, "norms": norms, "casts": casts, "attention": attention, "ffn": ffn,
+                "total": residual + norms + casts + attention + ffn}
+
+    def _stacked_experts(self, e: int) -> int:
+        """The stacked expert outputs of a dense MoE (none without experts)."""
+        return e * self.tokens * self.d * self.experts if self.experts else 0
+
+    def op_level_saved(self, e: int) -> int:
+        """Op-level selective AC keeps the outputs of the matmuls and of attention (estimated: three
+        query-wide tensors, two key/value-wide, two model-wide, w1's and w3's per expert) and the
+        log-sum-exp."""
+        bs = self.tokens
+        return e * bs * (3 * self.dq + 2 * self.dkv + 2 * self.d + 2 * self.ffn * max(1, self.experts)) \
+            + 4 * self.b * self.heads * self.s
+
+    def checkpointed_forward_peak(self, e: int) -> int:
+        """A checkpointed block saves only its input, but then holds h and the norm's output, silu's
+        and w3's outputs and their product (and a dense MoE's stacked outputs)."""
+        return self.residual(2 * e) + 3 * e * self.tokens * self.ffn + self._stacked_experts(e)
+
+    def op_level_forward_peak(self, e: int) -> int:
+        """silu's output and the product, next to the kept matmul outputs."""
+        return 2 * e * self.tokens * self.ffn
+
+    def backward_peak(self, e: int) -> int:
+        """At the SwiGLU's backward: the gradients of silu's output and w3's output next to the
+        product's (the product is freed by then); a dense MoE adds the gradient of the stacked outputs."""
+        return 2 * e * self.tokens * self.ffn + self._stacked_experts(e)
+
+    def head_saved(self, e: int, autocast: bool) -> int:
+        """The final RMSNorm: under autocast its fp32 input, rsqrt, normalized tensor and the output
+        projection's cast input; otherwise the input (and its fp32 copy when it is not fp32), rsqrt,
+        the normalized and weighted tensors."""
+        bs = self.tokens
+        if autocast:
+            return 4 * bs * self.d + 4 * bs + 4 * bs * self.d + e * bs * self.d
+        return (4 if e == 4 else 2 * 4) * bs * self.d + 4 * bs + 2 * e * bs * self.d
+
+    def math_attention(self, device_kind: str, e: int) -> bool:
+        """SDPA falls back to its math kernel on CUDA in fp32 with grouped-query attention."""
+        return device_kind == "cuda" and e == 4 and self.dkv != self.dq
+
+    def notes(self, device_kind: str, e: int) -> list[str]:
+        if device_kind != "cuda":
+            return []
+        return ["CUDA: calibrated on CPU runs; SDPA assumed to save q, k, v, out and the log-sum-exp "
+                "(flash / memory-efficient)" + (", math fallback here (fp32 with GQA)"
+                                               if self.math_attention(device_kind, e) else "")]

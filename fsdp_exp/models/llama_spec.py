@@ -1,0 +1,179 @@
+"""The Llama family's spec (``model.name=llama``, the tiny MoE variant included): its config checks,
+FLOPs, tensor-parallel plan, Hugging Face mapping and the planner's activation profile
+(``fsdp_exp.models.llama_memory``). The modules themselves are in ``fsdp_exp.models.llama``.
+
+Hugging Face export: fsdp_exp rotates interleaved pairs (x[2i], x[2i+1]) like Meta's original
+Llama; HF's LlamaForCausalLM rotates halves (x[i], x[i + d/2]). The rows of wq and wk are permuted
+per head on export, which leaves q.k, and so the model, unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fsdp_exp.config.schema import ModelConfig
+from fsdp_exp.errors import fail
+from fsdp_exp.models.llama import Llama, TransformerBlock, ffn_hidden_dim
+from fsdp_exp.models.llama_memory import LlamaActivations
+from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan
+
+# fsdp_exp's names in a block -> Hugging Face's (model.layers.<i>.<name>), and at the root.
+HF_BLOCK_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+HF_ROOT_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
+
+
+def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a q/k projection reordered per head from interleaved pairs to halves."""
+    rows, cols = w.shape
+    head_dim = rows // n_heads
+    return w.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+class LlamaSpec(ModelSpec):
+    name = "llama"
+    model_class = Llama
+    block_class = TransformerBlock
+    input_modules = ("tok_embeddings",)
+    output_modules = ("output",)
+
+    # ----------------------------------------------------------------------------- config
+    def check(self, m: ModelConfig) -> None:
+        for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
+            if getattr(m, name) < 1:
+                fail(f"model.{name}={getattr(m, name)} must be positive.", f"pass a positive model.{name}")
+        if m.dim % m.n_heads:
+            fail(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.",
+                 "pick model.n_heads that divides model.dim")
+        kv = m.n_kv_heads or m.n_heads
+        if m.n_heads % kv:
+            fail(f"model.n_kv_heads={kv} does not divide model.n_heads={m.n_heads} (grouped-query attention).",
+                 "pick model.n_kv_heads that divides model.n_heads, or null")
+        if (m.dim // m.n_heads) % 2:
+            fail(f"head dimension model.dim/model.n_heads={m.dim // m.n_heads} is odd; rotary embeddings need it "
+                 "even.", "change model.dim or model.n_heads")
+
+    def check_tensor_parallel(self, m: ModelConfig, tp: int) -> None:
+        # Each rank holds whole heads and an equal slice of the SwiGLU width (the colwise projections).
+        for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads or m.n_heads),
+                            ("the SwiGLU width", ffn_hidden_dim(m))):
+            if value % tp:
+                fail(f"parallel.tp={tp} does not divide {name} ({value}).", "pick parallel.tp that divides it")
+
+    # ------------------------------------------------------------------------------ build
+    def build(self, cfg: ModelConfig) -> Llama:
+        return Llama(cfg)
+
+    def tied_weights(self, cfg: ModelConfig) -> dict[str, str]:
+        return {"output.weight": "tok_embeddings.weight"} if cfg.tie_embeddings else {}
+
+    def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> int:
+        """Training FLOPs per token: 6 N + 12 L d S (forward + backward, no recompute).
+
+        N counts parameters without the input embedding (a lookup, no matmul); the output projection
+        is a matmul and counts. 12 L d S is attention's score and value products (PaLM appendix B).
+        """
+        inventory = self.inventory(cfg)
+        n = sum(p.numel for p in inventory.params if p.name not in inventory.input_params)
+        return 6 * n + 12 * cfg.n_layers * cfg.dim * seq_len
+
+    # ---------------------------------------------------------------------- parallelism
+    def tensor_parallel_plan(self, cfg: ModelConfig) -> TensorParallelPlan:
+        """Attention: wq/wk/wv colwise (each rank holds n_heads/tp heads), wo rowwise. SwiGLU: w1/w3
+        colwise, w2 rowwise. Embedding rowwise, output colwise with replicated logits. Under sequence
+        parallel the norms run on a shard of the sequence, which attention and the feed-forward
+        gather first."""
+        return TensorParallelPlan(
+            root={"tok_embeddings": ROWWISE, "output": COLWISE},
+            block={"attention.wq": COLWISE, "attention.wk": COLWISE, "attention.wv": COLWISE,
+                   "attention.wo": ROWWISE,
+                   "feed_forward.w1": COLWISE, "feed_forward.w3": COLWISE, "feed_forward.w2": ROWWISE},
+            sequence_parallel_root=("norm",),
+            sequence_parallel_block=("attention_norm", "ffn_norm"),
+            gathered_inputs={"attention": 3, "feed_forward": 1},  # attention also takes cos and sin
+        )
+
+    # --------------------------------------------------------------------------- export
+    def why_no_hf_export(self, cfg: ModelConfig) -> Optional[str]:
+        if cfg.n_experts > 0:
+            return "HF export writes LlamaForCausalLM; a mixture-of-experts model has no such layout"
+        return None
+
+    def to_hf(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+        problem = self.why_no_hf_export(cfg)
+        if problem:
+            raise ValueError(problem)
+        n_heads = cfg.n_heads
+        n_kv = cfg.n_kv_heads or n_heads
+        tied = self.tied_weights(cfg)
+        out = {}
+        for name, tensor in state.items():
+            if name in HF_ROOT_NAMES:
+                if name in tied:
+                    continue  # HF ties lm_head to embed_tokens itself
+                out[HF_ROOT_NAMES[name]] = tensor
+                continue
+            parts = name.split(".", 2)
+            if parts[0] != "layers" or len(parts) < 3 or parts[2] not in HF_BLOCK_NAMES:
+                raise ValueError(f"no Hugging Face name for parameter {name!r}")
+            if parts[2] == "attention.wq.weight":
+                tensor = interleaved_to_half(tensor, n_heads)
+            elif parts[2] == "attention.wk.weight":
+                tensor = interleaved_to_half(tensor, n_kv)
+            out[f"model.layers.{parts[1]}.{HF_BLOCK_NAMES[parts[2]]}"] = tensor
+        return out
+
+    def hf_config(self, cfg: ModelConfig) -> dict:
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": cfg.dim,
+            "intermediate_size": ffn_hidden_dim(cfg),
+            "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
+            "head_dim": cfg.dim // cfg.n_heads,
+            "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": cfg.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "rope_scaling": None,
+            "tie_word_embeddings": bool(cfg.tie_embeddings),
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "mlp_bias": False,
+            "initializer_range": cfg.init_std,
+            "pretraining_tp": 1,
+            "use_cache": True,
+            "bos_token_id": None,
+            "eos_token_id": None,
+            "torch_dtype": "float32",
+            "dtype": "float32",
+        }
+
+    # -------------------------------------------------------------------------- planner
+    def activations(self, cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int,
+                    sequence_parallel: bool) -> LlamaActivations:
+        head_dim = cfg.dim // cfg.n_heads
+        return LlamaActivations(
+            b=micro_batch, s=seq_len, d=cfg.dim, dq=cfg.n_heads * head_dim // tp,
+            dkv=(cfg.n_kv_heads or cfg.n_heads) * head_dim // tp, heads=cfg.n_heads // tp,
+            ffn=ffn_hidden_dim(cfg) // tp, vocab=cfg.vocab_size, experts=cfg.n_experts,
+            sp=tp if sequence_parallel else 1)
+
+
+LLAMA = LlamaSpec()

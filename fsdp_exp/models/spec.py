@@ -1,0 +1,256 @@
+"""What a model family supplies, so that no code outside ``fsdp_exp.models`` knows a parameter's name.
+
+A family is a ``ModelSpec`` subclass with one instance in ``fsdp_exp.models.REGISTRY``, under the
+``model.name`` it answers to. It supplies:
+
+- **build** (``build``): the plain ``nn.Module`` from its config; ``fsdp_exp.models.build_meta`` builds
+  it on the meta device. The module has no parallel code: ``fsdp_exp.parallel`` wraps it.
+- **its config checks** (``check``, ``check_tensor_parallel``): called by preflight; every refusal is
+  ``fail(problem, fix)`` naming the override that fixes it.
+- **initialisation** (``init_std``, ``init_buffers``): ``fsdp_exp.models.init_weights`` draws every
+  parameter from (seed, its name) alone, so any world size and any sharding get the same values.
+- **the block class** (``block_class``): the unit of wrapping, activation checkpointing, compile and
+  tensor parallel.
+- **tied weights** (``tied_weights``) and **FLOPs per token** (``flops_per_token``).
+- **the tensor-parallel plan** (``tensor_parallel_plan``): module -> colwise | rowwise, as data.
+  ``fsdp_exp.parallel.tp`` turns it into torch's styles; the planner derives from the same plan which
+  dim of each parameter tensor parallel shards (``Inventory``).
+- **the export mapping** (``to_hf``, ``hf_config``): its parameters under Hugging Face's names.
+- **the planner's inventory**: ``inventory`` (every parameter with its block and its tensor-parallel
+  dim, the input and output parameters, buffer bytes; cached per model config) and ``activations``
+  (an ``ActivationProfile``: what one block saves for backward, per rank and micro-batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+COLWISE, ROWWISE = "colwise", "rowwise"
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """Megatron-style tensor parallelism as data: module name -> ``colwise`` | ``rowwise``.
+
+    ``colwise`` shards a module's output features, ``rowwise`` its input features, as torch's
+    ``ColwiseParallel`` / ``RowwiseParallel`` do (an ``nn.Linear`` weight (out, in): colwise dim 0,
+    rowwise dim 1; an ``nn.Embedding`` weight (num, dim): colwise dim 1, rowwise dim 0).
+
+    ``root``: modules of the root, the two ends of the residual stream, by their names in the model.
+    A rowwise one takes replicated inputs (token ids) and gives the residual stream; a colwise one
+    takes the residual stream and gives replicated outputs (the logits).
+    ``block``: modules inside every block, by their names in the block. A colwise one takes the
+    replicated stream; a rowwise one gives the residual stream back.
+    ``sequence_parallel_root`` / ``sequence_parallel_block``: modules (norms) that run on a shard of
+    the sequence under ``parallel.sequence_parallel``.
+    ``gathered_inputs``: block modules whose input is gathered from the sequence shard before their
+    colwise projections, with the number of positional inputs they take (the first is the stream).
+    """
+
+    root: dict[str, str]
+    block: dict[str, str]
+    sequence_parallel_root: tuple[str, ...] = ()
+    sequence_parallel_block: tuple[str, ...] = ()
+    gathered_inputs: dict[str, int] = field(default_factory=dict)
+
+    def style_of(self, param_name: str, blocks: tuple[str, ...]) -> tuple[Optional[str], str]:
+        """(colwise | rowwise | None, module name) of the module holding ``param_name``."""
+        module = param_name.rpartition(".")[0]
+        block = next((b for b in blocks if module.startswith(b + ".")), None)
+        if block is None:
+            return self.root.get(module), module
+        return self.block.get(module[len(block) + 1:]), module
+
+
+def tp_sharded_dim(style: Optional[str], module: "nn.Module", param_attr: str) -> Optional[int]:
+    """The dim of ``module.<param_attr>`` that a tensor-parallel ``style`` shards (None: replicated),
+    as torch's ColwiseParallel / RowwiseParallel partition an nn.Linear or an nn.Embedding."""
+    from torch import nn
+
+    if style is None:
+        return None
+    if isinstance(module, nn.Embedding):
+        return 1 if style == COLWISE else 0
+    if style == COLWISE:
+        return 0  # weight and bias
+    return 1 if param_attr == "weight" else None  # rowwise: the bias stays replicated
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    name: str
+    shape: tuple[int, ...]
+    block: Optional[int]  # index into Inventory.blocks, None for the root's parameters
+    tp_dim: Optional[int]  # the dim tensor parallel shards (from the plan), None: replicated over tp
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What the planner needs to know of a model's parameters, read once from the meta model."""
+
+    params: tuple[ParamEntry, ...]  # in named_parameters order, tied duplicates once
+    blocks: tuple[str, ...]  # qualified names of the blocks, in forward order
+    input_params: frozenset[str]  # root parameters used before the blocks (embeddings): reduced last
+    output_params: frozenset[str]  # the output projection's (the logits)
+    buffer_bytes: int  # module buffers (e.g. rotary tables), unsharded on every rank
+
+
+class ActivationProfile(Protocol):
+    """Per-rank activation sizes of one micro-batch, as the planner's step walk uses them.
+
+    ``e`` is the compute dtype's size in bytes. Sizes are bytes unless the name says elements.
+    Under ``autocast`` (DDP's mixed precision) weights are cast per use and the residual stream
+    stays fp32.
+    """
+
+    tokens: int  # sequences x sequence length of one micro-batch
+    logits: int  # elements of the logits
+    peak_weight_grad: int  # elements of the weight gradient made at a block's backward peak
+    block_weight_grads: int  # elements of the weight gradients a block holds at that peak, unsharded
+
+    def residual(self, e: int) -> int:
+        """One tensor of the residual stream on this rank."""
+
+    def block_saved(self, e: int, autocast: bool, math_attention: bool) -> dict[str, int]:
+        """What one block keeps for backward, by piece, with ``total`` (its input included)."""
+
+    def op_level_saved(self, e: int) -> int:
+        """What a block keeps under op-level selective checkpointing, beyond its input."""
+
+    def checkpointed_forward_peak(self, e: int) -> int:
+        """Alive at a checkpointed block's forward peak, beyond its input."""
+
+    def op_level_forward_peak(self, e: int) -> int:
+        """Alive at an op-level checkpointed block's forward peak, beyond what it keeps and its output."""
+
+    def backward_peak(self, e: int) -> int:
+        """Activation gradients at a block's backward peak, beyond the one arriving from above."""
+
+    def head_saved(self, e: int, autocast: bool) -> int:
+        """What the layers between the last block and the logits keep for backward (the final norm)."""
+
+    def math_attention(self, device_kind: str, e: int) -> bool:
+        """Whether attention runs a kernel that saves the whole score matrix here."""
+
+    def notes(self, device_kind: str, e: int) -> list[str]:
+        """Assumptions the planner states for this model on this device."""
+
+
+class ModelSpec:
+    """The interface a model family implements (see the module docstring). Defaults are generic."""
+
+    name: str = ""
+    model_class: type = object  # the class ``build`` returns (``spec_of(model)`` finds the family by it)
+    block_class: type = object
+    input_modules: tuple[str, ...] = ()  # root modules before the blocks (embeddings)
+    output_modules: tuple[str, ...] = ()  # root modules that make the logits
+
+    # ----------------------------------------------------------------------------- config
+    def check(self, cfg) -> None:
+        """Refuse (``fail``) a model config this family cannot build."""
+
+    def check_tensor_parallel(self, cfg, tp: int) -> None:
+        """Refuse a ``parallel.tp`` that does not divide what the plan shards."""
+
+    # ------------------------------------------------------------------------------ build
+    def build(self, cfg) -> "nn.Module":
+        raise NotImplementedError
+
+    def init_std(self, model: "nn.Module", name: str) -> Optional[float]:
+        """Std of the normal init of parameter ``name`` (canonical), or None for ones (norm weights).
+        Default: the module's own ``init_std``."""
+        return model.init_std(name)
+
+    def init_buffers(self, model: "nn.Module", device: "torch.device") -> None:
+        """Fill the (non-persistent, derived) buffers on ``device``."""
+        model.init_buffers(device)
+
+    def tied_weights(self, cfg) -> dict[str, str]:
+        """Parameter name -> the parameter it is tied to (the same tensor)."""
+        return {}
+
+    def flops_per_token(self, cfg, seq_len: int) -> int:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------------- parallelism
+    def tensor_parallel_plan(self, cfg) -> TensorParallelPlan:
+        raise NotImplementedError
+
+    # --------------------------------------------------------------------------- export
+    def why_no_hf_export(self, cfg) -> Optional[str]:
+        """Why this model cannot be written as a Hugging Face model, or None when it can."""
+        return f"model.name={cfg.name} has no Hugging Face mapping"
+
+    def to_hf(self, state: dict, cfg) -> dict:
+        """A full state dict (canonical names) under Hugging Face's names."""
+        raise ValueError(self.why_no_hf_export(cfg))
+
+    def hf_config(self, cfg) -> dict:
+        """Hugging Face's config.json for this model."""
+        raise ValueError(self.why_no_hf_export(cfg))
+
+    # -------------------------------------------------------------------------- planner
+    def activations(self, cfg, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> ActivationProfile:
+        raise NotImplementedError
+
+    def meta_model(self, cfg) -> "nn.Module":
+        """A meta-device model of ``cfg``, built once per config and shared: read it, never change it
+        (``fsdp_exp.models.build_meta`` builds a fresh one to wrap)."""
+        key = config_key(cfg)
+        cache = self.__dict__.setdefault("_meta_models", {})
+        if key not in cache:
+            import torch
+
+            if len(cache) >= CACHE_SIZE:
+                cache.clear()
+            with torch.device("meta"):
+                cache[key] = self.build(cfg)
+        return cache[key]
+
+    def inventory(self, cfg) -> Inventory:
+        """The planner's view of the parameters (cached per model config)."""
+        key = config_key(cfg)
+        cache = self.__dict__.setdefault("_inventories", {})
+        if key not in cache:
+            if len(cache) >= CACHE_SIZE:
+                cache.clear()
+            cache[key] = self._read_inventory(cfg)
+        return cache[key]
+
+    def _read_inventory(self, cfg) -> Inventory:
+        model = self.meta_model(cfg)
+        blocks = tuple(name for name, m in model.named_modules() if isinstance(m, self.block_class))
+        plan = self.tensor_parallel_plan(cfg)
+        params = []
+        for name, p in model.named_parameters():  # tied duplicates once
+            style, module_name = plan.style_of(name, blocks)
+            block = next((j for j, b in enumerate(blocks) if name.startswith(b + ".")), None)
+            tp_dim = tp_sharded_dim(style, model.get_submodule(module_name), name.rpartition(".")[2])
+            params.append(ParamEntry(name, tuple(p.shape), block, tp_dim))
+
+        def under(modules: tuple[str, ...]) -> frozenset[str]:
+            return frozenset(p.name for p in params if p.name.startswith(tuple(m + "." for m in modules)))
+
+        buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+        return Inventory(tuple(params), blocks, under(self.input_modules), under(self.output_modules), buffer_bytes)
+
+
+CACHE_SIZE = 16  # model configs whose meta model and inventory are kept
+
+
+def config_key(cfg) -> str:
+    """A hashable key of a model config (a dataclass or a mapping)."""
+    fields = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+    return json.dumps(fields, sort_keys=True, default=str)

@@ -1,0 +1,216 @@
+"""The memory planner: each rank's memory for a configuration, by arithmetic, before anything runs.
+
+    python -m fsdp_exp.plan model=llama7b precision=bf16 trainer.nproc_per_node=8 plan.device=h100_80gb
+    python -m fsdp_exp.plan sharding=grad_op ac=full plan.format=json
+
+It takes the same overrides as a run (``python -m fsdp_exp ...``), composes the same config, resolves
+the same ``Topology`` (``fsdp_exp.config.preflight.validate``) and builds the model on the meta device only
+(parameter shapes, no memory, no process group). Three options belong to the planner and never
+reach the run config: ``plan.format=table|json``, ``plan.device=<name>`` (a row of ``DEVICES``;
+default: this machine) and ``plan.margin=<fraction>`` (the allocator margin; default 0 on a CPU,
+10% on CUDA, plus 1 GiB for the CUDA context and library workspaces).
+
+What it predicts, per rank (the largest rank: rank 0 holds the ``ceil`` chunk of every uneven shard):
+
+- **Model states at rest** (after the optimizer step): parameters, gradients and AdamW's two moments,
+  all fp32 and sharded as the strategy says (FSDP2 pads dim 0 to a multiple of the shard group, as
+  ``torch.chunk`` does; FSDP1 pads each flat unit; DDP and ``no_shard`` replicate; tensor parallel
+  splits the matrices first). With ``offload=params`` they live on the host (reported apart).
+- **The peak** of one training step: the step is walked phase by phase (each block's forward at its
+  feed-forward, the output projection, the loss's forward and backward, each block's backward at its
+  feed-forward, each unit's gradient reduction, the root's, the optimizer step) and each phase's
+  live bytes are added up from the pieces below; the peak is the largest phase. The phases are
+  grouped into the stages the run's tracker reports (``STAGES``: forward, backward, optimizer), and
+  each stage's largest phase is its prediction (``stage_peaks``). Pieces: model states (gradients
+  only of the units whose backward has run), unsharded parameters in ``param_dtype`` (the root and
+  the unit in flight; every unit under ``grad_op`` / ``no_shard``; DDP's autocast copies of the
+  weights), all-gather prefetch and reduce-scatter buffers, activations saved for backward
+  (derived tensor by tensor by the model family: for Llama ``fsdp_exp.models.llama_memory``), the
+  recomputed block under activation checkpointing, the logits and the loss's gradients, the
+  gradients flowing through a block's backward, module buffers, the input batch.
+
+Measured against torch's memory tracker (``mem/tracked_total_gib_max`` for the step,
+``mem/tracked_<stage>_total_gib_max`` for each stage) on CPU runs of tiny models, see docs/design.md
+for the errors by configuration.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import TYPE_CHECKING, Optional
+
+from fsdp_exp.errors import EXIT_BAD_CONFIG, ConfigError
+from fsdp_exp.plan.devices import GIB, device_table, fits, local_cuda_device
+from fsdp_exp.plan.predict import Plan, plan
+
+if TYPE_CHECKING:
+    from fsdp_exp.config.schema import RunConfig
+
+EXIT_BAD_INPUT = EXIT_BAD_CONFIG
+
+PLAN_OPTIONS = ("plan.format", "plan.device", "plan.margin")
+
+
+class PlanOptionError(ValueError):
+    """A bad ``plan.*`` option (the planner's own, not the run's)."""
+
+
+def split_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Take the planner's own ``plan.*`` options off the command line; the rest are run overrides."""
+    options, overrides = {}, []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if key.startswith("plan."):
+            if key not in PLAN_OPTIONS or not sep:
+                known = ", ".join(o + "=..." for o in PLAN_OPTIONS)
+                raise PlanOptionError(f"{arg!r} is not a planner option ({known}).\n"
+                                      "  fix: pass plan.format=table|json, plan.device=<name>, plan.margin=<fraction>")
+            options[key.removeprefix("plan.")] = value
+        else:
+            overrides.append(arg)
+    return options, overrides
+
+
+def compose(overrides: list[str]) -> "RunConfig":
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+
+    from fsdp_exp.config import to_run_config
+
+    with initialize_config_module(config_module="fsdp_exp.conf", version_base="1.3"):
+        return to_run_config(hydra_compose(config_name="config", overrides=overrides))
+
+
+def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
+    from fsdp_exp.config.preflight import validate
+
+    options, overrides = split_argv(argv)
+    fmt = options.get("format", "table")
+    if fmt not in ("table", "json"):
+        raise PlanOptionError(f"plan.format={fmt!r} is not one of table, json.\n  fix: pass plan.format=json")
+    table = device_table()
+    device = None
+    if "device" in options:
+        device = table.get(options["device"])
+        if device is None:
+            raise PlanOptionError(f"plan.device={options['device']!r} is not a known device.\n"
+                                  f"  fix: pass one of {', '.join(table)}")
+    margin = None
+    if "margin" in options:
+        try:
+            margin = float(options["margin"])
+        except ValueError:
+            margin = -1.0
+        if not 0 <= margin < 10:
+            raise PlanOptionError(f"plan.margin={options['margin']!r} is not a fraction.\n"
+                                  "  fix: pass e.g. plan.margin=0.1")
+    cfg = compose(overrides)
+    if device is not None and device.kind == "cuda":
+        # Plan for that GPU: as many GPUs per node as the run asks for (auto = 8).
+        n = cfg.trainer.nproc_per_node
+        gpus = int(n) if n.isdigit() else 8
+        topology = validate(cfg, cuda_devices=gpus)
+    else:
+        from fsdp_exp.env import cuda_device_count
+
+        topology = validate(cfg, cuda_devices=cuda_device_count())
+    result = plan(cfg, topology, device_kind=device.kind if device else None, margin=margin)
+    if device is None:
+        device = table["cpu_host"] if result.device_kind == "cpu" else local_cuda_device()
+    if device is not None:
+        result.device = fits(result, device)
+    return result, {"format": fmt}
+
+
+def _count(n: int) -> str:
+    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{suffix}"
+    return str(n)
+
+
+def render_table(result: Plan, overrides: list[str]):
+    from rich.table import Table
+
+    ms, per, pk = result.model_states, result.per_rank_bytes, result.peak
+    unit, scale = ("GiB", GIB) if per["total"] >= GIB else ("MiB", 2**20)
+
+    def fmt(n: float) -> str:
+        return f"{n / scale:.3f}" if n < 10 * scale else f"{n / scale:.1f}"
+
+    title = (f"Memory plan per rank: {_count(result.num_params)} parameters, {result.world_size} ranks, "
+             f"{result.device_kind}")
+    table = Table(title=title, caption=" ".join(overrides) or "(the default config)")
+    table.add_column("what")
+    table.add_column(unit, justify="right")
+    table.add_column("notes")
+    table.add_row("parameters", fmt(ms["device"]["params"]), "fp32 shards")
+    table.add_row("gradients", fmt(ms["device"]["grads"]), "fp32 shards, after backward")
+    table.add_row("optimizer state", fmt(ms["device"]["optimizer"]), "AdamW: two fp32 moments")
+    table.add_row("model states", fmt(ms["device"]["total"]), "at rest, on the device",
+                  end_section=not ms["host"]["total"])
+    if ms["host"]["total"]:
+        table.add_row("model states on host", fmt(ms["host"]["total"]), "offload=params", end_section=True)
+    table.add_row("activations", fmt(per["activations"]), "at the peak, with their gradients")
+    table.add_row("buffers", fmt(per["buffers"]), f"at the peak: unsharded params {fmt(pk['unsharded'])}, "
+                  f"comm {fmt(pk['comm'])}, module {fmt(pk['module_buffers'])}")
+    table.add_row("peak", fmt(pk["total"]), f"{pk['phase']}; gradients alive then {fmt(pk['grads'])}")
+    table.add_row("allocator margin", fmt(result.margin_bytes), result.margin_rule)
+    table.add_row("total", fmt(per["total"]), "peak + margin", end_section=True)
+    if result.device:
+        dv = result.device
+        shared = f" ({dv['ranks_sharing']} ranks share it)" if dv["ranks_sharing"] > 1 else ""
+        verdict = "fits" if dv["fits"] else "does NOT fit"
+        table.add_row(dv["name"], fmt(dv["bytes"]),
+                      f"{verdict}{shared}: needs {fmt(dv['needed_bytes'])}, headroom {fmt(dv['headroom_bytes'])}")
+    for note in result.assumptions:
+        table.add_row("note", "", note)
+    return table
+
+
+def verdict_line(result: Plan) -> Optional[str]:
+    dv = result.device
+    if not dv:
+        return None
+    word = "fits" if dv["fits"] else "does not fit"
+    unit, scale = ("GiB", GIB) if dv["needed_bytes"] >= GIB else ("MiB", 2**20)
+    return (f"{word} on {dv['name']} ({dv['description']}): needs {dv['needed_bytes'] / scale:.2f} {unit} of "
+            f"{dv['bytes'] / GIB:.2f} GiB")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("devices: " + ", ".join(f"{d.name} ({d.bytes / GIB:.1f} GiB)" for d in device_table().values()))
+        return 0
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        result, opts = plan_from_argv(argv)
+    except PlanOptionError as err:
+        print(f"fsdp_exp.plan: invalid planner option: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ConfigError as err:
+        print(f"fsdp_exp.plan: invalid configuration: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (HydraException, OmegaConfBaseException) as err:
+        print(f"fsdp_exp.plan: invalid configuration: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if opts["format"] == "json":
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        from rich.console import Console
+
+        console = Console()
+        console.print(render_table(result, split_argv(argv)[1]))
+        line = verdict_line(result)
+        if line:
+            console.print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

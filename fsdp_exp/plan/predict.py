@@ -1,0 +1,116 @@
+"""One rank's memory for a configuration: the model states at rest and the peak of the step, from
+the model family's spec (``fsdp_exp.models.spec``) and the backend's planner rules
+(``fsdp_exp.parallel.backend.PlannerRules``) alone.
+
+Planning many candidates of one model is cheap: the meta model, its inventory and its sharding
+units are built once per model config and reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from fsdp_exp.models import spec_for
+from fsdp_exp.parallel.backend import backend_for
+from fsdp_exp.plan.devices import GIB, allocator_margin
+from fsdp_exp.plan.states import gathered, model_states, param_infos, unit_names
+from fsdp_exp.plan.step import STAGES, StepSetting, StepWalk
+
+if TYPE_CHECKING:
+    from fsdp_exp.config.schema import RunConfig
+    from fsdp_exp.config.topology import Topology
+
+
+@dataclass
+class Plan:
+    num_params: int
+    world_size: int
+    device_kind: str  # what the prediction assumes: cuda | cpu
+    model_states: dict  # at rest, per rank: params, grads, optimizer, total; device and host
+    per_rank_bytes: dict  # params, grads, optimizer, activations, buffers, total (with the margin)
+    peak: dict  # the peak phase, by piece, before the margin
+    stage_peaks: dict  # {forward, backward, optimizer: the largest phase of that stage, by piece}
+    margin_bytes: int
+    margin_rule: str
+    phases: list[dict]
+    assumptions: list[str] = field(default_factory=list)
+    device: Optional[dict] = None  # the named device and whether the plan fits it
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] = None,
+         margin: Optional[float] = None) -> Plan:
+    """Predict one rank's memory (rank 0, the largest) for ``cfg`` on ``topology``."""
+    kind = device_kind or topology.device_type
+    backend = backend_for(cfg)
+    rules = backend.planner_rules(cfg)
+    shard = backend.shard_group(topology)
+    spec = spec_for(cfg.model)
+    inventory = spec.inventory(cfg.model)
+
+    units = unit_names(spec, cfg) if rules.gathers_units else []
+    infos = param_infos(inventory, units, rules, shard, topology.tp_size)
+    states = model_states(infos, cfg.offload.params and rules.offloads, kind)
+    profile = spec.activations(cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, topology.tp_size,
+                               cfg.parallel.sequence_parallel)
+    setting = StepSetting(
+        kind=kind, param_dtype=cfg.precision.param_dtype, reduce_dtype=cfg.precision.reduce_dtype,
+        grad_accum_steps=topology.grad_accum_steps, tp=topology.tp_size, shard=shard,
+        ac_mode=cfg.ac.mode, ac_every=cfg.ac.every, ac_ops=cfg.ac.ops,
+        prefetch_forward=cfg.prefetch.forward, prefetch_backward=cfg.prefetch.backward,
+        reshard_last_block=cfg.sharding.reshard_last_block, wrap_policy=cfg.wrap.policy)
+    walk = StepWalk(setting, rules, profile, gathered(infos, inventory), states, inventory.buffer_bytes)
+    phases = walk.phases()
+
+    peak = max(phases, key=lambda ph: ph.total)
+    stage_peaks = {stage: max((ph for ph in phases if ph.stage == stage), key=lambda ph: ph.total).by_piece()
+                   for stage in STAGES}
+    margin_bytes, margin_rule = allocator_margin(kind, peak.total, margin)
+    on_device = states.on_device
+    per_rank = {"params": on_device["params"], "grads": on_device["grads"], "optimizer": on_device["optimizer"],
+                "activations": peak.activations + peak.temporaries + peak.inputs,
+                "buffers": peak.unsharded + peak.comm + peak.module_buffers,
+                "total": peak.total + margin_bytes}
+    return Plan(
+        num_params=sum(i.numel for i in infos), world_size=topology.world_size, device_kind=kind,
+        model_states={"device": on_device, "host": states.host, "total": states.at_rest["total"]},
+        per_rank_bytes=per_rank,
+        peak=peak.by_piece(), stage_peaks=stage_peaks,
+        margin_bytes=margin_bytes, margin_rule=margin_rule,
+        phases=[{"name": ph.name, "stage": ph.stage, "total": ph.total} for ph in phases],
+        assumptions=assumptions(cfg, rules.notes, profile.notes(kind, walk.e)))
+
+
+def assumptions(cfg: "RunConfig", backend_notes: tuple[str, ...], model_notes: list[str]) -> list[str]:
+    """What the prediction takes for granted here, in words (the table's notes)."""
+    notes = list(backend_notes)
+    if cfg.compile:
+        notes.append("compile=true can fuse away saved tensors: the eager estimate is an upper bound")
+    if cfg.ac.ops == "matmul_save":
+        notes.append("op-level selective AC (ac=selective_op): saved matmul outputs estimated")
+    if cfg.wrap.policy == "size":
+        notes.append("wrap=size: units inside blocks are treated like MoE experts (estimated)")
+    return notes + model_notes
+
+
+PREDICTED_METRICS = ("mem/predicted_model_states_gib", "mem/predicted_peak_gib")
+PREDICTED_STAGE_METRICS = tuple(f"mem/predicted_{stage}_peak_gib" for stage in STAGES)
+
+
+def plan_for_run(cfg: "RunConfig", topology: "Topology") -> tuple[dict, dict, dict]:
+    """What a run records: the whole plan (run.json["plan"]), the two predictions it logs in every
+    row beside the measurements, and the per-phase peaks it logs beside the sampled step's breakdown.
+    Never raises: a configuration the planner cannot model must not stop a run; the record then says
+    why there is no plan."""
+    try:
+        result = plan(cfg, topology)
+    except Exception as exc:  # noqa: BLE001 - the prediction is an aside to the run
+        return ({"error": f"{type(exc).__name__}: {exc}"}, dict.fromkeys(PREDICTED_METRICS),
+                dict.fromkeys(PREDICTED_STAGE_METRICS))
+    return (result.to_dict(),
+            {"mem/predicted_model_states_gib": result.model_states["total"] / GIB,
+             "mem/predicted_peak_gib": result.peak["total"] / GIB},
+            {f"mem/predicted_{stage}_peak_gib": result.stage_peaks[stage]["total"] / GIB for stage in STAGES})

@@ -1,0 +1,165 @@
+"""Model states: every parameter's per-rank size under the backend's layout, the states at rest
+(parameters, gradients, AdamW's two moments, all fp32) and the parameters grouped by where they are
+gathered (the root, each block's own unit, units nested in a block).
+
+Reads the model family's inventory (``fsdp_exp.models.spec.Inventory``) and the backend's
+``PlannerRules``; knows no parameter's name and no backend's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from fsdp_exp.models.spec import Inventory, ParamEntry, config_key
+from fsdp_exp.parallel.backend import PlannerRules
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass
+class ParamInfo:
+    name: str
+    numel: int  # global
+    local_numel: float  # this rank's shard at rest (rank 0: the ceil chunk); a share of a flat unit
+    gathered_numel: float  # the unsharded copy FSDP all-gathers (padded), 0 when nothing is gathered
+    unit: str  # owning sharding unit ("" = the root)
+    block: Optional[int]  # index of the block holding it, or None
+    is_matrix: bool
+
+
+_UNITS: dict[tuple, list[str]] = {}
+
+
+def unit_names(spec, cfg) -> list[str]:
+    """The sharding units of the model under ``cfg.wrap`` (cached per model and wrap config)."""
+    from fsdp_exp.parallel.wrap import unit_names as wrap_units
+
+    key = (config_key(cfg.model), config_key(cfg.wrap))
+    if key not in _UNITS:
+        if len(_UNITS) >= 64:
+            _UNITS.clear()
+        _UNITS[key] = wrap_units(spec.meta_model(cfg.model), cfg)
+    return _UNITS[key]
+
+
+def tp_shape(entry: ParamEntry, tp: int) -> tuple[int, ...]:
+    """The parameter's shape on one tensor-parallel rank (rank 0: the ceil chunk)."""
+    if tp == 1 or entry.tp_dim is None:
+        return entry.shape
+    shape = list(entry.shape)
+    shape[entry.tp_dim] = math.ceil(shape[entry.tp_dim] / tp)
+    return tuple(shape)
+
+
+def param_infos(inventory: Inventory, units: list[str], rules: PlannerRules, shard: int, tp: int) -> list[ParamInfo]:
+    """Every parameter with its per-rank sizes under the backend's layout (``rules.param_layout``);
+    ``units``: the sharding units (none when the backend gathers no units)."""
+    unit_set = set(units)
+    infos = []
+    for entry in inventory.params:
+        shape = tp_shape(entry, tp)
+        numel = math.prod(shape)
+        owner = _owner(entry.name, unit_set)
+        if rules.param_layout == "dim0":  # dim 0 chunked over the shard group, padded as torch.chunk does
+            rows = math.ceil(shape[0] / shard)
+            local = rows * numel // shape[0]
+            gathered = local * shard
+        else:  # flat units (padded below), or replicas
+            local, gathered = numel, (numel if rules.gathers_units else 0)
+        infos.append(ParamInfo(entry.name, entry.numel, local, gathered, owner, entry.block, len(entry.shape) >= 2))
+    if rules.param_layout == "flat":  # one flat parameter per unit, padded to a multiple of the shard group
+        for unit in {i.unit for i in infos}:
+            members = [i for i in infos if i.unit == unit]
+            total = sum(i.numel for i in members)
+            per_rank = math.ceil(total / shard)
+            for i in members:  # spread the flat shard over its members in proportion
+                i.local_numel = per_rank * i.numel / total
+                i.gathered_numel = per_rank * shard * i.numel / total
+    return infos
+
+
+def _owner(name: str, units: set[str]) -> str:
+    """The innermost unit holding parameter ``name`` ("" = the root)."""
+    parts = name.split(".")
+    return next((prefix for k in range(len(parts) - 1, 0, -1) if (prefix := ".".join(parts[:k])) in units), "")
+
+
+@dataclass
+class ModelStates:
+    """Parameters, gradients and optimizer state at rest, per rank, in bytes (each with ``total``)."""
+
+    at_rest: dict  # wherever they live
+    host: dict  # offloaded to the host
+    on_device: dict
+    resident: dict  # what counts towards the peak: a CPU run has one memory, offloaded or not
+    optimizer_groups: tuple[list[int], list[int]]  # each tensor's fp32 shard bytes: matrices, the rest
+
+
+def model_states(infos: list[ParamInfo], offload: bool, kind: str) -> ModelStates:
+    local = sum(i.local_numel for i in infos)
+    at_rest = {"params": int(4 * local), "grads": int(4 * local), "optimizer": int(2 * 4 * local)}
+    host = dict(at_rest) if offload else {"params": 0, "grads": 0, "optimizer": 0}
+    on_device = {k: 0 for k in at_rest} if offload and kind == "cuda" else dict(at_rest)
+    for states in (at_rest, host, on_device):
+        states["total"] = states["params"] + states["grads"] + states["optimizer"]
+    groups = ([int(4 * i.local_numel) for i in infos if i.is_matrix],
+              [int(4 * i.local_numel) for i in infos if not i.is_matrix])
+    return ModelStates(at_rest, host, on_device, at_rest if kind == "cpu" else on_device, groups)
+
+
+@dataclass
+class Gathered:
+    """Parameter elements by where they are gathered (``own``, ``nested*``, ``block_*``: per block)."""
+
+    own: list[int]  # the block's own unit (gathered, padded)
+    nested: list[list[str]]  # units nested in the block (MoE experts, wrap=size parts)
+    nested_numel: list[list[int]]
+    block_numel: list[int]  # the block's own unit and its nested ones
+    largest_nested: list[int]
+    block_local_bytes: list[int]  # the block's fp32 shards at rest
+    root_numel: int  # the root and units that span blocks: gathered throughout
+    root_early_numel: int  # root parameters whose gradients come before the blocks' backward
+    full_numel: int  # every parameter, unsharded
+    block_full_numel: list[int]
+    block_matrix_numel: list[int]
+    root_early_full_numel: int
+    output_full_numel: int
+
+
+def gathered(infos: list[ParamInfo], inventory: Inventory) -> Gathered:
+    blocks = inventory.blocks
+    n = len(blocks)
+    in_block: list[list[ParamInfo]] = [[] for _ in range(n)]  # every parameter of block j
+    block_units: list[list[ParamInfo]] = [[] for _ in range(n)]  # those owned by a unit inside block j
+    root_level: list[ParamInfo] = []  # the root's, or of units that span blocks: gathered throughout
+    for i in infos:  # (sums below keep the parameters' order: FSDP1's shares are floats)
+        if i.block is not None:
+            in_block[i.block].append(i)
+        if i.block is not None and (i.unit == blocks[i.block] or i.unit.startswith(blocks[i.block] + ".")):
+            block_units[i.block].append(i)
+        else:
+            root_level.append(i)
+
+    def total(members, attr: str, e: float = 1) -> int:
+        return int(e * sum(getattr(i, attr) for i in members))
+
+    own = [total([i for i in block_units[j] if i.unit == blocks[j]], "gathered_numel") for j in range(n)]
+    nested = [sorted({i.unit for i in block_units[j] if i.unit != blocks[j]}) for j in range(n)]
+    nested_numel = [[total([i for i in block_units[j] if i.unit == u], "gathered_numel") for u in nested[j]]
+                    for j in range(n)]
+    early = inventory.input_params  # the input embeddings' gradients come last
+    return Gathered(
+        own=own, nested=nested, nested_numel=nested_numel,
+        block_numel=[own[j] + sum(nested_numel[j]) for j in range(n)],
+        largest_nested=[max(sizes, default=0) for sizes in nested_numel],
+        block_local_bytes=[total(block_units[j], "local_numel", 4) for j in range(n)],
+        root_numel=total(root_level, "gathered_numel"),
+        root_early_numel=total([i for i in root_level if i.name not in early], "gathered_numel"),
+        full_numel=sum(i.numel for i in infos),
+        block_full_numel=[sum(i.numel for i in members) for members in in_block],
+        block_matrix_numel=[sum(i.numel for i in members if i.is_matrix) for members in in_block],
+        root_early_full_numel=sum(i.numel for i in infos if i.block is None and i.name not in early),
+        output_full_numel=sum(i.numel for i in infos if i.name in inventory.output_params),
+    )

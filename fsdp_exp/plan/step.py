@@ -1,0 +1,289 @@
+"""The training step, phase by phase: each phase's live bytes on one rank, added up from the model
+states, the gathered parameters, communication buffers and the activations.
+
+The phases: each block's forward at its peak, the output projection, the loss's forward and
+backward, each block's backward at its peak and its gradient reduction, the root's reduction, the
+optimizer step. Each belongs to one of the stages the run's memory tracker reports (``STAGES``).
+Activation sizes are the model family's (``ActivationProfile``); how parameters are sharded,
+gathered and reduced is the backend's (``PlannerRules``). Under rules that gather no units (DDP)
+parameters are used in place: full replicas, gradient buckets, autocast's weight copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from fsdp_exp.models.spec import ActivationProfile
+from fsdp_exp.parallel.backend import PlannerRules
+from fsdp_exp.plan.states import DTYPE_BYTES, Gathered, ModelStates
+
+# The step's stages as the run's memory tracker splits them (fsdp_exp.metrics.tracker.PHASES); each
+# planner phase belongs to one.
+STAGES = ("forward", "backward", "optimizer")
+PIECES = ("params", "grads", "optimizer", "unsharded", "comm", "module_buffers", "activations", "temporaries",
+          "inputs")
+
+
+@dataclass
+class Phase:
+    name: str
+    stage: str  # forward | backward | optimizer
+    params: int = 0  # sharded parameters (fp32) on the device
+    grads: int = 0  # gradients on the device (sharded, or unsharded while they are reduced)
+    optimizer: int = 0
+    unsharded: int = 0  # all-gathered parameters in param_dtype (DDP: autocast's weight copies)
+    comm: int = 0  # all-gather prefetch, reduce-scatter buffers, DDP's gradient buckets
+    module_buffers: int = 0
+    activations: int = 0  # saved for backward (and a recomputed block)
+    temporaries: int = 0  # gradients of activations, the loss's, optimizer temporaries
+    inputs: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, piece) for piece in PIECES)
+
+    def by_piece(self) -> dict:
+        return {"phase": self.name, **{k: getattr(self, k) for k in PIECES}, "total": self.total}
+
+
+@dataclass(frozen=True)
+class StepSetting:
+    """What the walk reads of the run besides the model and the backend."""
+
+    kind: str  # the device the prediction is for: cuda | cpu
+    param_dtype: str
+    reduce_dtype: str
+    grad_accum_steps: int
+    tp: int
+    shard: int  # ranks a parameter is sharded over
+    ac_mode: str
+    ac_every: int
+    ac_ops: str
+    prefetch_forward: int
+    prefetch_backward: Optional[int]
+    reshard_last_block: Optional[bool]
+    wrap_policy: str
+
+
+class StepWalk:
+    """One training step of one rank; ``phases()`` lists its phases in order."""
+
+    def __init__(self, s: StepSetting, rules: PlannerRules, x: ActivationProfile, g: Gathered,
+                 states: ModelStates, buffer_bytes: int):
+        self.s, self.rules, self.x, self.g, self.states = s, rules, x, g, states
+        self.L = len(g.own)
+        self.e_p, self.e_r = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.reduce_dtype]
+        e = self.e = self.e_p  # the compute dtype: param_dtype (FSDP casts its parameters, DDP autocasts)
+        self.gathers = rules.gathers_units
+        self.autocast = rules.autocast
+        self.grads_here = int(states.resident["grads"] > 0)
+        self.reshard = rules.reshard_after_forward is not False
+        self.keep_last = self.reshard and not s.reshard_last_block and s.wrap_policy != "none"
+        self.back_depth = s.prefetch_backward if s.prefetch_backward is not None else 1
+        self.fwd_depth = max(0, s.prefetch_forward)
+        # A shard group of one rank (one rank, or no_shard's (world, 1) mesh) all-gathers nothing: FSDP2
+        # makes the unsharded parameters from the sharded ones directly, with no all-gather output.
+        self.all_gathers = self.gathers and s.shard > 1
+        # gloo's reduce-scatter over more than one rank holds a second copy of its input (measured with
+        # torch's tracker on CPU); NCCL reduces in place.
+        self.gloo_copy = s.kind == "cpu" and self.all_gathers
+
+        # ---- activations
+        every = {"none": 0, "full": 1, "selective": s.ac_every}[s.ac_mode]
+        self.checkpointed = [every > 0 and j % every == 0 for j in range(self.L)]
+        self.op_level = s.ac_ops == "matmul_save"
+        self.math_attention = x.math_attention(s.kind, e)
+        self.full_block = x.block_saved(e, self.autocast, self.math_attention)["total"]
+        # The block's input: the residual stream, which stays fp32 under autocast.
+        self.block_input = x.residual(4 if self.autocast else e)
+        kept = self.block_input + x.op_level_saved(e) if self.op_level else self.block_input
+        self.act_block = [kept if c else self.full_block for c in self.checkpointed]
+        self.all_acts = sum(self.act_block)
+        self.head = x.head_saved(e, self.autocast)
+        # The logits, held by the step until it returns: param_dtype, or the root's output_dtype.
+        out = rules.root_output_dtype
+        self.logits = (DTYPE_BYTES[out] if out else e) * x.logits
+        self.log_softmax = 4 * x.logits
+        self.module_buffers = buffer_bytes
+        self.inputs = 2 * 8 * x.tokens  # token ids and targets (int64)
+        # Weight gradients: in param_dtype where the unsharded parameters are (FSDP); DDP's land in
+        # the fp32 parameters' .grad.
+        self.e_grad_w = e if self.gathers else 4
+        self.resid_grad = x.residual(e)
+
+        # ---- parameters used in place (DDP): gradient buckets, autocast's weight copies
+        self.bucket = 4 * g.full_numel if rules.gradient_buckets else 0
+        self.casts = [self.e_p * n if self.autocast else 0 for n in g.block_matrix_numel]
+        self.output_cast = self.e_p * g.output_full_numel if self.autocast else 0
+        # DDP accumulates micro-batches' gradients into the full-size .grad.
+        self.replica_grads = 4 * g.full_numel if s.grad_accum_steps > 1 and not self.gathers else 0
+
+    # ------------------------------------------------------------------------------ helpers
+    def phase(self, name: str, **pieces) -> Phase:
+        stage = "optimizer" if name.startswith("optimizer") else "forward" if name.startswith(
+            ("forward", "loss forward")) else "backward"
+        st = self.states.resident
+        return Phase(name, stage, params=st["params"], optimizer=st["optimizer"],
+                     module_buffers=self.module_buffers, inputs=self.inputs, **pieces)
+
+    def accumulated(self, upto: Optional[int]) -> int:
+        """Gradient accumulation: FSDP2 keeps each unit's unsharded gradient (in reduce_dtype) from the
+        first micro-batch until the last one's backward reduces it (the root's and blocks up to
+        ``upto``; all with None)."""
+        if self.s.grad_accum_steps == 1 or not self.gathers:
+            return 0
+        blocks = self.g.block_numel if upto is None else self.g.block_numel[: upto + 1]
+        return self.e_r * (self.g.root_numel + sum(blocks))
+
+    def gathered_in_backward(self, i: int) -> int:
+        """Unsharded parameter bytes while block i runs its backward."""
+        g = self.g
+        if not self.reshard:
+            return self.e_p * (g.root_numel + sum(g.block_numel[: i + 1]))
+        return self.e_p * (g.root_numel + g.own[i] + g.largest_nested[i])
+
+    def prefetched(self, i: int) -> int:
+        """All-gather buffers of units gathered ahead of block i's backward."""
+        if not self.reshard:
+            return 0
+        g = self.g
+        ahead = sum(g.own[max(0, i - self.back_depth):i])
+        return self.e_p * (ahead + (g.largest_nested[i] if len(g.nested[i]) > 1 else 0))
+
+    def last_gathered(self, i: int) -> int:
+        """The all-gather output still held while block i runs forward: the latest unit's up to block i
+        (the root's when no block is a unit, e.g. wrap=none)."""
+        return next((self.g.own[j] for j in range(i, -1, -1) if self.g.own[j]), self.g.root_numel)
+
+    # ------------------------------------------------------------------------------- phases
+    def phases(self) -> list[Phase]:
+        return [*self.forward(), *self.loss(), *self.backward(), *self.root_reduction(), self.optimizer_step()]
+
+    def forward(self) -> list[Phase]:
+        """1) Each block's forward at its SwiGLU product, its largest moment: the activations of the
+        blocks before it and its own saved so far (a checkpointed block saves only its input, but then
+        holds more while it runs); the root and the block gathered (every block so far under grad_op /
+        no_shard), its all-gather output (FSDP2 frees it at the next unit's wait) and those prefetched
+        ahead (prefetch.forward). 2) The output projection: the root and the last block gathered
+        (every unit under grad_op / no_shard), the last block's all-gather buffer not yet released,
+        the logits made."""
+        x, g, e = self.x, self.g, self.e
+        grads = self.accumulated(None) + self.replica_grads
+        h_alive = 0 if self.autocast or e == 4 else x.residual(e)  # fp32 and autocast: saved already
+        out = []
+        for i in range(self.L):
+            if not self.checkpointed[i]:
+                in_block = self.full_block + h_alive
+            elif self.op_level:
+                in_block = self.act_block[i] + x.op_level_forward_peak(e) + h_alive
+            else:
+                in_block = self.block_input + x.checkpointed_forward_peak(e)
+            if not self.gathers:
+                unsh, comm = sum(self.casts[: i + 1]), self.bucket
+            else:
+                unsh = self.e_p * (g.root_numel + (sum(g.block_numel[: i + 1]) if not self.reshard
+                                                   else g.own[i] + g.largest_nested[i]))
+                comm = self.e_p * (self.last_gathered(i) + sum(g.own[i + 1: i + 1 + self.fwd_depth])) \
+                    if self.all_gathers else 0
+            out.append(self.phase(f"forward block {i}", grads=grads, unsharded=unsh, comm=comm,
+                                  activations=sum(self.act_block[:i]) + in_block))
+        if not self.gathers:
+            unsh, comm = sum(self.casts) + self.output_cast, self.bucket
+        else:
+            unsh = self.e_p * (g.root_numel + (sum(g.block_numel) if not self.reshard
+                                               else (g.own[self.L - 1] if self.keep_last else 0)))
+            comm = self.e_p * self.last_gathered(self.L - 1) if self.all_gathers else 0
+        # Tensor parallel: the column-parallel output is gathered to a replicated one (parallel/tp.py), so
+        # the local shard of the logits and the all-gather's output are alive next to the result.
+        tp_gather = self.logits // self.s.tp + self.logits if self.s.tp > 1 else 0
+        out.append(self.phase("forward (output projection)", grads=grads, unsharded=unsh, comm=comm,
+                              activations=self.all_acts + self.head + self.logits, temporaries=tp_gather))
+        return out
+
+    def loss(self) -> list[Phase]:
+        """3) The loss's forward (the end of the forward stage), while log_softmax's output (fp32) is
+        made; a logits tensor that is not fp32 has its fp32 copy (``.float()``) alive then. Then its
+        backward: every activation, the loss gradients (fp32); a resharded root is gathered again only
+        after this."""
+        g = self.g
+        if not self.gathers:
+            unsh, comm = sum(self.casts) + self.output_cast, self.bucket
+        elif not self.reshard:
+            unsh, comm = self.e_p * (g.root_numel + sum(g.block_numel)), 0
+        else:
+            unsh, comm = (self.e_p * g.own[self.L - 1] if self.keep_last else 0), 0
+        grads = self.accumulated(None) + self.replica_grads
+        acts = self.all_acts + self.head + self.logits + self.log_softmax
+        float_copy = 4 * self.x.logits if self.logits != 4 * self.x.logits else 0
+        return [self.phase("loss forward", grads=grads, unsharded=unsh, comm=comm, activations=acts,
+                           temporaries=float_copy),
+                self.phase("loss backward", grads=grads, unsharded=unsh, comm=comm, activations=acts,
+                           temporaries=2 * 4 * self.x.logits)]
+
+    def backward(self) -> list[Phase]:
+        """4) Each block's backward, last to first, at its peak (the SwiGLU's): the gradient arriving
+        from above, the weight gradient just made, the activation gradients inside the block; 5) its
+        gradient reduction."""
+        x, g, e = self.x, self.g, self.e
+        out = []
+        for i in reversed(range(self.L)):
+            recompute = self.full_block if self.checkpointed[i] else 0
+            acts = sum(self.act_block[:i]) + (0 if self.checkpointed[i] else self.full_block) + self.logits
+            inner = self.resid_grad + x.backward_peak(e) + recompute  # beside the new weight gradients
+            if not self.gathers:
+                grads = self.replica_grads or (4 * g.root_early_full_numel + 4 * sum(g.block_full_numel[i + 1:])
+                                               + 4 * x.block_weight_grads)
+                out.append(self.phase(f"block {i} backward", grads=grads, unsharded=sum(self.casts[: i + 1]),
+                                      comm=self.bucket, activations=acts, temporaries=inner))
+                continue
+            # sharded gradients of the blocks already reduced (offloaded to the host on CUDA)
+            done = sum(g.block_local_bytes[i + 1:]) * self.grads_here
+            previous_rs = self.e_r * g.block_numel[i + 1] if i + 1 < self.L else 0  # freed at the next one
+            new_grads = self.e_p * g.root_early_numel + self.e_grad_w * x.peak_weight_grad
+            if self.s.grad_accum_steps > 1 and self.e_r == self.e_p:
+                new_grads = 0  # later micro-batches accumulate into the kept gradients in place
+            out.append(self.phase(f"block {i} backward", grads=done + self.accumulated(i),
+                                  unsharded=self.gathered_in_backward(i), comm=self.prefetched(i) + previous_rs,
+                                  activations=acts, temporaries=new_grads + inner))
+            # Post-backward: the block is resharded, its gradients copied into the reduce-scatter input
+            # (reduce_dtype), the unsharded ones freed.
+            unsh = self.e_p * (g.root_numel + (sum(g.block_numel[:i]) if not self.reshard else 0))
+            rest = dict(unsharded=unsh, activations=sum(self.act_block[:i]) + self.logits,
+                        temporaries=self.e_p * g.root_early_numel + self.resid_grad)
+            out.append(self.phase(f"block {i} reduce-scatter",
+                                  grads=done + self.accumulated(i - 1) + self.e_p * g.block_numel[i],
+                                  comm=self.prefetched(i) + self.e_r * g.block_numel[i], **rest))
+            if self.gloo_copy:  # the last weight's unsharded gradient is still referenced; the output shard exists
+                out.append(self.phase(f"block {i} reduce-scatter (gloo copy)",
+                                      grads=done + self.accumulated(i - 1) + g.block_local_bytes[i] * self.grads_here
+                                      + self.e_p * x.peak_weight_grad,
+                                      comm=self.prefetched(i) + 2 * self.e_r * g.block_numel[i], **rest))
+        return out
+
+    def root_reduction(self) -> list[Phase]:
+        """6) The root's gradient reduction, after the input embedding's backward."""
+        if not self.gathers:
+            return []
+        g = self.g
+        return [self.phase("root reduce-scatter", grads=sum(g.block_local_bytes) * self.grads_here,
+                           unsharded=self.e_p * g.root_numel,
+                           comm=self.e_r * g.root_numel * (2 if self.gloo_copy else 1),
+                           activations=self.logits, temporaries=self.e_p * g.root_numel)]
+
+    def optimizer_step(self) -> Phase:
+        """7) The optimizer step: CUDA's foreach AdamW makes a temporary the size of all shards. The
+        per-tensor loop (CPU) makes two per tensor (the second moment's sqrt, then its quotient by the
+        bias correction, ``denom``) while the previous tensor's ``denom`` is still alive: the largest
+        previous + 2 x this tensor, within each parameter group (matrices, then norms: fsdp_exp.optim)."""
+        st = self.states.resident
+        if self.s.kind == "cuda":
+            temporaries = int(st["params"])
+        else:
+            temporaries = max(_loop_temporaries(sizes) for sizes in self.states.optimizer_groups)
+        return self.phase("optimizer step", grads=st["grads"], comm=self.bucket, activations=self.logits,
+                          temporaries=temporaries)
+
+
+def _loop_temporaries(sizes: list[int]) -> int:
+    return max((prev + 2 * cur for prev, cur in zip([0, *sizes[:-1]], sizes)), default=0)

@@ -1,0 +1,119 @@
+"""Every registered data-parallel backend is one object behind one interface (fsdp_exp/parallel/backend.py):
+real instances, asked without a process group. What a backend's vocabulary column calls "refused at
+validation" its own check refuses, and an unknown backend name is refused with the closest real one."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+
+from fsdp_exp.config import ConfigError
+from fsdp_exp.config.preflight import STRATEGIES, validate
+from fsdp_exp.parallel.backend import Backend, PlannerRules, backend_for, backend_names, get_backend
+from fsdp_exp.parallel.vocabulary import ROWS
+
+from conftest import run_cli, run_config
+
+# What the base class leaves to each backend (it raises NotImplementedError there).
+REQUIRED = ("apply", "inspect", "clip_grad_norm", "planner_rules")
+
+# Per vocabulary row, the config values that set that knob away from its default (as its override or
+# preset would: ``wrap=experts`` is ``wrap.policy=experts`` on a model with experts).
+KNOB = {
+    "sharding=full": {"sharding.strategy": "full"},
+    "sharding=grad_op": {"sharding.strategy": "grad_op"},
+    "sharding=hybrid": {"sharding.strategy": "hybrid"},
+    "sharding=no_shard": {"sharding.strategy": "no_shard"},
+    "sharding.reshard_after_forward=N": {"sharding.reshard_after_forward": "2"},
+    "sharding.reshard_last_block": {"sharding.reshard_last_block": True},
+    "precision.param_dtype": {"precision.param_dtype": "bf16"},
+    "precision.reduce_dtype": {"precision.reduce_dtype": "bf16"},
+    "precision.output_dtype": {"precision.output_dtype": "fp32"},
+    "precision.buffer_dtype": {"precision.buffer_dtype": "fp32"},
+    "precision.cast_forward_inputs": {"precision.cast_forward_inputs": False},
+    "precision.loss_scaler=dynamic": {"precision.loss_scaler": "dynamic"},
+    "offload=params": {"offload.params": True},
+    "prefetch.forward=k": {"prefetch.forward": 2},
+    "prefetch.backward=k": {"prefetch.backward": 2},
+    "prefetch.backward_timing": {"prefetch.backward_timing": "post"},
+    "prefetch.limit_all_gathers": {"prefetch.limit_all_gathers": True},
+    "wrap=block": {"wrap.policy": "block"},
+    "wrap=size": {"wrap.policy": "size"},
+    "wrap=experts": {"model.n_experts": 4, "wrap.policy": "experts"},
+    "wrap=none": {"wrap.policy": "none"},
+    "sharding.use_orig_params": {"sharding.use_orig_params": True},
+    "sharding.sync_module_states": {"sharding.sync_module_states": False},
+    "ac=full / selective / selective_op": {"ac.mode": "full"},
+    "compile=true": {"compile": True},
+    "parallel.tp=N": {"parallel.tp": 2},
+}
+
+
+@functools.cache
+def default_config(name: str):
+    """The composed default config with ``name`` selected, running the first strategy it can."""
+    backend = get_backend(name)
+    return run_config([f"sharding.backend={name}", f"sharding.strategy={backend.strategies[0]}"])
+
+
+def with_values(cfg, values: dict):
+    cfg = copy.deepcopy(cfg)
+    for path, value in values.items():
+        *parents, leaf = path.split(".")
+        group = functools.reduce(getattr, parents, cfg)
+        assert hasattr(group, leaf), path  # a misspelt path would set nothing the backend reads
+        setattr(group, leaf, value)
+    return cfg
+
+
+def test_every_vocabulary_row_has_a_knob_to_try():
+    assert set(KNOB) == set(ROWS)
+
+
+@pytest.mark.parametrize("name", backend_names())
+def test_every_registered_backend_implements_the_interface(name):
+    backend = get_backend(name)
+    assert isinstance(backend, Backend) and backend.name == name
+    assert backend.api and backend.column_title and isinstance(backend.tracks_memory, bool)
+    for method in REQUIRED:
+        assert getattr(type(backend), method) is not getattr(Backend, method), f"{name} lacks {method}"
+    assert backend.strategies and set(backend.strategies) <= set(STRATEGIES)
+
+    cfg = default_config(name)
+    assert backend_for(cfg) is backend
+    backend.check(cfg, "cpu")  # its own default configuration is legal
+    topology = validate(cfg, cuda_devices=0)
+    rules = backend.planner_rules(cfg)
+    assert isinstance(rules, PlannerRules) and rules.param_layout in ("dim0", "flat", "replicated")
+    assert 1 <= backend.shard_group(topology) <= topology.dp_size
+    assert isinstance(backend.state_dict_options(), dict)
+    for strategy in backend.strategies:
+        shape, names = backend.data_parallel_mesh(strategy, dp=4, replicate=2, shard=2)
+        assert len(shape) == len(names) and _product(shape) == 4, (strategy, shape, names)
+    assert set(backend.vocabulary()) <= set(ROWS), "a vocabulary row that docs/vocabulary.md does not list"
+
+
+def _product(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+@pytest.mark.parametrize("name,row", [(name, row) for name in backend_names() for row in ROWS
+                                      if row not in get_backend(name).vocabulary()])
+def test_a_knob_the_vocabulary_calls_refused_is_refused_by_the_backend(name, row):
+    backend, cfg = get_backend(name), default_config(name)
+    backend.check(cfg, "cpu")
+    with pytest.raises(ConfigError):
+        backend.check(with_values(cfg, KNOB[row]), "cpu")
+
+
+def test_an_unknown_backend_is_refused_with_the_closest_name(tmp_path):
+    result = run_cli(["sharding.backend=fsdp3"], tmp_path / "run", timeout=60)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "sharding.backend='fsdp3' is not one of fsdp2, fsdp1, ddp" in output
+    assert "did you mean sharding.backend=fsdp2?" in output
