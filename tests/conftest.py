@@ -24,6 +24,10 @@ REPO = Path(__file__).resolve().parents[1]
 BASE_ENV = {"WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0"}
 # Overrides every test run takes: no progress bar, no table, W&B offline unless a test asks.
 QUIET = ["logger.progress=false", "logger.summary_table=false"]
+# The small Llama most tests train: 2 blocks of width 64, grouped-query attention (4 query heads, 2
+# key/value heads), 256 tokens; 8 sequences of 32 tokens per step. One definition for every test file.
+TINY_MODEL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256"]
+TINY_BATCH = ["trainer.seq_len=32", "trainer.global_batch_size=8"]
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +42,37 @@ def _isolated_env(monkeypatch, tmp_path_factory):
     # fsdp_exp caches this CPU's measured matmul peak there: one folder for the whole session, so the
     # tests measure it once (per thread count and world size), never in the user's ~/.cache.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "xdg_cache"))
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_starts_no_process_group(monkeypatch, request):
+    """tests/unit: no process group, no spawned rank (a test that starts one fails: it belongs in
+    tests/integration/), so the quick tier stays under a minute. Subprocesses that exit before any rank
+    starts (a refused CLI call) are allowed."""
+    if "unit" not in request.node.path.relative_to(REPO / "tests").parts[:1]:
+        yield
+        return
+    import multiprocessing.process
+
+    import torch.distributed as dist
+
+    started: list[str] = []
+    init_process_group = dist.init_process_group
+
+    def guarded_init(*args, **kwargs):
+        backend = kwargs.get("backend", args[0] if args else None)
+        if backend != "fake":  # torch's in-process fake group (shape checks) is not a process group
+            started.append(f"torch.distributed.init_process_group(backend={backend!r})")
+        return init_process_group(*args, **kwargs)
+
+    def guarded_start(self):
+        started.append(f"a spawned process ({self.name})")
+        raise RuntimeError("tests/unit must not spawn processes: move this test to tests/integration/")
+
+    monkeypatch.setattr(dist, "init_process_group", guarded_init)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", guarded_start)
+    yield
+    assert not started, f"a unit test started {started}: move it to tests/integration/"
 
 
 def compose_config(overrides: list[str], return_hydra_config: bool = False):

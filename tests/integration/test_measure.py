@@ -17,9 +17,9 @@ from fsdp_exp.metrics.flops import counted_flops_per_token, mfu, recompute_flops
 from fsdp_exp.metrics.tracker import BREAKDOWN, PHASES
 from fsdp_exp.models import count_params, flops_per_token
 
-from conftest import read_metrics, run_config, run_experiment
+from conftest import TINY_BATCH, TINY_MODEL, read_metrics, run_config, run_experiment
 
-SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
+SMALL = [*TINY_MODEL,
          "model.multiple_of=32", "trainer.seq_len=32", "trainer.global_batch_size=8", "checkpoint.on_signal=false",
          "trainer.digest_shards=false"]
 

@@ -17,11 +17,11 @@ import pytest
 
 from fsdp_exp.config.preflight import validate
 
-from conftest import REPO, read_metrics, run_config, run_experiment
+from conftest import TINY_BATCH, TINY_MODEL, REPO, read_metrics, run_config, run_experiment
 
 GIB = 2**30
-TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
-        "trainer.seq_len=32", "trainer.global_batch_size=8", "trainer.steps=3", "trainer.warmup_steps=2",
+TINY = [*TINY_MODEL, *TINY_BATCH,
+        "trainer.steps=3", "trainer.warmup_steps=2",
         "logger.wandb.mode=disabled", "checkpoint.on_signal=false", "trainer.digest_shards=false",
         "trainer.peak_tflops=1.0"]  # MFU is not under test here: skip measuring this CPU's peak
 

@@ -13,12 +13,12 @@ import torch
 from fsdp_exp.config import ConfigError
 from fsdp_exp.config.preflight import validate
 
-from conftest import read_metrics, run_config, run_experiment
+from conftest import TINY_BATCH, TINY_MODEL, read_metrics, run_config, run_experiment
 from reference import reference_losses
 
 STEPS = 4
-SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
-         "trainer.seq_len=32", "trainer.global_batch_size=8", f"trainer.steps={STEPS}", "trainer.warmup_steps=1",
+SMALL = [*TINY_MODEL, *TINY_BATCH,
+         f"trainer.steps={STEPS}", "trainer.warmup_steps=1",
          "logger.wandb.mode=disabled"]
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-3}
 DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -226,7 +226,7 @@ def test_vocabulary_docs_are_generated_from_the_backends():
     from fsdp_exp.parallel import fsdp1, fsdp2
     from fsdp_exp.parallel.vocabulary import render_markdown, sharding_rows
 
-    docs = Path(__file__).resolve().parents[1] / "docs" / "vocabulary.md"
+    docs = Path(__file__).resolve().parents[2] / "docs" / "vocabulary.md"
     assert docs.read_text() == render_markdown(), "regenerate: python -m fsdp_exp.parallel.vocabulary > docs/vocabulary.md"
     rows = {row[0]: row for row in sharding_rows()}
     for strategy in ("full", "grad_op", "hybrid", "no_shard"):

@@ -13,14 +13,14 @@ import pytest
 
 from fsdp_exp.metrics.schema import STEP_METRICS, SUMMARY_METRICS
 
-from conftest import leftover_processes, read_metrics, run_cli, run_config, run_experiment
+from conftest import TINY_BATCH, TINY_MODEL, leftover_processes, read_metrics, run_cli, run_config, run_experiment
 from reference import reference_losses
 
 STEPS = 5
 # Large enough that sharding is not all padding, small enough for seconds per run; every
 # dimension divides by 4 so shards are exactly equal at 1, 2 and 4 ranks.
-SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
-         "trainer.seq_len=32", "trainer.global_batch_size=8", f"trainer.steps={STEPS}", "trainer.warmup_steps=1",
+SMALL = [*TINY_MODEL, *TINY_BATCH,
+         f"trainer.steps={STEPS}", "trainer.warmup_steps=1",
          "logger.wandb.mode=disabled"]
 
 
@@ -187,7 +187,7 @@ def test_a_rank_that_raises_ends_the_run_naming_it(tmp_path):
 def test_metric_docs_match_the_schema():
     from fsdp_exp.metrics.schema import render_markdown
 
-    docs = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+    docs = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
     assert docs.read_text() == render_markdown(), "regenerate: python -m fsdp_exp.metrics.schema > docs/metrics.md"
 
 

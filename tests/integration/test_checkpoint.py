@@ -22,11 +22,11 @@ from fsdp_exp.config import ConfigError
 from fsdp_exp.config.preflight import validate
 from fsdp_exp.launch import RunFailed
 
-from conftest import BASE_ENV, MARKER, QUIET, REPO, leftover_processes, read_metrics, run_config, run_experiment
+from conftest import TINY_BATCH, TINY_MODEL, BASE_ENV, MARKER, QUIET, REPO, leftover_processes, read_metrics, run_config, run_experiment
 
 STEPS = 24
-TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
-        "trainer.seq_len=32", "trainer.global_batch_size=8", "trainer.warmup_steps=1"]
+TINY = [*TINY_MODEL, *TINY_BATCH,
+        "trainer.warmup_steps=1"]
 BASE = [*TINY, f"trainer.steps={STEPS}", "logger.wandb.mode=disabled"]
 EVERY = 3
 
