@@ -3,7 +3,8 @@
 - ``checkpoint.export=safetensors``: ``<export dir>/model.safetensors`` with fsdp_exp's parameter
   names (``layers.0.attention.wq.weight``, ...) plus ``fsdp_exp_model.json`` (the model config).
 - ``checkpoint.export=hf``: a Hugging Face folder (``config.json`` + ``model.safetensors`` with HF
-  names); for Llama, ``transformers.LlamaForCausalLM.from_pretrained`` loads it offline.
+  names) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads offline: a LlamaForCausalLM
+  for Llama, the model's own architecture for ``model=hf`` (whose names are transformers' already).
 
 Consolidation: ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` all-gathers one
 parameter at a time; only rank 0 keeps each full tensor, on the CPU; the other ranks get nothing.
@@ -48,13 +49,14 @@ def export_dir(setting: Optional[str], run_dir: Path) -> Path:
     return Path(setting).expanduser() if setting else Path(run_dir) / "export"
 
 
-def export_model(model, model_cfg, fmt: str, out: Path, is_main: bool) -> Optional[dict]:
-    """At the end of a run (every rank): consolidate ``model`` and write it as ``fmt`` (``checkpoint.export``)
-    to ``out``. Rank 0 (``is_main``) returns what it wrote, the others None."""
+def export_model(model, model_cfg, fmt: str, out: Path, is_main: bool, consolidate=full_state_dict) -> Optional[dict]:
+    """At the end of a run (every rank): consolidate ``model`` (with ``consolidate``: the backend's
+    ``full_state_dict``) and write it as ``fmt`` (``checkpoint.export``) to ``out``. Rank 0 (``is_main``)
+    returns what it wrote, the others None."""
     import torch.distributed as dist
 
     t0 = time.perf_counter()
-    state = full_state_dict(model)
+    state = consolidate(model)
     written = None
     if is_main:
         written = write_export(state, model_cfg, out, fmt)
@@ -105,10 +107,12 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
 
 
 def model_config(model: dict) -> "ModelConfig":
-    """The model config of a run's or a checkpoint's record (keys it lacks take the schema's defaults)."""
-    from fsdp_exp.config.schema import ModelConfig
+    """The model config of a run's or a checkpoint's record, typed by its family's schema (keys it lacks
+    take the schema's defaults)."""
+    from fsdp_exp.config.schema import model_schema
 
-    return ModelConfig(**{k: v for k, v in model.items() if k in ModelConfig.__dataclass_fields__})
+    schema = model_schema(model)
+    return schema(**{k: v for k, v in model.items() if k in schema.__dataclass_fields__})
 
 
 # ------------------------------------------------------------------------- from a checkpoint

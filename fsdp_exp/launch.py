@@ -82,6 +82,9 @@ def free_port() -> int:
 def prepare(cfg: RunConfig, world: Optional[tuple[int, int]] = None) -> Topology:
     """Validate before anything is spawned, and check that the run fits this node's memory
     (fsdp_exp/config/fit.py; ``trainer.check_fit``); raises ConfigError naming the fix."""
+    from fsdp_exp.models import fetch_model_files
+
+    fetch_model_files(cfg.model)  # a hub name's config.json into the hub cache: preflight reads local files only
     if world is not None:
         # The outside launcher decided the ranks; the config's counts must not contradict it.
         nodes = max(1, world[0] // world[1])

@@ -41,8 +41,10 @@ from fsdp_exp.dist import (RankInfo, broadcast_object, build_mesh, gather_over_r
                            reduce_over_ranks)
 from fsdp_exp.metrics import memory
 from fsdp_exp.metrics.flops import lookup_peak_tflops, mfu, recompute_flops_per_token
+from fsdp_exp.metrics.peak import measured_peak
 from fsdp_exp.metrics.tracker import BREAKDOWN, PHASES, StepMemory
-from fsdp_exp.models import build_meta, canonical_name, count_params, flops_per_token, matrix_parameter_names
+from fsdp_exp.models import (build_meta, canonical_name, count_params, flops_per_token, matrix_parameter_names,
+                             spec_for)
 from fsdp_exp.optim import build_scheduler
 from fsdp_exp.parallel import parallelize
 from fsdp_exp.record import ConsoleSink, JsonlSink, RunRecord, WandbSink
@@ -79,6 +81,7 @@ class Trainer:
 
         # Build: meta model -> parallelize (TP, AC, compile, shard) -> this rank's shards, seeded init.
         self.mesh = build_mesh(topology)
+        setup_start = time.perf_counter()  # perf/setup_time_s: build, shard, materialize, wrap, optimizer
         meta_model = build_meta(cfg.model)
         decay_names = matrix_parameter_names(meta_model)
         # The backend, bound to this run, also does its part of the step (sync, autocast, clipping, scaler).
@@ -86,8 +89,10 @@ class Trainer:
         self.model, self.applied, self.backend = self.parallel.model, self.parallel.applied, self.parallel.backend
 
         self.optimizer = self.parallel.build_optimizer(decay_names)
-        self.state_bytes = memory.ModelStateBytes(self.model, self.optimizer)  # mem/params_gib_* etc., per step
+        # mem/params_gib_* etc., per step, counted as the backend lays them out
+        self.state_bytes = self.backend.model_state_counter(self.model, self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.steps)
+        setup_s = time.perf_counter() - setup_start
         # fp16: a loss scaler that agrees over ranks on skipped steps (sharded for FSDP).
         self.scaler = self.parallel.grad_scaler() if cfg.precision.loss_scaler == "dynamic" else None
         self.data = build_data(cfg, topology, dp_rank=info.rank // topology.tp_size, device=self.device)
@@ -121,6 +126,7 @@ class Trainer:
         self.plan, self.predicted, self.predicted_phases = plan_for_run(cfg, topology)
         self.history: list[dict] = []
         self.pending_metrics: dict = {}  # metrics of a sampled step, added to its logged row
+        self.pending_metrics["perf/setup_time_s"] = reduce_over_ranks([setup_s], self.device)[0][0]  # slowest rank
         t = cfg.trainer
         # Not every backend's parameters can be followed by torch's memory trackers: no breakdown there.
         trackable = t.track_memory and t.warmup_steps > 0 and self.backend.tracks_memory
@@ -196,6 +202,7 @@ class Trainer:
             "devices": names,
             "threads_per_rank": torch.get_num_threads(),
             "num_params": count_params(self.cfg.model),
+            "architecture": spec_for(self.cfg.model).architecture(self.cfg.model),  # e.g. MistralForCausalLM
             "flops_per_token": self.flops_per_token,
             "recompute_flops_per_token": self.recompute_flops_per_token,
             "hardware_flops_per_token": None if self.recompute_flops_per_token is None
@@ -255,6 +262,8 @@ class Trainer:
                     loss, grad_norm, lr = self._profiled_step(step)
                 else:
                     loss, grad_norm, lr = self.train_step(step)
+                if step == self.start_step:  # where lazy buffers are allocated: in the next logged row
+                    self.pending_metrics["perf/first_step_time_s"] = time.perf_counter() - start
                 flags = self.checkpointer.poll(step + 1, loss)  # ranks agree: a signal? a NaN/inf loss?
                 evaluate = self.cfg.trainer.eval_every > 0 and (step + 1) % self.cfg.trainer.eval_every == 0
                 if (step + 1) % self.cfg.trainer.log_every == 0 or step + 1 == self.cfg.trainer.steps or evaluate:
@@ -267,7 +276,8 @@ class Trainer:
                 from fsdp_exp.export import export_dir, export_model
 
                 exported = export_model(self.model, self.cfg.model, self.cfg.checkpoint.export,
-                                        export_dir(self.cfg.checkpoint.export_dir, self.run_dir), self.info.is_main)
+                                        export_dir(self.cfg.checkpoint.export_dir, self.run_dir), self.info.is_main,
+                                        consolidate=self.backend.full_state_dict)
                 if self.info.is_main:
                     self.record.exported(exported)
         except BaseException as exc:
@@ -375,7 +385,7 @@ class Trainer:
         (after the last one): the memory tracker's and the profiler's phases."""
         if phase:
             phase("forward")
-        self.optimizer.zero_grad(set_to_none=True)
+        self.parallel.zero_grad(self.optimizer)
         accum = self.topology.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(self.data.micro_batches(step)):
@@ -504,6 +514,8 @@ class Trainer:
             "summary/final_loss": self.history[-1]["train/loss"] if self.history else None,
             "summary/model_states_gib_max": largest("mem/model_states_gib_max"),
             "summary/host_peak_rss_gib_max": largest("mem/host_peak_rss_gib_max"),
+            "summary/setup_time_s": last("perf/setup_time_s"),
+            "summary/first_step_time_s": last("perf/first_step_time_s"),
         }
         if tracked:  # memory breakdown and communication: only when a step was sampled for them
             summary["summary/tracked_peak_gib_max"] = tracked
@@ -517,6 +529,8 @@ class Trainer:
             summary["summary/peak_active_gib_max"] = largest("mem/peak_active_gib_max")
             summary["summary/alloc_retries_max"] = last("mem/alloc_retries_max")
             summary["summary/ooms_max"] = last("mem/ooms_max")
+        # The peak the report ranks by, chosen once (fsdp_exp.metrics.peak), so that W&B shows the same.
+        summary["summary/peak_gib"], summary["summary/peak_source"] = measured_peak(summary, last)
         return summary
 
     def _close_sinks(self, status: str, summary: Optional[dict] = None, error: Optional[str] = None) -> None:

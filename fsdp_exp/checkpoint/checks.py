@@ -19,12 +19,13 @@ def check_checkpoint(cfg) -> None:
         fail("checkpoint.resume is empty.", "pass checkpoint.resume=auto, none, or a path to a step_<N> folder")
     if c.export not in ("none", "safetensors", "hf"):
         fail(f"checkpoint.export={c.export!r} is not one of none, safetensors, hf.", "pass checkpoint.export=safetensors")
-    if c.export == "hf" and cfg.model.n_experts > 0:
-        fail("checkpoint.export=hf writes a LlamaForCausalLM, and this model is a mixture of experts.",
-             "pass checkpoint.export=safetensors (fsdp_exp's own parameter names)")
-    if c.export == "hf" and cfg.model.name != "llama":
-        fail(f"checkpoint.export=hf knows the Llama layout only, not model.name={cfg.model.name}.",
-             "pass checkpoint.export=safetensors")
+    if c.export == "hf":
+        from fsdp_exp.models import spec_for
+
+        problem = spec_for(cfg.model).why_no_hf_export(cfg.model)
+        if problem:
+            fail(f"checkpoint.export=hf: {problem}.", "pass checkpoint.export=safetensors (fsdp_exp's own "
+                 "parameter names)")
     for name in c.signals:
         if not name.startswith("SIG") or not hasattr(signal, name) or name in ("SIGKILL", "SIGSTOP"):
             fail(f"checkpoint.signals holds {name!r}, which is not a signal a process can catch.",

@@ -3,6 +3,7 @@
 A checkpoint is ``<root>/step_<N>/`` (``root`` is ``checkpoint.dir``, by default ``<run dir>/checkpoints``)::
 
     .metadata, __<rank>_0.distcp     torch.distributed.checkpoint: the sharded state (model, optimizer)
+                                     (sharding.backend=deepspeed: zero/, DeepSpeed's save_checkpoint)
     trainer_state.pt                 the replicated state: LR schedule, grad scaler, data position (rank 0)
     rng/rank<r>.pt                   the per-rank state: every RNG of rank r
     fsdp_exp_checkpoint.json         step, world size, mesh, backend, config hash, W&B run id, per-rank devices
@@ -54,7 +55,19 @@ def per_rank_file(folder: Path, name: str, rank: int) -> Path:
 
 
 def is_complete(path: Path) -> bool:
-    return (Path(path) / META_FILE).is_file() and (Path(path) / ".metadata").is_file()
+    """Its JSON is written last, once every rank finished; a torch.distributed.checkpoint one also has
+    DCP's ``.metadata`` (a backend with its own format, DeepSpeed, writes its own files instead)."""
+    meta = Path(path) / META_FILE
+    if not meta.is_file():
+        return False
+    dcp = (Path(path) / ".metadata").is_file()
+    if dcp:
+        return True
+    try:
+        return json.loads(meta.read_text()).get("checkpoint_format", "torch.distributed.checkpoint") \
+            != "torch.distributed.checkpoint"
+    except (OSError, ValueError):
+        return False
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:

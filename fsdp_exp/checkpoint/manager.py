@@ -89,6 +89,7 @@ class Checkpointer:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             **self._layout(),  # world_size, mesh_shape, mesh_dim_names, backend
             "strategy": self.config["sharding"]["strategy"],
+            "checkpoint_format": self.sharded.backend.checkpoint_format,
             "tp": self.topology.tp_size,
             "devices": self.devices,  # rank r ran on devices[r] ("host:device")
             "config_hash": config_hash(self.config),
@@ -103,8 +104,6 @@ class Checkpointer:
     def save(self, step: int, reason: str) -> Path:
         """Write checkpoint ``step_<step>`` from every rank; returns its final folder (complete when this
         returns, unless ``checkpoint.async_save``: then complete once the background write commits)."""
-        import torch.distributed.checkpoint as dcp
-
         self.wait()  # one save in flight at a time
         t0 = time.perf_counter()
         final, tmp = step_dir(self.root, step), tmp_dir(self.root, step)
@@ -119,17 +118,19 @@ class Checkpointer:
         if self.info.is_main:
             replicated = {name: obj.state_dict() if obj is not None else None for name, obj in self.replicated.items()}
             torch.save({"step": step, **replicated}, tmp / TRAINER_STATE)
-        state = self.sharded.state_dict()
         writer = storage_writer(tmp, step, self.info.rank, self.faults)
         meta = self._meta(step, reason) if self.info.is_main else None
+        backend = self.sharded.backend  # writes the shards in its format (DCP by default)
+        saved = dict(writer=writer, step=step, rank=self.info.rank, debug=self.faults)
         if self.cfg.async_save:
-            future = dcp.async_save(state, storage_writer=writer, process_group=self._async_group)
+            future = backend.save_checkpoint(self.sharded, tmp, **saved, process_group=self._async_group,
+                                             async_save=True)
             self._pending = (future, step, tmp, final, meta, t0)
             # Commit in the background too: wait for every rank's write, then rank 0 renames.
             self._pending_thread = threading.Thread(target=self._commit_async, daemon=True)
             self._pending_thread.start()
             return final
-        dcp.save(state, storage_writer=writer)
+        backend.save_checkpoint(self.sharded, tmp, **saved)
         self._commit(step, tmp, final, meta, t0, group=None)
         self._report_saved()
         return final
@@ -227,6 +228,14 @@ class Checkpointer:
         """Refuse, with what differs, the checkpoints that cannot continue this run."""
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"{path} has format {meta.get('format')!r}, this fsdp_exp reads {FORMAT!r}")
+        saved_format = meta.get("checkpoint_format", "torch.distributed.checkpoint")
+        backend = self.sharded.backend
+        if saved_format != backend.checkpoint_format:
+            raise CheckpointError(
+                f"cannot resume from {path}: sharding.backend={meta.get('backend')} wrote its shards as "
+                f"{saved_format}, and sharding.backend={backend.name} reads {backend.checkpoint_format}; no "
+                f"conversion between the two is wired. Resume it with sharding.backend={meta.get('backend')}, "
+                "or pass checkpoint.resume=none")
         saved_model, model = meta["config"]["model"], self.config["model"]
         diff = {k: (saved_model.get(k), model.get(k)) for k in set(saved_model) | set(model)
                 if saved_model.get(k) != model.get(k)}
@@ -246,12 +255,10 @@ class Checkpointer:
                     "Pass the checkpoint's data and trainer.global_batch_size, or checkpoint.resume=none")
 
     def _load(self, path: Path, meta: dict) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        state = self.sharded.state_dict()
         try:
-            dcp.load(state, checkpoint_id=str(path))
-            self.sharded.load_state_dict(state)
+            self.sharded.backend.load_checkpoint(self.sharded, path, meta, self.topology.world_size)
+        except CheckpointError:
+            raise  # the backend already said why
         except Exception as err:  # torch refuses this conversion: say from what to what
             now_layout = self._layout()
             saved = (f"sharding.backend={meta.get('backend')} on {meta.get('world_size')} ranks, mesh "

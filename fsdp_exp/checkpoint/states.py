@@ -15,10 +15,13 @@ from torch import nn
 class ModelAndOptimizer:
     """``state_dict()`` is ``{"model": ..., "optim": ...}``; every rank holds (and saves) its shards."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, options: dict):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, options: dict, backend=None):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
         self.model, self.optimizer = model, optimizer
+        # Who writes and reads these shards (Backend.save_checkpoint / load_checkpoint / checkpoint_format):
+        # torch.distributed.checkpoint by default, the engine's own format for DeepSpeed.
+        self.backend = backend
         # The backend's StateDictOptions (Backend.state_dict_options); none by default.
         self.options = StateDictOptions(**options) if options else None
 
@@ -39,4 +42,4 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, backend) -
     """What a checkpoint shards (every rank its part), read and written as ``backend`` says."""
     # Some backends' state dicts warn on every tensor at save and load (FSDP1's ShardedTensor).
     backend.quiet_checkpoint_warnings()
-    return ModelAndOptimizer(model, optimizer, backend.state_dict_options())
+    return ModelAndOptimizer(model, optimizer, backend.state_dict_options(), backend)

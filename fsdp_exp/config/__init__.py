@@ -14,7 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from fsdp_exp.config.schema import *  # noqa: F401,F403 - the schema's dataclasses are the package's API
-from fsdp_exp.config.schema import RunConfig
+from fsdp_exp.config.schema import MODEL_SCHEMAS, RunConfig, model_schema
 from fsdp_exp.config.topology import Topology, resolve_nproc  # noqa: F401
 from fsdp_exp.errors import ConfigError, fail  # noqa: F401
 
@@ -22,9 +22,30 @@ from fsdp_exp.errors import ConfigError, fail  # noqa: F401
 def register_configs() -> None:
     from fsdp_exp.env import run_stamp
 
-    ConfigStore.instance().store(name="schema", node=RunConfig)
+    store = ConfigStore.instance()
+    store.store(name="schema", node=RunConfig)
+    for name, schema in MODEL_SCHEMAS.items():  # a model preset names its family's: schema/<name>@_here_
+        store.store(group="model/schema", name=name, node=schema)
     if not OmegaConf.has_resolver("run_stamp"):
         OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)  # one value per process
+    if not OmegaConf.has_resolver("job_dirname"):
+        OmegaConf.register_new_resolver("job_dirname", job_dirname)
+
+
+MAX_DIRNAME_BYTES = 200  # file systems refuse names over 255 bytes; the job number and a digest come on top
+
+
+def job_dirname(override_dirname: str) -> str:
+    """A sweep job's folder name (``${job_dirname:${hydra.job.override_dirname}}`` in conf/config.yaml): its
+    overrides as Hydra writes them, or, when they are longer than a file name may be (a few
+    ``+model.hf_overrides.*`` are), their first bytes and a digest of the whole, so names stay unique."""
+    import hashlib
+
+    raw = override_dirname.encode()
+    if len(raw) <= MAX_DIRNAME_BYTES:
+        return override_dirname
+    digest = hashlib.sha256(raw).hexdigest()[:12]
+    return raw[:MAX_DIRNAME_BYTES - 13].decode(errors="ignore") + "-" + digest
 
 
 register_configs()
@@ -36,9 +57,25 @@ def to_run_config(cfg: DictConfig | dict) -> RunConfig:
     from fsdp_exp.config.strict import check_keys, check_values
 
     check_keys(cfg, RunConfig)
-    run_config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
+    merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+    run_config = OmegaConf.to_object(merged)
+    run_config.model = _model_config(merged.model)
     check_values(run_config)
     return run_config
+
+
+def _model_config(node: Any) -> Any:
+    """The model node typed by its family's schema (``schema.MODEL_SCHEMAS``): a preset that named its
+    schema is typed already; a plain mapping (a worker's payload, a preset without one) is checked here."""
+    from omegaconf.errors import ValidationError
+
+    schema = model_schema(node)
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
+    except ValidationError as err:
+        key = f"model.{err.key}" if getattr(err, "key", None) else "model"
+        fail(f"{key}: {str(err).splitlines()[0]}", f"pass a value of the type {schema.__name__} declares for {key} "
+             "(python -m fsdp_exp --cfg job lists every key)")
 
 
 def plain(cfg: Any) -> dict:

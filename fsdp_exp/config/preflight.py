@@ -48,9 +48,12 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
     if not 0 <= t.warmup_steps < t.steps:
         fail(f"trainer.warmup_steps={t.warmup_steps} leaves no step for the summary of {t.steps} steps.",
               f"pass trainer.warmup_steps={max(0, t.steps // 5)} or raise trainer.steps")
-    if t.seq_len > cfg.model.max_seq_len:
-        fail(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}.",
-              f"pass trainer.seq_len={cfg.model.max_seq_len} or model.max_seq_len={t.seq_len}")
+    _validate_model(cfg.model)  # first: what follows reads the model's length and vocabulary through its family
+    max_seq_len = _model_spec(cfg).max_seq_len(cfg.model)
+    if t.seq_len > max_seq_len:
+        fail(f"trainer.seq_len={t.seq_len} exceeds the model's maximum sequence length {max_seq_len}.",
+              f"pass trainer.seq_len={max_seq_len}, or a model with a longer one (model.max_seq_len="
+              f"{t.seq_len} for Llama)")
     if t.track_memory and t.track_memory_step is not None and not 0 <= t.track_memory_step < t.warmup_steps:
         fail(f"trainer.track_memory_step={t.track_memory_step} is not a warm-up step (0 to "
               f"{t.warmup_steps - 1}); the tracked step is slow and must stay out of the summary.",
@@ -79,7 +82,6 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
     if t.peak_tflops is not None and t.peak_tflops <= 0:
         fail(f"trainer.peak_tflops={t.peak_tflops} must be positive.", "pass trainer.peak_tflops=null to look it up")
 
-    _validate_model(cfg.model)
     _validate_optim(cfg.optim, t.steps)
 
     mesh_shape, mesh_names, dp = _validate_parallel(cfg, world, nproc, device_type)
@@ -118,9 +120,9 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
     if cfg.offload.pin_memory and device_type == "cpu":
         fail("offload.pin_memory=true needs a CUDA device; CPU-only torch cannot pin host memory.",
               "pass offload.pin_memory=null (auto) or false")
-    if cfg.offload.pin_memory is not None and not cfg.offload.params:
-        fail("offload.pin_memory is set but offload.params=false, so nothing is offloaded.",
-              "pass offload=params, or drop offload.pin_memory")
+    if cfg.offload.pin_memory is not None and not (cfg.offload.params or cfg.offload.optimizer):
+        fail("offload.pin_memory is set but offload.params=false and offload.optimizer=false, so nothing is "
+             "offloaded.", "pass offload=params (or offload=optimizer), or drop offload.pin_memory")
 
     if cfg.logger.wandb.mode not in ("online", "offline", "disabled"):
         fail(f"logger.wandb.mode={cfg.logger.wandb.mode!r} is not one of online, offline, disabled.",
@@ -137,7 +139,7 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
                     micro_batch_size=micro, grad_accum_steps=per_rank // micro)
 
 
-STRATEGIES = ("full", "grad_op", "hybrid", "no_shard")
+STRATEGIES = ("full", "grad_op", "hybrid", "no_shard", "optimizer")
 
 
 def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str):
@@ -147,7 +149,7 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
     check_backend_name(s.backend)
     if s.strategy not in STRATEGIES:
         fail(f"sharding.strategy={s.strategy!r} is not one of {', '.join(STRATEGIES)}.",
-              "pick one with sharding=full|grad_op|hybrid|no_shard")
+              "pick one with sharding=full|grad_op|hybrid|no_shard|optimizer")
     if tp < 1 or world % tp:
         fail(f"parallel.tp={tp} does not divide the world size {world}.",
               f"pass parallel.tp={_largest_divisor_at_most(world, max(tp, 1))} (a divisor of {world})")
@@ -180,7 +182,11 @@ def _validate_tp(cfg: RunConfig, tp: int) -> None:
 
     # Which backends compose with tensor parallel is theirs to say (their check); what tp must divide
     # is the model family's (its tensor-parallel plan).
-    spec_for(cfg.model).check_tensor_parallel(cfg.model, tp)
+    spec = spec_for(cfg.model)
+    spec.check_tensor_parallel(cfg.model, tp)
+    if cfg.parallel.sequence_parallel and not spec.tensor_parallel_plan(cfg.model).sequence_parallel_block:
+        fail("parallel.sequence_parallel shards the norms over the sequence, and this model's tensor-parallel plan "
+             "names none.", "pass parallel.sequence_parallel=false")
     if cfg.parallel.sequence_parallel and cfg.trainer.seq_len % tp:
         fail(f"parallel.sequence_parallel shards the sequence, but trainer.seq_len={cfg.trainer.seq_len} "
               f"does not divide by parallel.tp={tp}.", f"pass a trainer.seq_len that is a multiple of {tp}")
@@ -199,7 +205,7 @@ def _validate_backend_knobs(cfg: RunConfig, device_type: str) -> None:
               "pass prefetch.backward_timing=pre")
     if w.policy not in ("block", "none", "size", "experts"):
         fail(f"wrap.policy={w.policy!r} is not one of block, none, size, experts.", "pass wrap=block")
-    if w.policy == "experts" and cfg.model.n_experts < 1:
+    if w.policy == "experts" and getattr(cfg.model, "n_experts", 0) < 1:
         fail("wrap=experts wraps the experts of an MoE model, but this model has none.",
               "pass model=moe_tiny, or wrap=block")
     if w.min_num_params < 1:
@@ -223,6 +229,12 @@ def _validate_model(m: ModelConfig) -> None:
     from fsdp_exp.models import get_spec
 
     get_spec(m.name).check(m)
+
+
+def _model_spec(cfg: RunConfig):
+    from fsdp_exp.models import spec_for
+
+    return spec_for(cfg.model)
 
 
 def _validate_data(cfg: RunConfig) -> None:

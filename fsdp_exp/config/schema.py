@@ -9,7 +9,7 @@ each owner's own checks (backends, models, data, checkpoints) before any rank st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
@@ -18,7 +18,8 @@ DTYPES = ("fp32", "bf16", "fp16")
 
 @dataclass
 class ModelConfig:
-    """A Llama-style decoder. ``name`` selects the architecture in ``fsdp_exp.models.REGISTRY``."""
+    """A Llama-style decoder (the ``llama`` family). ``name`` selects the family in ``fsdp_exp.models.REGISTRY``;
+    each family has its own schema (``MODEL_SCHEMAS``)."""
 
     name: str = "llama"
     dim: int = MISSING
@@ -38,6 +39,37 @@ class ModelConfig:
 
 
 @dataclass
+class HfModelConfig:
+    """Any Hugging Face causal LM, built from its transformers config (``fsdp_exp.models.hf``).
+
+    The config is ``hf_config`` (a folder holding config.json, a config.json, or a hub name that the
+    launcher resolves through the hub cache) or ``hf_fields`` (a config.json written out, with its
+    ``model_type``: the shipped presets), never both. ``hf_overrides`` then sets any field of the
+    architecture's config class (``+model.hf_overrides.num_hidden_layers=4``); its keys and types are
+    checked against that class, not against this schema.
+    """
+
+    name: str = "hf"
+    hf_config: Optional[str] = None
+    hf_fields: dict[str, Any] = field(default_factory=dict)
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
+    revision: Optional[str] = None  # a hub name's branch, tag or commit (None = main)
+    attn_implementation: str = "sdpa"  # sdpa | eager: transformers' attention kernels
+
+
+# model.name -> the family's schema. The ``model`` group's presets name theirs in their defaults list
+# (``schema/<name>@_here_``), so Hydra checks keys and types while composing; to_run_config types the
+# node by its ``name``. A preset without one is checked there, by the same schema.
+MODEL_SCHEMAS: dict[str, type] = {"llama": ModelConfig, "hf": HfModelConfig}
+
+
+def model_schema(node: Any) -> type:
+    """The schema of a model config node (a mapping or a dataclass): by its ``name``; Llama's when it has none."""
+    name = node.get("name") if hasattr(node, "get") else getattr(node, "name", None)
+    return MODEL_SCHEMAS.get(name, ModelConfig)
+
+
+@dataclass
 class ShardingConfig:
     """How parameters, gradients and optimizer state are spread over data-parallel ranks.
 
@@ -45,8 +77,10 @@ class ShardingConfig:
     (docs/vocabulary.md). ``replicate_size`` x ``shard_size`` is the 2-D mesh of ``hybrid``.
     """
 
-    backend: str = "fsdp2"  # fsdp2 | fsdp1 | ddp
-    strategy: str = "full"  # full | grad_op | hybrid | no_shard
+    backend: str = "fsdp2"  # fsdp2 | fsdp1 | ddp | deepspeed (optional: pip install fsdp_exp[deepspeed])
+    # full | grad_op | hybrid | no_shard | optimizer (ZeRO-1: optimizer state sharded only; DDP with torch's
+    # ZeroRedundancyOptimizer, or DeepSpeed stage 1)
+    strategy: str = "full"
     replicate_size: Optional[int] = None  # hybrid: None = world / shard_size
     shard_size: Optional[int] = None  # hybrid: None = trainer.nproc_per_node (shard within a node)
     # FSDP2: "auto" (from the strategy) | true | false | N (reshard to groups of N ranks after forward).
@@ -72,6 +106,7 @@ class PrecisionConfig:
 @dataclass
 class OffloadConfig:
     params: bool = False  # keep sharded params, grads and optimizer state on the host
+    optimizer: bool = False  # keep the optimizer state (and its step) on the host only (DeepSpeed's offload_optimizer)
     pin_memory: Optional[bool] = None  # None = pin when CUDA is used (CPU-only torch cannot pin)
 
 
@@ -143,7 +178,9 @@ class DataConfig:
     streaming: bool = False  # read through datasets' streaming mode (never holds the corpus in memory)
     text_field: str = "text"  # json / parquet / hf: the column that holds the text
     sample_by: str = "paragraph"  # text: one document per line | paragraph (blank-line separated) | document (file)
-    tokenizer: str = "byte"  # byte (UTF-8 bytes, id 0 ends a document) | tokenizer.json path or folder | hub name
+    # byte (UTF-8 bytes, id 0 ends a document) | tokenizer.json path or folder | hub name |
+    # model (the model's own where it is on this machine, e.g. beside model.hf_config's config.json; else byte)
+    tokenizer: str = "byte"
     eos_token: Optional[str] = None  # HF tokenizers: the end-of-document token; None = the first usual one found
     max_blocks: Optional[int] = None  # pack at most this many training blocks (a prefix of a huge corpus)
     cache_dir: str = "~/.cache/fsdp_exp/data"  # packed blocks (and datasets' copies of local files)
@@ -252,7 +289,8 @@ class CheckpointConfig:
 
 @dataclass
 class RunConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    # The family's own schema (ModelConfig, HfModelConfig, ...: MODEL_SCHEMAS by model.name).
+    model: Any = field(default_factory=dict, metadata={"schemas": MODEL_SCHEMAS, "select": model_schema})
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     offload: OffloadConfig = field(default_factory=OffloadConfig)

@@ -27,6 +27,12 @@ def _field_types(schema: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(schema)}
 
 
+def _families(schema: type) -> dict[str, dict]:
+    """Fields whose schema depends on their value (the model group: one schema per family), with the
+    metadata that says how: ``schemas`` (every one) and ``select`` (node -> its schema)."""
+    return {f.name: f.metadata for f in dataclasses.fields(schema) if "select" in f.metadata}
+
+
 def _dataclass_of(annotation: Any) -> type | None:
     """The dataclass a field holds (``Optional[X]`` included), else None."""
     if dataclasses.is_dataclass(annotation):
@@ -46,17 +52,22 @@ def _is_open_map(annotation: Any) -> bool:
 
 def schema_keys(schema: type, prefix: str = "") -> Iterator[str]:
     """Every dotted key the schema declares (open maps as their own key)."""
+    families = _families(schema)
     for name, annotation in _field_types(schema).items():
         key = f"{prefix}{name}"
         yield key
         inner = _dataclass_of(annotation)
         if inner is not None:
             yield from schema_keys(inner, key + ".")
+        if name in families:  # every family's keys, once
+            yield from dict.fromkeys(k for family in families[name]["schemas"].values()
+                                     for k in schema_keys(family, key + "."))
 
 
 def unknown_keys(node: Any, schema: type, prefix: str = "") -> Iterator[str]:
     """Dotted keys present in ``node`` (a mapping) that ``schema`` does not declare."""
     fields = _field_types(schema)
+    families = _families(schema)
     for key in node.keys():
         path = f"{prefix}{key}"
         if not prefix and key in IGNORED_TOP_LEVEL:
@@ -69,8 +80,19 @@ def unknown_keys(node: Any, schema: type, prefix: str = "") -> Iterator[str]:
             continue  # its owner checks its keys
         inner = _dataclass_of(annotation)
         value = node[key]
+        if key in families and hasattr(value, "keys"):
+            inner = _family_schema(value, families[key])
         if inner is not None and hasattr(value, "keys"):
             yield from unknown_keys(value, inner, path + ".")
+
+
+def _family_schema(node: Any, family: dict) -> type:
+    """The schema of a family-typed node: by its own ``name``; without one (a sweep checks a lone
+    ``+model.x`` key), the first family that declares every key it has."""
+    if node.get("name") is not None:
+        return family["select"](node)
+    schemas = list(family["schemas"].values())
+    return next((s for s in schemas if not set(node.keys()) - set(_field_types(s))), schemas[0])
 
 
 def check_keys(cfg: Any, schema: type) -> None:
@@ -81,6 +103,12 @@ def check_keys(cfg: Any, schema: type) -> None:
     known = list(schema_keys(schema))
     problems, fixes = [], []
     for key in unknown:
+        owner = _other_family(cfg, schema, key)
+        if owner:
+            problems.append(f"{key} is a setting of the {owner[1]} model family, and this model is "
+                            f"{owner[0]}.name={_value(cfg, owner[0] + '.name')}")
+            fixes.append(f"drop {key}, or pick a model of the {owner[1]} family")
+            continue
         # Compare with keys of the same group first: "trainer.stpes" is closer to "trainer.steps" than
         # to any top-level key.
         group = key.rsplit(".", 1)[0] + "." if "." in key else ""
@@ -90,6 +118,24 @@ def check_keys(cfg: Any, schema: type) -> None:
         fixes.append(f"drop {key}" + (f", or write {close[0]}=..." if close else ""))
     fail("unknown key" + ("s" if len(unknown) > 1 else "") + ": " + "; ".join(problems) + ".",
          "; ".join(fixes) + " (python -m fsdp_exp --cfg job lists every key)")
+
+
+def _value(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = cfg.get(part) if hasattr(cfg, "get") else None
+    return cfg
+
+
+def _other_family(cfg: Any, schema: type, key: str) -> tuple[str, str] | None:
+    """(field, family name) when ``key`` is declared by another family of a family-typed field."""
+    head, _, rest = key.partition(".")
+    family = _families(schema).get(head)
+    if family is None or not rest:
+        return None
+    for name, family_schema in family["schemas"].items():
+        if f"{head}.{rest}" in set(schema_keys(family_schema, head + ".")):
+            return head, name
+    return None
 
 
 def non_finite_values(obj: Any, prefix: str = "") -> Iterator[tuple[str, float]]:

@@ -79,16 +79,46 @@ def check_config(cfg: RunConfig) -> None:
               f"pass {key} or trainer.eval_every=0")
 
     try:
-        tokenizer = load_tokenizer(d.tokenizer, d.eos_token)
+        tokenizer = load_tokenizer(tokenizer_name(cfg), d.eos_token)
     except TokenizerError as err:
         fail(str(err), "pass data.tokenizer=byte, a tokenizer.json (or its folder), or a hub name "
                         "(and data.eos_token=<its end-of-document token>)")
-    if tokenizer.vocab_size > cfg.model.vocab_size:
+    if tokenizer.vocab_size > model_vocab_size(cfg):
         fail(f"data.tokenizer={d.tokenizer!r} has a vocabulary of {tokenizer.vocab_size} tokens, more than the "
-              f"model's embedding (model.vocab_size={cfg.model.vocab_size}).",
+              f"model's embedding (model.vocab_size={model_vocab_size(cfg)}).",
               f"pass model.vocab_size={tokenizer.vocab_size}" + (
                   f" (or a multiple of 64 above it, e.g. model.vocab_size={-(-tokenizer.vocab_size // 64) * 64})"
                   if tokenizer.vocab_size % 64 else ""))
+
+
+MODEL_TOKENIZER = "model"
+
+
+def tokenizer_name(cfg: RunConfig) -> str:
+    """``data.tokenizer``, with ``model`` resolved: the model's own tokenizer where its family finds one on
+    this machine (a tokenizer.json beside a Hugging Face model's config.json), else the byte tokenizer when
+    the model's vocabulary holds its 256 ids."""
+    from fsdp_exp.data.tokenizer import BYTE, ByteTokenizer
+    from fsdp_exp.models import spec_for
+
+    if cfg.data.tokenizer != MODEL_TOKENIZER:
+        return cfg.data.tokenizer
+    spec = spec_for(cfg.model)
+    own = spec.tokenizer_file(cfg.model)
+    if own is not None:
+        return str(own)
+    if spec.vocab_size(cfg.model) < ByteTokenizer.vocab_size:
+        fail(f"data.tokenizer=model: the model names no tokenizer found on this machine, and its vocabulary of "
+             f"{spec.vocab_size(cfg.model)} cannot hold the byte tokenizer's 256 ids.",
+             "pass data.tokenizer=<a tokenizer.json, its folder, or a hub name>")
+    return BYTE
+
+
+def model_vocab_size(cfg: RunConfig) -> int:
+    """The model's vocabulary, as its family reads it from the model config."""
+    from fsdp_exp.models import spec_for
+
+    return spec_for(cfg.model).vocab_size(cfg.model)
 
 
 def packed_splits(cfg: RunConfig, log: Optional[Callable[[str], None]] = None
@@ -100,11 +130,11 @@ def packed_splits(cfg: RunConfig, log: Optional[Callable[[str], None]] = None
     try:
         train_src, val_src = sources(d)
         root = cache_root(d)
-        train, built = find_or_pack(train_src, d.tokenizer, d.eos_token, t.seq_len, d.max_blocks, root, log)
+        train, built = find_or_pack(train_src, tokenizer_name(cfg), d.eos_token, t.seq_len, d.max_blocks, root, log)
         _check_packed(cfg, "training", train, train_src.key)
         val = val_built = None
         if val_src is not None:
-            val, val_built = find_or_pack(val_src, d.tokenizer, d.eos_token, t.seq_len, d.val_batches * G, root, log)
+            val, val_built = find_or_pack(val_src, tokenizer_name(cfg), d.eos_token, t.seq_len, d.val_batches * G, root, log)
             _check_packed(cfg, "validation", val, val_src.key)
     except (DataError, TokenizerError) as err:
         raise ConfigError(str(err)) from None
@@ -122,9 +152,9 @@ def _check_packed(cfg: RunConfig, split: str, packed: Packed, key: str) -> None:
               f"{m['num_blocks']} blocks of trainer.seq_len + 1 = {t.seq_len + 1} tokens, fewer than one global "
               f"batch (trainer.global_batch_size={t.global_batch_size}).",
               f"pass more text in {key}, a smaller trainer.seq_len or a smaller trainer.global_batch_size")
-    if m["max_id"] >= cfg.model.vocab_size:
+    if m["max_id"] >= model_vocab_size(cfg):
         fail(f"the {split} data holds token id {m['max_id']}, outside the model's embedding "
-              f"(model.vocab_size={cfg.model.vocab_size}).", f"pass model.vocab_size={m['vocab_size']}")
+              f"(model.vocab_size={model_vocab_size(cfg)}).", f"pass model.vocab_size={m['vocab_size']}")
 
 
 def _counts(meta: dict) -> dict:

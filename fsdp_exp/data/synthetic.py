@@ -31,7 +31,9 @@ class SyntheticSource:
 
 class SyntheticTokens(StepData):
     def __init__(self, cfg: RunConfig, topology: Topology, dp_rank: int, device: torch.device):
-        source = SyntheticSource(cfg.trainer.seed, cfg.model.vocab_size, cfg.trainer.seq_len)
+        from fsdp_exp.data import model_vocab_size
+
+        source = SyntheticSource(cfg.trainer.seed, model_vocab_size(cfg), cfg.trainer.seq_len)
         super().__init__(source, cfg, topology, dp_rank, device)
 
     def sample(self, index: int) -> torch.Tensor:

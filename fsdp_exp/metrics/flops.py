@@ -71,14 +71,14 @@ def counted_flops_per_token(cfg, seq_len: int, with_ac: bool) -> float:
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fsdp_exp.models import build_meta
+    from fsdp_exp.models import build_meta, spec_for
     from fsdp_exp.parallel import ac
 
     model = build_meta(cfg.model)
     if with_ac and cfg.ac.mode != "none":
         ac.apply(model, cfg)
     tokens = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, spec_for(cfg.model).shapes_only():
         model(tokens).float().sum().backward()
     return counter.get_total_flops() / seq_len
 

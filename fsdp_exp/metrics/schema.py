@@ -8,6 +8,13 @@ Units: GiB = 2**30 bytes; times in seconds; throughput in tokens per second; TFL
 Windows: ``step`` = that optimizer step; ``interval`` = since the previous logged step (peaks are
 reset after each log); ``cumulative`` = since the process started; ``run`` = over the post-warm-up
 steps of the whole run (summary only).
+
+W&B summary rules (``wandb_summary``, given to ``define_metric`` at ``wandb.init`` by
+fsdp_exp.record.wandb_sink): what W&B keeps in a run's summary, and so in its runs table, for a logged
+metric. Left alone, W&B keeps each metric's last value: one arbitrary step of a throughput, the last
+interval of a peak. W&B has no median, so where the run's value is a median over the measured steps
+(a ``summary/*`` key) the rule is ``none`` and only that key stands; peaks and holdings take ``max``;
+the ``summary/*`` keys themselves are set once at the end and take ``none`` (W&B derives nothing).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEMA_VERSION = 1
+WANDB_SUMMARY_RULES = ("min", "max", "mean", "last", "none")  # define_metric(summary=...) options used here
 
 
 @dataclass(frozen=True)
@@ -25,11 +33,18 @@ class Metric:
     ranks: str  # how ranks are combined: mean | max | min | rank0 | global
     description: str
     device: str = "any"  # any | cpu | cuda: where the metric exists
+    wandb_summary: str = ""  # one of WANDB_SUMMARY_RULES; a test makes every per-step metric declare it
+
+    def __post_init__(self):
+        # A run-window metric is set once, in the summary, at the end: W&B has no steps to derive it from.
+        if self.window == "run" and not self.wandb_summary:
+            object.__setattr__(self, "wandb_summary", "none")
 
 
 def _over_ranks(base: str, unit: str, window: str, description: str, device: str = "any",
-                aggs: tuple[str, ...] = ("max", "mean")) -> list[Metric]:
-    return [Metric(f"{base}_{agg}", unit, window, agg, f"{description} ({agg} over ranks)", device) for agg in aggs]
+                aggs: tuple[str, ...] = ("max", "mean"), wandb_summary: str = "max") -> list[Metric]:
+    return [Metric(f"{base}_{agg}", unit, window, agg, f"{description} ({agg} over ranks)", device, wandb_summary)
+            for agg in aggs]
 
 
 # The phases of a training step, as the memory tracker and the planner split it (fsdp_exp.metrics.tracker).
@@ -40,35 +55,51 @@ _PHASES = {
 }
 
 STEP_METRICS: list[Metric] = [
-    Metric("step", "count", "step", "rank0", "optimizer steps completed (1-based)"),
-    Metric("train/loss", "nats", "step", "mean", "cross-entropy per token, averaged over the global batch"),
-    Metric("train/lr", "1", "step", "rank0", "learning rate used by this step's update"),
-    Metric("train/grad_norm", "1", "step", "global", "L2 norm of the full gradient before clipping"),
+    Metric("step", "count", "step", "rank0", "optimizer steps completed (1-based); W&B's x axis for every "
+           "per-step metric (its step_metric)", wandb_summary="max"),
+    Metric("train/loss", "nats", "step", "mean", "cross-entropy per token, averaged over the global batch",
+           wandb_summary="min"),
+    Metric("train/lr", "1", "step", "rank0", "learning rate used by this step's update",
+           wandb_summary="last"),
+    Metric("train/grad_norm", "1", "step", "global", "L2 norm of the full gradient before clipping",
+           wandb_summary="max"),
     Metric("perf/step_time_s", "s", "step", "rank0",
-           "wall time of the step: forward, backward, optimizer and the metrics' all-gather over ranks"),
-    Metric("perf/tokens_per_s", "tokens/s", "step", "global", "tokens of the global batch / step time"),
-    Metric("perf/tokens_per_s_per_rank", "tokens/s", "step", "mean", "perf/tokens_per_s / world size"),
+           "wall time of the step: forward, backward, optimizer and the metrics' all-gather over ranks",
+           wandb_summary="none"),
+    Metric("perf/tokens_per_s", "tokens/s", "step", "global", "tokens of the global batch / step time",
+           wandb_summary="none"),
+    Metric("perf/tokens_per_s_per_rank", "tokens/s", "step", "mean", "perf/tokens_per_s / world size",
+           wandb_summary="none"),
     Metric("perf/tflops_per_rank", "TFLOPS", "step", "mean",
-           "model FLOPs per token x tokens/s per rank / 1e12 (6N + 12LdS, no recompute)"),
+           "model FLOPs per token x tokens/s per rank / 1e12 (6N + 12LdS, no recompute)", wandb_summary="none"),
     Metric("perf/mfu", "fraction", "step", "mean",
            "perf/tflops_per_rank / the peak TFLOPS of one rank's device in the compute dtype (GPU: data "
-           "sheet; CPU: measured, see run.json env.peak_tflops_source); null when unknown"),
+           "sheet; CPU: measured, see run.json env.peak_tflops_source); null when unknown", wandb_summary="none"),
     Metric("perf/hfu", "fraction", "step", "mean",
            "as perf/mfu, with the FLOPs that activation checkpointing recomputes added (counted by torch's "
-           "FlopCounterMode on the meta model; equals perf/mfu without ac); null when the peak is unknown"),
+           "FlopCounterMode on the meta model; equals perf/mfu without ac); null when the peak is unknown",
+           wandb_summary="none"),
     Metric("perf/data_time_s", "s", "step", "max",
            "time the step waited for its data (fetch, and copy to the device; part of perf/step_time_s); "
-           "near 0 when loading keeps up, a large share of the step when it starves"),
+           "near 0 when loading keeps up, a large share of the step when it starves", wandb_summary="mean"),
+    Metric("perf/setup_time_s", "s", "step", "max",
+           "from the start of building the model to the optimizer being ready (build on meta, shard or wrap, "
+           "materialize and initialize, engine creation; process-group start-up excluded), slowest rank; in the "
+           "first logged row only", wandb_summary="max"),
+    Metric("perf/first_step_time_s", "s", "step", "rank0",
+           "wall time of the first step this process ran (where lazy buffers are allocated); in the first "
+           "logged row only", wandb_summary="max"),
     *_over_ranks("mem/params_gib", "GiB", "step", "parameter bytes this rank holds (its shards)"),
     *_over_ranks("mem/grads_gib", "GiB", "step", "gradient bytes this rank holds after backward"),
     *_over_ranks("mem/optim_state_gib", "GiB", "step", "optimizer state bytes this rank holds"),
     *_over_ranks("mem/model_states_gib", "GiB", "step", "params + grads + optimizer state of this rank"),
     Metric("mem/predicted_model_states_gib", "GiB", "step", "max",
            "the memory planner's (fsdp_exp.plan) params + grads + optimizer state of the largest rank, device "
-           "and host; the same in every row; compare with mem/model_states_gib_max"),
+           "and host; the same in every row; compare with mem/model_states_gib_max", wandb_summary="max"),
     Metric("mem/predicted_peak_gib", "GiB", "step", "max",
            "the memory planner's peak of the largest rank during a step, before its allocator margin; the same "
-           "in every row; compare with mem/tracked_total_gib_max (CUDA: mem/peak_allocated_gib_max)"),
+           "in every row; compare with mem/tracked_total_gib_max (CUDA: mem/peak_allocated_gib_max)",
+           wandb_summary="max"),
     *_over_ranks("mem/host_rss_gib", "GiB", "step", "resident host memory of the rank's process, now"),
     *_over_ranks("mem/host_peak_rss_gib", "GiB", "cumulative", "peak resident host memory of the rank's process"),
     *_over_ranks("mem/peak_allocated_gib", "GiB", "interval", "CUDA allocator peak allocated bytes", "cuda"),
@@ -84,8 +115,8 @@ STEP_METRICS: list[Metric] = [
 EVAL_METRICS: list[Metric] = [
     Metric("val/loss", "nats", "step", "mean",
            "cross-entropy per token on data.val_batches global batches of the validation data (the same "
-           "blocks at every evaluation); measured after the step, outside perf/step_time_s"),
-    Metric("val/perplexity", "1", "step", "mean", "exp(val/loss)"),
+           "blocks at every evaluation); measured after the step, outside perf/step_time_s", wandb_summary="min"),
+    Metric("val/perplexity", "1", "step", "mean", "exp(val/loss)", wandb_summary="min"),
 ]
 
 # Logged in the row of the sampled step (trainer.track_memory_step, by default the last warm-up step):
@@ -109,12 +140,12 @@ TRACKED_METRICS: list[Metric] = [
 ] + [
     Metric(f"mem/tracked_{phase}_{kind}_gib_max", "GiB", "step", "max",
            f"at the peak of the sampled step's {where}: {what} (max over ranks; each rank's in "
-           f"run.json[\"memory_breakdown\"][\"phases\"])")
+           f"run.json[\"memory_breakdown\"][\"phases\"])", wandb_summary="max")
     for phase, where in _PHASES.items() for kind, what in _TRACKED_KINDS.items()
 ] + [
     Metric(f"mem/predicted_{phase}_peak_gib", "GiB", "step", "max",
            f"the memory planner's peak of the largest rank during the {phase} phase (run.json[\"plan\"]"
-           f"[\"stage_peaks\"]); compare with mem/tracked_{phase}_total_gib_max")
+           f"[\"stage_peaks\"]); compare with mem/tracked_{phase}_total_gib_max", wandb_summary="max")
     for phase in _PHASES
 ] + [
     Metric("summary/tracked_peak_gib_max", "GiB", "run", "max",
@@ -137,9 +168,12 @@ _COMM = {
     "step_s": "wall time of the profiled step (with the profiler's overhead; not in the summary)",
     "exposed_fraction": "comm/exposed_s / comm/step_s",
 }
+# comm/*: the mean over the profiled steps, but none where a summary median stands, and none for the step
+# time the profiler slowed down.
+_COMM_SUMMARY = {"total_s": "none", "exposed_s": "none", "step_s": "none"}
 COMM_METRICS: list[Metric] = [
     Metric(f"comm/{name}", "fraction" if name.endswith("fraction") else "s", "step", "max",
-           f"{what} (max over ranks; each rank's in run.json[\"comm\"])")
+           f"{what} (max over ranks; each rank's in run.json[\"comm\"])", wandb_summary=_COMM_SUMMARY.get(name, "mean"))
     for name, what in _COMM.items()
 ] + [
     Metric(f"summary/comm_{name}_median", "s", "run", "max", f"in the summary: median of comm/{name} over the "
@@ -167,11 +201,19 @@ SUMMARY_METRICS: list[Metric] = [
     Metric("summary/final_loss", "nats", "run", "mean", "train/loss of the last step"),
     Metric("summary/model_states_gib_max", "GiB", "run", "max", "largest mem/model_states_gib_max of the run"),
     Metric("summary/host_peak_rss_gib_max", "GiB", "run", "max", "largest mem/host_peak_rss_gib_max of the run"),
+    Metric("summary/setup_time_s", "s", "run", "max", "perf/setup_time_s of this run (of its last start, when resumed)"),
+    Metric("summary/first_step_time_s", "s", "run", "rank0", "perf/first_step_time_s of this run (of its last start)"),
     Metric("summary/peak_allocated_gib_max", "GiB", "run", "max", "largest mem/peak_allocated_gib_max", "cuda"),
     Metric("summary/peak_reserved_gib_max", "GiB", "run", "max", "largest mem/peak_reserved_gib_max", "cuda"),
     Metric("summary/peak_active_gib_max", "GiB", "run", "max", "largest mem/peak_active_gib_max", "cuda"),
     Metric("summary/alloc_retries_max", "count", "run", "max", "mem/alloc_retries_max at the end of the run", "cuda"),
     Metric("summary/ooms_max", "count", "run", "max", "mem/ooms_max at the end of the run", "cuda"),
+    Metric("summary/peak_gib", "GiB", "run", "max",
+           "the peak memory per rank the report ranks and plots by: the best measurement the run has, "
+           "summary/peak_allocated_gib_max, else summary/tracked_peak_gib_max, else summary/model_states_gib_max "
+           "(fsdp_exp.metrics.peak)"),
+    Metric("summary/peak_source", "text", "run", "max",
+           "which of those summary/peak_gib is: cuda, tracked or model states (a lower bound: no activations)"),
 ]
 
 ALL_METRICS = {m.name: m for m in STEP_METRICS + EVAL_METRICS + TRACKED_METRICS + COMM_METRICS + SUMMARY_METRICS}
@@ -187,6 +229,11 @@ def render_markdown() -> str:
         "(peaks are reset after each log); `cumulative` = since the process started; `run` = over the "
         "post-warm-up steps (summary only). Ranks: how the per-rank values are combined.",
         "",
+        "W&B summary: what W&B keeps in the run's summary (its runs table) for the metric, declared with "
+        "`define_metric` when the run starts: `min`/`max`/`mean`/`last` over the logged steps (shown as "
+        "`<name>.<rule>`), or `none` (nothing derived: for throughput and step time the `summary/*` medians are "
+        "the run's values; the `summary/*` keys are set once at the end). W&B has no median.",
+        "",
     ]
     for title, metrics in (("Per logged step (W&B history, metrics.jsonl)", STEP_METRICS),
                            ("Per evaluation (in the step's row, every trainer.eval_every steps)", EVAL_METRICS),
@@ -195,8 +242,10 @@ def render_markdown() -> str:
                            ("Communication of a profiled step (trainer.profile_steps; in its row, and "
                             "run.json[\"comm\"])", COMM_METRICS),
                            ("Run summary (W&B summary, run.json[\"summary\"])", SUMMARY_METRICS)):
-        lines += [f"## {title}", "", "| name | unit | window | ranks | device | meaning |", "|---|---|---|---|---|---|"]
-        lines += [f"| `{m.name}` | {m.unit} | {m.window} | {m.ranks} | {m.device} | {m.description} |" for m in metrics]
+        lines += [f"## {title}", "", "| name | unit | window | ranks | device | W&B summary | meaning |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| `{m.name}` | {m.unit} | {m.window} | {m.ranks} | {m.device} | {m.wandb_summary} | "
+                  f"{m.description} |" for m in metrics]
         lines.append("")
     return "\n".join(lines)
 

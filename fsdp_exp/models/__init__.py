@@ -4,7 +4,8 @@ parameter names and the seeded initialization that gives the same values at any 
 
 Models are plain ``nn.Module``s; everything parallel is applied from outside by fsdp_exp.parallel,
 which reads what it needs (the block class, the tensor-parallel plan) from the family's spec.
-A new family is one module with a ``ModelSpec`` subclass and one line in ``REGISTRY``.
+A new family is one module with a ``ModelSpec`` subclass and one line in ``REGISTRY``, plus its config
+schema in ``fsdp_exp.config.schema.MODEL_SCHEMAS`` (which its presets name: ``schema/<name>@_here_``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import zlib
 from typing import TYPE_CHECKING
 
 from fsdp_exp.errors import fail
+from fsdp_exp.models.hf import HF
 from fsdp_exp.models.llama_spec import LLAMA
 from fsdp_exp.models.spec import ModelSpec
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 
 REGISTRY: dict[str, ModelSpec] = {
     LLAMA.name: LLAMA,
+    HF.name: HF,  # any Hugging Face causal LM (transformers is optional: fsdp_exp[hf])
 }
 
 
@@ -36,6 +39,12 @@ def get_spec(name: str) -> ModelSpec:
         fail(f"model.name={name!r} is not a known architecture ({', '.join(sorted(REGISTRY))}).",
              f"{hint}pick a preset with model=llama_tiny|llama7b|... or pass model.name=llama")
     return REGISTRY[name]
+
+
+def fetch_model_files(cfg: "ModelConfig") -> None:
+    """The launcher's part, before preflight (which does no network I/O): what the model config names
+    from afar (a hub name's config.json) into its local cache (the family's ``fetch``)."""
+    get_spec(cfg.name).fetch(cfg)
 
 
 def spec_for(cfg: "ModelConfig") -> ModelSpec:
@@ -87,15 +96,9 @@ def canonical_name(name: str) -> str:
 def full_param_init(model: "nn.Module", name: str, shape: "torch.Size", seed: int,
                     device: "torch.device") -> "torch.Tensor":
     """The full (unsharded) initial value of parameter ``name``: a function of (seed, name) only."""
-    import torch
-
-    name = canonical_name(name)
-    std = spec_of(model).init_std(model, name)
-    full = torch.empty(shape, dtype=torch.float32, device=device)
-    if std is None:
-        return full.fill_(1.0)
-    gen = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
-    return full.normal_(0.0, std, generator=gen)
+    spec = spec_of(model)
+    name = spec.init_name(model, canonical_name(name))
+    return spec.full_param(model, name, shape, _param_seed(seed, name), device)
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -113,6 +116,7 @@ def init_weights(model: "nn.Module", seed: int, device: "torch.device") -> None:
     import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    spec_of(model).retie(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
             local = param.to_local() if isinstance(param, DTensor) else param

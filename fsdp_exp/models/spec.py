@@ -19,6 +19,8 @@ A family is a ``ModelSpec`` subclass with one instance in ``fsdp_exp.models.REGI
 - **the planner's inventory**: ``inventory`` (every parameter with its block and its tensor-parallel
   dim, the input and output parameters, buffer bytes; cached per model config) and ``activations``
   (an ``ActivationProfile``: what one block saves for backward, per rank and micro-batch).
+- **what the rest of the run reads of the config** (``vocab_size``, ``max_seq_len``, ``architecture``)
+  and what the launcher fetches before preflight (``fetch``: a hub config into the local cache).
 """
 
 from __future__ import annotations
@@ -164,9 +166,54 @@ class ModelSpec:
     def check_tensor_parallel(self, cfg, tp: int) -> None:
         """Refuse a ``parallel.tp`` that does not divide what the plan shards."""
 
+    def fetch(self, cfg) -> None:
+        """Called by the launcher before preflight: bring what the config names from afar (a hub name)
+        into a local cache, so that preflight and the ranks read local files only."""
+
+    def vocab_size(self, cfg) -> int:
+        return cfg.vocab_size
+
+    def max_seq_len(self, cfg) -> int:
+        return cfg.max_seq_len
+
+    def tokenizer_file(self, cfg):
+        """The model's own tokenizer (a tokenizer.json path) where this machine has it, else None
+        (``data.tokenizer=model``)."""
+        return None
+
+    def architecture(self, cfg) -> str:
+        """The architecture's name, as the record and the W&B tags show it."""
+        return self.name
+
     # ------------------------------------------------------------------------------ build
     def build(self, cfg) -> "nn.Module":
         raise NotImplementedError
+
+    def block_class_of(self, cfg) -> type:
+        """The block class of a model of ``cfg`` (a family whose block class depends on the config overrides it)."""
+        return self.block_class
+
+    def input_modules_of(self, cfg) -> tuple[str, ...]:
+        return self.input_modules
+
+    def output_modules_of(self, cfg) -> tuple[str, ...]:
+        return self.output_modules
+
+    def init_name(self, model: "nn.Module", name: str) -> str:
+        """The name a parameter is drawn under: a tied parameter has one value, under its first name."""
+        return name
+
+    def full_param(self, model: "nn.Module", name: str, shape: "torch.Size", seed: int,
+                   device: "torch.device") -> "torch.Tensor":
+        """The full initial value of parameter ``name`` (canonical), drawn from a generator seeded with
+        ``seed`` alone. Default: normal with ``init_std``, or ones where it is None."""
+        import torch
+
+        std = self.init_std(model, name)
+        full = torch.empty(shape, dtype=torch.float32, device=device)
+        if std is None:
+            return full.fill_(1.0)
+        return full.normal_(0.0, std, generator=torch.Generator(device=device).manual_seed(seed))
 
     def init_std(self, model: "nn.Module", name: str) -> Optional[float]:
         """Std of the normal init of parameter ``name`` (canonical), or None for ones (norm weights).
@@ -180,6 +227,17 @@ class ModelSpec:
     def tied_weights(self, cfg) -> dict[str, str]:
         """Parameter name -> the parameter it is tied to (the same tensor)."""
         return {}
+
+    def shapes_only(self):
+        """A context in which the model runs on meta or fake tensors (FLOP counting, the planner's
+        measurements) as it runs on real ones: a family whose forward reads tensor values overrides it."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def retie(self, model: "nn.Module") -> None:
+        """Make tied parameters one tensor again where ``to_empty`` made them two (it materializes each
+        module's parameters on its own); called before the initialization fills them."""
 
     def flops_per_token(self, cfg, seq_len: int) -> int:
         raise NotImplementedError
@@ -231,7 +289,8 @@ class ModelSpec:
 
     def _read_inventory(self, cfg) -> Inventory:
         model = self.meta_model(cfg)
-        blocks = tuple(name for name, m in model.named_modules() if isinstance(m, self.block_class))
+        block_class = self.block_class_of(cfg)
+        blocks = tuple(name for name, m in model.named_modules() if isinstance(m, block_class))
         plan = self.tensor_parallel_plan(cfg)
         params = []
         for name, p in model.named_parameters():  # tied duplicates once
@@ -244,7 +303,8 @@ class ModelSpec:
             return frozenset(p.name for p in params if p.name.startswith(tuple(m + "." for m in modules)))
 
         buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-        return Inventory(tuple(params), blocks, under(self.input_modules), under(self.output_modules), buffer_bytes)
+        return Inventory(tuple(params), blocks, under(self.input_modules_of(cfg)), under(self.output_modules_of(cfg)),
+                         buffer_bytes)
 
 
 CACHE_SIZE = 16  # model configs whose meta model and inventory are kept

@@ -49,8 +49,11 @@ class Parallelized:
     def build_optimizer(self, decay_names: set[str]):
         return self.backend.build_optimizer(self.model, self.cfg, decay_names)
 
+    def zero_grad(self, optimizer) -> None:
+        self.backend.zero_grad(self.model, optimizer)
+
     def backward(self, loss: "torch.Tensor", scaler) -> None:
-        self.backend.backward(loss, scaler)
+        self.backend.backward(self.model, loss, scaler)
 
     def optimizer_step(self, optimizer, scaler, max_norm: float) -> "torch.Tensor":
         return self.backend.optimizer_step(self.model, optimizer, scaler, max_norm)

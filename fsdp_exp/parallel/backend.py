@@ -39,6 +39,7 @@ BACKEND_MODULES: dict[str, str] = {
     "fsdp2": "fsdp_exp.parallel.fsdp2",
     "fsdp1": "fsdp_exp.parallel.fsdp1",
     "ddp": "fsdp_exp.parallel.ddp",
+    "deepspeed": "fsdp_exp.parallel.deepspeed",  # optional dependency: pip install fsdp_exp[deepspeed]
 }
 
 
@@ -51,7 +52,7 @@ def check_backend_name(name: str) -> None:
     if name in BACKEND_MODULES:
         return
     close = difflib.get_close_matches(name, BACKEND_MODULES, n=1)
-    presets = "(or a preset: sharding=full|grad_op|hybrid|no_shard|ddp)"
+    presets = "(or a preset: sharding=full|grad_op|hybrid|no_shard|ddp|optimizer|zero1|zero2|zero3)"
     fail(f"sharding.backend={name!r} is not one of {', '.join(BACKEND_MODULES)}.",
          f"did you mean sharding.backend={close[0]}? {presets}" if close
          else f"pass sharding.backend=fsdp2 {presets}")
@@ -81,6 +82,9 @@ class PlannerRules:
     ``gradient_buckets``: gradients are reduced through full-size buckets (DDP).
     ``offloads``: ``offload=params`` moves the states to the host under this backend.
     ``notes``: assumptions the planner states for this backend (e.g. a schedule it borrows).
+    ``zero_stage``: DeepSpeed's layout of the states at rest (0-3: low-precision parameters, fp32 master
+    partitions, gradients, AdamW moments, each partitioned from its ZeRO stage on), or None (FSDP's and
+    DDP's: fp32 parameters, gradients and moments, laid out by ``param_layout``).
     """
 
     param_layout: str
@@ -91,6 +95,8 @@ class PlannerRules:
     gradient_buckets: bool
     offloads: bool
     notes: tuple[str, ...] = ()
+    zero_stage: Optional[int] = None
+    shards_optimizer: bool = False  # the optimizer state is split over the data-parallel ranks (ZeRO-1 on DDP)
 
 
 class Backend:
@@ -100,6 +106,10 @@ class Backend:
     api: str = ""  # what users see torch call it, e.g. torch.distributed.fsdp.fully_shard
     strategies: tuple[str, ...] = ()  # the sharding strategies it can run
     tracks_memory: bool = True  # torch's memory trackers can follow this backend's parameters
+
+    def missing_dependency(self) -> Optional[str]:
+        """What to install for this backend when a package it needs is missing (None: nothing)."""
+        return None
 
     def refuse(self, knob: str, why: str, fix: str) -> None:
         """Refuse a knob this backend cannot honour (the one message shape every backend uses)."""
@@ -132,6 +142,13 @@ class Backend:
         """The plain model inside the wrapper (itself for in-place backends)."""
         return getattr(model, "module", model)
 
+    def model_state_counter(self, model: "nn.Module", optimizer):
+        """A callable returning this rank's model-state bytes now ({params, grads, optim_state,
+        model_states}), cheap enough for every step (``fsdp_exp.metrics.memory.ModelStateBytes``)."""
+        from fsdp_exp.metrics.memory import ModelStateBytes
+
+        return ModelStateBytes(model, optimizer)
+
     def memory_tracker(self, model: "nn.Module", optimizer: "torch.optim.Optimizer"):
         """A torch memory tracker (a context manager) that follows one step of ``model`` (when
         ``tracks_memory``): the generic ``MemTracker`` unless the backend has a better one."""
@@ -146,6 +163,10 @@ class Backend:
         from fsdp_exp.optim import build_optimizer
 
         return build_optimizer(model, cfg.optim, decay_names)
+
+    def zero_grad(self, model: "nn.Module", optimizer) -> None:
+        """At the start of a step: drop the previous step's gradients."""
+        optimizer.zero_grad(set_to_none=True)
 
     def gradient_sync(self, model: "nn.Module", enabled: bool):
         """A context for one micro-batch's backward: reduce gradients only when ``enabled``."""
@@ -164,7 +185,7 @@ class Backend:
 
         return ShardedGradScaler(device=device.type)  # all-reduces inf checks over the shards
 
-    def backward(self, loss: "torch.Tensor", scaler) -> None:
+    def backward(self, model: "nn.Module", loss: "torch.Tensor", scaler) -> None:
         """Backpropagate one micro-batch's loss (scaled when a loss scaler is in use)."""
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
@@ -182,6 +203,38 @@ class Backend:
         return grad_norm
 
     # ------------------------------------------------------------------------------ checkpoint
+    # What a checkpoint's shards are written in (recorded in its fsdp_exp_checkpoint.json; resume refuses
+    # another format).
+    checkpoint_format: str = "torch.distributed.checkpoint"
+
+    def save_checkpoint(self, sharded, folder, *, writer, step: int, rank: int, debug, process_group=None,
+                        async_save: bool = False):
+        """Write this rank's share of the model and optimizer (``sharded``, fsdp_exp/checkpoint/states.py)
+        into ``folder`` through ``writer`` (which injects ``debug``'s save faults). Returns DCP's future when
+        ``async_save``, else None."""
+        import torch.distributed.checkpoint as dcp
+
+        state = sharded.state_dict()
+        if async_save:
+            return dcp.async_save(state, storage_writer=writer, process_group=process_group)
+        dcp.save(state, storage_writer=writer)
+        return None
+
+    def load_checkpoint(self, sharded, folder, meta: dict, world_size: int) -> None:
+        """Load ``folder`` (saved by a run ``meta`` describes) into ``sharded``; a conversion torch refuses
+        raises (the checkpoint manager says from what to what)."""
+        import torch.distributed.checkpoint as dcp
+
+        state = sharded.state_dict()
+        dcp.load(state, checkpoint_id=str(folder))
+        sharded.load_state_dict(state)
+
+    def full_state_dict(self, model: "nn.Module") -> dict:
+        """The whole model on rank 0 (canonical names, fp32 on the CPU; other ranks get ``{}``): the export."""
+        from fsdp_exp.export import full_state_dict
+
+        return full_state_dict(model)
+
     def state_dict_options(self) -> dict:
         """Extra keyword arguments for torch.distributed.checkpoint.state_dict's ``StateDictOptions``."""
         return {}

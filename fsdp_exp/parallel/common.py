@@ -59,3 +59,15 @@ def refuse_fsdp2_only_knobs(backend, cfg) -> None:
     if cfg.precision.output_dtype is not None:
         backend.refuse("precision.output_dtype", "only FSDP2's MixedPrecisionPolicy casts the outputs.",
                        "drop precision.output_dtype")
+
+
+def refuse_zero_only_knobs(backend, cfg) -> None:
+    """FSDP2 and FSDP1: refuse ZeRO-1 (sharding=optimizer) and an optimizer-only offload, naming who has them."""
+    if cfg.sharding.strategy == "optimizer":
+        backend.refuse("sharding=optimizer (ZeRO-1: optimizer state sharded only)", "FSDP shards the parameters "
+                       "and gradients with the optimizer state; it has no optimizer-only strategy.",
+                       "pass sharding=optimizer (DDP + ZeroRedundancyOptimizer) or sharding=zero1 (DeepSpeed), or "
+                       "sharding=grad_op for FSDP's closest (ZeRO-2)")
+    if cfg.offload.optimizer:
+        backend.refuse("offload=optimizer", "FSDP's CPU offload moves parameters, gradients and the optimizer step "
+                       "together (docs/vocabulary.md).", "pass offload=params, or sharding.backend=deepspeed")

@@ -3,11 +3,17 @@
 Every rank holds the whole model; gradients are all-reduced in buckets during backward. Mixed
 precision is DDP's usual kind: ``torch.autocast`` to ``precision.param_dtype`` for compute, and a
 communication hook that compresses gradients to ``precision.reduce_dtype`` when it is bf16/fp16.
+
+``sharding=optimizer`` (ZeRO-1) keeps DDP and shards the optimizer state with torch's
+``ZeroRedundancyOptimizer``: each rank steps AdamW for its share of the parameters, then broadcasts
+them. Its checkpoints keep the model in torch.distributed.checkpoint and the optimizer state
+consolidated on rank 0 (``zero_optimizer.pt``), which loads at any world size.
 """
 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,20 +27,22 @@ from fsdp_exp.models import init_weights
 from fsdp_exp.parallel.backend import Backend, PlannerRules
 from fsdp_exp.parallel.common import describe, dtype_of, refuse_fsdp2_only_knobs
 
+ZERO_OPTIMIZER_FILE = "zero_optimizer.pt"  # sharding=optimizer: the consolidated optimizer state (rank 0)
 COMM_HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
 
 
 class DDP(Backend):
     name = "ddp"
     api = "torch.nn.parallel.DistributedDataParallel"
-    strategies = ("no_shard",)
+    strategies = ("no_shard", "optimizer")
     column_title = "DDP"
 
     def check(self, cfg: RunConfig, device_type: str) -> None:
         s, p, pf, w = cfg.sharding, cfg.precision, cfg.prefetch, cfg.wrap
         if s.strategy not in self.strategies:
             fail(f"DDP replicates the model; it cannot do sharding.strategy={s.strategy}.",
-                 "pass sharding=ddp alone, or sharding.backend=fsdp2 for a sharded strategy")
+                 "pass sharding=ddp (or sharding=optimizer: ZeroRedundancyOptimizer), or sharding.backend=fsdp2 "
+                 "for a sharded strategy")
         refuse_fsdp2_only_knobs(self, cfg)
         if pf != PrefetchConfig():
             self.refuse("a prefetch setting", "DDP has no all-gathers to prefetch.",
@@ -46,9 +54,11 @@ class DDP(Backend):
             if getattr(s, knob) is not None:
                 self.refuse(f"sharding.{knob}", "DDP trains the original parameters, and fsdp_exp initializes "
                             "every replica identically by seed.", f"drop sharding.{knob}")
-        if cfg.offload.params:
-            self.refuse("offload=params", "DDP keeps full replicas on the device.",
-                        "pass sharding=no_shard (FSDP2 replication with offload) or offload=none")
+        if cfg.offload.params or cfg.offload.optimizer:
+            self.refuse("offload=params" if cfg.offload.params else "offload=optimizer",
+                        "DDP keeps full replicas (and ZeroRedundancyOptimizer its shard) on the device.",
+                        "pass offload=none, or sharding=no_shard (FSDP2 replication with offload=params), or "
+                        "sharding=zero1 offload=optimizer (DeepSpeed)")
         if p.reduce_dtype == "bf16" and device_type == "cpu":
             self.refuse("precision.reduce_dtype=bf16 on CPU", "torch's bf16 gradient-compression hook for DDP "
                         "needs NCCL (CUDA) or XCCL.", "pass precision.reduce_dtype=fp32 (e.g. precision=bf16)")
@@ -89,7 +99,27 @@ class DDP(Backend):
         return [{"module": "<root>", "class": type(model).__name__, "comm_hooks": hooks,
                  "process_group_size": model.process_group.size(), "num_params": len(list(model.parameters()))}]
 
+    def model_state_counter(self, model: nn.Module, optimizer):
+        from fsdp_exp.metrics.memory import ModelStateBytes
+
+        return ModelStateBytes(model, getattr(optimizer, "optim", optimizer))  # ZeRO-1: this rank's AdamW
+
     # ------------------------------------------------------------------------- training step
+    def build_optimizer(self, model: nn.Module, cfg: RunConfig, decay_names: set[str]):
+        """AdamW; under sharding=optimizer wrapped by ``ZeroRedundancyOptimizer`` (same groups, same steps)."""
+        from fsdp_exp.optim import build_optimizer
+
+        optimizer = build_optimizer(model, cfg.optim, decay_names)
+        if cfg.sharding.strategy != "optimizer":
+            return optimizer
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        zero = ZeroRedundancyOptimizer(
+            [{k: v for k, v in group.items() if k in ("params", "weight_decay")} for group in optimizer.param_groups],
+            optimizer_class=torch.optim.AdamW, process_group=model.process_group,
+            **{k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps")})
+        return zero
+
     def autocast(self, cfg: RunConfig, device: torch.device):
         if cfg.precision.param_dtype == "fp32":
             return contextlib.nullcontext()
@@ -105,15 +135,51 @@ class DDP(Backend):
     def planner_rules(self, cfg: RunConfig) -> PlannerRules:
         return PlannerRules(param_layout="replicated", gathers_units=False,
                             autocast=cfg.precision.param_dtype != "fp32", root_output_dtype=None,
-                            reshard_after_forward=False, gradient_buckets=True, offloads=False)
+                            reshard_after_forward=False, gradient_buckets=True, offloads=False,
+                            shards_optimizer=cfg.sharding.strategy == "optimizer")
 
     def shard_group(self, topology: Topology) -> int:
         return 1  # every rank holds whole parameters
+
+    # ------------------------------------------------------------------------------ checkpoint
+    def save_checkpoint(self, sharded, folder, *, writer, step: int, rank: int, debug, process_group=None,
+                        async_save: bool = False):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if not isinstance(sharded.optimizer, ZeroRedundancyOptimizer):
+            return super().save_checkpoint(sharded, folder, writer=writer, step=step, rank=rank, debug=debug,
+                                           process_group=process_group, async_save=async_save)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        sharded.optimizer.consolidate_state_dict(to=0)  # a collective: every rank sends its share to rank 0
+        if rank == 0:
+            torch.save(sharded.optimizer.state_dict(), Path(folder) / ZERO_OPTIMIZER_FILE)
+        dcp.save({"model": get_model_state_dict(sharded.model)}, storage_writer=writer)
+        return None
+
+    def load_checkpoint(self, sharded, folder, meta: dict, world_size: int) -> None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if not isinstance(sharded.optimizer, ZeroRedundancyOptimizer):
+            return super().load_checkpoint(sharded, folder, meta, world_size)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        file = Path(folder) / ZERO_OPTIMIZER_FILE
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: the checkpoint holds no consolidated ZeroRedundancyOptimizer state "
+                                    "(it was saved with another sharding strategy)")
+        state = {"model": get_model_state_dict(sharded.model)}
+        dcp.load(state, checkpoint_id=str(folder))
+        set_model_state_dict(sharded.model, state["model"])
+        sharded.optimizer.load_state_dict(torch.load(file, weights_only=True))  # each rank keeps its share
 
     # ------------------------------------------------------------------------------------ docs
     def vocabulary(self) -> dict[str, str]:
         return {
             "sharding=no_shard": "`DistributedDataParallel` (`sharding=ddp`)",
+            "sharding=optimizer": "`DistributedDataParallel` + `ZeroRedundancyOptimizer(AdamW)` (`sharding=optimizer`)",
             "precision.param_dtype": "`torch.autocast(dtype)`",
             "precision.reduce_dtype": "`bf16_compress_hook` / `fp16_compress_hook` (bf16 needs NCCL)",
             "precision.cast_forward_inputs": "must stay true",

@@ -21,9 +21,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_exp.config import RunConfig
-from fsdp_exp.models import REGISTRY, canonical_name, full_param_init
+from fsdp_exp.models import canonical_name, full_param_init, spec_for, spec_of
 from fsdp_exp.parallel.backend import Backend, PlannerRules
-from fsdp_exp.parallel.common import describe, dtype_of, refuse_fsdp2_only_knobs, unit_label
+from fsdp_exp.parallel.common import (describe, dtype_of, refuse_fsdp2_only_knobs, refuse_zero_only_knobs,
+                                      unit_label)
 from fsdp_exp.parallel.digests import tensor_hash
 from fsdp_exp.parallel.wrap import unit_names
 
@@ -70,7 +71,7 @@ def auto_wrap_policy(model: nn.Module, cfg: RunConfig):
     if policy == "none":
         return None
     if policy == "block":
-        return ModuleWrapPolicy({REGISTRY[cfg.model.name].block_class})
+        return ModuleWrapPolicy({spec_for(cfg.model).block_class_of(cfg.model)})
     if policy == "size":
         return functools.partial(size_based_auto_wrap_policy, min_num_params=cfg.wrap.min_num_params)
     chosen = {id(model.get_submodule(name)) for name in unit_names(model, cfg)}  # experts, then blocks
@@ -90,6 +91,7 @@ class FSDP1(Backend):
 
     def check(self, cfg: RunConfig, device_type: str) -> None:
         refuse_fsdp2_only_knobs(self, cfg)
+        refuse_zero_only_knobs(self, cfg)
         s, pf = cfg.sharding, cfg.prefetch
         if pf.forward > 1 or (pf.backward or 0) > 1:
             self.refuse(f"prefetch depth forward={pf.forward} backward={pf.backward}",
@@ -139,7 +141,7 @@ class FSDP1(Backend):
         if cfg.sharding.strategy == "hybrid":
             kwargs["device_mesh"] = mesh  # 2-D (replicate, shard): never let FSDP1 guess the groups
         wrapped = FullyShardedDataParallel(model, param_init_fn=param_init_fn, **kwargs)
-        wrapped.module.init_buffers(device)
+        spec_of(wrapped.module).init_buffers(wrapped.module, device)
         units = [name or "<root>" for name, m in wrapped.named_modules()
                  if isinstance(m, FullyShardedDataParallel)]
         return wrapped, {

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_exp.config import RunConfig
 from fsdp_exp.models import init_weights
 from fsdp_exp.parallel.backend import Backend, PlannerRules
-from fsdp_exp.parallel.common import describe, dtype_of, unit_label
+from fsdp_exp.parallel.common import describe, dtype_of, refuse_zero_only_knobs, unit_label
 from fsdp_exp.parallel.wrap import top_level, unit_names
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ class FSDP2(Backend):
 
     def check(self, cfg: RunConfig, device_type: str) -> None:
         s, p, pf = cfg.sharding, cfg.precision, cfg.prefetch
+        refuse_zero_only_knobs(self, cfg)
         if pf.backward == 0:
             self.refuse("prefetch.backward=0", "FSDP2 always prefetches at least one unit in backward (an empty "
                         "prefetch list means its implicit one).",

@@ -10,13 +10,13 @@ from __future__ import annotations
 from torch import nn
 
 from fsdp_exp.config import RunConfig
-from fsdp_exp.models import REGISTRY, WRAPPER_COMPONENTS
+from fsdp_exp.models import WRAPPER_COMPONENTS, spec_for
 from fsdp_exp.models.llama import MoEFeedForward
 
 
 def blocks(model: nn.Module, cfg: RunConfig) -> list[str]:
     """Names of the transformer blocks (an activation-checkpoint wrapper stands for its block)."""
-    block_class = REGISTRY[cfg.model.name].block_class
+    block_class = spec_for(cfg.model).block_class_of(cfg.model)
     return [name for name, m in model.named_modules()
             if _unwrap(m).__class__ is block_class and name.rpartition(".")[2] not in WRAPPER_COMPONENTS]
 
@@ -44,14 +44,23 @@ def unit_names(model: nn.Module, cfg: RunConfig) -> list[str]:
 
 def size_based_units(model: nn.Module, min_num_params: int) -> list[str]:
     """FSDP1's size_based_auto_wrap_policy as a list: visiting children first, a module becomes a unit
-    when the parameters it holds outside units already chosen reach ``min_num_params``."""
+    when the parameters it holds outside units already chosen reach ``min_num_params``, unless it holds
+    one end of a tied parameter only (an input embedding tied to the output projection): a tied tensor
+    must stay in one unit."""
+    from collections import Counter
+
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     units: list[str] = []
+
+    def splits_a_tie(module: nn.Module) -> bool:
+        inside = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+        return any(uses[key] > 1 and count < uses[key] for key, count in inside.items())
 
     def visit(name: str, module: nn.Module) -> int:
         unwrapped = sum(visit(f"{name}.{child_name}" if name else child_name, child)
                         for child_name, child in module.named_children())
         unwrapped += sum(p.numel() for p in module.parameters(recurse=False))
-        if name and unwrapped >= min_num_params:
+        if name and unwrapped >= min_num_params and not splits_a_tie(module):
             units.append(name)
             return 0
         return unwrapped

@@ -106,6 +106,9 @@ def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
             raise PlanOptionError(f"plan.margin={options['margin']!r} is not a fraction.\n"
                                   "  fix: pass e.g. plan.margin=0.1")
     cfg = compose(overrides)
+    from fsdp_exp.models import fetch_model_files
+
+    fetch_model_files(cfg.model)  # a hub name's config into the local cache (the planner reads local files only)
     if device is not None and device.kind == "cuda":
         # Plan for that GPU: as many GPUs per node as the run asks for (auto = 8).
         n = cfg.trainer.nproc_per_node

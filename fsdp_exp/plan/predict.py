@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from fsdp_exp.models import spec_for
 from fsdp_exp.parallel.backend import backend_for
 from fsdp_exp.plan.devices import GIB, allocator_margin
-from fsdp_exp.plan.states import gathered, model_states, param_infos, unit_names
+from fsdp_exp.plan.states import gathered, model_states, param_infos, unit_names, zero_model_states
 from fsdp_exp.plan.step import STAGES, StepSetting, StepWalk
 
 if TYPE_CHECKING:
@@ -53,7 +53,10 @@ def plan(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] =
 
     units = unit_names(spec, cfg) if rules.gathers_units else []
     infos = param_infos(inventory, units, rules, shard, topology.tp_size)
-    states = model_states(infos, cfg.offload.params and rules.offloads, kind)
+    states = model_states(infos, cfg.offload.params and rules.offloads, kind,
+                          topology.dp_size if rules.shards_optimizer else 1) if rules.zero_stage is None else \
+        zero_model_states(infos, rules.zero_stage, shard, cfg.precision.param_dtype, cfg.offload.params,
+                          cfg.offload.optimizer, kind)  # DeepSpeed's own layout
     profile = spec.activations(cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, topology.tp_size,
                                cfg.parallel.sequence_parallel)
     setting = StepSetting(

@@ -55,7 +55,11 @@ def tp_shape(entry: ParamEntry, tp: int) -> tuple[int, ...]:
 
 def param_infos(inventory: Inventory, units: list[str], rules: PlannerRules, shard: int, tp: int) -> list[ParamInfo]:
     """Every parameter with its per-rank sizes under the backend's layout (``rules.param_layout``);
-    ``units``: the sharding units (none when the backend gathers no units)."""
+    ``units``: the sharding units (none when the backend gathers no units). Cached per layout (a search plans
+    thousands of candidates of one model in a few layouts): read the list, never change it."""
+    key = (id(inventory), tuple(units), rules.param_layout, rules.gathers_units, shard, tp)
+    if key in _INFOS:
+        return _INFOS[key][1]
     unit_set = set(units)
     infos = []
     for entry in inventory.params:
@@ -77,7 +81,13 @@ def param_infos(inventory: Inventory, units: list[str], rules: PlannerRules, sha
             for i in members:  # spread the flat shard over its members in proportion
                 i.local_numel = per_rank * i.numel / total
                 i.gathered_numel = per_rank * shard * i.numel / total
+    if len(_INFOS) >= 256:
+        _INFOS.clear()
+    _INFOS[key] = (inventory, infos)  # holding the inventory keeps its id from being reused
     return infos
+
+
+_INFOS: dict[tuple, tuple[Inventory, list[ParamInfo]]] = {}
 
 
 def _owner(name: str, units: set[str]) -> str:
@@ -97,15 +107,52 @@ class ModelStates:
     optimizer_groups: tuple[list[int], list[int]]  # each tensor's fp32 shard bytes: matrices, the rest
 
 
-def model_states(infos: list[ParamInfo], offload: bool, kind: str) -> ModelStates:
+def model_states(infos: list[ParamInfo], offload: bool, kind: str, optimizer_shard: int = 1) -> ModelStates:
+    """``optimizer_shard``: ranks the optimizer state is split over beyond the parameters' layout
+    (DDP with ZeroRedundancyOptimizer: the data-parallel ranks)."""
     local = sum(i.local_numel for i in infos)
-    at_rest = {"params": int(4 * local), "grads": int(4 * local), "optimizer": int(2 * 4 * local)}
+    at_rest = {"params": int(4 * local), "grads": int(4 * local), "optimizer": int(2 * 4 * local / optimizer_shard)}
     host = dict(at_rest) if offload else {"params": 0, "grads": 0, "optimizer": 0}
     on_device = {k: 0 for k in at_rest} if offload and kind == "cuda" else dict(at_rest)
     for states in (at_rest, host, on_device):
         states["total"] = states["params"] + states["grads"] + states["optimizer"]
     groups = ([int(4 * i.local_numel) for i in infos if i.is_matrix],
               [int(4 * i.local_numel) for i in infos if not i.is_matrix])
+    return ModelStates(at_rest, host, on_device, at_rest if kind == "cpu" else on_device, groups)
+
+
+def zero_model_states(infos: list[ParamInfo], stage: int, shard: int, param_dtype: str, offload_params: bool,
+                      offload_optimizer: bool, kind: str) -> ModelStates:
+    """DeepSpeed's layout (``PlannerRules.zero_stage``), as its engine was measured to hold it
+    (fsdp_exp/parallel/deepspeed_memory.py), per parameter with e = the compute dtype's bytes and P = the
+    partition over the ``shard`` ranks (one flat partition at stages 1-2, each parameter's at stage 3):
+
+    - params: e, whole at stages 0-2, P at stage 3;
+    - grads: e at the accumulation boundary (whole at stage 0, P from stage 1 on: stage 1 reduces into
+      the partition at the boundary, as stage 2) plus the fp32 copy of the partition the optimizer step
+      makes (4, whenever it is a copy: stages 1-3, or stage 0 in bf16/fp16);
+    - optimizer: AdamW's two fp32 moments (8) and the fp32 master copy (4; stages 1-3 clone it even in
+      fp32), both P from stage 1 on.
+
+    bf16 stage 3 is 20 bytes per parameter over P (the ZeRO paper's 16 plus the fp32 gradient copy);
+    ZeRO-2 is 2 + 18 P, DeepSpeed's own estimate."""
+    e = DTYPE_BYTES[param_dtype]
+    whole = [i.numel for i in infos]
+    flat = math.ceil(sum(whole) / shard)
+    share = [math.ceil(n / shard) for n in whole] if stage == 3 else [n * flat / sum(whole) for n in whole]
+    sized = share if stage >= 1 else whole  # what the optimizer states and gradients are
+    copies = stage >= 1 or e != 4  # fp32 master and step gradients are separate tensors
+    params = e * sum(share if stage == 3 else whole)
+    grads = e * sum(sized) + (4 * sum(sized) if copies else 0)
+    optimizer = 8 * sum(sized) + (4 * sum(sized) if copies else 0)
+    at_rest = {"params": int(params), "grads": int(grads), "optimizer": int(optimizer)}
+    host = {"params": at_rest["params"] if offload_params else 0, "grads": 0,
+            "optimizer": at_rest["optimizer"] if offload_params or offload_optimizer else 0}
+    on_device = {k: (at_rest[k] - host[k] if kind == "cuda" else at_rest[k]) for k in at_rest}
+    for states in (at_rest, host, on_device):
+        states["total"] = states["params"] + states["grads"] + states["optimizer"]
+    groups = ([int(4 * n) for n, i in zip(sized, infos) if i.is_matrix],
+              [int(4 * n) for n, i in zip(sized, infos) if not i.is_matrix])
     return ModelStates(at_rest, host, on_device, at_rest if kind == "cpu" else on_device, groups)
 
 
@@ -129,6 +176,19 @@ class Gathered:
 
 
 def gathered(infos: list[ParamInfo], inventory: Inventory) -> Gathered:
+    """Cached per (cached) ``param_infos`` list: read it, never change it."""
+    key = (id(infos), id(inventory))
+    if key not in _GATHERED:
+        if len(_GATHERED) >= 256:
+            _GATHERED.clear()
+        _GATHERED[key] = (infos, inventory, _gathered(infos, inventory))
+    return _GATHERED[key][2]
+
+
+_GATHERED: dict[tuple, tuple[list[ParamInfo], Inventory, Gathered]] = {}
+
+
+def _gathered(infos: list[ParamInfo], inventory: Inventory) -> Gathered:
     blocks = inventory.blocks
     n = len(blocks)
     in_block: list[list[ParamInfo]] = [[] for _ in range(n)]  # every parameter of block j

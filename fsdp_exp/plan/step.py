@@ -39,9 +39,13 @@ class Phase:
     temporaries: int = 0  # gradients of activations, the loss's, optimizer temporaries
     inputs: int = 0
 
+    def __post_init__(self) -> None:
+        # A phase is never changed once made, and a search asks each one's total several times.
+        self._total = sum(getattr(self, piece) for piece in PIECES)
+
     @property
     def total(self) -> int:
-        return sum(getattr(self, piece) for piece in PIECES)
+        return self._total
 
     def by_piece(self) -> dict:
         return {"phase": self.name, **{k: getattr(self, k) for k in PIECES}, "total": self.total}

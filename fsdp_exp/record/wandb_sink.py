@@ -1,6 +1,11 @@
 """Weights & Biases: one W&B run per experiment, opened by rank 0 in the run directory (offline by
 default). W&B is a copy of what metrics.jsonl and run.json hold: when it stops working mid-run the run
-goes on without it."""
+goes on without it.
+
+At ``wandb.init`` every metric of the schema (fsdp_exp.metrics.schema) is declared with
+``define_metric``: ``step`` as the x axis of the per-step metrics, and each metric's summary rule, so
+that W&B's runs table shows the run's ``summary/*`` medians and peaks instead of each metric's last
+logged value."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from fsdp_exp import identity
+from fsdp_exp.metrics.schema import ALL_METRICS
 from fsdp_exp.record.values import json_safe
 
 # The config groups whose choices become W&B tags and the default run name.
@@ -23,6 +29,17 @@ def run_name(overrides: list[str]) -> str:
 
 def run_tags(choices: dict[str, str], extra: list[str]) -> list[str]:
     return [f"{g}:{choices[g]}" for g in TAGGED_GROUPS if choices.get(g)] + list(extra)
+
+
+def define_metrics(run) -> None:
+    """Declare every schema metric: the per-step ones against ``step`` (their x axis in W&B's charts, also
+    in a resumed run), each with its summary rule (``Metric.wandb_summary``)."""
+    run.define_metric("step", summary=ALL_METRICS["step"].wandb_summary)
+    for metric in ALL_METRICS.values():
+        if metric.name == "step":
+            continue
+        step_metric = None if metric.window == "run" else "step"
+        run.define_metric(metric.name, step_metric=step_metric, summary=metric.wandb_summary)
 
 
 def configuration_job_type(config: dict) -> Optional[str]:
@@ -51,12 +68,14 @@ class WandbSink:
             name=wandb_cfg.name or run_name(overrides),
             # Repeats of one configuration (trainer.repeat=0,1,2) share a job type: W&B groups them by it.
             job_type=configuration_job_type(config),
-            tags=run_tags(choices, wandb_cfg.tags) + [f"repeat:{identity.repeat_index(config)}"],
+            tags=run_tags(choices, wandb_cfg.tags) + [f"repeat:{identity.repeat_index(config)}"]
+            + ([f"arch:{config['env']['architecture']}"] if (config.get("env") or {}).get("architecture") else []),
             config=json_safe(config),
             dir=str(run_dir),
             mode=wandb_cfg.mode,
             settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
         )
+        define_metrics(self.run)
 
         if run_id:  # a run continued after a failure is no longer failed (note_failure_in_wandb)
             self.run.summary.update({"error": None})
@@ -80,7 +99,8 @@ class WandbSink:
                   f"stay in metrics.jsonl", file=sys.stderr)
 
     def log(self, metrics: dict) -> None:
-        row = json_safe({k: v for k, v in metrics.items() if k != "step"})
+        # ``step`` is also in the row: it is the step_metric of every per-step metric (define_metrics).
+        row = json_safe(metrics)
         self._guarded("log", lambda: self.run.log(row, step=metrics["step"]))
 
     def summary(self, summary: dict) -> None:

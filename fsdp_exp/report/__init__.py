@@ -9,7 +9,7 @@ from a W&B project), ``duplicates`` (runs with the same applied settings), ``rep
 one configuration: ``trainer.repeat``), ``intervals`` (the bootstrap interval of a median, ties),
 ``table`` (configuration rows, ranking, ties, Pareto front, per-option means, the console table),
 ``plots`` (the figure, with error bars), ``html`` (the self-contained page), ``write`` (report.png /
-.html / .json / .csv).
+.html / .json / .csv), ``wandb_workspace`` (a W&B workspace comparing a sweep's runs, ``--wandb-workspace``).
 """
 
 from fsdp_exp.report.duplicates import configuration_key, find_duplicates, settings_key

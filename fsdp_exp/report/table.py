@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Optional
 
 from fsdp_exp.identity import repeat_index
+from fsdp_exp.metrics.peak import PEAK_SOURCES
+from fsdp_exp.metrics.peak import measured_peak as peak_of_run
 from fsdp_exp.record import run_name
 from fsdp_exp.report.duplicates import configuration_id, find_duplicates
 from fsdp_exp.report.intervals import CONFIDENCE, RESAMPLES, SEED, Estimate, estimate, overlap
@@ -50,14 +52,6 @@ INTERVAL_METHOD = {
     "not_covered": "what every run shares (machine, software, seed, data) and drift that lasts the whole sweep",
     "tied_with_best": "the interval overlaps the best configuration's",
     "pareto_tied": "off the Pareto front of medians, but tied with every configuration that beats it",
-}
-
-# Which measured peak a row shows, best first (see measured_peak).
-PEAK_SOURCES = {
-    "cuda": "CUDA allocator's peak allocated bytes (summary/peak_allocated_gib_max)",
-    "tracked": "torch's memory tracker, peak of the sampled step (mem/tracked_total_gib_max)",
-    "model states": "params + grads + optimizer state only, no activations: a lower bound "
-                    "(summary/model_states_gib_max)",
 }
 
 
@@ -149,23 +143,9 @@ def _number(value: Any) -> Optional[float]:
 
 
 def measured_peak(run: Run) -> tuple[Optional[float], Optional[str]]:
-    """The best measured peak per rank (max over ranks) the record has, in GiB, and which one it is."""
-    cuda = _number(run.summary.get("summary/peak_allocated_gib_max"))
-    if cuda is not None:
-        return cuda, "cuda"
-    # By metric name first (the schema is the contract); older records have only memory_breakdown.
-    tracked = _number(run.summary.get("summary/tracked_peak_gib_max"))
-    if tracked is None:
-        tracked = _number(run.last_value("mem/tracked_total_gib_max"))
-    breakdown = run.record.get("memory_breakdown")
-    if tracked is None and isinstance(breakdown, dict):
-        tracked = _number(breakdown.get("total_gib_max"))
-    if tracked is not None:  # FSDP1 and trainer.track_memory=false runs have none
-        return tracked, "tracked"
-    states = _number(run.summary.get("summary/model_states_gib_max"))
-    if states is None:
-        states = _number(run.last_value("mem/model_states_gib_max"))
-    return (states, "model states") if states is not None else (None, None)
+    """The peak per rank and its source, chosen as the run's summary/peak_gib and summary/peak_source were
+    (fsdp_exp.metrics.peak), so that a record written before those keys existed gets the same choice."""
+    return peak_of_run(run.summary, run.last_value, run.record.get("memory_breakdown"))
 
 
 def predicted_peak(run: Run) -> Optional[float]:

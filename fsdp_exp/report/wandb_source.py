@@ -2,8 +2,8 @@
 
 Each fsdp_exp run logs its resolved config plus ``applied``, ``topology``, ``env`` and ``choices`` as the
 W&B config, and ``summary/*`` as the W&B summary (fsdp_exp.trainer); W&B also keeps each logged
-metric's last value in the summary, which holds the planner's ``mem/predicted_peak_gib`` (the same in
-every row) and the sampled step's ``mem/tracked_*``. That is enough to rebuild a ``Run`` the report
+metric's value by its summary rule (``{"max": v}``: fsdp_exp.record.wandb_sink), which holds the planner's
+``mem/predicted_peak_gib`` (the same in every row) and the sampled step's ``mem/tracked_*``. That is enough to rebuild a ``Run`` the report
 treats like a local one.
 
 Not exercised by the tests (they run without a network); it uses only ``wandb.Api().runs`` and each
@@ -15,11 +15,19 @@ and no ``plan`` beyond the predicted peak.
 
 from __future__ import annotations
 
+from fsdp_exp.metrics.schema import WANDB_SUMMARY_RULES
 from fsdp_exp.report.load import NoRuns, Run
 
 # W&B run state -> fsdp_exp status. A run stopped by a signal exits 0 ("finished") without a summary.
 _STATES = {"failed": "failed", "crashed": "failed", "killed": "failed", "running": "running", "pending": "starting"}
 _RECORD_KEYS = ("applied", "topology", "env", "choices")
+
+
+def _summary_value(value):
+    """A per-step metric's W&B summary is ``{rule: value}`` (its define_metric rule, fsdp_exp.record.wandb_sink)."""
+    if isinstance(value, dict) and len(value) == 1 and next(iter(value)) in WANDB_SUMMARY_RULES:
+        return next(iter(value.values()))
+    return value
 
 
 def _to_run(api_run) -> Run:
@@ -36,7 +44,7 @@ def _to_run(api_run) -> Run:
     if status == "failed":
         record["error"] = f"W&B state '{state}' (the traceback is in the run's errors/rank<N>.txt, not in W&B)"
     # The summary doubles as the run's only row: each metric's last logged value.
-    row = {k: v for k, v in summary_metrics.items() if k.startswith("mem/")}
+    row = {k: _summary_value(v) for k, v in summary_metrics.items() if k.startswith("mem/")}
     return Run(path=str(api_run.url), record=record, rows=[row] if row else [], source="wandb",
                name=str(api_run.name or api_run.id))
 

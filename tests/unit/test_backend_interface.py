@@ -26,6 +26,7 @@ KNOB = {
     "sharding=grad_op": {"sharding.strategy": "grad_op"},
     "sharding=hybrid": {"sharding.strategy": "hybrid"},
     "sharding=no_shard": {"sharding.strategy": "no_shard"},
+    "sharding=optimizer": {"sharding.strategy": "optimizer"},
     "sharding.reshard_after_forward=N": {"sharding.reshard_after_forward": "2"},
     "sharding.reshard_last_block": {"sharding.reshard_last_block": True},
     "precision.param_dtype": {"precision.param_dtype": "bf16"},
@@ -35,6 +36,7 @@ KNOB = {
     "precision.cast_forward_inputs": {"precision.cast_forward_inputs": False},
     "precision.loss_scaler=dynamic": {"precision.loss_scaler": "dynamic"},
     "offload=params": {"offload.params": True},
+    "offload=optimizer": {"offload.optimizer": True},
     "prefetch.forward=k": {"prefetch.forward": 2},
     "prefetch.backward=k": {"prefetch.backward": 2},
     "prefetch.backward_timing": {"prefetch.backward_timing": "post"},
@@ -53,8 +55,11 @@ KNOB = {
 
 @functools.cache
 def default_config(name: str):
-    """The composed default config with ``name`` selected, running the first strategy it can."""
+    """The composed default config with ``name`` selected, running the first strategy it can (skipped when
+    an optional backend's package is not installed)."""
     backend = get_backend(name)
+    if backend.missing_dependency():
+        pytest.skip(f"sharding.backend={name} is not installed: {backend.missing_dependency()}")
     return run_config([f"sharding.backend={name}", f"sharding.strategy={backend.strategies[0]}"])
 
 
@@ -115,5 +120,5 @@ def test_an_unknown_backend_is_refused_with_the_closest_name(tmp_path):
     result = run_cli(["sharding.backend=fsdp3"], tmp_path / "run", timeout=60)
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
-    assert "sharding.backend='fsdp3' is not one of fsdp2, fsdp1, ddp" in output
+    assert "sharding.backend='fsdp3' is not one of fsdp2, fsdp1, ddp, deepspeed" in output
     assert "did you mean sharding.backend=fsdp2?" in output

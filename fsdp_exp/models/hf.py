@@ -1,0 +1,326 @@
+"""Any Hugging Face causal LM as the model (``model=hf model.hf_config=<folder|config.json|hub name>``, or
+a shipped preset: ``model=hf_mistral_7b``, ``hf_qwen2_7b``, ``hf_gemma_7b``, ``hf_gpt2_xl``).
+
+    python -m fsdp_exp model=hf_mistral_7b +model.hf_overrides.num_hidden_layers=2 \\
+        +model.hf_overrides.hidden_size=64 +model.hf_overrides.intermediate_size=128 \\
+        +model.hf_overrides.num_attention_heads=4 +model.hf_overrides.num_key_value_heads=2 trainer.seq_len=64
+    python -m fsdp_exp.plan model=hf_qwen2_7b trainer.nproc_per_node=8 trainer.device=cuda
+
+Everything the run needs is read from the model itself, never written per architecture:
+
+- **build**: ``AutoModelForCausalLM.from_config`` on the meta device, fp32, ``use_cache=False``; a forward
+  hook makes it return the logits, as every fsdp_exp model does. Its parameter names are transformers'.
+- **initialization**: the architecture's own ``_init_weights``, recorded once on a meta copy and replayed
+  per parameter from (seed, name) (``fsdp_exp.models.hf_init``).
+- **blocks**: the class ``_no_split_modules`` names (the unit of wrap=block, ac, compile and TP).
+- **tied weights**: parameters that are one tensor under two names (GPT-2's and Gemma's embeddings).
+- **tensor parallel**: the model's ``_tp_plan`` (its config's ``base_model_tp_plan`` plus the output
+  projection), translated to fsdp_exp's plan; an architecture without one, or with a style fsdp_exp
+  does not translate, is refused for ``parallel.tp > 1``.
+- **export**: the identity: the parameters already have transformers' names, config.json is the config's.
+- **the planner**: the inventory from the meta model; activations measured by running the model under
+  torch's FakeTensorMode (``fsdp_exp.models.hf_memory``).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Optional
+
+from fsdp_exp.errors import fail
+from fsdp_exp.models import hf_config
+from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan, config_key
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# transformers' tensor-parallel styles fsdp_exp translates (torch's ColwiseParallel / RowwiseParallel).
+TP_STYLES = {"colwise": COLWISE, "rowwise": ROWWISE, "embedding_rowwise": ROWWISE,
+             "colwise_gather_output": COLWISE, "colwise_rep": COLWISE, "rowwise_rep": ROWWISE}
+
+
+def _logits_only(module, args, output):
+    """fsdp_exp's models return the logits; transformers' return a ModelOutput holding them."""
+    return output.logits
+
+
+class _NoTransformers:
+    """Stands for transformers' model class where transformers is not installed (nothing is one)."""
+
+
+class HfSpec(ModelSpec):
+    name = "hf"
+
+    @property
+    def model_class(self) -> type:  # noqa: D401 - what spec_of matches a built model against
+        try:
+            from transformers import PreTrainedModel
+        except ImportError:
+            return _NoTransformers
+        return PreTrainedModel
+
+    # ----------------------------------------------------------------------------- config
+    def config(self, m):
+        """The transformers config of ``m`` (cached per model config; treat it as read-only)."""
+        cache = self.__dict__.setdefault("_configs", {})
+        key = config_key(m)
+        if key not in cache:
+            cache[key] = hf_config.load(m)
+        return cache[key]
+
+    def fetch(self, m) -> None:
+        hf_config.fetch(m)
+
+    def check(self, m) -> None:
+        if m.attn_implementation not in ("sdpa", "eager"):
+            fail(f"model.attn_implementation={m.attn_implementation!r} is not one of sdpa, eager.",
+                 "pass model.attn_implementation=sdpa")
+        config = self.config(m)
+        try:
+            model = self.meta_model(m)
+        except Exception as exc:  # noqa: BLE001 - transformers' own refusal of the config's values
+            fail(f"transformers cannot build {self.architecture(m)} from this config: {type(exc).__name__}: "
+                 f"{' '.join(str(exc).split())}", "fix the field it names (model.hf_overrides.<field>=...)")
+        self.block_class_of(m)
+        recipes, unknown = self.recipes(model.config)
+        names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+        missing = [n for n in names if n not in recipes or n in unknown]
+        if missing:
+            fail(f"{type(model).__name__}'s own initialization (_init_weights) leaves {', '.join(missing[:4])}"
+                 + (f" and {len(missing) - 4} more" if len(missing) > 4 else "") + " without a value fsdp_exp "
+                 "can replay on a sharded model.", f"pick another architecture than {config.model_type}")
+
+    def check_tensor_parallel(self, m, tp: int) -> None:
+        plan, problem = self._translated_plan(m)
+        if problem:
+            fail(f"parallel.tp={tp}: {problem}.", "pass parallel.tp=1")
+        config = self.config(m)
+        model = self.meta_model(m)
+        for field in ("num_attention_heads", "num_key_value_heads"):
+            value = getattr(config, field, None)
+            if value is not None and value % tp:
+                fail(f"parallel.tp={tp} does not divide {field}={value} of the model: each rank holds whole heads.",
+                     "pick parallel.tp that divides it")
+        from torch import nn
+
+        blocks = self._blocks(model)
+        for name, style in [*plan.root.items(), *((f"{blocks[0]}.{k}", v) for k, v in plan.block.items())]:
+            module = model.get_submodule(name)
+            if isinstance(module, nn.Linear):
+                width = module.out_features if style == COLWISE else module.in_features
+                if width % tp:
+                    fail(f"parallel.tp={tp} does not divide the {style} width {width} of {name}.",
+                         "pick parallel.tp that divides it")
+
+    def vocab_size(self, m) -> int:
+        return self.config(m).get_text_config().vocab_size
+
+    def max_seq_len(self, m) -> int:
+        config = self.config(m).get_text_config()
+        return getattr(config, "max_position_embeddings", None) or 2**31
+
+    def tokenizer_file(self, m):
+        """The tokenizer.json beside the config.json (a local folder, or the hub cache's copy)."""
+        if not m.hf_config:
+            return None
+        if hf_config.is_local(m.hf_config):
+            found = hf_config.config_file(m).with_name("tokenizer.json")
+            return found if found.is_file() else None
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(m.hf_config, "tokenizer.json", revision=m.revision)
+        return found if isinstance(found, str) else None
+
+    def architecture(self, m) -> str:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config(m))].__name__
+
+    # ------------------------------------------------------------------------------ build
+    def build(self, m) -> "nn.Module":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        config = copy.deepcopy(self.config(m))
+        config.use_cache = False  # training: no key/value cache
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=m.attn_implementation)
+        model.register_forward_hook(_logits_only)
+        return model
+
+    def _blocks(self, model: "nn.Module") -> list[str]:
+        block_class = self._block_class(model)
+        return [name for name, module in model.named_modules() if isinstance(module, block_class)]
+
+    def _block_class(self, model: "nn.Module") -> type:
+        named = set(getattr(model, "_no_split_modules", None) or ())
+        counts: dict[type, int] = {}
+        for module in model.modules():
+            if type(module).__name__ in named:
+                counts[type(module)] = counts.get(type(module), 0) + 1
+        if not counts:
+            fail(f"{type(model).__name__} names no decoder layer class (transformers' _no_split_modules), so "
+                 "fsdp_exp cannot tell its blocks.", "pick an architecture whose model class names one")
+        return max(counts, key=counts.get)
+
+    def block_class_of(self, m) -> type:
+        return self._block_class(self.meta_model(m))
+
+    def input_modules_of(self, m) -> tuple[str, ...]:
+        """The embeddings used before the first block: lookups, not matmuls (token and position)."""
+        from torch import nn
+
+        model = self.meta_model(m)
+        blocks = tuple(b + "." for b in self._blocks(model))
+        output = self.output_modules_of(m)
+        return tuple(name for name, module in model.named_modules()
+                     if isinstance(module, nn.Embedding) and not name.startswith(blocks) and name not in output)
+
+    def output_modules_of(self, m) -> tuple[str, ...]:
+        model = self.meta_model(m)
+        head = model.get_output_embeddings()
+        return tuple(name for name, module in model.named_modules() if module is head)
+
+    def tied_weights(self, m) -> dict[str, str]:
+        first: dict[int, str] = {}
+        tied = {}
+        for name, param in self.meta_model(m).named_parameters(remove_duplicate=False):
+            if id(param) in first:
+                tied[name] = first[id(param)]
+            else:
+                first[id(param)] = name
+        return tied
+
+    def shapes_only(self):
+        """transformers reads the position ids to find sequences packed into one row, which meta and fake
+        tensors cannot give, and would then build an explicit attention mask (repeating the key / value
+        heads) that a real run does not: fsdp_exp passes no position ids, so each row is one sequence."""
+        from unittest import mock
+
+        from transformers import masking_utils
+
+        return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+
+    def retie(self, model: "nn.Module") -> None:
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        if getattr(model.config.get_text_config(), "tie_word_embeddings", False) and head is not None \
+                and head.weight is not embedding.weight:
+            model.tie_weights()
+
+    def flops_per_token(self, m, seq_len: int) -> int:
+        """Training FLOPs per token: 6 N + 12 L w S (forward + backward, no recompute).
+
+        N counts the parameters less the embedding lookups before the blocks (token and position
+        embeddings), with the output projection counted as the matmul it is even when it is tied to
+        the input embedding; w is attention's width (heads x head dim), L the blocks, S the sequence.
+        Attention is counted over the whole sequence (as PaLM's appendix B does), sliding windows too.
+        """
+        inventory = self.inventory(m)
+        model = self.meta_model(m)
+        n = sum(p.numel for p in inventory.params if p.name not in inventory.input_params)
+        tied = self.tied_weights(m)
+        n += sum(model.get_parameter(name).numel() for name in tied
+                 if name.startswith(tuple(o + "." for o in self.output_modules_of(m))))
+        return 6 * n + 12 * len(inventory.blocks) * self.attention_width(m) * seq_len
+
+    def attention_width(self, m) -> int:
+        config = self.config(m).get_text_config()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return heads * head_dim
+
+    # ---------------------------------------------------------------------- initialization
+    def recipes(self, config) -> tuple[dict, set]:
+        """The architecture's initialization, recorded once per transformers config (hf_init.record)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from fsdp_exp.models import hf_init
+
+        cache = self.__dict__.setdefault("_recipes", {})
+        key = config.to_json_string(use_diff=False)
+        if key not in cache:
+            with torch.device("meta"):
+                fresh = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+            first: dict[int, str] = {}
+            aliases = {name: first.setdefault(id(p), name) for name, p in fresh.named_parameters(remove_duplicate=False)}
+            self.__dict__.setdefault("_aliases", {})[key] = aliases
+            cache[key] = hf_init.record(fresh)
+        return cache[key]
+
+    def full_param(self, model: "nn.Module", name: str, shape, seed: int, device: "torch.device") -> "torch.Tensor":
+        from fsdp_exp.models import hf_init
+
+        recipes, _ = self.recipes(model.config)
+        return hf_init.full_value(recipes[name], shape, seed, device)
+
+    def init_name(self, model: "nn.Module", name: str) -> str:
+        """A tied parameter under its second name (FSDP1 names it so) is drawn under its first."""
+        self.recipes(model.config)
+        return self._aliases[model.config.to_json_string(use_diff=False)].get(name, name)
+
+    def init_buffers(self, model: "nn.Module", device: "torch.device") -> None:
+        import torch
+
+        from fsdp_exp.models import canonical_name, hf_init
+
+        recipes, _ = self.recipes(model.config)
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                value = hf_init.full_value(recipes[canonical_name(name)], buffer.shape, 0, device)
+                buffer.copy_(value.to(buffer.dtype))
+
+    # ---------------------------------------------------------------------- parallelism
+    def tensor_parallel_plan(self, m) -> TensorParallelPlan:
+        """The model's ``_tp_plan`` (module pattern -> style), block entries by their names in a block;
+        empty for a model without one (``check_tensor_parallel`` refuses ``parallel.tp > 1`` then)."""
+        return self._translated_plan(m)[0]
+
+    def _translated_plan(self, m) -> tuple[TensorParallelPlan, Optional[str]]:
+        """(the plan, why fsdp_exp cannot use it or None)."""
+        model = self.meta_model(m)
+        raw = dict(getattr(model, "_tp_plan", None) or {})
+        if not raw:
+            return TensorParallelPlan(root={}, block={}), \
+                f"{type(model).__name__} carries no tensor-parallel plan (transformers' base_model_tp_plan)"
+        blocks = self._blocks(model)
+        pattern = blocks[0].rpartition(".")[0] + ".*."  # model.layers.*.
+        root, block, problem = {}, {}, None
+        for key, style in raw.items():
+            if style not in TP_STYLES:
+                problem = (f"{type(model).__name__}'s tensor-parallel plan gives {key} the style {style!r}, which "
+                           f"fsdp_exp does not translate (it knows {', '.join(sorted(TP_STYLES))})")
+            elif key.startswith(pattern):
+                block[key[len(pattern):]] = TP_STYLES[style]
+            elif "*" in key:
+                problem = f"{type(model).__name__}'s tensor-parallel plan names {key}, outside its blocks ({pattern})"
+            else:
+                root[key] = TP_STYLES[style]
+        return TensorParallelPlan(root=root, block=block), problem
+
+    # --------------------------------------------------------------------------- export
+    def why_no_hf_export(self, m) -> Optional[str]:
+        return None
+
+    def to_hf(self, state: dict, m) -> dict:
+        """Already transformers' names; a tied duplicate is left to from_pretrained to tie again."""
+        tied = self.tied_weights(m)
+        return {name: tensor for name, tensor in state.items() if name not in tied}
+
+    def hf_config(self, m) -> dict:
+        config = copy.deepcopy(self.config(m))
+        config.architectures = [self.architecture(m)]
+        config.dtype = "float32"
+        return config.to_dict()
+
+    # -------------------------------------------------------------------------- planner
+    def activations(self, m, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool):
+        from fsdp_exp.models.hf_memory import HfActivations
+
+        if sequence_parallel:
+            fail("parallel.sequence_parallel has no plan for a Hugging Face model (transformers' plans shard "
+                 "no norms).", "pass parallel.sequence_parallel=false")
+        return HfActivations(self, m, micro_batch, seq_len, tp)
+
+
+HF = HfSpec()

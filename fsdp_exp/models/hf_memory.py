@@ -1,0 +1,316 @@
+"""What a Hugging Face model keeps for backward, measured on the model itself: the memory planner's
+activation profile of ``model=hf`` (``fsdp_exp.models.spec.ActivationProfile``).
+
+Nothing here knows an architecture. The model (two of its blocks, the rest of it as it is) is built
+under torch's ``FakeTensorMode``: tensors with shapes, dtypes and a CPU device but no memory, so the
+kernels chosen are the CPU's (SDPA's flash kernel saves its log-sum-exp, not the score matrix) and a
+7B model costs nothing. One forward and backward of one micro-batch then runs with
+
+- ``saved_tensors_hooks``: every tensor autograd keeps, by the block (or the root) that saved it,
+  each storage once, parameters left out (they are the backend's business);
+- a dispatch mode that follows every storage an op makes until it is freed: the largest moment of a
+  block's backward (activation gradients, beyond the one arriving from above, and the weight
+  gradients made so far), and of its forward under ``no_grad`` (what a checkpointed block holds).
+
+Sizes are per rank and per micro-batch; tensor parallel is measured on a model whose heads and
+feed-forward width are divided by ``tp`` (each rank's share). One measurement per (compute dtype,
+autocast) is cached.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+DTYPES = {4: "float32", 2: "bfloat16"}
+MEASURED_BLOCKS = 2  # blocks built for the measurement: the second one's input comes from a block
+
+
+@dataclass(frozen=True)
+class Measurement:
+    block_saved: int  # bytes one block keeps for backward (its input when it keeps it)
+    root_saved: int  # bytes the layers outside the blocks keep (embeddings, final norm, position tables)
+    op_level_saved: int  # bytes of the matmul and attention outputs of one block
+    forward_peak: int  # bytes a block holds at once in a forward without autograd, beyond its input
+    backward_peak: int  # activation-gradient bytes at a block's backward peak, beyond the incoming one
+    weight_grad_at_peak: int  # weight-gradient elements alive at that moment
+    block_weight_grads: int  # weight-gradient elements of one block
+    logits: int  # elements of the logits
+
+
+class _Storages:
+    """Follows every storage an op makes (a dispatch mode) until it is freed: bytes alive, the region
+    (block or root) it was made in, and the bytes made since a window opened that are still alive."""
+
+    def __init__(self, where: dict):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                import torch
+                from torch.utils._pytree import tree_leaves
+
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        outer.made(t, func)
+                return out
+
+        self.mode = Mode()
+        self.where = where
+        self.alive: dict[int, int] = {}  # storage key -> bytes
+        self.made_in: dict[int, str] = {}  # storage key -> the region it was made in
+        self.made_by: dict[int, object] = {}  # storage key -> the op that made it
+        self.watched: set[int] = set()  # storages whose bytes ``watched_bytes`` sums while they live
+        self.watched_bytes = 0
+        self.window: Optional[set[int]] = None  # storages made since the window opened
+        self.window_bytes = 0
+        self.samples: list[tuple[int, int, frozenset]] = []  # (window bytes, watched bytes, window keys)
+
+    def made(self, t, func=None) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.alive:
+            return
+        self.alive[key] = storage.nbytes()
+        self.made_in[key] = self.where["region"]
+        self.made_by[key] = func
+        weakref.finalize(storage, self.freed, key)
+        if self.window is not None:
+            self.window.add(key)
+            self.window_bytes += self.alive[key]
+            self.samples.append((self.window_bytes, self.watched_bytes, frozenset(self.window)))
+
+    def watch(self, t) -> None:
+        key = t.untyped_storage()._cdata
+        if key in self.alive and key not in self.watched:
+            self.watched.add(key)
+            self.watched_bytes += self.alive[key]
+
+    def freed(self, key: int) -> None:
+        size = self.alive.pop(key, 0)
+        if key in self.watched:
+            self.watched.discard(key)
+            self.watched_bytes -= size
+        if self.window is not None and key in self.window:
+            self.window.discard(key)
+            self.window_bytes -= size
+
+    def open(self) -> None:
+        self.window, self.window_bytes, self.samples = set(), 0, []
+
+    def close(self) -> list[tuple[int, int, frozenset]]:
+        samples, self.window = self.samples, None
+        return samples
+
+
+def _scaled_config(config, tp: int):
+    """The config of one tensor-parallel rank's share: heads and feed-forward width divided by ``tp``,
+    the head dimension kept (where the config class can say it)."""
+    import dataclasses
+
+    small = copy.deepcopy(config)
+    layers = min(getattr(small, "num_hidden_layers", MEASURED_BLOCKS), MEASURED_BLOCKS)
+    small.num_hidden_layers = layers
+    if isinstance(getattr(small, "layer_types", None), list):
+        small.layer_types = small.layer_types[:layers]
+    if tp > 1:
+        fields = {f.name for f in dataclasses.fields(type(small))} if dataclasses.is_dataclass(small) else set()
+        head_dim = getattr(small, "head_dim", None) or small.hidden_size // small.num_attention_heads
+        if "head_dim" in fields:
+            small.head_dim = head_dim
+            small.num_attention_heads //= tp
+            if getattr(small, "num_key_value_heads", None):
+                small.num_key_value_heads //= tp
+        if getattr(small, "intermediate_size", None):
+            small.intermediate_size //= tp
+    return small
+
+
+def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: bool, tp: int,
+            attn_implementation: str, shapes_only) -> Measurement:
+    """One forward and backward of a micro-batch of ``b`` x ``s`` tokens in the compute dtype of ``e``
+    bytes (or fp32 under autocast), on fake tensors; ``shapes_only``: the family's context for that."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_exp.parallel.ac import SAVE_OPS
+
+    compute = getattr(torch, DTYPES[e])
+    config = _scaled_config(config, tp)
+    config.use_cache = False
+    where = {"region": "root", "inputs": {}, "outputs": {}}
+    storages = _Storages(where)
+    with FakeTensorMode(allow_non_fake_inputs=True), shapes_only:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if autocast else compute,
+                                                 attn_implementation=attn_implementation)
+        model.train()
+        blocks = [m for m in model.modules() if type(m).__name__ == block_class_name]
+        j = len(blocks) - 1  # the measured block (its input comes from the block before it)
+        kept = {p.untyped_storage()._cdata for p in model.parameters()}
+        kept |= {buf.untyped_storage()._cdata for buf in model.buffers()}
+        tokens = torch.zeros((b, s), dtype=torch.long)
+        kept.add(tokens.untyped_storage()._cdata)
+        saved: dict[str, dict[int, int]] = {}  # region -> storage -> bytes
+
+        def pre(i):
+            def hook(module, args, kwargs) -> None:
+                where["region"] = f"block {i}"
+                where["inputs"][i] = args[0] if args else kwargs.get("hidden_states")
+            return hook
+
+        def post(i):
+            def hook(module, args, kwargs, output) -> None:
+                where["region"] = "root"
+                where["outputs"][i] = output[0] if isinstance(output, tuple) else output
+            return hook
+
+        handles = []
+        for i, block in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(pre(i), with_kwargs=True))
+            handles.append(block.register_forward_hook(post(i), with_kwargs=True))
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage._cdata not in kept:
+                saved.setdefault(where["region"], {})[storage._cdata] = storage.nbytes()
+                if where["region"] == f"block {j}":
+                    storages.watch(t)
+            return t
+
+        amp = torch.autocast("cpu", dtype=compute) if autocast else torch.autocast("cpu", enabled=False)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), storages.mode, amp:
+            logits = model(tokens).logits
+        block_input = where["inputs"][j].untyped_storage()._cdata
+        mine = {k: n for k, n in saved.get(f"block {j}", {}).items()
+                if storages.made_in.get(k) == f"block {j}" or k == block_input}
+        shared = {k: n for region, kv in saved.items() for k, n in kv.items()
+                  if not region.startswith("block") or storages.made_in.get(k) == "root"}
+        matmuls = {k: n for k, n in storages.alive.items() if storages.made_in.get(k) == f"block {j}"
+                   and (storages.made_by.get(k) in SAVE_OPS or getattr(storages.made_by.get(k), "_overloadpacket", None)
+                        in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm))}
+
+        # Block j's backward, from its output's gradient to its input's: at its largest moment, what it
+        # made (activation and weight gradients) and what it still keeps of its saved activations.
+        marks = {}
+
+        def opened(grad):
+            storages.open()
+            return grad
+
+        def closed(grad):
+            marks["samples"] = storages.close()
+            return grad
+
+        where["outputs"][j].register_hook(opened)
+        where["inputs"][j].register_hook(closed)
+        with storages.mode:
+            logits.float().sum().backward()
+        grads = {p.grad.untyped_storage()._cdata: (p.grad.numel(), p.grad.untyped_storage().nbytes())
+                 for p in blocks[j].parameters() if p.grad is not None}
+        block_saved = sum(mine.values())
+        best = max(marks.get("samples") or [(0, block_saved, frozenset())], key=lambda x: x[0] + x[1])
+        grad_elements = sum(n for key, (n, _) in grads.items() if key in best[2])
+        grad_bytes = sum(nbytes for key, (_, nbytes) in grads.items() if key in best[2])
+        backward_peak = best[0] + best[1] - block_saved - grad_bytes
+
+        # A checkpointed block's forward: no autograd, what it holds at once beyond its input.
+        with torch.no_grad(), amp:
+            found = {}
+
+            def closing(module, args, output) -> None:
+                found.setdefault("samples", storages.close())
+
+            handle = blocks[j].register_forward_pre_hook(lambda module, args: storages.open())
+            handle2 = blocks[j].register_forward_hook(closing)
+            with storages.mode:
+                model(tokens)
+            handle.remove()
+            handle2.remove()
+        forward_peak = max((sample[0] for sample in found.get("samples", [])), default=0)
+        for h in handles:
+            h.remove()
+
+    return Measurement(
+        block_saved=block_saved, root_saved=sum(shared.values()), op_level_saved=sum(matmuls.values()),
+        forward_peak=forward_peak, backward_peak=max(0, backward_peak), weight_grad_at_peak=grad_elements,
+        block_weight_grads=sum(p.numel() for p in blocks[j].parameters()), logits=b * s * logits.shape[-1])
+
+
+class HfActivations:
+    """The planner's ``ActivationProfile`` of a Hugging Face model, measured (see the module docstring)."""
+
+    def __init__(self, spec, m, micro_batch: int, seq_len: int, tp: int):
+        config = spec.config(m)
+        self._args = (config, spec.block_class_of(m).__name__, micro_batch, seq_len)
+        self._spec = spec
+        self._tp, self._attn = tp, m.attn_implementation
+        self.b, self.s = micro_batch, seq_len
+        self.d = config.get_text_config().hidden_size
+        self.vocab = config.get_text_config().vocab_size
+        self._key = (config.to_json_string(use_diff=False), self._args[1:], tp, self._attn)
+
+    def _measured(self, e: int, autocast: bool = False) -> Measurement:
+        key = (*self._key, e, autocast)
+        if key not in _CACHE:
+            if len(_CACHE) >= 64:
+                _CACHE.clear()
+            _CACHE[key] = measure(*self._args, e=e, autocast=autocast, tp=self._tp, attn_implementation=self._attn,
+                                  shapes_only=self._spec.shapes_only())
+        return _CACHE[key]
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+    @property
+    def logits(self) -> int:
+        return self.tokens * self.vocab
+
+    @property
+    def peak_weight_grad(self) -> int:
+        return self._measured(4).weight_grad_at_peak
+
+    @property
+    def block_weight_grads(self) -> int:
+        return self._measured(4).block_weight_grads
+
+    def residual(self, e: int) -> int:
+        return e * self.tokens * self.d
+
+    def block_saved(self, e: int, autocast: bool = False, math_attention: bool = False) -> dict[str, int]:
+        total = self._measured(e, autocast).block_saved
+        return {"measured": total, "total": total}
+
+    def op_level_saved(self, e: int) -> int:
+        return self._measured(e).op_level_saved
+
+    def checkpointed_forward_peak(self, e: int) -> int:
+        return self._measured(e).forward_peak
+
+    def op_level_forward_peak(self, e: int) -> int:
+        measured = self._measured(e)
+        return max(0, measured.forward_peak - measured.op_level_saved)
+
+    def backward_peak(self, e: int) -> int:
+        return self._measured(e).backward_peak
+
+    def head_saved(self, e: int, autocast: bool) -> int:
+        return self._measured(e, autocast).root_saved
+
+    def math_attention(self, device_kind: str, e: int) -> bool:
+        return False  # measured with the CPU's kernels; see notes
+
+    def notes(self, device_kind: str, e: int) -> list[str]:
+        notes = ["activations measured on the model under FakeTensorMode with the CPU's kernels"]
+        if device_kind == "cuda":
+            notes.append("CUDA: SDPA assumed to save what the CPU's flash kernel saves (q, k, v, out, log-sum-exp)")
+        return notes
+
+
+_CACHE: dict[tuple, Measurement] = {}

@@ -1,0 +1,217 @@
+"""Fit the step-time model to measured runs, and cache the fit per device (``tune.calibrate_from=<sweep>``).
+
+Every completed run of the sweep is read back (``run.json``: its config, topology, device and median
+tokens/s) and the repeats of a configuration become one sample (the median of their medians); the model
+counts what each configuration's step did (``perf.step_costs``, from the config alone) and times it with
+the device's figures. The fit changes the figures the model is least sure of, in log space, to minimise
+the mean absolute error of tokens/s (the error ``tune.json`` reports):
+
+- ``efficiency``: the share of the peak the matmuls reach;
+- ``intra.latency_us``, ``intra.gbps`` (and ``inter.*`` when some run's groups spanned nodes): the
+  alpha-beta figures of each link, backend software per collective included;
+- ``dispatch_us`` and ``step_overhead_ms``: the host's cost per operator and per step.
+
+A sweep of n configurations fits the first n - 1 of them in the order of ``PARAMS`` (efficiency first, then
+the latency of the node's link, ...): fewer figures than measurements, so the fit cannot simply reproduce
+them.
+
+A weak prior (a factor of 10 in a figure costs as much as 0.01% of error) keeps a figure the runs cannot
+tell apart near its data-sheet or probed value. The search is Nelder-Mead over the log figures.
+The fit is cached in ``$XDG_CACHE_HOME/fsdp_exp/tune_calibration.json`` under the device's key (the GPU's
+table name; for a CPU host its model, ranks per node, threads per rank and torch version), with the sweep
+it came from and the mean absolute error of tokens/s before and after; later predictions for that device
+use it and say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+
+from fsdp_exp.errors import fail
+
+if TYPE_CHECKING:
+    from fsdp_exp.plan.devices import DevicePerf
+
+# In the order they are fitted: a sweep of n configurations fits the first n - 1 (fewer figures than
+# measurements, so that the fit cannot merely reproduce them).
+PARAMS = ("efficiency", "intra.latency_us", "step_overhead_ms", "dispatch_us", "intra.gbps", "inter.latency_us",
+          "inter.gbps")
+PRIOR_WEIGHT = 1e-4  # per (ln 10)^2 of a figure's change, against the relative mean absolute error
+BOUNDS = {"efficiency": (1e-4, 1.0)}
+
+
+def cache_path() -> Path:
+    from fsdp_exp.metrics.flops import cache_path as peak_cache
+
+    return peak_cache().with_name("tune_calibration.json")
+
+
+def load(key: str) -> Optional[dict]:
+    try:
+        return json.loads(cache_path().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
+def save(key: str, entry: dict) -> None:
+    path = cache_path()
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    table[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def value(perf: "DevicePerf", name: str) -> float:
+    link, _, field = name.partition(".")
+    return getattr(getattr(perf, link), field) if field else getattr(perf, name)
+
+
+def apply(perf: "DevicePerf", params: dict) -> "DevicePerf":
+    """``perf`` with the fitted figures in place (the sources say so)."""
+    changes: dict = {}
+    for name, fitted in params.items():
+        link, _, field = name.partition(".")
+        if field:
+            current = changes.get(link, getattr(perf, link))
+            changes[link] = dataclasses.replace(current, **{field: fitted}, source=current.source + " (calibrated)"
+                                                if "(calibrated)" not in current.source else current.source)
+        else:
+            changes[name] = fitted
+    return dataclasses.replace(perf, **changes)
+
+
+# ------------------------------------------------------------------------------------------------- fitting
+def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 0.7, iterations: int = 600,
+                tolerance: float = 1e-10) -> np.ndarray:
+    """The minimum of ``f`` near ``x0`` by the Nelder-Mead simplex (reflect, expand, contract, shrink)."""
+    n = len(x0)
+    points = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    values = [f(p) for p in points]
+    for _ in range(iterations):
+        order = np.argsort(values)
+        points, values = [points[i] for i in order], [values[i] for i in order]
+        if abs(values[-1] - values[0]) < tolerance:
+            break
+        centroid = np.mean(points[:-1], axis=0)
+        reflected = centroid + (centroid - points[-1])
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = centroid + 2 * (centroid - points[-1])
+            fe = f(expanded)
+            points[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            points[-1], values[-1] = reflected, fr
+        else:
+            contracted = centroid + 0.5 * (points[-1] - centroid)
+            fc = f(contracted)
+            if fc < values[-1]:
+                points[-1], values[-1] = contracted, fc
+            else:
+                points = [points[0] + 0.5 * (p - points[0]) for p in points]
+                values = [f(p) for p in points]
+    return points[int(np.argmin(values))]
+
+
+def fit(samples: list, perf: "DevicePerf", names: tuple[str, ...]) -> tuple[dict, float, float]:
+    """(fitted figures, MAE of tokens/s before, after) for ``samples`` of (StepCosts, measured tokens/s).
+
+    The objective is the mean absolute error of tokens/s relative to the mean measured (the error the tuner
+    reports), plus the prior; the search starts at the prior, so the error after is never above the error
+    before on these samples."""
+    from fsdp_exp.tune.perf import timing
+
+    x0 = np.array([math.log(value(perf, n)) for n in names])
+    measured = np.array([m for _, m in samples])
+
+    def predicted(x: np.ndarray) -> np.ndarray:
+        params = {}
+        for n, v in zip(names, x):
+            low, high = BOUNDS.get(n, (1e-9, 1e12))
+            params[n] = min(max(math.exp(v), low), high)
+        candidate = apply(perf, params)
+        return np.array([timing(costs, candidate).tokens_per_s for costs, _ in samples])
+
+    scale = float(np.mean(measured))
+
+    def loss(x: np.ndarray) -> float:
+        error = np.mean(np.abs(predicted(x) - measured)) / scale
+        return float(error + PRIOR_WEIGHT * np.sum(((x - x0) / math.log(10)) ** 2))
+
+    best = nelder_mead(loss, x0)
+    params = {n: min(max(math.exp(v), BOUNDS.get(n, (1e-9, 1e12))[0]), BOUNDS.get(n, (1e-9, 1e12))[1])
+              for n, v in zip(names, best)}
+    before = float(np.mean(np.abs(predicted(x0) - measured)))
+    after = float(np.mean(np.abs(predicted(best) - measured)))
+    return params, before, after
+
+
+# ------------------------------------------------------------------------------------------- the sweep
+def run_samples(sweep_dir: Path) -> dict[str, dict]:
+    """The sweep's configurations by device key: {key: {"samples", "perf", "runs"}}. A configuration measured
+    several times (``trainer.repeat``, fsdp_exp.report.repeats) is one sample: the median of its runs' medians,
+    as the tuner and the report compare it."""
+    from fsdp_exp.config import to_run_config
+    from fsdp_exp.config.topology import Topology
+    from fsdp_exp.plan.devices import table_device
+    from fsdp_exp.report.load import load_runs
+    from fsdp_exp.report.repeats import group_repeats
+    from fsdp_exp.tune.perf import step_costs
+    from fsdp_exp.tune.probe import cpu_perf, probe_key
+
+    groups: dict[str, dict] = {}
+    runs = [r for r in load_runs([sweep_dir]) if r.status == "completed" and r.config and r.topology
+            and isinstance(r.summary.get("summary/tokens_per_s_median"), (int, float))]
+    for members in group_repeats(runs):
+        run = runs[members[0]]
+        tokens = statistics.median(runs[i].summary["summary/tokens_per_s_median"] for i in members)
+        cfg = to_run_config(run.config)
+        topology = Topology(**{k: tuple(v) if isinstance(v, list) else v for k, v in run.topology.items()})
+        if run.env.get("device_type") == "cuda":
+            device = table_device(" ".join(run.env.get("devices") or []))
+            if device is None:
+                continue
+            key, perf = device.name, device.perf
+        else:
+            threads = int(run.env.get("threads_per_rank") or 1)
+            key = probe_key(topology.nproc_per_node, threads)
+            perf = cpu_perf(topology.nproc_per_node, threads)[0]
+        group = groups.setdefault(key, {"samples": [], "perf": perf, "runs": []})
+        group["samples"].append((step_costs(cfg, topology), float(tokens)))
+        group["runs"] += [runs[i].path for i in members]
+    return groups
+
+
+def calibrate_from(sweep_dir: Path) -> dict[str, dict]:
+    """Fit and cache per device; returns what was cached, by device key."""
+    groups = run_samples(sweep_dir)
+    if not groups:
+        fail(f"tune.calibrate_from={sweep_dir}: no completed run with a record to fit to.",
+             "pass the folder of a sweep whose runs completed (tune.run=true writes <tune.out>/sweep)")
+    cached = {}
+    for key, group in groups.items():
+        spans_nodes = any(t.nodes > 1 for costs, _ in group["samples"] for t in costs.traffic)
+        names = tuple(n for n in PARAMS if spans_nodes or not n.startswith("inter."))
+        names = names[: max(1, len(group["samples"]) - 1)]
+        params, before, after = fit(group["samples"], group["perf"], names)
+        entry = {"params": params, "from": str(Path(sweep_dir).resolve()), "runs": len(group["runs"]),
+                 "configurations": len(group["samples"]),
+                 "mae_tokens_per_s_before": before, "mae_tokens_per_s_after": after,
+                 "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                 "prior": {n: value(group["perf"], n) for n in names}}
+        save(key, entry)
+        cached[key] = entry
+    return cached

@@ -1,0 +1,312 @@
+"""The step-time model: one rank's training step from the work it computes, the collectives its strategy
+issues, the overlap its prefetch settings allow and what offloading moves. Two halves:
+
+``step_costs(cfg, topology)`` counts, from the config alone (the model family's inventory and ``Work``,
+the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer step of one rank does:
+
+- **compute**: ``tokens x (model FLOPs + recompute) / tp`` per rank, split into forward (a third of the
+  model FLOPs) and backward (two thirds, plus the recompute); and the operators the host dispatches.
+- **collectives**, each with its group (size, nodes it spans), how many per step and their bytes:
+  - a backend that gathers units (FSDP): each unit's all-gather over the shard group in every
+    micro-batch's forward, again in backward where units are resharded after forward (all but the last
+    block, which stays gathered), in ``param_dtype``; one reduce-scatter per unit per step, in
+    ``reduce_dtype`` (earlier micro-batches only accumulate); across replicas of a shard (hybrid,
+    no_shard) one all-reduce of the unit's shard per step;
+  - a backend that replicates (DDP): the gradients all-reduced in 25 MiB buckets (DDP's default), once
+    per step;
+  - tensor parallel: two all-reduces of the residual stream per block in forward and two in backward,
+    every micro-batch, on the critical path;
+  - two tiny all-reduces per step over the world (the loss statistics and the gradient norm).
+- **offload** (``offload=params`` where the backend offloads): each all-gather first copies the unit's
+  fp32 shard from the host, the gradient shards go back once per step, and AdamW steps on the host.
+- **the optimizer step**: AdamW reads parameters, gradients and both moments and writes three of them
+  back: 28 bytes per local parameter through the device's memory (the host's, offloaded).
+
+``timing(costs, perf)`` turns the counts into seconds with a ``DevicePerf``:
+
+- compute: FLOPs / (peak of ``param_dtype`` x efficiency); the operators cost ``dispatch_us`` each,
+  hidden behind the device's work where dispatch is asynchronous (CUDA), added to it where it is not
+  (eager CPU);
+- a collective over a ring of n ranks (the alpha-beta model): an all-gather or a reduce-scatter takes
+  ``(n-1) x latency + (n-1)/n x bytes / bandwidth``, an all-reduce twice that; the link is the node's
+  (``intra``) when the group stays in one node, else the network's (``inter``, per rank);
+- overlap: collectives that a prefetch or the backward's bucketing can run ahead of need are hidden
+  behind the phase's compute, up to ``overlap`` of the smaller of the two; the first unit's all-gather
+  and the last unit's reduction always wait. Forward prefetch off (``prefetch.forward=0``) exposes the
+  forward's all-gathers, backward prefetch off (``prefetch.backward=0``) the backward's re-gathers. A
+  deeper prefetch hides no more in steady state (it costs memory; the planner counts that);
+- the step = forward + backward of every micro-batch + the optimizer step + ``step_overhead_ms`` + the
+  tiny all-reduces.
+
+What it leaves out, knowingly: kernels' efficiency changing with their shapes (one efficiency per device,
+fitted), a backend's own per-collective software cost (in the fitted latency), stragglers, congestion
+between jobs, NCCL's tree and NVLS algorithms, compile.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Optional
+
+from fsdp_exp.plan.states import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from fsdp_exp.config.schema import RunConfig
+    from fsdp_exp.config.topology import Topology
+    from fsdp_exp.plan.devices import DevicePerf
+
+DDP_BUCKET_BYTES = 25 * 2**20
+ADAMW_BYTES_PER_PARAM = 28  # reads p, g, m, v (16 bytes), writes p, m, v (12 bytes), all fp32
+ADAMW_OPS_PER_TENSOR = 12  # a per-tensor AdamW step dispatches about this many operators
+TINY_ALL_REDUCES = 2
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Collectives of one purpose in one step of one rank."""
+
+    purpose: str  # e.g. "forward all-gather"
+    kind: str  # all-gather | reduce-scatter | all-reduce
+    ranks: int  # the group's size
+    nodes: int  # nodes the group spans
+    count: int  # collectives per step
+    bytes: float  # the full (unsharded) tensors' bytes, summed over the count
+    phase: str  # forward | backward
+    overlappable: bool
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What one optimizer step of one rank does, in counts and bytes (see the module docstring)."""
+
+    tokens_per_step: int  # global
+    micro_batches: int
+    units: int  # gathered units (FSDP) or gradient buckets (DDP): the first / last of them waits
+    dtype: str  # the compute dtype
+    forward_flops: float
+    backward_flops: float
+    forward_ops: float
+    backward_ops: float
+    optimizer_ops: float
+    traffic: tuple[Traffic, ...]
+    offload_forward_bytes: float  # host -> device copies before the forward's all-gathers
+    offload_backward_bytes: float  # host -> device before backward's re-gathers, device -> host gradients
+    optimizer_bytes: float  # bytes the optimizer streams (through the host's memory when offloaded)
+    optimizer_on_host: bool
+    ranks_per_node: int
+    world: int
+    model_flops: float  # the step's model FLOPs on this rank (MFU's numerator)
+
+
+@dataclass
+class StepPrediction:
+    step_time_s: float
+    tokens_per_s: float
+    mfu: Optional[float]
+    breakdown: dict  # seconds: compute, exposed_comm, offload, optimizer, overhead
+    comm: dict  # seconds per collective purpose, before overlap
+    dominant: str  # compute | exposed comm | offload | optimizer | overhead
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def explain(self) -> str:
+        """The step's time in shares, largest first, e.g. "compute 71% · exposed comm 22% · optimizer 7%"."""
+        total = sum(self.breakdown.values()) or 1.0
+        parts = sorted(((v / total, k.replace("_", " ")) for k, v in self.breakdown.items() if v > 0), reverse=True)
+        text = " · ".join(f"{name} {share:.0%}" for share, name in parts if share >= 0.01)
+        if self.breakdown.get("exposed_comm", 0) / total >= 0.05 and self.comm:
+            top = max(self.comm, key=self.comm.get)
+            text += f" (most comm: {top})"
+        return text
+
+
+# ----------------------------------------------------------------------------------------------- counting
+def _group_nodes(stride: int, size: int, ranks_per_node: int) -> int:
+    """Nodes spanned by rank 0's group of ``size`` ranks ``stride`` apart."""
+    return len({(i * stride) // ranks_per_node for i in range(size)})
+
+
+_LAYOUTS: dict[tuple, tuple[list[float], int, int]] = {}
+
+
+def _units(cfg: "RunConfig", rules, shard: int, tp: int) -> tuple[list[float], int, int]:
+    """(each unit's gathered elements, this rank's local elements, parameter tensors), cached per layout."""
+    from fsdp_exp.models import spec_for
+    from fsdp_exp.models.spec import config_key
+    from fsdp_exp.plan.states import param_infos, unit_names
+
+    key = (config_key(cfg.model), config_key(cfg.wrap), rules.param_layout, rules.gathers_units, shard, tp)
+    if key not in _LAYOUTS:
+        spec = spec_for(cfg.model)
+        inventory = spec.inventory(cfg.model)
+        units = unit_names(spec, cfg) if rules.gathers_units else []
+        infos = param_infos(inventory, units, rules, shard, tp)
+        sizes: dict[str, float] = {}
+        for info in infos:
+            sizes[info.unit] = sizes.get(info.unit, 0.0) + (info.gathered_numel or info.local_numel)
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = (list(sizes.values()), int(sum(i.local_numel for i in infos)), len(infos))
+    return _LAYOUTS[key]
+
+
+def local_parameters(cfg: "RunConfig", rules, shard: int, tp: int) -> int:
+    """This rank's share of the parameters (elements) under the backend's layout."""
+    return _units(cfg, rules, shard, tp)[1]
+
+
+def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
+    from fsdp_exp.models import spec_for
+    from fsdp_exp.parallel.backend import backend_for
+    from fsdp_exp.tune.work import work
+
+    backend = backend_for(cfg)
+    rules = backend.planner_rules(cfg)
+    tp, dp, nproc = topology.tp_size, topology.dp_size, topology.nproc_per_node
+    shard = backend.shard_group(topology)
+    replicas = max(1, dp // max(shard, 1))
+    G = topology.grad_accum_steps
+    e_p, e_r = DTYPE_BYTES[cfg.precision.param_dtype], DTYPE_BYTES[cfg.precision.reduce_dtype]
+    seq = cfg.trainer.seq_len
+    tokens = cfg.trainer.global_batch_size * seq
+    tokens_rank = tokens / dp
+
+    w = work(cfg)
+    model_flops = tokens_rank * w.flops_per_token / tp
+    recompute = tokens_rank * w.recompute_flops_per_token(cfg) / tp
+    ops_f, ops_b = w.ops_per_micro_batch(cfg)
+
+    unit_numel, local_numel, tensors = _units(cfg, rules, shard, tp)
+    full_numel = sum(unit_numel)
+    shard_nodes = _group_nodes(tp, shard, nproc)
+    replica_nodes = _group_nodes(tp * shard, replicas, nproc)
+    dp_nodes = _group_nodes(tp, dp, nproc)
+    traffic: list[Traffic] = []
+    offload = bool(cfg.offload.params and rules.offloads)
+    offload_f = offload_b = 0.0
+    units = len(unit_numel)
+    if rules.gathers_units:
+        regathered = units - 1 if rules.reshard_after_forward else 0  # the last block stays gathered
+        if shard > 1:
+            traffic.append(Traffic("forward all-gather", "all-gather", shard, shard_nodes, G * units,
+                                   G * e_p * full_numel, "forward", cfg.prefetch.forward > 0))
+            if regathered:
+                share = regathered / units
+                traffic.append(Traffic("backward re-gather", "all-gather", shard, shard_nodes, G * regathered,
+                                       G * e_p * full_numel * share, "backward", cfg.prefetch.backward != 0))
+            traffic.append(Traffic("gradient reduce-scatter", "reduce-scatter", shard, shard_nodes, units,
+                                   e_r * full_numel, "backward", True))
+        if replicas > 1:
+            traffic.append(Traffic("replica all-reduce", "all-reduce", replicas, replica_nodes, units,
+                                   e_r * full_numel / shard, "backward", True))
+        if offload:
+            offload_f = G * 4 * full_numel / shard
+            offload_b = G * 4 * full_numel / shard * (regathered / units) + 4 * full_numel / shard
+    elif dp > 1:  # replicas: gradients all-reduced in buckets during backward
+        grad_bytes = e_r * full_numel
+        units = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+        traffic.append(Traffic("gradient all-reduce (buckets)", "all-reduce", dp, dp_nodes, units, grad_bytes,
+                               "backward", True))
+    if tp > 1:
+        stream = spec_for(cfg.model).activations(cfg.model, topology.micro_batch_size, seq, 1, False).residual(e_p)
+        blocks = len(w.block_forward_flops)
+        for phase in ("forward", "backward"):
+            traffic.append(Traffic(f"tensor-parallel all-reduce ({phase})", "all-reduce", tp, 1, G * 2 * blocks,
+                                   G * 2 * blocks * stream, phase, False))
+    return StepCosts(
+        tokens_per_step=tokens, micro_batches=G, units=max(units, 1), dtype=cfg.precision.param_dtype,
+        forward_flops=model_flops / 3, backward_flops=2 * model_flops / 3 + recompute,
+        forward_ops=G * ops_f, backward_ops=G * ops_b, optimizer_ops=ADAMW_OPS_PER_TENSOR * tensors,
+        traffic=tuple(traffic), offload_forward_bytes=offload_f, offload_backward_bytes=offload_b,
+        optimizer_bytes=ADAMW_BYTES_PER_PARAM * local_numel, optimizer_on_host=offload,
+        ranks_per_node=nproc, world=topology.world_size, model_flops=model_flops)
+
+
+# ----------------------------------------------------------------------------------------------- timing
+def collective_seconds(kind: str, ranks: int, nbytes: float, count: int, latency_us: float, gbps: float) -> float:
+    """The alpha-beta time of ``count`` ring collectives moving ``nbytes`` (full tensors) in all."""
+    if ranks <= 1:
+        return 0.0
+    rounds = 2 if kind == "all-reduce" else 1
+    return rounds * (count * (ranks - 1) * latency_us * 1e-6 + (ranks - 1) / ranks * nbytes / (gbps * 1e9))
+
+
+def _link(perf: "DevicePerf", nodes: int):
+    return perf.intra if nodes <= 1 else perf.inter
+
+
+def _phase(compute: float, overlappable: float, waiting: float, overlap: float, units: int) -> tuple[float, float]:
+    """(exposed communication of a phase, its part hidden) given its compute and its communication that
+    can run ahead (``overlappable``) or must wait (``waiting``). The first (last) unit's share waits."""
+    first = overlappable / max(units, 1)
+    rest = overlappable - first
+    hidden = overlap * min(compute, rest)
+    return waiting + first + rest - hidden, hidden
+
+
+def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
+    peak = perf.peak_tflops.get(costs.dtype)
+    if not peak:
+        raise ValueError(f"no peak FLOPS for {costs.dtype} on this device")
+    rate = peak * 1e12 * perf.efficiency
+    dispatch = perf.dispatch_us * 1e-6
+
+    def compute(flops: float, ops: float) -> float:
+        work, host = flops / rate, ops * dispatch
+        return max(work, host) if perf.async_dispatch else work + host
+
+    c_f, c_b = compute(costs.forward_flops, costs.forward_ops), compute(costs.backward_flops, costs.backward_ops)
+    comm: dict[str, float] = {}
+    parts = {"forward": [0.0, 0.0], "backward": [0.0, 0.0]}  # [overlappable, waiting] seconds
+    for t in costs.traffic:
+        link = _link(perf, t.nodes)
+        seconds = collective_seconds(t.kind, t.ranks, t.bytes, t.count, link.latency_us, link.gbps)
+        comm[t.purpose] = comm.get(t.purpose, 0.0) + seconds
+        parts[t.phase][0 if t.overlappable else 1] += seconds
+    copy = perf.host
+    off_f = costs.offload_forward_bytes / (copy.gbps * 1e9)
+    off_b = costs.offload_backward_bytes / (copy.gbps * 1e9)
+    exposed_f, _ = _phase(c_f, parts["forward"][0] + off_f, parts["forward"][1], perf.overlap, costs.units)
+    exposed_b, _ = _phase(c_b, parts["backward"][0] + off_b, parts["backward"][1], perf.overlap, costs.units)
+    # Split each phase's exposed time between communication and offload copies in proportion.
+    offload_share_f = off_f / (off_f + sum(parts["forward"])) if off_f else 0.0
+    offload_share_b = off_b / (off_b + sum(parts["backward"])) if off_b else 0.0
+    exposed_offload = exposed_f * offload_share_f + exposed_b * offload_share_b
+    exposed_comm = exposed_f + exposed_b - exposed_offload
+
+    if costs.optimizer_on_host:
+        optimizer, offload_opt = 0.0, costs.optimizer_bytes / (perf.host_memory_gbps / costs.ranks_per_node * 1e9)
+    else:
+        optimizer, offload_opt = costs.optimizer_bytes / (perf.memory_gbps * 1e9), 0.0
+    if not perf.async_dispatch:
+        optimizer += costs.optimizer_ops * dispatch
+    world_link = _link(perf, 2 if costs.world > costs.ranks_per_node else 1)
+    overhead = perf.step_overhead_ms * 1e-3 + collective_seconds(
+        "all-reduce", costs.world, 8.0 * TINY_ALL_REDUCES, TINY_ALL_REDUCES, world_link.latency_us, world_link.gbps)
+    breakdown = {"compute": c_f + c_b, "exposed_comm": exposed_comm, "offload": exposed_offload + offload_opt,
+                 "optimizer": optimizer, "overhead": overhead}
+    step = sum(breakdown.values())
+    named = {"compute": "compute", "exposed_comm": "exposed comm", "offload": "offload", "optimizer": "optimizer",
+             "overhead": "overhead"}
+    dominant = named[max(breakdown, key=breakdown.get)]
+    mfu = costs.model_flops / step / (peak * 1e12)
+    return StepPrediction(step_time_s=step, tokens_per_s=costs.tokens_per_step / step, mfu=mfu,
+                          breakdown=breakdown, comm=comm, dominant=dominant)
+
+
+def predict(cfg: "RunConfig", topology: "Topology", perf: "DevicePerf") -> StepPrediction:
+    return timing(step_costs(cfg, topology), perf)
+
+
+def counts(costs: StepCosts) -> dict[str, int]:
+    """Collectives per step by purpose (what the tests compare with each strategy's schedule)."""
+    out: dict[str, int] = {}
+    for t in costs.traffic:
+        out[t.purpose] = out.get(t.purpose, 0) + t.count
+    return out
+
+
+__all__ = ["StepCosts", "StepPrediction", "Traffic", "collective_seconds", "counts", "predict", "step_costs",
+           "timing"]

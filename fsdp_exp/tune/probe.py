@@ -1,0 +1,199 @@
+"""A CPU's figures for the step-time model, measured once and cached: no data sheet describes a CPU
+host running several ranks over gloo.
+
+The probe starts as many ranks as a run puts on the node (gloo on 127.0.0.1, each with the threads a
+rank gets), and all of them measure at once, so that each figure is what one rank gets while its peers
+work too:
+
+- the matmul peak per dtype: the trainer's own measurement and cache (``fsdp_exp.metrics.flops``: a
+  figure the runs already cached is used as it is, so that predicted and reported MFU share a peak);
+- the cost of dispatching one small operator (eager CPU: it adds to the work);
+- memory bandwidth: a 64 MiB copy (read + write traffic), which also stands for offload's copies
+  between "host" and "device", here the same memory;
+- gloo's all-gather and reduce-scatter at 1 KiB to 8 MiB: a least-squares line through
+  ``time = (n-1) x latency + (n-1)/n x bytes / bandwidth`` gives the latency per ring step and the
+  bandwidth (the same ring model ``fsdp_exp.tune.perf`` uses).
+
+The entry is cached in ``$XDG_CACHE_HOME/fsdp_exp/cpu_probe.json`` (default ``~/.cache``) per (CPU model,
+ranks per node, threads per rank, torch version), with the share of its cores' time the ranks got: a
+probe during which other programs ran is cached too (its figures are pessimistic; ``tune.calibrate_from``
+corrects the model from real runs) and says so. Delete the file to measure again. Between nodes a CPU
+cluster's network is not this machine's loopback: the probe's figures stand for both links until a
+calibration on a multi-node sweep says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+SIZES = (1024, 32 * 1024, 1024**2, 8 * 1024**2)
+REPEATS = 5
+CPU_OVERLAP = 0.5  # gloo's threads share the rank's cores with compute: half of what could overlap is hidden
+CPU_EFFICIENCY = 0.5
+CPU_STEP_OVERHEAD_MS = 2.0
+
+
+def cache_path() -> Path:
+    from fsdp_exp.metrics.flops import cache_path as peak_cache
+
+    return peak_cache().with_name("cpu_probe.json")
+
+
+def probe_key(ranks_per_node: int, threads: int) -> str:
+    import torch
+
+    from fsdp_exp.metrics.flops import cpu_model
+
+    return f"{cpu_model()} | {ranks_per_node} ranks/node | {threads} threads/rank | torch {torch.__version__}"
+
+
+def _read(key: str) -> Optional[dict]:
+    try:
+        return json.loads(cache_path().read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
+def _write(key: str, entry: dict) -> None:
+    path = cache_path()
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    table[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def cpu_probe(ranks_per_node: int, threads: int) -> dict:
+    """The cached entry for this layout, measured now if there is none."""
+    key = probe_key(ranks_per_node, threads)
+    entry = _read(key)
+    if entry is None:
+        entry = measure(ranks_per_node, threads)
+        entry["key"] = key
+        _write(key, entry)
+        entry["how"] = "measured now"
+    else:
+        entry["how"] = "cached"
+    return entry
+
+
+def cpu_perf(ranks_per_node: int, threads: int):
+    """(``DevicePerf`` of this CPU host for that layout, the probe's entry)."""
+    from fsdp_exp.plan.devices import DevicePerf, Link
+
+    entry = cpu_probe(ranks_per_node, threads)
+    where = f"{entry['how']}, {cache_path()} [{entry.get('key', '')}]"
+    busy = "" if entry["core_share"] >= 0.9 else f"; ranks got {entry['core_share']:.0%} of their cores' time: " \
+                                                 "other programs ran, figures pessimistic"
+    gloo = Link(entry["gloo_gbps"], entry["gloo_latency_us"], f"gloo probe, {ranks_per_node} ranks ({where}{busy})")
+    copy = Link(entry["copy_gbps"], 0.0, f"64 MiB copy per rank ({where})")
+    perf = DevicePerf(
+        peak_tflops=entry["peak_tflops"], memory_gbps=2 * entry["copy_gbps"], intra=gloo, inter=gloo, host=copy,
+        host_memory_gbps=2 * entry["copy_gbps"] * ranks_per_node, efficiency=CPU_EFFICIENCY, overlap=CPU_OVERLAP,
+        dispatch_us=entry["dispatch_us"], async_dispatch=False, step_overhead_ms=CPU_STEP_OVERHEAD_MS,
+        source=f"matmul peak per rank, all ranks at once ({entry['peak_source']}); memory: 64 MiB copies ({where})")
+    return perf, entry
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(ranks_per_node: int, threads: int) -> dict:
+    """Start ``ranks_per_node`` gloo ranks that measure at once; rank 0's figures (collectives are
+    collective; the peak is the mean over ranks)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "probe.json"
+        mp.start_processes(_rank, args=(ranks_per_node, threads, _free_port(), str(out)), nprocs=ranks_per_node,
+                           start_method="spawn", join=True)
+        entry = json.loads(out.read_text())
+    entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return entry
+
+
+def _timed(fn, repeats: int = REPEATS) -> float:
+    """Median seconds of ``fn`` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _rank(rank: int, world: int, threads: int, port: int, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import warnings
+
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_exp.metrics import flops
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        peaks, sources, shares = {}, [], []
+        for dtype in ("fp32", "bf16", "fp16"):
+            cached = flops.read_cached_peak(flops.peak_key(threads, world, dtype))
+            dist.barrier()  # start together: each rank measures while its peers compute too
+            if cached is not None:
+                peaks[dtype] = cached["tflops"]
+                sources.append(f"{dtype}: the runs' cache")
+                continue
+            local = flops.measure_matmul_tflops(dtype, seconds=0.6, batches=3)
+            both = torch.tensor([local["tflops"], local["core_share"]], dtype=torch.float64)
+            dist.all_reduce(both)
+            peaks[dtype] = both[0].item() / world
+            shares.append(both[1].item() / world)
+            sources.append(f"{dtype}: measured, {local['n']}x{local['n']} matmuls")
+
+        a, b, c = torch.ones(8), torch.ones(8), torch.empty(8)
+        dist.barrier()
+        dispatch = _timed(lambda: [torch.add(a, b, out=c) for _ in range(2000)]) / 2000
+
+        src, dst = torch.ones(16 * 2**20), torch.empty(16 * 2**20)  # 64 MiB
+        dist.barrier()
+        copy_gbps = src.numel() * 4 / _timed(lambda: dst.copy_(src)) / 1e9
+
+        latency_us, gbps = 0.0, float("inf")
+        if world > 1:
+            rows, seconds = [], []
+            for size in SIZES:
+                full = torch.zeros(size // 4)
+                part = torch.zeros(size // 4 // world)
+                dist.barrier()
+                seconds.append(_timed(lambda: dist.all_gather_into_tensor(full, part)))
+                rows.append([world - 1, (world - 1) / world * size])
+                dist.barrier()
+                seconds.append(_timed(lambda: dist.reduce_scatter_tensor(part, full)))
+                rows.append([world - 1, (world - 1) / world * size])
+            (alpha, inverse_beta), *_ = np.linalg.lstsq(np.array(rows), np.array(seconds), rcond=None)
+            latency_us = max(float(alpha) * 1e6, 1.0)
+            gbps = 1.0 / max(float(inverse_beta), 1e-12) / 1e9
+        if rank == 0:
+            Path(out).write_text(json.dumps({
+                "peak_tflops": peaks, "peak_source": "; ".join(sources), "dispatch_us": dispatch * 1e6,
+                "copy_gbps": copy_gbps, "gloo_latency_us": latency_us, "gloo_gbps": min(gbps, 1e4),
+                "core_share": min(shares) if shares else 1.0, "ranks_per_node": world, "threads_per_rank": threads}))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,334 @@
+"""Weigh every candidate of the space: preflight prunes what cannot run, the planner what does not fit, the
+step-time model ranks the rest.
+
+For each candidate: ``validate`` (the same preflight a run passes: each backend's and model family's
+checks) refuses what cannot run, with its reason; the memory planner (``fsdp_exp.plan``) predicts the
+peak per rank with its allocator margin, checked against ``tune.budget_gib`` or the device; the
+step-time model (``fsdp_exp.tune.perf``) predicts tokens/s. No process group starts (on a CPU the probe
+may, once: ``fsdp_exp.tune.probe``).
+
+The planner reuses the model built on the meta device and its inventory across candidates (cached per
+model config), so after the first candidate each costs milliseconds; ``Tuning.timing`` says how many a
+second this machine weighed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from fsdp_exp.errors import ConfigError, fail
+from fsdp_exp.plan.devices import GIB
+from fsdp_exp.tune.space import Candidate, Space, build_space, enumerate_candidates, group_nodes
+
+if TYPE_CHECKING:
+    from fsdp_exp.config.schema import RunConfig
+    from fsdp_exp.plan.devices import Device, DevicePerf
+    from fsdp_exp.tune.options import TuneOptions
+    from fsdp_exp.tune.perf import StepPrediction
+
+BORDERLINE = 0.05  # within 5% of the memory limit either way: the planner's error could decide it
+# The baselines a measurement always includes: the run as given, with each of these shipped presets.
+BASELINES = {"DDP": "sharding=ddp", "full shard": "sharding=full"}
+
+
+@dataclass
+class Weighed:
+    candidate: Candidate
+    refused: Optional[str] = None  # preflight's reason (its first line)
+    peak_bytes: Optional[int] = None  # the planner's peak, before the allocator margin
+    floor_bytes: Optional[int] = None  # over the limit by a lower bound alone (not walked through the step)
+    topology: Optional[object] = None
+    need_bytes: Optional[int] = None  # peak + margin: what must fit
+    limit_bytes: Optional[int] = None
+    fits: Optional[bool] = None
+    prediction: Optional["StepPrediction"] = None
+    no_prediction: Optional[str] = None
+    tracks_memory: bool = True  # torch's tracker can measure this backend's peak
+    rank: Optional[int] = None
+    roles: list[str] = field(default_factory=list)
+    measured: Optional[dict] = None
+
+    @property
+    def headroom(self) -> Optional[float]:
+        """(limit - need) / limit: negative when over."""
+        need = self.need_bytes if self.need_bytes is not None else self.floor_bytes
+        if need is None or not self.limit_bytes:
+            return None
+        return (self.limit_bytes - need) / self.limit_bytes
+
+    @property
+    def borderline(self) -> bool:
+        return self.headroom is not None and abs(self.headroom) < BORDERLINE
+
+    @property
+    def ranked(self) -> bool:
+        return bool(self.fits) and self.prediction is not None
+
+    def why_not(self, limit_name: str) -> str:
+        if self.refused:
+            return f"refused: {self.refused}"
+        if self.floor_bytes is not None:
+            return f"over {limit_name}: its share of the parameters alone needs {self.floor_bytes / GIB:.3g} GiB"
+        if self.fits is False:
+            return f"over {limit_name} by {-self.headroom:.0%}"
+        if self.no_prediction:
+            return f"no time: {self.no_prediction}"
+        return ""
+
+
+@dataclass
+class Tuning:
+    overrides: list[str]  # the run's
+    base: "RunConfig"
+    space: Space
+    device: "Device"
+    perf: "DevicePerf"
+    perf_note: str
+    calibration: Optional[dict]
+    limit_name: str
+    limit_bytes: int
+    candidates: list[Weighed]
+    timing: dict
+    baselines: dict[str, Optional[str]]  # name -> candidate id (None: not in the space / refused)
+    device_key: str
+
+    @property
+    def ranked(self) -> list[Weighed]:
+        return sorted((w for w in self.candidates if w.rank is not None), key=lambda w: w.rank)
+
+    def by_id(self, cid: str) -> Weighed:
+        for w in self.candidates:
+            if w.candidate.id == cid:
+                return w
+        raise KeyError(cid)
+
+    def counts(self) -> dict:
+        return {"weighed": len(self.candidates),
+                "refused": sum(w.refused is not None for w in self.candidates),
+                "over": sum(w.fits is False for w in self.candidates),
+                "fit": sum(bool(w.fits) for w in self.candidates),
+                "ranked": sum(w.rank is not None for w in self.candidates),
+                "borderline": sum(w.borderline for w in self.candidates)}
+
+    def refusals(self, top: int = 3) -> list[tuple[str, int]]:
+        return Counter(w.refused for w in self.candidates if w.refused).most_common(top)
+
+
+@contextlib.contextmanager
+def hydra_session():
+    """Compose any number of configs under one Hydra initialization; also lists a group's options."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from fsdp_exp.config import to_run_config
+
+    with initialize_config_module(config_module="fsdp_exp.conf", version_base="1.3"):
+        loader = GlobalHydra.instance().config_loader()
+
+        def run_config(overrides: list[str]) -> "RunConfig":
+            return to_run_config(compose(config_name="config", overrides=overrides))
+
+        def options(group: str, overrides: list[str]) -> list[str]:
+            return sorted(loader.get_group_options(group, config_name="config", overrides=overrides))
+
+        yield run_config, options
+
+
+def resolve_device(name: Optional[str], base: "RunConfig") -> tuple["Device", int]:
+    """(the device to plan and time for, CUDA devices per node to validate against)."""
+    from fsdp_exp.env import cuda_device_count
+    from fsdp_exp.plan.devices import device_table, local_cuda_device, table_device
+
+    table = device_table()
+    if name is not None:
+        if name not in table:
+            fail(f"plan.device={name!r} is not a known device.", f"pass one of {', '.join(table)}")
+        device = table[name]
+        if device.kind == "cuda":
+            n = base.trainer.nproc_per_node
+            return device, int(n) if n.isdigit() else 8
+        return device, 0
+    count = cuda_device_count()
+    if count == 0 or base.trainer.device == "cpu":
+        return table["cpu_host"], 0
+    local = local_cuda_device()
+    known = table_device(local.description, local.bytes)  # the table's entry for this GPU
+    if known is None:
+        fail(f"this machine's GPU ({local.description}) has no entry with peak FLOPS and bandwidths.",
+             f"pass plan.device=<the closest of {', '.join(n for n, d in table.items() if d.perf)}>")
+    return known, count
+
+
+def device_perf(device: "Device", base: "RunConfig", nproc: int) -> tuple["DevicePerf", str, str]:
+    """(the device's figures, where they come from, the key its calibration is cached under)."""
+    if device.perf is not None:
+        return device.perf, f"{device.name}: {device.perf.source}", device.name
+    from fsdp_exp.env import default_threads
+    from fsdp_exp.tune.probe import cpu_perf, probe_key
+
+    threads = base.trainer.threads_per_rank or default_threads(nproc)
+    perf, entry = cpu_perf(nproc, threads)
+    return perf, f"this CPU, {nproc} ranks x {threads} threads: {perf.source}; gloo: {perf.intra.source}", \
+        probe_key(nproc, threads)
+
+
+def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
+    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.config.topology import resolve_nproc
+    from fsdp_exp.models import fetch_model_files
+    from fsdp_exp.parallel.backend import backend_for
+    from fsdp_exp.plan import plan
+    from fsdp_exp.tune import calibrate
+
+    started, cpu_started = time.perf_counter(), time.process_time()
+    with hydra_session() as (compose, options):
+        base = compose(overrides)
+        fetch_model_files(base.model)  # a hub name's config into the local cache: the rest reads local files
+        device, cuda_devices = resolve_device(opts.device, base)
+        nproc = resolve_nproc(base.trainer.nproc_per_node, cuda_devices)
+        world = nproc * base.trainer.nnodes
+        groups = {g: options(g, overrides) for g in ("ac", "precision", "offload", "prefetch")}
+        space = build_space(base, overrides, opts.space, groups, world)
+        nodes = group_nodes(overrides, space, compose)
+        presets = {}
+        if "backend" in space.values and "sharding" in space.values:
+            presets = {name: compose(overrides + [preset]).sharding for name, preset in BASELINES.items()}
+    composed = time.perf_counter()
+    perf, perf_note, device_key = device_perf(device, base, nproc)
+    calibration = calibrate.load(device_key)
+    if calibration is not None:
+        perf = calibrate.apply(perf, calibration["params"])
+    if "precision" in space.values and "precision" not in opts.space:
+        leave_out_scaled_precisions(space, nodes, perf, device.name)
+    probed = time.perf_counter()
+
+    capacity = device.bytes // (nproc if device.kind == "cpu" else 1)
+    limit, limit_name = capacity, device.name + (f" / {nproc} ranks" if device.kind == "cpu" else "")
+    if opts.budget_gib is not None and opts.budget_gib * GIB < capacity:
+        limit, limit_name = int(opts.budget_gib * GIB), f"tune.budget_gib={opts.budget_gib:g}"
+
+    weighed: list[Weighed] = []
+    first_done = first_cpu = None
+    for candidate in enumerate_candidates(base, space, nodes):
+        w = Weighed(candidate)
+        weighed.append(w)
+        try:
+            topology = validate(candidate.cfg, cuda_devices=cuda_devices)
+        except ConfigError as err:
+            w.refused = str(err).splitlines()[0]
+            continue
+        w.topology, w.limit_bytes = topology, limit
+        backend = backend_for(candidate.cfg)
+        w.tracks_memory = backend.tracks_memory
+        floor = parameter_floor(candidate.cfg, topology, backend, device.kind)
+        if floor > limit:  # certain without walking the step
+            w.floor_bytes, w.fits = floor, False
+            continue
+        result = plan(candidate.cfg, topology, device_kind=device.kind, margin=opts.margin)
+        w.peak_bytes, w.need_bytes = result.peak["total"], result.per_rank_bytes["total"]
+        w.fits = w.need_bytes <= limit
+        if w.fits:  # the time of what cannot run here is computed only when it is asked for (tune.extra)
+            time_candidate(w, perf)
+        if first_done is None:
+            first_done, first_cpu = time.perf_counter(), time.process_time()
+    finished, finished_cpu = time.perf_counter(), time.process_time()
+    if not weighed:
+        fail("the search space holds no candidate: " + (space.describe() or "every dimension is fixed"),
+             "widen it: drop a tune.space.<dimension>, or an override that fixes one")
+
+    ranked = sorted((w for w in weighed if w.ranked), key=lambda w: (-w.prediction.tokens_per_s, w.need_bytes))
+    for position, w in enumerate(ranked, start=1):
+        w.rank = position
+    planned = [w for w in weighed if w.need_bytes is not None]
+    if not ranked:
+        _nothing_ranked(weighed, limit, limit_name)
+    n_after = len(weighed) - 1
+    rest = finished - (first_done or finished)
+    rest_cpu = finished_cpu - (first_cpu or finished_cpu)  # what this process got of a busy machine
+    timing = {"compose_s": composed - started, "device_s": probed - composed,
+              "first_candidate_s": (first_done or finished) - probed, "weigh_s": finished - probed,
+              "candidates_per_s_after_first": n_after / rest if rest > 0 else None,
+              # walked through the planner (refusals and parameter floors cost less): a conservative rate
+              "planned_per_s_after_first": (len(planned) - 1) / rest if rest > 0 else None,
+              "candidates_per_cpu_s_after_first": n_after / rest_cpu if rest_cpu > 0 else None,
+              "planned_per_cpu_s_after_first": (len(planned) - 1) / rest_cpu if rest_cpu > 0 else None,
+              "total_s": finished - started,
+              "cpu_s": time.process_time() - cpu_started}
+    baselines = {name: _baseline(weighed, base, node, space) for name, node in presets.items()}
+    return Tuning(overrides=overrides, base=base, space=space, device=device, perf=perf, perf_note=perf_note,
+                  calibration=calibration, limit_name=limit_name, limit_bytes=limit, candidates=weighed,
+                  timing=timing, baselines=baselines, device_key=device_key)
+
+
+def _nothing_ranked(weighed: list[Weighed], limit: int, limit_name: str) -> None:
+    """Refuse a search that ranks nothing, saying why: nothing fits, nothing can run, or nothing can be timed."""
+    sized = [w for w in weighed if w.need_bytes is not None or w.floor_bytes is not None]
+    if sized and not any(w.fits for w in sized):
+        least = min(sized, key=lambda w: w.need_bytes if w.need_bytes is not None else w.floor_bytes)
+        need = least.need_bytes if least.need_bytes is not None else least.floor_bytes
+        fail(f"no candidate fits {limit_name} ({limit / GIB:.3g} GiB per rank): the smallest, "
+             f"{' '.join(least.candidate.choices)}, needs {need / GIB:.3g} GiB.",
+             f"raise tune.budget_gib to at least {need / GIB:.3g}, or add ranks "
+             "(trainer.nnodes / trainer.nproc_per_node), or a smaller trainer.global_batch_size")
+    untimed = [w for w in weighed if w.no_prediction]
+    if untimed:
+        fail(f"no candidate that fits can be timed: {untimed[0].no_prediction}",
+             "pass a tune.space.precision the device has a peak for, or another plan.device")
+    reasons = Counter(w.refused for w in weighed if w.refused).most_common(1)
+    fail(f"every one of the {len(weighed)} candidates is refused by preflight, most often: {reasons[0][0]}",
+         "fix the run's overrides so that the run itself passes (python -m fsdp_exp.plan <overrides>), "
+         "or widen the space (tune.space.<dimension>)")
+
+
+def leave_out_scaled_precisions(space: Space, nodes: dict, perf: "DevicePerf", device: str) -> None:
+    """Leave out of the default space the precisions that need a loss scaler (fp16) where bf16 computes as fast:
+    they cannot be faster and add the scaler's work and its risk of skipped steps."""
+    bf16 = perf.peak_tflops.get("bf16") or 0
+    dropped = [o for o in space.values["precision"] if nodes[("precision", o)].loss_scaler != "none"
+               and bf16 >= (perf.peak_tflops.get(nodes[("precision", o)].param_dtype) or 0)]
+    if dropped and len(dropped) < len(space.values["precision"]):
+        space.values["precision"] = [o for o in space.values["precision"] if o not in dropped]
+        space.notes.append(f"precision={','.join(dropped)} left out: {device} computes bf16 as fast, without a loss "
+                           f"scaler (tune.space.precision=[...,{dropped[0]}] searches it anyway)")
+
+
+def parameter_floor(cfg: "RunConfig", topology, backend, kind: str) -> int:
+    """A lower bound of a rank's memory that needs no walk through the step: its share of the parameters, at 2
+    bytes each (the smallest dtype any backend keeps them in), unless offloading keeps them on the host."""
+    from fsdp_exp.tune.perf import local_parameters
+
+    rules = backend.planner_rules(cfg)
+    if cfg.offload.params and rules.offloads and kind == "cuda":
+        return 0
+    return 2 * local_parameters(cfg, rules, backend.shard_group(topology), topology.tp_size)
+
+
+def time_candidate(w: Weighed, perf: "DevicePerf") -> None:
+    """Predict ``w``'s step time (once)."""
+    from fsdp_exp.tune.perf import predict
+
+    if w.prediction is not None or w.no_prediction is not None or w.topology is None:
+        return
+    try:
+        w.prediction = predict(w.candidate.cfg, w.topology, perf)
+    except ValueError as err:
+        w.no_prediction = str(err)
+
+
+def _baseline(weighed: list[Weighed], base: "RunConfig", sharding, space: Space) -> Optional[str]:
+    """The candidate that is the run as given with a preset's sharding; if that one cannot run or fit, the best
+    ranked candidate with that sharding. None: no candidate has it."""
+    same = [w for w in weighed if w.candidate.cfg.sharding == sharding]
+    exact = [w for w in same if all(getattr(w.candidate.cfg, g) == getattr(base, g)
+                                    for g in ("ac", "precision", "offload", "prefetch"))
+             and w.candidate.cfg.trainer.micro_batch_size in (base.trainer.micro_batch_size,
+                                                             base.trainer.global_batch_size // space.dp)]
+    for w in exact:
+        if w.rank is not None:
+            return w.candidate.id
+    best = [w for w in same if w.rank is not None]
+    return min(best, key=lambda w: w.rank).candidate.id if best else None

@@ -1,0 +1,232 @@
+"""The search space: the system knobs a configuration can change without changing what is trained.
+
+The dimensions (``tune.space.<name>=[...]`` narrows or widens each):
+
+- ``backend``: every registered backend (``fsdp_exp.parallel.backend.BACKEND_MODULES``); fixed by
+  ``sharding=..`` or ``sharding.backend=..``;
+- ``sharding``: every strategy of those backends, each backend paired only with its own ``strategies``;
+  fixed by ``sharding=..`` or ``sharding.strategy=..``;
+- ``shard_size``: hybrid's shard group, every divisor of the data-parallel ranks but 1 and all of them;
+  fixed by ``sharding.shard_size`` / ``sharding.replicate_size``;
+- ``ac``, ``precision``, ``offload``, ``prefetch``: every option of the config group (yours in Hydra's
+  search path too); fixed by ``<group>=..`` or ``<group>.<key>=..``. Precisions that need a loss scaler
+  (fp16) are left out by default where the device computes bf16 as fast (``search``);
+- ``micro_batch_size``: the divisors of each rank's batch that are powers of two, and the batch itself;
+  fixed by ``trainer.micro_batch_size=..``.
+
+A dimension the run's overrides already set is the user's choice and is not searched. The model, the
+global batch and the sequence length are training choices: they stay as given. A backend or a model
+family registered later joins the space by itself: the backends come from the registry with their
+strategies, and whether a combination can run is asked of preflight (``validate``: each backend's
+``check``), never decided here.
+
+Deriving a candidate's config is cheap: the run's config is composed by Hydra once, each config group's
+options once (a few compositions in all), and every candidate is the base with its groups swapped in
+(``dataclasses.replace``), which is what Hydra composes from the same overrides (tested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator, Optional
+
+from fsdp_exp.errors import fail
+from fsdp_exp.tune.options import SPACE_DIMENSIONS
+
+if TYPE_CHECKING:
+    from fsdp_exp.config.schema import RunConfig
+
+GROUPS = ("ac", "precision", "offload", "prefetch")
+HYBRID = "hybrid"  # the strategy whose mesh takes a shard group size (the config's vocabulary)
+# The override keys that fix each dimension (a group override, or a key inside it).
+FIXED_BY = {
+    "backend": ("sharding", "sharding.backend"),
+    "sharding": ("sharding", "sharding.strategy"),
+    "shard_size": ("sharding.shard_size", "sharding.replicate_size"),
+    "ac": ("ac",), "precision": ("precision",), "offload": ("offload",), "prefetch": ("prefetch",),
+    "micro_batch_size": ("trainer.micro_batch_size",),
+}
+
+
+@dataclass
+class Space:
+    values: dict[str, list[str]]  # searched dimension -> its values
+    fixed: dict[str, str] = field(default_factory=dict)  # dimension -> the user's override that fixes it
+    notes: list[str] = field(default_factory=list)
+    dp: int = 1
+
+    def describe(self) -> str:
+        parts = [f"{d}: {', '.join(v) or '(none)'}" for d, v in self.values.items()]
+        parts += [f"{d}: fixed by {o}" for d, o in self.fixed.items()]
+        return "; ".join(parts)
+
+
+@dataclass
+class Candidate:
+    id: str
+    choices: list[str]  # the tuner's overrides (on top of the run's)
+    cfg: "RunConfig"
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").partition("=")[0]
+
+
+def fixed_dimensions(overrides: list[str]) -> dict[str, str]:
+    """Dimension -> the run override that sets it."""
+    fixed = {}
+    for override in overrides:
+        key = _key(override)
+        for dim, keys in FIXED_BY.items():
+            if dim not in fixed and any(key == k or (k in GROUPS and key.startswith(k + ".")) for k in keys):
+                fixed[dim] = override
+    return fixed
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def micro_batches(per_rank: int) -> list[str]:
+    return [str(d) for d in _divisors(per_rank) if d & (d - 1) == 0 or d == per_rank]
+
+
+def _check_values(dim: str, values: list[str], allowed: list[str]) -> None:
+    for value in values:
+        if value not in allowed:
+            close = difflib.get_close_matches(value, allowed, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            fail(f"tune.space.{dim} lists {value!r}, which is not one of {', '.join(allowed)}.",
+                 f"{hint}pass tune.space.{dim}=[{','.join(allowed[:3])}]")
+
+
+def _positive(dim: str, values: list[str]) -> None:
+    for value in values:
+        if not value.isdigit() or int(value) < 1:
+            fail(f"tune.space.{dim} lists {value!r}, not a positive whole number.",
+                 f"pass e.g. tune.space.{dim}=[1,2,4]")
+
+
+def build_space(base: "RunConfig", overrides: list[str], requested: dict[str, list[str]],
+                group_options: dict[str, list[str]], world: int) -> Space:
+    """The space for this run: ``requested`` (``tune.space.*``) where given, else the defaults of the table above,
+    less the dimensions ``overrides`` fix."""
+    from fsdp_exp.config.preflight import STRATEGIES
+    from fsdp_exp.parallel.backend import backend_names, get_backend
+
+    fixed = fixed_dimensions(overrides)
+    for dim in requested:
+        if dim in fixed:
+            fail(f"tune.space.{dim} searches what {fixed[dim]} fixes.",
+                 f"drop {fixed[dim]} to search it, or drop tune.space.{dim} to keep it")
+    dp = max(1, world // max(base.parallel.tp, 1))
+    values: dict[str, list[str]] = {}
+    notes: list[str] = []
+    names = backend_names()
+    values["backend"] = requested.get("backend", names)
+    _check_values("backend", values["backend"], names)
+    backends = values["backend"] if "backend" not in fixed else [base.sharding.backend]
+    strategies = [s for s in STRATEGIES if any(s in get_backend(b).strategies for b in backends)]
+    values["sharding"] = requested.get("sharding", strategies)
+    _check_values("sharding", values["sharding"], list(STRATEGIES))
+    sizes = [str(d) for d in _divisors(dp) if 1 < d < dp]
+    values["shard_size"] = requested.get("shard_size", sizes)
+    _positive("shard_size", values["shard_size"])
+    for group in GROUPS:
+        values[group] = requested.get(group, group_options[group])
+        _check_values(group, values[group], group_options[group])
+    per_rank = base.trainer.global_batch_size // dp if base.trainer.global_batch_size % dp == 0 else 0
+    values["micro_batch_size"] = requested.get("micro_batch_size", micro_batches(per_rank) if per_rank else ["1"])
+    _positive("micro_batch_size", values["micro_batch_size"])
+    searched_strategies = values["sharding"] if "sharding" not in fixed else [base.sharding.strategy]
+    if HYBRID in searched_strategies and "shard_size" not in fixed and not values["shard_size"]:
+        notes.append(f"sharding={HYBRID}: no shard group size divides {dp} data-parallel ranks into more than one "
+                     "group of more than one rank")
+    for dim in fixed:
+        values.pop(dim, None)
+    if HYBRID not in searched_strategies:
+        values.pop("shard_size", None)
+    return Space(values={d: values[d] for d in SPACE_DIMENSIONS if d in values}, fixed=fixed, notes=notes, dp=dp)
+
+
+# ------------------------------------------------------------------------------------------ the candidates
+def group_nodes(overrides: list[str], space: Space, compose) -> dict[tuple[str, str], object]:
+    """Each searched group option's config node, composed with the run's overrides: one composition per
+    round, every group taking its i-th option in round i."""
+    groups = [g for g in GROUPS if g in space.values]
+    nodes: dict[tuple[str, str], object] = {}
+    rounds = max((len(space.values[g]) for g in groups), default=0)
+    for i in range(rounds):
+        picks = {g: space.values[g][i] for g in groups if i < len(space.values[g])}
+        cfg = compose(overrides + [f"{g}={o}" for g, o in picks.items()])
+        for g, option in picks.items():
+            nodes[(g, option)] = getattr(cfg, g)
+    return nodes
+
+
+def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterator[Candidate]:
+    """Every combination of the space's values, in a stable order (ids ``c0000``... follow it)."""
+    from fsdp_exp.parallel.backend import get_backend
+
+    v = space.values
+    index = 0
+    for name in v.get("backend", [None]):
+        runnable = get_backend(name if name else base.sharding.backend).strategies
+        for strategy in v.get("sharding", [None]):
+            if strategy is not None and strategy not in runnable:
+                continue  # the backend cannot run this strategy at all
+            chosen = strategy if strategy is not None else base.sharding.strategy
+            shard_sizes = v.get("shard_size", [None]) if chosen == HYBRID else [None]
+            for size in shard_sizes:
+                sharding, sharding_choices = base.sharding, []
+                if name is not None:
+                    sharding = dataclasses.replace(sharding, backend=name)
+                    sharding_choices.append(f"sharding.backend={name}")
+                if strategy is not None:
+                    sharding = dataclasses.replace(sharding, strategy=strategy)
+                    sharding_choices.append(f"sharding.strategy={strategy}")
+                if size is not None:
+                    shard, replicate = int(size), space.dp // int(size)
+                    sharding = dataclasses.replace(sharding, shard_size=shard, replicate_size=replicate)
+                    sharding_choices += [f"sharding.shard_size={shard}", f"sharding.replicate_size={replicate}"]
+                dims = [(g, v[g]) for g in GROUPS if g in v]
+                if "micro_batch_size" in v:
+                    dims.append(("micro_batch_size", v["micro_batch_size"]))
+                for rest in _product(dims):
+                    changes: dict = {"sharding": sharding}
+                    choices = list(sharding_choices)
+                    for dim, option in rest:
+                        if dim == "micro_batch_size":
+                            changes["trainer"] = dataclasses.replace(base.trainer, micro_batch_size=int(option))
+                            choices.append(f"trainer.micro_batch_size={option}")
+                        else:
+                            changes[dim] = nodes[(dim, option)]
+                            choices.append(f"{dim}={option}")
+                    yield Candidate(f"c{index:04d}", choices, dataclasses.replace(base, **changes))
+                    index += 1
+
+
+def _product(dims: list[tuple[str, list[str]]]) -> Iterator[list[tuple[str, str]]]:
+    if not dims:
+        yield []
+        return
+    (dim, options), rest = dims[0], dims[1:]
+    for option in options:
+        for tail in _product(rest):
+            yield [(dim, option), *tail]
+
+
+def size(space: Space) -> int:
+    """An upper bound on the candidates: the product of the dimensions' sizes."""
+    total = 1
+    for values in space.values.values():
+        total *= max(1, len(values))
+    return total
+
+
+def baseline_choices(space: Space) -> dict[str, Optional[list[str]]]:
+    """The baselines every measurement includes: DDP and full sharding (the shipped presets), with everything
+    else as the run's config has it."""
+    return {"ddp": ["sharding=ddp"], "full shard": ["sharding=full"]}

@@ -1,0 +1,307 @@
+"""The tuner without a process group: its search space, the candidates' configs against Hydra's, the
+collectives each strategy issues, the step-time model's behaviour, the calibration's fit, tune.json's shape
+and its refusals. GPU devices only here (a CPU host is probed with a process group: tests/integration)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsdp_exp.config.preflight import validate
+from fsdp_exp.parallel.backend import BACKEND_MODULES, get_backend
+from fsdp_exp.plan.devices import DEVICES
+from fsdp_exp.tune import calibrate, measure
+from fsdp_exp.tune.cli import main
+from fsdp_exp.tune.options import split_argv
+from fsdp_exp.tune.perf import collective_seconds, counts, predict, step_costs, timing
+from fsdp_exp.tune.search import weigh
+from fsdp_exp.tune.work import work
+
+from conftest import compose_config, run_config
+
+H100 = DEVICES["h100_80gb"].perf
+SMALL_7B = ["model=llama7b", "trainer.nproc_per_node=8", "trainer.nnodes=2", "trainer.global_batch_size=64",
+            "trainer.seq_len=2048", "plan.device=h100_80gb"]
+# Narrow enough to weigh in a few seconds, wide enough to hold every kind of candidate.
+NARROW = ["tune.space.ac=[none,full]", "tune.space.precision=[bf16]", "tune.space.offload=[none,params]",
+          "tune.space.prefetch=[default]", "tune.space.micro_batch_size=[1,4]"]
+
+
+def _weigh(argv: list[str]):
+    opts, overrides = split_argv(argv)
+    return weigh(overrides, opts), opts
+
+
+@pytest.fixture(scope="module")
+def tuning_7b():
+    """One weighed space for most tests here (weighing is the slow part): 12 GiB per rank leaves DDP's
+    replicas of 6.7B parameters over by their parameters alone, and the sharded candidates fitting."""
+    return _weigh(SMALL_7B + NARROW + ["tune.budget_gib=12"])[0]
+
+
+# ------------------------------------------------------------------------------------------------ the space
+def test_the_space_holds_every_registered_backend_with_its_own_strategies(tuning_7b):
+    space = tuning_7b.space
+    assert space.values["backend"] == list(BACKEND_MODULES)
+    pairs = {(c.candidate.cfg.sharding.backend, c.candidate.cfg.sharding.strategy) for c in tuning_7b.candidates}
+    expected = {(name, strategy) for name in BACKEND_MODULES for strategy in get_backend(name).strategies
+                if strategy in space.values["sharding"]}
+    assert pairs == expected
+    # hybrid's shard groups: every divisor of the 16 data-parallel ranks but 1 and 16
+    assert space.values["shard_size"] == ["2", "4", "8"]
+
+
+def test_an_override_of_the_run_fixes_its_dimension():
+    tuning, _ = _weigh(SMALL_7B + NARROW[1:] + ["ac=full", "sharding=full"])
+    assert "ac" not in tuning.space.values and tuning.space.fixed["ac"] == "ac=full"
+    assert {"backend", "sharding", "shard_size"}.isdisjoint(tuning.space.values)
+    assert all(c.candidate.cfg.ac.mode == "full" and c.candidate.cfg.sharding.strategy == "full"
+               for c in tuning.candidates)
+
+
+def test_each_candidate_is_the_config_hydra_composes_from_its_overrides(tuning_7b):
+    run_overrides = [o for o in SMALL_7B if not o.startswith("plan.")]
+    sample = tuning_7b.candidates[:: max(1, len(tuning_7b.candidates) // 12)]
+    for weighed in sample:
+        composed = run_config(run_overrides + weighed.candidate.choices)
+        assert composed == weighed.candidate.cfg, weighed.candidate.choices
+
+
+def test_the_candidate_group_file_composes_to_the_candidate(tuning_7b, tmp_path):
+    run_overrides = [o for o in SMALL_7B if not o.startswith("plan.")]
+    chosen = [w for w in tuning_7b.candidates if "sharding.shard_size=4" in w.candidate.choices][:1] + \
+        [w for w in tuning_7b.candidates if w.rank == 1]
+    conf = measure.write_group(tuning_7b, [w.candidate.id for w in chosen], tmp_path)
+    from fsdp_exp.config import to_run_config
+
+    for weighed in chosen:
+        cfg = compose_config(run_overrides + [f"hydra.searchpath=[file://{conf}]",
+                                              f"+{measure.GROUP}={weighed.candidate.id}"])
+        assert to_run_config(cfg) == weighed.candidate.cfg
+
+
+def test_preflight_refusals_and_the_memory_limit_prune_the_space(tuning_7b):
+    refused = [w for w in tuning_7b.candidates if w.refused]
+    assert refused and all(w.prediction is None and w.need_bytes is None for w in refused)
+    over = [w for w in tuning_7b.candidates if w.fits is False]
+    assert over and all(w.rank is None and w.headroom < 0 for w in over)
+    ranked = tuning_7b.ranked
+    assert [w.rank for w in ranked] == list(range(1, len(ranked) + 1))
+    assert all(a.prediction.tokens_per_s >= b.prediction.tokens_per_s for a, b in zip(ranked, ranked[1:]))
+
+
+def test_a_replica_over_the_budget_by_its_parameters_alone_is_not_walked(tuning_7b):
+    replicas = [w for w in tuning_7b.candidates if w.candidate.cfg.sharding.backend == "ddp" and not w.refused]
+    assert replicas and all(w.floor_bytes >= 2 * 6.7e9 and w.need_bytes is None and w.fits is False
+                            for w in replicas)
+    assert "parameters alone" in replicas[0].why_not(tuning_7b.limit_name)
+    assert tuning_7b.limit_name == "tune.budget_gib=12" and tuning_7b.ranked
+
+
+def test_the_planner_weighs_at_least_fifty_candidates_a_second_after_the_first(tuning_7b):
+    # A count, not a timing: the machine may be busy. The README gives the measured rate.
+    assert tuning_7b.timing["candidates_per_s_after_first"] is not None
+    assert tuning_7b.counts()["weighed"] == len(tuning_7b.candidates) > 100
+
+
+# ------------------------------------------------------------------------------------- what a step issues
+def _costs(overrides: list[str], cuda: int = 8):
+    cfg = run_config(overrides)
+    return cfg, step_costs(cfg, validate(cfg, cuda_devices=cuda))
+
+
+def test_full_sharding_gathers_each_unit_twice_per_micro_batch_and_reduces_once_per_step():
+    cfg, costs = _costs(["model=llama7b", "trainer.nproc_per_node=8", "trainer.global_batch_size=32",
+                         "trainer.micro_batch_size=1", "precision=bf16"])
+    units = 32 + 1  # blocks and the root
+    assert counts(costs) == {"forward all-gather": 4 * units, "backward re-gather": 4 * (units - 1),
+                             "gradient reduce-scatter": units}
+    gather = next(t for t in costs.traffic if t.purpose == "forward all-gather")
+    assert gather.ranks == 8 and gather.nodes == 1
+    assert gather.bytes == pytest.approx(4 * 2 * 6.74e9, rel=0.01)  # bf16, every micro-batch
+    reduce = next(t for t in costs.traffic if t.purpose == "gradient reduce-scatter")
+    assert reduce.bytes == pytest.approx(4 * 6.74e9, rel=0.01)  # fp32 reduce_dtype, once
+
+
+def test_grad_op_keeps_units_gathered_and_hybrid_adds_replica_all_reduces():
+    _, grad_op = _costs(["model=llama7b", "trainer.nproc_per_node=8", "sharding=grad_op"])
+    assert "backward re-gather" not in counts(grad_op)
+    _, hybrid = _costs(["model=llama7b", "trainer.nproc_per_node=8", "trainer.nnodes=2", "sharding=hybrid",
+                        "trainer.global_batch_size=16"])
+    shard = next(t for t in hybrid.traffic if t.purpose == "forward all-gather")
+    replica = next(t for t in hybrid.traffic if t.purpose == "replica all-reduce")
+    assert (shard.ranks, shard.nodes) == (8, 1) and (replica.ranks, replica.nodes) == (2, 2)
+
+
+def test_ddp_all_reduces_gradients_in_buckets_once_per_step():
+    _, costs = _costs(["model=llama7b", "trainer.nproc_per_node=8", "sharding=ddp", "trainer.micro_batch_size=1"])
+    (traffic,) = costs.traffic
+    assert traffic.kind == "all-reduce" and traffic.ranks == 8
+    assert traffic.count == math.ceil(traffic.bytes / (25 * 2**20))
+
+
+def test_tensor_parallel_all_reduces_the_stream_twice_per_block_each_way():
+    _, costs = _costs(["model=llama7b", "trainer.nproc_per_node=8", "parallel.tp=2", "trainer.global_batch_size=4"])
+    tp = {t.purpose: t for t in costs.traffic if t.purpose.startswith("tensor-parallel")}
+    assert {t.count for t in tp.values()} == {2 * 32} and all(not t.overlappable for t in tp.values())
+
+
+def test_recompute_flops_match_the_flop_counter():
+    from fsdp_exp.metrics.flops import recompute_flops_per_token
+
+    for ac in ("none", "full", "selective", "selective_op"):
+        cfg = run_config([f"ac={ac}"])
+        assert work(cfg).recompute_flops_per_token(cfg) == pytest.approx(
+            recompute_flops_per_token(cfg, cfg.trainer.seq_len)), ac
+
+
+# ------------------------------------------------------------------------------------- the step-time model
+def test_the_alpha_beta_time_of_a_ring():
+    assert collective_seconds("all-gather", 8, 8e9, 1, 10.0, 100.0) == pytest.approx(7 * 10e-6 + 7 / 8 * 8e9 / 100e9)
+    assert collective_seconds("all-reduce", 8, 8e9, 3, 10.0, 100.0) == pytest.approx(
+        2 * (3 * 7 * 10e-6 + 7 / 8 * 8e9 / 100e9))
+    assert collective_seconds("all-gather", 1, 8e9, 5, 10.0, 100.0) == 0
+
+
+def test_with_gloo_like_latency_ddp_beats_full_sharding_of_a_tiny_model():
+    """The README's CPU sweep: DDP 2.7x as fast as full sharding. Per-collective latency dominates a tiny model."""
+    # gloo's latency with FSDP's own software cost per collective on a CPU: tens of milliseconds (what a
+    # calibration on this machine's sweeps finds)
+    gloo = dataclasses.replace(H100, intra=dataclasses.replace(H100.intra, latency_us=20_000.0, gbps=0.3),
+                               peak_tflops={"fp32": 0.03}, async_dispatch=False)
+    ddp = timing(_costs(["sharding=ddp"], cuda=0)[1], gloo)
+    full = timing(_costs(["sharding=full"], cuda=0)[1], gloo)
+    assert ddp.tokens_per_s > 1.5 * full.tokens_per_s
+    assert full.dominant == "exposed comm"
+    # without the latency term the order flips: it is not optional
+    no_latency = dataclasses.replace(gloo, intra=dataclasses.replace(gloo.intra, latency_us=0.0))
+    assert timing(_costs(["sharding=full"], cuda=0)[1], no_latency).tokens_per_s >= \
+        timing(_costs(["sharding=ddp"], cuda=0)[1], no_latency).tokens_per_s
+
+
+def test_faster_links_and_more_efficiency_are_never_slower():
+    cfg, costs = _costs(["model=llama7b", "trainer.nproc_per_node=8", "trainer.nnodes=2", "precision=bf16",
+                         "trainer.global_batch_size=16"], cuda=8)
+    base = timing(costs, H100).step_time_s
+    for changed in (dataclasses.replace(H100, inter=dataclasses.replace(H100.inter, gbps=400.0)),
+                    dataclasses.replace(H100, intra=dataclasses.replace(H100.intra, latency_us=0.1)),
+                    dataclasses.replace(H100, efficiency=0.9), dataclasses.replace(H100, overlap=1.0)):
+        assert timing(costs, changed).step_time_s <= base
+
+
+def test_prefetch_off_exposes_the_forward_all_gathers():
+    on = predict(*_prep(["model=llama7b", "trainer.nproc_per_node=8", "trainer.nnodes=4", "precision=bf16",
+                         "trainer.global_batch_size=32"]), H100)
+    off = predict(*_prep(["model=llama7b", "trainer.nproc_per_node=8", "trainer.nnodes=4", "precision=bf16",
+                          "trainer.global_batch_size=32", "prefetch=none"]), H100)
+    assert off.breakdown["exposed_comm"] > on.breakdown["exposed_comm"]
+    assert off.breakdown["compute"] == pytest.approx(on.breakdown["compute"])
+
+
+def test_offloading_adds_host_copies_and_the_host_optimizer():
+    base = ["model=llama7b", "trainer.nproc_per_node=8", "precision=bf16"]
+    off = predict(*_prep(base + ["offload=params"]), H100)
+    on = predict(*_prep(base), H100)
+    assert off.breakdown["offload"] > 0 == on.breakdown["offload"]
+    assert off.step_time_s > on.step_time_s
+
+
+def _prep(overrides: list[str]):
+    cfg = run_config(overrides)
+    return cfg, validate(cfg, cuda_devices=8)
+
+
+# ------------------------------------------------------------------------------------------------- fitting
+def test_nelder_mead_finds_a_minimum():
+    best = calibrate.nelder_mead(lambda x: float(np.sum((x - np.array([1.0, -2.0])) ** 2)), np.zeros(2))
+    assert best == pytest.approx([1.0, -2.0], abs=1e-3)
+
+
+def test_the_fit_recovers_the_figures_that_made_the_times():
+    """Times made by the model itself with other figures: the fit must find figures that reproduce them."""
+    truth = dataclasses.replace(H100, efficiency=0.2, intra=dataclasses.replace(H100.intra, latency_us=40.0),
+                                step_overhead_ms=30.0)
+    samples = []
+    for extra in (["sharding=full"], ["sharding=ddp"], ["sharding=grad_op"], ["ac=full"],
+                  ["trainer.micro_batch_size=1"], ["precision=fp32"], ["trainer.global_batch_size=64"]):
+        _, costs = _costs(["model=llama7b", "trainer.nproc_per_node=8", "precision=bf16", "trainer.seq_len=512",
+                           "trainer.global_batch_size=16", *extra])
+        samples.append((costs, timing(costs, truth).tokens_per_s))
+    params, before, after = calibrate.fit(samples, H100, ("efficiency", "intra.latency_us", "intra.gbps",
+                                                          "dispatch_us", "step_overhead_ms"))
+    assert after < 0.05 * before
+    assert params["efficiency"] == pytest.approx(0.2, rel=0.15)
+
+
+def test_spearman_ranks_with_ties():
+    assert measure.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert measure.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert measure.spearman([1, 2, 2, 3], [1, 3, 2, 4]) == pytest.approx(0.9486832980505138)
+    assert measure.spearman([1, 2], [1, 2]) is None
+
+
+# ------------------------------------------------------------------------------------------- the command
+def _tune_json(tuning, tmp_path: Path) -> dict:
+    from fsdp_exp.tune import output
+    from fsdp_exp.tune.options import TuneOptions
+
+    opts = TuneOptions(out=tmp_path)
+    ids = measure.choose(tuning, opts)
+    measure.write_group(tuning, ids, tmp_path)
+    command = measure.shown(measure.sweep_command(tuning, ids, tmp_path, opts.repeats))
+    return output.tune_json(tuning, ["..."], {"candidates": ids, "command": command, "sweep_dir": str(tmp_path)},
+                            None, None)
+
+
+def test_tune_json_has_the_shape_the_issue_asks_for(tuning_7b, tmp_path):
+    data = _tune_json(tuning_7b, tmp_path)
+    assert set(data) >= {"candidates", "spearman", "winner", "measure", "counts", "device", "space"}
+    first = data["candidates"][0]
+    assert set(first) >= {"overrides", "fits", "predicted", "measured"}
+    assert set(first["predicted"]) >= {"peak_gib", "tokens_per_s"} and first["measured"] is None
+    assert first["rank"] == 1 and first["fits"] and data["winner"]["predicted"] == first["id"]
+    assert first["overrides"] == tuning_7b.overrides + first["choices"]
+    assert data["spearman"] is None
+    json.dumps(data)
+    # the command measures the top k and the baselines, exactly those, with repeats
+    ids = data["measure"]["candidates"]
+    assert ids[:3] == [c["id"] for c in data["candidates"][:3]]
+    assert f"+tune_candidate={','.join(ids)}" in data["measure"]["command"]
+    assert "trainer.repeat=0,1,2" in data["measure"]["command"]
+    assert sorted(p.stem for p in (tmp_path / "conf" / "tune_candidate").glob("*.yaml")) == sorted(ids)
+    roles = {r for c in data["candidates"] for r in c["roles"]}
+    assert {"top 3", "baseline: full shard"} <= roles  # DDP's replicas do not fit: no DDP baseline
+    assert tuning_7b.baselines["DDP"] is None
+
+
+def test_the_printed_table_explains_the_top_candidates(tuning_7b, tmp_path, capsys):
+    from fsdp_exp.tune.cli import report
+
+    data = _tune_json(tuning_7b, tmp_path)
+    assert report(tuning_7b, data, 0, [f"tune.out={tmp_path}", "tune.show=3"]) == 0
+    out = capsys.readouterr().out
+    assert "weighed" in out and "candidates/s" in out and "parameters alone" not in out
+    assert "compute" in out and "where the time goes" in out
+    assert json.loads((tmp_path / "tune.json").read_text())["candidates"]
+
+
+@pytest.mark.parametrize("argv, problem, fix", [
+    (["tune.space.ac=[]"], "leaves nothing to search", "tune.space.ac=[a,b]"),
+    (["plan.device=h100_90gb"], "not a known device", "h100_80gb"),
+    (["tune.budget_gib=0.5"], "no candidate fits tune.budget_gib=0.5", "raise tune.budget_gib to at least"),
+    (["tune.top=3"], "not an option of the tuner", "did you mean tune.top_k"),
+    (["tune.space.ac=[full,partial]"], "'partial', which is not one of", "tune.space.ac="),
+    (["tune.space.precision=[bf16]", "precision=fp32"], "searches what precision=fp32 fixes", "drop precision=fp32"),
+])
+def test_bad_input_exits_2_with_the_fix(argv, problem, fix, tmp_path, capsys):
+    base = ["model=llama7b", "trainer.nproc_per_node=8", "plan.device=h100_80gb", "tune.space.backend=[fsdp2]",
+            f"tune.out={tmp_path}"]
+    assert main([*base, *argv]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and "fix:" in err and fix in err, err
+    assert not (Path(tmp_path) / "tune.json").exists()
