@@ -82,13 +82,6 @@ STEP_METRICS: list[Metric] = [
     Metric("perf/data_time_s", "s", "step", "max",
            "time the step waited for its data (fetch, and copy to the device; part of perf/step_time_s); "
            "near 0 when loading keeps up, a large share of the step when it starves", wandb_summary="mean"),
-    Metric("perf/setup_time_s", "s", "step", "max",
-           "from the start of building the model to the optimizer being ready (build on meta, shard or wrap, "
-           "materialize and initialize, engine creation; process-group start-up excluded), slowest rank; in the "
-           "first logged row only", wandb_summary="max"),
-    Metric("perf/first_step_time_s", "s", "step", "rank0",
-           "wall time of the first step this process ran (where lazy buffers are allocated); in the first "
-           "logged row only", wandb_summary="max"),
     *_over_ranks("mem/params_gib", "GiB", "step", "parameter bytes this rank holds (its shards)"),
     *_over_ranks("mem/grads_gib", "GiB", "step", "gradient bytes this rank holds after backward"),
     *_over_ranks("mem/optim_state_gib", "GiB", "step", "optimizer state bytes this rank holds"),
@@ -109,6 +102,17 @@ STEP_METRICS: list[Metric] = [
                  "cuda", aggs=("max",)),
     *_over_ranks("mem/ooms", "count", "cumulative", "CUDA out-of-memory errors caught by the allocator",
                  "cuda", aggs=("max",)),
+]
+
+# Logged once, in the first row a process logs (a resumed run logs them again, for its own start): how long
+# the run took to become ready, measured the same way for every backend.
+START_METRICS: list[Metric] = [
+    Metric("perf/setup_time_s", "s", "step", "max",
+           "from the start of building the model to the optimizer being ready (build on meta, shard or wrap, "
+           "materialize and initialize, engine creation, the backend library's first import; process-group "
+           "start-up excluded), slowest rank", wandb_summary="max"),
+    Metric("perf/first_step_time_s", "s", "step", "rank0",
+           "wall time of the first step this process ran (where lazy buffers are allocated)", wandb_summary="max"),
 ]
 
 # Logged in the row of each step that is a multiple of trainer.eval_every (only with trainer.eval_every > 0).
@@ -216,7 +220,8 @@ SUMMARY_METRICS: list[Metric] = [
            "which of those summary/peak_gib is: cuda, tracked or model states (a lower bound: no activations)"),
 ]
 
-ALL_METRICS = {m.name: m for m in STEP_METRICS + EVAL_METRICS + TRACKED_METRICS + COMM_METRICS + SUMMARY_METRICS}
+ALL_METRICS = {m.name: m for m in STEP_METRICS + START_METRICS + EVAL_METRICS + TRACKED_METRICS + COMM_METRICS
+               + SUMMARY_METRICS}
 
 
 def render_markdown() -> str:
@@ -236,6 +241,7 @@ def render_markdown() -> str:
         "",
     ]
     for title, metrics in (("Per logged step (W&B history, metrics.jsonl)", STEP_METRICS),
+                           ("At start (in the first row a process logs)", START_METRICS),
                            ("Per evaluation (in the step's row, every trainer.eval_every steps)", EVAL_METRICS),
                            ("Memory breakdown of the sampled step, whole and by phase (in its row, and "
                             "run.json[\"memory_breakdown\"])", TRACKED_METRICS),

@@ -1,5 +1,5 @@
 """Parallelism, applied in a fixed order like a recipe: tensor parallel, activation checkpointing,
-compile, then the data-parallel backend (``backend_for(cfg)``: FSDP2, FSDP1 or DDP, see backend.py),
+compile, then the data-parallel backend (``backend_for(cfg)``: FSDP2, FSDP1, DDP or DeepSpeed, see backend.py),
 which also materializes the model and initializes it identically on every rank. Each step records what
 it handed to torch ("applied"); the backend then reads back what torch holds (``applied["inspected"]``).
 
@@ -74,9 +74,9 @@ def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device
         applied["tp"] = tp.apply(model, cfg, mesh["tp"])
     if cfg.ac.mode != "none":
         applied["ac"] = ac.apply(model, cfg)
-    if cfg.compile:
-        applied["compile"] = compile.apply(model, cfg)
     backend = backend_for(cfg)
+    if cfg.compile and not backend.compiles_itself:
+        applied["compile"] = compile.apply(model, cfg)
     model, dp_applied = backend.apply(model, cfg, _without_tp(mesh), device)
     # What torch holds, read back from the wrapped model (tests compare it with the config).
     applied = {**dp_applied, **applied, "inspected": backend.inspect(model)}

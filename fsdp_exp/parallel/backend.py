@@ -106,6 +106,9 @@ class Backend:
     api: str = ""  # what users see torch call it, e.g. torch.distributed.fsdp.fully_shard
     strategies: tuple[str, ...] = ()  # the sharding strategies it can run
     tracks_memory: bool = True  # torch's memory trackers can follow this backend's parameters
+    # compile=true: the backend compiles the wrapped model itself (DeepSpeed's engine.compile), instead of
+    # the recipe compiling each block before it (fsdp_exp/parallel/compile.py)
+    compiles_itself: bool = False
 
     def missing_dependency(self) -> Optional[str]:
         """What to install for this backend when a package it needs is missing (None: nothing)."""

@@ -131,6 +131,7 @@ class DeepSpeed(Backend):
     api = "deepspeed.initialize"
     strategies = ("full", "grad_op", "optimizer", "no_shard")
     tracks_memory = False  # torch's MemTracker cannot follow ZeRO's partitioned / flattened parameters
+    compiles_itself = True  # compile=true: engine.compile() (torch.compile of the module, ZeRO's hooks kept)
     column_title = "DeepSpeed (`deepspeed.initialize`)"
 
     # ------------------------------------------------------------------------------- preflight
@@ -193,10 +194,6 @@ class DeepSpeed(Backend):
         if cfg.wrap != WrapConfig():
             self.refuse(f"wrap={cfg.wrap.policy}", "DeepSpeed has no wrapping units (ZeRO-3 gathers each module's "
                         "parameters when it runs).", "leave the wrap group at its default (drop wrap=...)")
-        if cfg.compile:
-            self.refuse("compile=true", "the engine's compile (DeepCompile) is not wired for the CPU here, and "
-                        "compiling blocks before deepspeed.initialize bypasses ZeRO-3's module hooks.",
-                        "pass compile=false, or sharding.backend=fsdp2")
         if cfg.checkpoint.async_save:
             self.refuse("checkpoint.async_save=true", "DeepSpeed's save_checkpoint writes synchronously.",
                         "pass checkpoint.async_save=false")
@@ -225,7 +222,13 @@ class DeepSpeed(Backend):
         optimizer = build_optimizer(model, cfg.optim, matrix_parameter_names(model))
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=copy.deepcopy(config),
                                                dist_init_required=False)
+        compiled = {}
+        if cfg.compile:  # checked on the CPU (stages 2 and 3): inductor compiles on the first step
+            engine.compile()
+            compiled = {"compile": {"api": "DeepSpeedEngine.compile", "modules": ["<root>"],
+                                    "is_compiled": bool(engine.is_compiled)}}
         return engine, {
+            **compiled,
             "backend": self.name,
             "api": self.api,
             "mesh": {"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names or ())},
@@ -415,6 +418,7 @@ class DeepSpeed(Backend):
             "prefetch.backward=k": "as prefetch.forward (the same bucket serves both directions)",
             "wrap=block": "must stay default (no wrapping units)",
             "ac=full / selective / selective_op": "`checkpoint_wrapper` on blocks, before `deepspeed.initialize`",
+            "compile=true": "`engine.compile()` after `deepspeed.initialize` (the whole module; runs on the CPU)",
         }
 
 

@@ -51,6 +51,7 @@ CASES = {
     "zero1-bf16": ["sharding=zero1", "precision=bf16"],
     "zero3-offload-params-no-prefetch": ["sharding=zero3", "offload=params", "prefetch=none"],
     "zero2-offload-optimizer-accumulation": ["sharding=zero2", "offload=optimizer", "trainer.micro_batch_size=2"],
+    "zero3-compile": ["sharding=zero3", "compile=true"],  # engine.compile(): inductor on the CPU, ~30 s cold
     # the uninterrupted run test_resume_after_a_killed_rank_is_bit_identical compares with
     "zero3-checkpointed": ["sharding=zero3", "trainer.steps=6", "checkpoint.every=2"],
 }
@@ -104,7 +105,12 @@ def run_cases(cases: dict[str, list[str]], root: Path, nprocs: int = 2) -> dict[
         run_dir = dirs[name] = root / name
         RunRecord(run_dir).starting(config=plain(cfg), topology=topology.as_dict(), overrides=overrides, choices={})
         payloads.append({"config": plain(cfg), "topology": topology.as_dict(), "run_dir": str(run_dir)})
-    mp.start_processes(_rank, args=(nprocs, free_port(), payloads), nprocs=nprocs, start_method="spawn")
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor-cache")  # compile=true: never the user's cache
+    try:
+        mp.start_processes(_rank, args=(nprocs, free_port(), payloads), nprocs=nprocs, start_method="spawn")
+    finally:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR") if cache is None else os.environ.update(TORCHINDUCTOR_CACHE_DIR=cache)
     return dirs
 
 
@@ -155,6 +161,7 @@ def test_the_engine_holds_what_the_config_asked_for(parity_runs, name):
     assert held["model_dtype"] == {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.precision.param_dtype]
     assert held["gradient_accumulation_steps"] == config["gradient_accumulation_steps"]
     assert held["gradient_clipping"] == cfg.trainer.grad_clip
+    assert applied.get("compile", {}).get("is_compiled", False) == cfg.compile
     assert held["offload_param"] == ("cpu" if cfg.offload.params else None)
     assert held["offload_optimizer"] == ("cpu" if cfg.offload.params or cfg.offload.optimizer else None)
     # ZeRO-3 holds its partition of every parameter (half the elements on 2 ranks, up to padding).
@@ -200,6 +207,11 @@ def test_resume_after_a_killed_rank_is_bit_identical(parity_runs, tmp_path):
     other = run_cli([*base, "sharding=full", "checkpoint.resume=" + str(tmp_path / "resumed" / "checkpoints")],
                     tmp_path / "fsdp2")
     assert other.returncode != 0 and "sharding.backend=deepspeed" in other.stderr + other.stdout
+    one_rank = run_cli([*common, "trainer.nproc_per_node=1", "checkpoint.resume=" + str(tmp_path / "resumed" /
+                                                                                        "checkpoints")],
+                       tmp_path / "one_rank")
+    assert one_rank.returncode != 0
+    assert "saved by DeepSpeed on 2 ranks and this run has 1" in one_rank.stderr + one_rank.stdout
 
 
 # ----------------------------------------------------------------------------- model states

@@ -115,7 +115,7 @@ def test_a_crashed_rank_fails_its_job_not_the_sweep(tmp_path):
 
 @pytest.mark.parametrize("args, says", [
     (["sharding=full,grad_opp"], "sharding=grad_opp: no such option; did you mean sharding=grad_op?"),
-    (["sharding=[]"], "sharding=[] selects no option of the group; pick one of: ddp, full"),
+    (["sharding=[]"], "sharding=[] selects no option of the group; pick one of: ddp, fsdp1, full"),
     (["precision=fp32,bf16,fp32"], "precision: fp32 listed twice"),
     (["trainer.steps=choice()"], "empty choice is not legal"),  # Hydra's own refusal, also before any job
     (["trainer.stepz=3,4"], "trainer.stepz is not a setting of fsdp_exp (did you mean trainer.steps?)"),  # ours, before Hydra's

@@ -28,7 +28,6 @@ REFUSED = {
                               "prefetch=none|default|deep"),
     "prefetch-post": (["sharding=zero3", "prefetch.backward_timing=post"], "timing=post", "prefetch=none|default|deep"),
     "wrap": (["sharding=zero3", "wrap=none"], "wrap=none", "drop wrap="),
-    "compile": (["sharding=zero3", "compile=true"], "compile=true", "compile=false"),
     "tensor-parallel": (["sharding=zero3", "parallel.tp=2"], "parallel.tp=2", "sharding.backend=fsdp2"),
     "hybrid": (["sharding=hybrid", "sharding.backend=deepspeed"], "sharding.strategy=hybrid",
                "sharding=full|grad_op|optimizer|no_shard"),
