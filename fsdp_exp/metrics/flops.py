@@ -26,12 +26,12 @@
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import time
 from pathlib import Path
 from typing import Optional
+
+from fsdp_exp.cache import cache_file, read_entry, write_entry
 
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5},
@@ -92,7 +92,7 @@ def recompute_flops_per_token(cfg, seq_len: int) -> float:
 
 # ------------------------------------------------------------------------------------ CPU peak
 def cache_path() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "fsdp_exp" / "cpu_peak.json"
+    return cache_file("cpu_peak.json")
 
 
 def cpu_model() -> str:
@@ -113,24 +113,11 @@ def peak_key(threads: int, ranks_per_node: int, dtype: str) -> str:
 
 
 def read_cached_peak(key: str) -> Optional[dict]:
-    try:
-        return json.loads(cache_path().read_text()).get(key)
-    except (OSError, ValueError):
-        return None
+    return read_entry(cache_path(), key)
 
 
 def write_cached_peak(key: str, entry: dict) -> None:
-    """Add one entry to the cache file (atomically: write a temporary file, then rename)."""
-    path = cache_path()
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    table[key] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_entry(cache_path(), key, entry)
 
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

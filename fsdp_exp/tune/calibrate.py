@@ -26,9 +26,7 @@ use it and say so.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -36,6 +34,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
+from fsdp_exp.cache import read_entry, write_entry
 from fsdp_exp.errors import fail
 
 if TYPE_CHECKING:
@@ -56,23 +55,11 @@ def cache_path() -> Path:
 
 
 def load(key: str) -> Optional[dict]:
-    try:
-        return json.loads(cache_path().read_text()).get(key)
-    except (OSError, ValueError):
-        return None
+    return read_entry(cache_path(), key)
 
 
 def save(key: str, entry: dict) -> None:
-    path = cache_path()
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    table[key] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_entry(cache_path(), key, entry)
 
 
 def value(perf: "DevicePerf", name: str) -> float:

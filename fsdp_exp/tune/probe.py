@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from fsdp_exp.cache import read_entry, write_entry
+
 SIZES = (1024, 32 * 1024, 1024**2, 8 * 1024**2)
 REPEATS = 5
 CPU_OVERLAP = 0.5  # gloo's threads share the rank's cores with compute: half of what could overlap is hidden
@@ -54,23 +56,11 @@ def probe_key(ranks_per_node: int, threads: int) -> str:
 
 
 def _read(key: str) -> Optional[dict]:
-    try:
-        return json.loads(cache_path().read_text()).get(key)
-    except (OSError, ValueError):
-        return None
+    return read_entry(cache_path(), key)
 
 
 def _write(key: str, entry: dict) -> None:
-    path = cache_path()
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    table[key] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_entry(cache_path(), key, entry)
 
 
 def cpu_probe(ranks_per_node: int, threads: int) -> dict:
