@@ -130,6 +130,10 @@ def cuda_places(package: Path) -> dict[str, list[int]]:
 
 # Places the pattern finds that read a config string and never touch CUDA: tested on a CPU, where named.
 RUN_ELSEWHERE = {
+    "fsdp_exp/models/hf_memory.py:HfActivations.notes": "the planner's note text by device kind; no CUDA call "
+                                                        "(tests/unit/test_hf_model_specs.py)",
+    "fsdp_exp/tune/calibrate.py:run_samples": "reads a measured run's recorded device type to pick its table "
+                                              "entry; no CUDA call (tests/unit/test_tune_prediction.py)",
     "fsdp_exp/slurm.py:job_resources": "sizes a SLURM job from trainer.device (GPUs per node); no CUDA call "
                                        "(tests/integration/test_slurm.py)",
 }
@@ -292,6 +296,8 @@ def define_runs(ctx: Context, extra: list[str]) -> dict[str, Run]:
     runs = [
         Run("main", main, big_timeout),
         Run("plan", [*main, "plan.format=json"], 90, module="fsdp_exp.plan"),
+        # Predict only (tune.run is off): the search on this machine's device, its own tune.json.
+        Run("tune", [*main, "tune.show=5"], 180, module="fsdp_exp.tune"),
         Run("fp32", [*functional, "precision=fp32", *short, "trainer.track_memory_step=1",
                      "trainer.digest_shards=false"], 150),
         Run("offload", [*functional, "precision=bf16", "offload=params", *short], 180),
@@ -580,6 +586,21 @@ def check_plan_cli(ctx: Context) -> dict:
     return out
 
 
+def check_tune_cli(ctx: Context) -> dict:
+    """python -m fsdp_exp.tune predicts for the device this machine has (a GPU is found by its CUDA name in
+    the device table, else the measured CPU host) and ranks candidates that fit it."""
+    spec = ctx.runs["tune"]
+    if "tune.out=" not in " ".join(spec.argv):
+        spec.argv.append(f"tune.out={ctx.work / 'tune'}")
+    cli = ctx.run("tune")
+    expect(cli.rc == 0, cli.error())
+    result = json.loads((ctx.work / "tune" / "tune.json").read_text())
+    fitting = [c for c in result["candidates"] if c.get("fits")]
+    expect(bool(fitting), "no candidate fits this machine's device")
+    return {"candidates": len(result["candidates"]), "fit": len(fitting),
+            "best predicted tok/s": round(fitting[0]["predicted"]["tokens_per_s"] or 0)}
+
+
 def check_fit(ctx: Context) -> dict:
     run = ctx.run("fit_refused")
     if run.rc != 0 and "does not fit" not in run.stderr and run.feature in run.stderr:
@@ -669,7 +690,13 @@ CHECKS = (
     Check("data_workers", "data=text through DataLoader workers (pinned batches on CUDA)",
           ("ckpt_save",), check_data_workers, covers=("fsdp_exp/data/loader.py:StepData._start",)),
     Check("deepspeed", "DeepSpeed (sharding.backend=deepspeed) if installed and available",
-          ("deepspeed_probe", "deepspeed"), check_deepspeed),
+          ("deepspeed_probe", "deepspeed"), check_deepspeed,
+          covers=("fsdp_exp/parallel/deepspeed.py:ds_config", "fsdp_exp/parallel/deepspeed.py:DeepSpeed.check",
+                  "fsdp_exp/plan/states.py:zero_model_states")),
+    Check("tune_cli", "python -m fsdp_exp.tune predicts for this machine's device (no runs)",
+          ("tune",), check_tune_cli,
+          covers=("fsdp_exp/tune/search.py:resolve_device", "fsdp_exp/tune/search.py:weigh",
+                  "fsdp_exp/tune/search.py:parameter_floor")),
     Check("compile", "the same as fsdp2_bf16 with compile=true: tokens/s, MFU, speed-up, first step",
           ("compile",), check_compile),
 )
