@@ -1,0 +1,30 @@
+"""Bad input on the command line fails fast and clearly: exit code, the fix named, no traceback, nothing
+spawned (a real `python -m fsdp_exp` per case, so it lives in the integration tier)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import leftover_processes, run_cli
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["model=llama8b"], "model"),
+    (["trainer.stepz=3"], "stepz"),
+    (["trainer.steps=many"], "trainer.steps"),
+    (["trainer.global_batch_size=5"], "trainer.global_batch_size=6"),
+    (["sharding=hybrid", "trainer.nproc_per_node=4", "sharding.shard_size=3"], "sharding.shard_size"),
+    (["precision=fp16", "precision.loss_scaler=none"], "precision.loss_scaler=dynamic"),
+    (["optim.lr=-0.1"], "optim.lr"),
+], ids=["unknown-option", "unknown-key", "wrong-type", "batch", "hybrid-mesh", "fp16-no-scaler", "negative-lr"])
+def test_bad_input_on_the_command_line(tmp_path: Path, overrides, needle):
+    result = run_cli(overrides, tmp_path / "run")
+    assert result.returncode != 0
+    assert needle in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 20, result.stderr  # a paragraph (Hydra lists options), not a wall
+    assert result.seconds < 10, f"took {result.seconds:.1f}s"
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # nothing was spawned
+    assert leftover_processes(tmp_path / "run") == []
