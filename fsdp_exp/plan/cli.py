@@ -200,7 +200,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"fsdp_exp.plan: invalid configuration: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except (HydraException, OmegaConfBaseException) as err:
-        print(f"fsdp_exp.plan: invalid configuration: {err}", file=sys.stderr)
+        from fsdp_exp.config import RunConfig
+        from fsdp_exp.config.strict import explain_composition_error
+
+        # The run's own wording for Hydra's refusals (closest key or option), as `python -m fsdp_exp` gives.
+        print(f"fsdp_exp.plan: invalid configuration: {explain_composition_error(err, RunConfig) or err}",
+              file=sys.stderr)
         return EXIT_BAD_INPUT
     if opts["format"] == "json":
         print(json.dumps(result.to_dict(), indent=1))

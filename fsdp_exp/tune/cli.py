@@ -76,7 +76,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"fsdp_exp.tune: invalid input: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     except (HydraException, OmegaConfBaseException) as err:
-        print(f"fsdp_exp.tune: invalid configuration: {err}", file=sys.stderr)
+        from fsdp_exp.config import RunConfig
+        from fsdp_exp.config.strict import explain_composition_error
+
+        # The run's own wording for Hydra's refusals (closest key or option), as `python -m fsdp_exp` gives.
+        print(f"fsdp_exp.tune: invalid configuration: {explain_composition_error(err, RunConfig) or err}",
+              file=sys.stderr)
         return EXIT_BAD_CONFIG
     tuning = data.pop("_tuning")
     return report(tuning, data, status, argv)
