@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -67,6 +68,94 @@ def external_world() -> Optional[tuple[int, int]]:
              "ask for the same count on every node: srun/sbatch --ntasks-per-node=N (hydra/launcher=slurm does)")
     nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1)
     return world, counts.pop() if counts else max(1, world // nodes)
+
+
+def first_node(nodelist: str) -> str:
+    """The first host of a SLURM node list such as ``gpu[003-010,015],cpu01`` (``gpu003``): where the step's
+    task 0 runs. ``scontrol show hostnames`` expands it as SLURM itself does (any syntax it has); where
+    scontrol is missing or fails, a parser of the common syntax (prefix[ranges],...) stands in."""
+    if nodelist and shutil.which("scontrol"):
+        try:
+            # Expanding a node list needs no controller; 10 s bounds a scontrol that retries a missing
+            # SLURM_CONF for a minute.
+            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                                 timeout=10)
+            if out.returncode == 0 and out.stdout.split():
+                return out.stdout.split()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return parse_first_node(nodelist)
+
+
+def parse_first_node(nodelist: str) -> str:
+    """The first host of a node list, without SLURM's tools (see ``first_node``)."""
+    first, depth = "", 0
+    for char in nodelist:
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            break
+        first += char
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], first)
+
+
+def export_slurm_rendezvous() -> None:
+    """Set the variables torch.distributed's env:// rendezvous reads, from the SLURM step's.
+
+    Every task of the step derives the same rendezvous: the step's first node and a port from the job
+    and step ids. Values inherited from the submitting shell are overwritten: sbatch passes its whole
+    environment on, and a MASTER_PORT left there would make every job of a sweep that lands on one node
+    rendezvous on the same port. (submitit's TorchDistributedEnvironment refuses such inherited
+    variables, counts the allocation's tasks instead of the step's, and restricts CUDA_VISIBLE_DEVICES
+    to one GPU per task, whereas fsdp_exp's ranks pick cuda:LOCAL_RANK among all of the node's GPUs.)
+    """
+    env = os.environ
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return
+    world = external_world()
+    if world is None:
+        return
+    import socket
+
+    master = first_node(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "") or socket.gethostname()
+    # Below the kernel's ephemeral range (32768+), where an outgoing connection could hold the port.
+    # Consecutive jobs (the tasks of one array are consecutive jobs) get ports 4 apart: a clash needs
+    # 3000 jobs between two that run on the same node at the same time.
+    job = int(env.get("SLURM_JOB_ID", "0"))
+    step = int(_slurm_step_id() or 0)
+    port = 20000 + (job * 4 + step % 4) % 12000
+    env.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=env["SLURM_PROCID"], WORLD_SIZE=str(world[0]),
+               LOCAL_RANK=env.get("SLURM_LOCALID", "0"), LOCAL_WORLD_SIZE=str(world[1]))
+
+
+def placement() -> dict:
+    """Where this rank runs: its host name and the address its traffic to the rendezvous host leaves
+    from (on a cluster, the node's address on the job's network; 127.0.0.1 on one machine)."""
+    import socket
+
+    host, address = socket.gethostname(), None
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:  # a UDP "connection" sends nothing: it only asks the kernel which route, so which address
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((master, int(os.environ.get("MASTER_PORT") or 1)))
+                address = probe.getsockname()[0]
+        except OSError:
+            address = None
+    return {"host": host, "address": address}
+
+
+def slurm_job() -> Optional[dict]:
+    """The SLURM job this rank runs in, for the record: its id (an array element's as ``<array>_<task>``,
+    as squeue and sacct name it), partition, nodes, and how many times it was started again (requeued
+    after a time limit, a preemption or a failed node); None outside a SLURM step."""
+    env = os.environ
+    if started_by() != "slurm":
+        return None
+    job_id = env["SLURM_JOB_ID"]
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    return {"job_id": job_id, "partition": env.get("SLURM_JOB_PARTITION"), "nodes": env.get("SLURM_JOB_NODELIST"),
+            "restarts": int(env.get("SLURM_RESTART_COUNT") or 0)}
 
 
 def run_stamp() -> str:

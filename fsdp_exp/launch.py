@@ -25,7 +25,7 @@ from typing import Optional
 
 from fsdp_exp.config import RunConfig, Topology, fail, plain
 from fsdp_exp.config.preflight import validate
-from fsdp_exp.env import cuda_device_count, external_world, local_rank
+from fsdp_exp.env import cuda_device_count, export_slurm_rendezvous, external_world, local_rank, slurm_job
 from fsdp_exp.errors import RunFailed  # noqa: F401 - raised here, caught by __main__ and slurm
 from fsdp_exp.record import RunRecord
 
@@ -33,44 +33,6 @@ ERRORS_DIR = "errors"
 # After a rank fails, how long the others get to end on their own (they usually fail at once on the
 # dead peer's closed connections) before they are killed.
 FAILURE_GRACE_S = 5.0
-
-
-def _export_slurm_env() -> None:
-    """Set the variables torch.distributed's env:// rendezvous reads, from the SLURM step's.
-
-    Every task of the step derives the same rendezvous: the step's first node and a port from the job
-    and step ids. Values inherited from the submitting shell are overwritten: sbatch passes its whole
-    environment on, and a MASTER_PORT left there would make every job of a sweep that lands on one node
-    rendezvous on the same port. (submitit's TorchDistributedEnvironment refuses such inherited
-    variables, counts the allocation's tasks instead of the step's, and restricts CUDA_VISIBLE_DEVICES
-    to one GPU per task, whereas fsdp_exp's ranks pick cuda:LOCAL_RANK among all of the node's GPUs.)
-    """
-    env = os.environ
-    if "RANK" in env or "SLURM_PROCID" not in env:
-        return
-    world = external_world()
-    if world is None:
-        return
-    # The first host of a SLURM node list such as "gpu[003-010,015],cpu01": "gpu003" (the step's task 0
-    # runs there).
-    import re
-
-    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or socket.gethostname()
-    first, depth = "", 0
-    for char in nodes:
-        depth += (char == "[") - (char == "]")
-        if char == "," and depth == 0:
-            break
-        first += char
-    master = re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[,-]", m.group(1))[0], first)
-    # Below the kernel's ephemeral range (32768+), where an outgoing connection could hold the port.
-    # Consecutive jobs (the tasks of one array are consecutive jobs) get ports 4 apart: a clash needs
-    # 3000 jobs between two that run on the same node at the same time.
-    job = int(env.get("SLURM_JOB_ID", "0"))
-    step = int(env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or 0)
-    port = 20000 + (job * 4 + step % 4) % 12000
-    env.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=env["SLURM_PROCID"], WORLD_SIZE=str(world[0]),
-               LOCAL_RANK=env.get("SLURM_LOCALID", "0"), LOCAL_WORLD_SIZE=str(world[1]))
 
 
 def free_port() -> int:
@@ -120,7 +82,7 @@ def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
     payload = {"config": plain(cfg), "topology": topology.as_dict(), "run_dir": str(run_dir), "meta": meta}
 
     if world is not None:  # torchrun / SLURM: this process is one rank of the job
-        _export_slurm_env()
+        export_slurm_rendezvous()
         from fsdp_exp.trainer import run_worker
 
         rank = int(os.environ["RANK"])
@@ -130,6 +92,8 @@ def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
         (errors / f"rank{rank}.txt").unlink(missing_ok=True)
         if rank == 0 and "sweep" in meta:
             RunRecord(run_dir).in_sweep(meta["sweep"])
+        if rank == 0 and (job := slurm_job()) is not None:
+            RunRecord(run_dir).on_slurm(**job)  # a requeued job's next start says so (restarts)
         try:
             run_worker(payload)
         except Exception:
@@ -184,14 +148,29 @@ def _record_rank_failure(run_dir: Path, cfg: RunConfig, meta: dict, rank: int, w
         if causes:
             failure = RunFailed(causes[0], _error_summary(run_dir, causes[0], ""))
         elif silent:  # no Python error: killed by a signal (SIGKILL, the OOM killer), crashed, stuck
-            who = f"rank {silent[0]}" if len(silent) == 1 else f"one of ranks {silent}"
-            failure = RunFailed(silent[0] if len(silent) == 1 else None,
-                                f"{who} left no error of its own (killed by a signal, out of memory, crashed "
-                                f"or stuck: see the job's log); rank 0 then failed with: {own}")
+            failure = RunFailed(silent[0] if len(silent) == 1 else None, _silent_ranks(run_dir, silent, own))
     if rank == 0 or not _is_peer_error(run_dir, rank):
         with FileLock(str(errors / ".record.lock")):
             record_failure(run_dir, cfg, meta, failure.rank, failure.summary, note_wandb=rank == 0)
     return failure
+
+
+def _silent_ranks(run_dir: Path, silent: list[int], own: str) -> str:
+    """Why the job failed when ranks ``silent`` left no error: they died without a word. Where every rank
+    of a host is among them (run.json's env.ranks says which ranks shared a node), the node was lost."""
+    placed = (RunRecord(run_dir).read().get("env") or {}).get("ranks") or []
+    hosts: dict[str, list[int]] = {}
+    for entry in placed:
+        hosts.setdefault(entry.get("host"), []).append(entry.get("rank"))
+    lost = sorted(host for host, ranks in hosts.items() if len(hosts) > 1 and set(ranks) <= set(silent))
+    if lost:
+        ranks = sorted(r for host in lost for r in hosts[host])
+        nodes = ", ".join(lost)
+        return (f"node {nodes} lost: ranks {ranks} (every rank on {nodes}) left no error of their own (killed, "
+                f"out of memory, or the node failed: see the job's log); rank 0 then failed with: {own}")
+    who = f"rank {silent[0]}" if len(silent) == 1 else f"one of ranks {silent}"
+    return (f"{who} left no error of its own (killed by a signal, out of memory, crashed or stuck: see the "
+            f"job's log); rank 0 then failed with: {own}")
 
 
 def record_failure(run_dir: Path, cfg, meta: dict, rank: Optional[int], message: str,

@@ -11,12 +11,27 @@ Inside a job, submitit's ``srun`` starts the tasks and each one is a rank (fsdp_
 ``external_world``). A job that ends without a result (its tasks killed: by a signal, the OOM killer,
 a node failure) is recorded as failed in its ``run.json``, and the sweep goes on to the end, where
 fsdp_exp/sweep.py reports every job from the records.
+
+A job that SLURM stops comes back by itself. SIGUSR1 arrives ``hydra.launcher.signal_delay_s`` before the
+time limit: every rank saves a checkpoint and stops (checkpoint=on_signal), then task 0 hands the job
+to submitit's own requeue (the launcher's ``checkpoint()``, counted against
+``hydra.launcher.max_num_timeout``). SIGTERM means SLURM itself is requeueing the job (preemption,
+``scontrol requeue``) or cancelling it: the ranks save and leave no result, and SLURM's decision stands.
+Either way the next start runs the same job in the same folder and resumes from the checkpoint, while
+the sweep waits; ``run.json``'s ``slurm`` says how often it restarted and why.
+
+Before submitting, every job's node count is checked against its partition's (a job larger than the
+partition would wait forever); while jobs wait in the queue the sweep says so.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -33,6 +48,15 @@ log = logging.getLogger(__name__)
 
 # Decided per job from the trainer config; setting them on the launcher would contradict it.
 PER_JOB = ("tasks_per_node", "nodes")
+# The signals SLURM stops a job with: SIGUSR1 before its time limit (conf/hydra/launcher/slurm.yaml),
+# SIGTERM when it preempts, requeues or cancels it.
+TIME_LIMIT_SIGNAL = "SIGUSR1"
+STOP_SIGNALS = [TIME_LIMIT_SIGNAL, "SIGTERM"]
+# How often the sweep asks SLURM for its jobs' states while it waits (one sacct call for all of them);
+# after how long in the queue a job's wait is reported, and how often again.
+POLL_S = 3.0
+QUEUED_NOTE_S = 10.0
+QUEUED_REPEAT_S = 300.0
 
 
 def job_resources(trainer: Any, gpus_per_node: Optional[int]) -> dict:
@@ -49,8 +73,122 @@ def job_resources(trainer: Any, gpus_per_node: Optional[int]) -> dict:
     return {"tasks_per_node": nproc, "nodes": int(trainer.nnodes), "gpus_per_node": gpus_per_node}
 
 
+def partition_sizes() -> dict[str, int]:
+    """{partition: its node count} of the cluster, the default partition also under "" (SLURM's own
+    answer: ``scontrol show partition``). Empty when SLURM cannot be asked (no scontrol, no controller):
+    the request then goes to sbatch, which judges it itself."""
+    try:
+        out = subprocess.run(["scontrol", "show", "partition", "--oneliner"], capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    sizes: dict[str, int] = {}
+    for line in out.stdout.splitlines() if out.returncode == 0 else []:
+        fields = dict(item.split("=", 1) for item in line.split() if "=" in item)
+        if "PartitionName" in fields and fields.get("TotalNodes", "").isdigit():
+            sizes[fields["PartitionName"]] = int(fields["TotalNodes"])
+            if fields.get("Default") == "YES":
+                sizes[""] = int(fields["TotalNodes"])
+    return sizes
+
+
+def check_partition(partition: Optional[str], nodes: int, sizes: dict[str, int]) -> None:
+    """Refuse a job of ``nodes`` nodes that its partition (None: the default) can never hold: SLURM would
+    keep it pending forever, without a word."""
+    if not sizes:
+        return
+    name = partition or ""
+    shown = partition or "the default partition"
+    if name not in sizes:
+        known = ", ".join(sorted(p for p in sizes if p))
+        problem = (f"hydra.launcher.partition={partition}: the cluster has no such partition" if partition
+                   else "no partition was named and the cluster has no default partition")
+        fail(f"{problem} (it has: {known}).", f"pass hydra.launcher.partition=<one of: {known}>")
+    if nodes > sizes[name]:
+        fail(f"trainer.nnodes={nodes}, but {shown} has {sizes[name]} node(s): the job would wait in the queue "
+             "forever.", f"pass trainer.nnodes={sizes[name]} or less, or a larger partition "
+             "(hydra.launcher.partition=...)")
+
+
+def _requeue_after_time_limit(max_num_timeout: int) -> Optional[str]:
+    """Task 0, after every rank saved on the time-limit signal: requeue the job through submitit (the
+    launcher's ``checkpoint()`` becomes the job's next submission; ``hydra.launcher.max_num_timeout``
+    bounds how often, on submitit's counter). Returns None when the job was requeued, else why not."""
+    import submitit
+    from submitit.core.job_environment import SignalHandler
+    from submitit.core.utils import DelayedSubmission, UncompletedJobError
+
+    class Requeued(Exception):
+        pass
+
+    class TimeLimit(SignalHandler):
+        """submitit's handler, told that this was the time limit (it would guess from the elapsed time),
+        returning instead of exiting so that the run can record the requeue first."""
+
+        def has_timed_out(self) -> bool:
+            return True
+
+        def _exit(self) -> None:
+            raise Requeued
+
+    environment = submitit.JobEnvironment()
+    delayed = DelayedSubmission.load(environment.paths.submitted_pickle)
+    try:
+        TimeLimit(environment, environment.paths, delayed).checkpoint_and_try_requeue(signal.SIGUSR1)
+    except Requeued:
+        return None
+    except UncompletedJobError:
+        times = max_num_timeout - delayed._timeout_countdown + 1  # noqa: SLF001 - submitit's counter: requeues left
+        return (f"the job reached its time limit {times} time(s), and hydra.launcher.max_num_timeout={max_num_timeout} "
+                f"requeues it at most {max_num_timeout} time(s). Its checkpoint stays: raise "
+                "hydra.launcher.max_num_timeout (or hydra.launcher.timeout_min), or rerun the sweep with the same "
+                "hydra.sweep.dir, to continue")
+    except subprocess.CalledProcessError as err:
+        return f"`scontrol requeue` failed ({err}): the cluster may not allow requeueing (JobRequeue=0)"
+    return "submitit did not requeue the job"
+
+
 class SlurmLauncher(SubmititSlurmLauncher):
-    """hydra-submitit-launcher's SLURM launcher, with per-job resources and jobs that die recorded."""
+    """hydra-submitit-launcher's SLURM launcher, with per-job resources, jobs that die recorded, and jobs
+    that SLURM stops requeued to resume from their checkpoint."""
+
+    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
+                 singleton_state: dict) -> JobReturn:
+        """One task of a job (one rank), on a node of the cluster."""
+        from fsdp_exp.checkpoint.signals import install_signal_handlers
+
+        # SLURM may send its signals before the trainer has read its config: from the first moment they
+        # only ask the run to stop (a run with checkpoint.on_signal=false restores the defaults).
+        install_signal_handlers(STOP_SIGNALS)
+        result = super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
+        # Only task 0's result counts (fsdp_exp/slurm.py _result); the others' are left as they are.
+        ran = result._return_value if result.status == JobStatus.COMPLETED else None  # noqa: SLF001 - no raise
+        if int(os.environ.get("SLURM_PROCID", "0")) != 0 or not isinstance(ran, dict) \
+                or ran.get("status") != "interrupted":
+            return result
+        stop = (ran.get("interrupted") or {}).get("signal")  # the signal every rank agreed to stop on
+        step = ((ran.get("interrupted") or {}).get("checkpoint") or {}).get("step")
+        from fsdp_exp.record import RunRecord
+
+        assert self.hydra_context is not None and self.config is not None
+        record = RunRecord(_job_dir(self.hydra_context.config_loader.load_sweep_config(self.config, sweep_overrides),
+                                    job_num))
+        if stop == TIME_LIMIT_SIGNAL:
+            why_not = _requeue_after_time_limit(int(self.params.get("max_num_timeout") or 0))
+            if why_not is not None:
+                log.error(f"not requeued: {why_not}")
+                record.on_slurm(not_requeued=why_not)
+                return result  # the job ends here, interrupted: the sweep reports it
+            record.on_slurm(stops=[{"signal": stop, "reason": "time limit", "saved_step": step, "requeued": True,
+                                    "at": time.time()}])
+            log.info(f"time limit: every rank saved step {step}; the job is requeued and resumes from there")
+        else:
+            record.on_slurm(stops=[{"signal": stop, "reason": "preempted, requeued or cancelled by SLURM",
+                                    "saved_step": step, "requeued": None, "at": time.time()}])
+            log.info(f"{stop}: every rank saved step {step}; SLURM decides whether the job comes back")
+        # No result from task 0: the sweep keeps waiting for the job's next start (or for SLURM to say
+        # that it ended: cancelled).
+        sys.exit(-1)
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit
@@ -68,8 +206,10 @@ class SlurmLauncher(SubmititSlurmLauncher):
                 fail(f"{', '.join(set_by_hand)}: hydra/launcher=slurm takes each job's tasks and nodes from "
                      "its trainer config.",
                      "pass trainer.nproc_per_node=N (tasks per node) and trainer.nnodes=M instead")
+            sizes = partition_sizes()
             for i, cfg in enumerate(configs):
                 resources = job_resources(cfg.trainer, params.get("gpus_per_node"))
+                check_partition(params.get("partition"), resources["nodes"], sizes)
                 arrays.setdefault(tuple(sorted(resources.items())), []).append(i)
         except ConfigError as err:
             print(f"fsdp_exp: invalid configuration, nothing was submitted: {err}", file=sys.stderr)
@@ -101,6 +241,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
                                   Singleton.get_state()))
             for i, job in zip(members, executor.map_array(self, *zip(*arguments))):
                 jobs[i] = job
+        _wait(jobs, initial_job_idx)
         return [self._result(job, configs[i], initial_job_idx + i, job_overrides[i]) for i, job in enumerate(jobs)]
 
     def _result(self, job, cfg: DictConfig, num: int, overrides: Sequence[str]) -> JobReturn:
@@ -122,13 +263,58 @@ class SlurmLauncher(SubmititSlurmLauncher):
         # A record the ranks already closed keeps its own words (rank 0 usually names the dead rank).
         previous = record.read()
         if previous.get("status") not in ("completed", "interrupted", "failed"):
+            # The run's part only: resolving hydra's would need this job's hydra.job.num, which is unset here.
             config = None if "config" in previous else \
-                {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
-            record.failed(None, reason, config=config, overrides=list(overrides),
-                          slurm={"job_id": job.job_id, "state": job.state, "log": str(job.paths.stderr)})
+                {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+                 for k in cfg if k != "hydra"}
+            record.failed(None, reason, config=config, overrides=list(overrides))
+            record.on_slurm(job_id=job.job_id, state=job.state, log=str(job.paths.stderr))
         log.error(f"#{num}: {reason}")
         return JobReturn(overrides=list(overrides), working_dir=str(run_dir), task_name=str(cfg.hydra.job.name),
                          status=JobStatus.COMPLETED, _return_value={"status": "failed", "error": reason})
+
+
+def _wait(jobs: list, first_num: int) -> None:
+    """Wait for every job of the sweep to end, saying when one starts, is requeued, or is held in the
+    queue (and why): a job that cannot start is seen, not waited on in silence."""
+    seen: dict[int, str] = {}  # each job's state at the last look
+    queued_since: dict[int, float] = {}
+    noted: dict[int, int] = {}  # how many times a job's wait in the queue was reported
+    while True:
+        # One sacct call for all jobs (submitit's watcher is shared); left to itself, submitit asks ever less
+        # often (up to every 10 minutes), and a requeue would go unseen.
+        jobs[0].watcher.update()
+        waiting = [(num, job) for num, job in enumerate(jobs, start=first_num) if not job.done()]
+        if not waiting:
+            return
+        for num, job in waiting:
+            state, before = job.state, seen.get(num)
+            seen[num] = state
+            if state in ("PENDING", "REQUEUED"):
+                if state == "REQUEUED" and before != "REQUEUED":
+                    log.info(f"\t#{num}: SLURM job {job.job_id} was requeued: it resumes from its checkpoint "
+                             "when it starts again")
+                # A job normally starts within seconds: say so only when it does not.
+                waited = time.monotonic() - queued_since.setdefault(num, time.monotonic())
+                if waited >= QUEUED_NOTE_S + QUEUED_REPEAT_S * noted.get(num, 0):
+                    noted[num] = noted.get(num, 0) + 1
+                    log.info(f"\t#{num}: SLURM job {job.job_id} has waited {waited:.0f} s in the queue "
+                             f"({_pending_reason(job.job_id)})")
+                continue
+            queued_since.pop(num, None)
+            noted.pop(num, None)
+            if state == "RUNNING" and before != "RUNNING":
+                log.info(f"\t#{num}: SLURM job {job.job_id} is running" + (" again" if before == "REQUEUED" else ""))
+        time.sleep(POLL_S)
+
+
+def _pending_reason(job_id: str) -> str:
+    """Why SLURM keeps a job pending, in squeue's words (Resources, Priority, BeginTime, ...)."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%r"], capture_output=True, text=True, timeout=30)
+        return f"reason: {out.stdout.strip()}" if out.returncode == 0 and out.stdout.strip() else "reason unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "reason unknown"
 
 
 def _job_dir(cfg: DictConfig, num: int) -> Path:

@@ -32,11 +32,11 @@ from fsdp_exp.checkpoint.init_check import check_identical_init
 from fsdp_exp.checkpoint.layout import checkpoint_root
 from fsdp_exp.checkpoint.manager import Checkpointer
 from fsdp_exp.checkpoint.rng import RngState
-from fsdp_exp.checkpoint.signals import install_signal_handlers
+from fsdp_exp.checkpoint.signals import install_signal_handlers, stand_down
 from fsdp_exp.checkpoint.states import sharded_state
 from fsdp_exp.config import RunConfig, Topology, plain, to_run_config
 from fsdp_exp.data import build_data
-from fsdp_exp.env import default_threads
+from fsdp_exp.env import default_threads, placement
 from fsdp_exp.dist import (RankInfo, broadcast_object, build_mesh, gather_over_ranks, init_distributed,
                            reduce_over_ranks)
 from fsdp_exp.metrics import memory
@@ -59,10 +59,12 @@ def run_worker(payload: dict) -> None:
     cfg = to_run_config(payload["config"])
     if cfg.checkpoint.on_signal:  # from now on SIGTERM / SIGUSR1 ask every rank to save and stop cleanly
         install_signal_handlers(list(cfg.checkpoint.signals))
+    else:
+        stand_down(list(cfg.checkpoint.signals))
     topology = Topology(**{k: tuple(v) if isinstance(v, list) else v for k, v in payload["topology"].items()})
     threads = cfg.trainer.threads_per_rank or default_threads(topology.nproc_per_node)
     torch.set_num_threads(threads)
-    info = init_distributed(topology)
+    info = init_distributed(topology, timeout_s=cfg.trainer.collective_timeout_s)
     # Under torchrun every rank composed its own config and may have picked its own time-stamped
     # output folder: rank 0's choice wins.
     run_dir = Path(broadcast_object(payload["run_dir"]))
@@ -188,8 +190,10 @@ class Trainer:
         return entry["tflops"], source, {"key": key, **entry}
 
     def _environment(self) -> dict:
-        names = [None] * self.info.world_size
-        dist.all_gather_object(names, f"{socket.gethostname()}:{self._device_name()}")
+        # Every rank's host, address and device: on a multi-node job, which ranks shared a node (and were
+        # lost together when it failed: fsdp_exp/launch.py names them by this list).
+        ranks: list = [None] * self.info.world_size
+        dist.all_gather_object(ranks, {"rank": self.info.rank, **placement(), "device": self._device_name()})
         return {
             "fsdp_exp_version": __version__,
             "git_commit": _git_commit(),
@@ -199,7 +203,8 @@ class Trainer:
             "hostname": socket.gethostname(),
             "world_size": self.info.world_size,
             "device_type": self.device.type,
-            "devices": names,
+            "devices": [f"{r['host']}:{r['device']}" for r in ranks],
+            "ranks": ranks,
             "threads_per_rank": torch.get_num_threads(),
             "num_params": count_params(self.cfg.model),
             "architecture": spec_for(self.cfg.model).architecture(self.cfg.model),  # e.g. MistralForCausalLM

@@ -20,8 +20,11 @@ class InjectedFailure(RuntimeError):
 
 def inject_step_fault(debug, step: int, rank: int, model: torch.nn.Module) -> None:
     """At the start of step ``step`` (0-based) on rank ``debug.fail_rank``: ``debug.nan_at_step`` turns
-    a parameter NaN; ``debug.fail_at_step`` (with ``fail_during=step``) raises or sends ``fail_signal``."""
+    a parameter NaN; ``debug.fail_at_step`` (with ``fail_during=step``) raises or sends ``fail_signal``.
+    Every rank first sleeps ``debug.step_sleep_s``."""
     d = debug
+    if d.step_sleep_s:
+        time.sleep(d.step_sleep_s)
     if d.nan_at_step == step and rank == d.fail_rank:
         # A real NaN: through this rank's forward, its gradients, the reduction and the loss.
         with torch.no_grad():

@@ -29,6 +29,16 @@ def install_signal_handlers(names: list[str]) -> None:
         signal.signal(getattr(signal, name), _on_signal)
 
 
+def stand_down(names: list[str]) -> None:
+    """These signals act as the system defines again (checkpoint.on_signal=false). A launcher may have
+    installed the handlers above from its first moment (fsdp_exp/slurm.py: SLURM can signal a job before
+    its config is read); a signal that already came is delivered now, as it would have been."""
+    for name in names:
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    if _requested["signal"] in names:
+        signal.raise_signal(getattr(signal, _requested["signal"]))
+
+
 def signal_requested() -> Optional[str]:
     return _requested["signal"]
 

@@ -79,6 +79,9 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
               "pass trainer.warmup_steps=2")
     if t.grad_clip < 0:
         fail(f"trainer.grad_clip={t.grad_clip} is negative.", "pass trainer.grad_clip=1.0 (0 disables clipping)")
+    if not t.collective_timeout_s > 0:
+        fail(f"trainer.collective_timeout_s={t.collective_timeout_s} must be positive.",
+             "pass trainer.collective_timeout_s=600 (seconds a collective waits for a peer)")
     if t.peak_tflops is not None and t.peak_tflops <= 0:
         fail(f"trainer.peak_tflops={t.peak_tflops} must be positive.", "pass trainer.peak_tflops=null to look it up")
 
@@ -132,6 +135,8 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
             and not 0 <= cfg.debug.fail_rank < world:
         fail(f"debug.fail_rank={cfg.debug.fail_rank} is not a rank of a world of {world}.",
               f"pass debug.fail_rank between 0 and {world - 1}")
+    if cfg.debug.step_sleep_s < 0:
+        fail(f"debug.step_sleep_s={cfg.debug.step_sleep_s} is negative.", "pass debug.step_sleep_s=0 (no sleep)")
     check_checkpoint(cfg)
 
     return Topology(device_type=device_type, nproc_per_node=nproc, nnodes=t.nnodes, world_size=world,

@@ -225,6 +225,10 @@ class TrainerConfig:
     # Before any rank starts, refuse a run the memory planner says cannot fit this node (a GPU's free
     # memory, or a CPU host's RAM under its memory cgroup's limit): fsdp_exp/config/fit.py. false = run anyway.
     check_fit: bool = True
+    # How long a collective may wait for a peer before the rank gives up with an error (the process group's
+    # timeout). A rank that dies usually ends its peers at once (its connections close); a node that
+    # vanishes from the network does not, and then this bounds how long the job waits for it.
+    collective_timeout_s: float = 600.0
 
 
 @dataclass
@@ -257,6 +261,9 @@ class DebugConfig:
     # after its shard files are written and before the checkpoint is complete.
     fail_during: str = "step"
     nan_at_step: Optional[int] = None  # rank fail_rank's parameters become NaN at the start of this step (0-based)
+    # Every rank sleeps this long at the start of each step: a slow job that stays cheap, for tests of
+    # time limits, preemption and lost nodes (the sleep is inside the timed step).
+    step_sleep_s: float = 0.0
     # At start, hash every rank's initial parameter shards: replicas must agree and each shard must be the
     # slice of the seeded full tensor; a mismatch names the ranks and tensors.
     check_identical_init: bool = False

@@ -53,6 +53,18 @@ class RunRecord:
         """This run is a job of a sweep (under torchrun, where no launcher process writes ``starting``)."""
         return self._write({"sweep": sweep})
 
+    def on_slurm(self, **facts: Any) -> dict:
+        """Facts about the SLURM job this run is (fsdp_exp/slurm.py, fsdp_exp/env.py ``slurm_job``), merged
+        into ``slurm``: its id, nodes, restarts; each time SLURM stopped it (``stops``, appended; ``requeued``:
+        True when fsdp_exp requeued it, None when SLURM decided); why it was not requeued (``not_requeued``)."""
+        slurm = dict(self.read().get("slurm") or {})
+        for key, value in facts.items():
+            if key == "stops":
+                slurm["stops"] = [*slurm.get("stops", []), *value]
+            else:
+                slurm[key] = value
+        return self._write({"slurm": slurm})
+
     def failed(self, rank: Optional[int], message: str, *, config: Optional[dict] = None, **context: Any) -> dict:
         """The run failed (before its ranks started, or because rank ``rank`` did; None: unknown):
         status and error, the ``context`` given (overrides, choices, sweep, slurm), and ``config`` when

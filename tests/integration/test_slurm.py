@@ -2,27 +2,21 @@
 submits one SLURM job per combination, each rank is one SLURM task, and a rank that fails ends its job
 at once and is named in the record while the sweep goes on.
 
-The cluster is the one .ci/run stands up; a developer's run starts it through the same script (and stops
-it afterwards) when SLURM is installed. Without SLURM the tests skip, unless FSDP_EXP_REQUIRE_SLURM=1
-(CI), which turns that into a failure.
+The cluster is the one .ci/run stands up (tests/integration/slurm_cluster.py says how a developer's run
+gets one); multi-node jobs are tested in test_slurm_nodes.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import MARKER, QUIET, REPO, leftover_processes, read_metrics
+from conftest import leftover_processes, read_metrics
+from slurm_cluster import Sweep, cluster, job_env
 
-SCRIPTS = REPO / ".ci" / "slurm"
-REQUIRED = os.environ.get("FSDP_EXP_REQUIRE_SLURM") == "1"
 TINY = ["trainer.steps=4", "trainer.warmup_steps=1", "hydra.launcher.timeout_min=5"]
 # The rank that fails (debug=fail_rank: rank 1 raises at step 2) and the job sizes of that sweep: each
 # job's tasks come from its own trainer.nproc_per_node.
@@ -34,62 +28,15 @@ KILLED = ["debug=fail_rank", "debug.fail_signal=SIGKILL", "trainer.steps=6", "hy
 
 @pytest.fixture(scope="module")
 def cluster_env():
-    """What a process needs to reach the localhost cluster: SLURM_CONF, and PATH with the sacct stand-in."""
-    if shutil.which("slurmctld") is None:
-        reason = ("SLURM is not installed: apt-get install -y --no-install-recommends slurmctld slurmd "
-                  "slurm-client munge (as root), or .ci/slurm/up --install")
-        if REQUIRED:
-            pytest.fail(f"FSDP_EXP_REQUIRE_SLURM=1 but {reason}")
-        pytest.skip(reason)
-    up = subprocess.run([str(SCRIPTS / "up")], capture_output=True, text=True, timeout=300)
-    if up.returncode != 0:
-        pytest.fail(f".ci/slurm/up could not stand up the localhost cluster (exit {up.returncode}):\n{up.stderr}")
-    exported = dict(line.split("#")[0].strip().removeprefix("export ").split("=", 1)
-                    for line in up.stdout.splitlines() if line.startswith("export "))
-    env = {"SLURM_CONF": exported["SLURM_CONF"], "PATH": f"{SCRIPTS / 'bin'}{os.pathsep}{os.environ['PATH']}"}
-    yield env
-    if exported.get("FSDP_EXP_SLURM_STARTED") == "1":
-        subprocess.run([str(SCRIPTS / "down")], capture_output=True, timeout=120)
-
-
-class Sweep:
-    """``python -m fsdp_exp -m hydra/launcher=slurm ...`` running in the background."""
-
-    def __init__(self, args: list[str], sweep_dir: Path, env: dict):
-        self.dir = sweep_dir
-        cmd = [sys.executable, "-m", "fsdp_exp", "-m", "hydra/launcher=slurm", *args, *QUIET,
-               f"hydra.sweep.dir={sweep_dir}"]
-        # The marker travels with the jobs' environment (sbatch exports it), so their processes can be found.
-        self.env = {**os.environ, **env, MARKER: str(sweep_dir)}
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=self.env)
-
-    def wait(self, timeout: float = 240) -> tuple[int, str]:
-        """(exit code, stderr) of the sweep; a sweep still running after ``timeout`` fails the test."""
-        try:
-            _, stderr = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            _, stderr = self.proc.communicate()
-            pytest.fail(f"the sweep did not end in {timeout} s:\n{stderr[-3000:]}")
-        return self.proc.returncode, stderr
-
-    def jobs(self) -> dict[int, tuple[Path, dict]]:
-        """{job number: (its folder, its run.json)}."""
-        return {int(p.parent.name.split("_", 1)[0]): (p.parent, json.loads(p.read_text()))
-                for p in self.dir.glob("*/run.json")}
+    with cluster(1) as env:
+        yield env
 
 
 @pytest.fixture(scope="module")
 def sweeps(cluster_env, tmp_path_factory):
     """The three sweeps of this file, submitted together: the cluster runs their jobs side by side."""
     base = tmp_path_factory.mktemp("slurm")
-    # Quiet, offline, and away from the user's caches, like every test (conftest's BASE_ENV): the jobs
-    # inherit this environment.
-    env = {**cluster_env, "WANDB_SILENT": "true", "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "0",
-           "WANDB_MODE": "offline", "WANDB_CACHE_DIR": str(base / "wandb_cache"),
-           "WANDB_CONFIG_DIR": str(base / "wandb_config"), "WANDB_DATA_DIR": str(base / "wandb_data"),
-           "HF_HOME": str(base / "hf")}
+    env = job_env(cluster_env, base)
     started = {
         "ok": Sweep(["sharding=full,grad_op", *TINY], base / "ok", env),
         # A MASTER_PORT left in the submitting shell reaches the jobs (sbatch exports the environment)
@@ -99,14 +46,7 @@ def sweeps(cluster_env, tmp_path_factory):
     }
     yield started
     for sweep in started.values():
-        if sweep.proc.poll() is None:
-            sweep.proc.kill()
-
-
-def _slurm_jobs(sweep_dir: Path) -> dict[str, list[Path]]:
-    """{SLURM job id (array element): its tasks' logs} from submitit's folder of the sweep."""
-    return {folder.name: sorted(folder.glob("*_log.out")) for folder in (sweep_dir / ".submitit").iterdir()
-            if folder.is_dir() and list(folder.glob("*_log.out"))}
+        sweep.stop()
 
 
 def _no_leftovers(sweep_dir: Path, within: float = 15.0) -> list[str]:
@@ -138,7 +78,7 @@ def test_sweep_runs_one_slurm_job_per_combination_with_one_task_per_rank(sweeps)
     assert strategies == {"full", "grad_op"}
 
     # Two SLURM jobs (one array), each of 2 tasks, and every task one rank of its job's world.
-    slurm_jobs = _slurm_jobs(sweep.dir)
+    slurm_jobs = sweep.slurm_jobs()
     assert len(slurm_jobs) == 2, slurm_jobs
     for job_id, logs in slurm_jobs.items():
         assert [log.name for log in logs] == [f"{job_id}_0_log.out", f"{job_id}_1_log.out"]
@@ -173,7 +113,7 @@ def test_a_failing_rank_ends_its_job_fast_and_is_named(sweeps):
     # Both jobs ended within seconds of the failure (the collective timeout would be 600 s), as SLURM
     # records them. The launcher returns once every task has left its result; the tasks' processes
     # then take a moment to exit.
-    slurm_jobs = _slurm_jobs(sweep.dir)
+    slurm_jobs = sweep.slurm_jobs()
     assert len(slurm_jobs) == 2
     deadline = time.monotonic() + 30
     while True:
