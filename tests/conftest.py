@@ -7,6 +7,8 @@ fresh gloo workers exactly as the CLI does but saves the launcher's own start-up
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import subprocess
@@ -76,8 +78,19 @@ def _unit_tier_starts_no_process_group(monkeypatch, request):
 
 
 def compose_config(overrides: list[str], return_hydra_config: bool = False):
+    if return_hydra_config:  # the hydra node holds this process's state (its cwd): composed each time
+        with initialize_config_module(config_module="fsdp_exp.conf", version_base="1.3"):
+            return compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    return copy.deepcopy(_composed(tuple(overrides)))  # a copy: callers may change theirs
+
+
+@functools.cache
+def _composed(overrides: tuple[str, ...]):
+    """Hydra's composition of these overrides, once per session (~0.15 s each; the quick tier asks for some
+    a few times). It cannot change meanwhile: conf/ and the registered schema are fixed, and composing
+    resolves no interpolation. A refused composition raises each time (exceptions are not cached)."""
     with initialize_config_module(config_module="fsdp_exp.conf", version_base="1.3"):
-        return compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)
+        return compose(config_name="config", overrides=list(overrides))
 
 
 def run_config(overrides: list[str]):

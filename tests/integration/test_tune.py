@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import QUIET, REPO
+from conftest import QUIET, REPO, run_config
 
 # What the measured tune trains and searches: the default tiny Llama, FSDP2 only (no baselines then: the
 # backend is the run's), fp32, two AC settings, every micro-batch size: 3 strategies x 2 x 3 = 18 candidates.
@@ -92,6 +92,26 @@ def test_a_measured_tune_on_this_cpu_keeps_its_budget_and_calibration_lowers_the
     assert again["mae_tokens_per_s"] < result["mae_tokens_per_s"]
     print(f"MAE of tokens/s before calibration {result['mae_tokens_per_s']:.0f}, after {again['mae_tokens_per_s']:.0f}")
     assert "calibrated from 6 runs" in calibrated.stdout
+
+
+def test_each_candidate_is_the_config_hydra_composes_from_its_overrides():
+    """The tuner assembles each candidate's config from group nodes composed once per round (not a Hydra
+    compose per candidate): a dozen candidates of a 7B space (every kind; the space tests/unit/
+    test_tune_prediction.py weighs), each composed by Hydra from its overrides, are that config. About 7 s."""
+    from fsdp_exp.tune.options import split_argv
+    from fsdp_exp.tune.search import weigh
+
+    run_overrides = ["model=llama7b", "trainer.nproc_per_node=8", "trainer.nnodes=2", "trainer.global_batch_size=64",
+                     "trainer.seq_len=2048"]
+    opts, overrides = split_argv([*run_overrides, "plan.device=h100_80gb", "tune.space.ac=[none,full]",
+                                  "tune.space.precision=[bf16]", "tune.space.offload=[none,params]",
+                                  "tune.space.prefetch=[default]", "tune.space.micro_batch_size=[1,4]",
+                                  "tune.budget_gib=12"])
+    tuning = weigh(overrides, opts)
+    sample = tuning.candidates[:: max(1, len(tuning.candidates) // 12)]
+    for weighed in sample:
+        composed = run_config(run_overrides + weighed.candidate.choices)
+        assert composed == weighed.candidate.cfg, weighed.candidate.choices
 
 
 def test_the_70b_example_weighs_thousands_of_candidates_without_a_process_group(capsys, tmp_path):

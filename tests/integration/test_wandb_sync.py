@@ -1,6 +1,7 @@
 """W&B for comparing sweeps, on a real sweep of 4 jobs logged offline, and on a run resumed after a killed
-rank: what each offline run file declares and holds (read with W&B's own reader), the workspace the report
-writes for the sweep, and ``python -m fsdp_exp.sync`` where no W&B server answers.
+rank: what each offline run file declares and holds (read with W&B's own reader; first for a bare sink,
+which gives every schema metric its summary rule and x axis), the workspace the report writes for the sweep,
+and ``python -m fsdp_exp.sync`` where no W&B server answers.
 
 What needs a network (saving the workspace, uploading runs) is not tested here; the README says so.
 Budget: the sweep ~40 s, the resumed run ~25 s, the rest a few seconds each (2 idle cores).
@@ -23,9 +24,10 @@ import pytest
 
 from fsdp_exp.launch import RunFailed
 from fsdp_exp.metrics.schema import ALL_METRICS
+from fsdp_exp.record import WandbSink
 from fsdp_exp.sync import find_offline_runs
 
-from conftest import BASE_ENV, QUIET, REPO, TINY_BATCH, TINY_MODEL, run_experiment
+from conftest import BASE_ENV, QUIET, REPO, TINY_BATCH, TINY_MODEL, run_config, run_experiment
 from wandb_files import (defined_metrics, group_filter, logged_config, offline_folders, records, summary,
                          unknown_references)
 
@@ -60,6 +62,24 @@ def _assert_declares_every_metric(recs: list[dict]) -> None:
     assert set(defined) == set(ALL_METRICS), set(ALL_METRICS) ^ set(defined)
     for name, metric in ALL_METRICS.items():
         assert defined[name]["summary"] == {metric.wandb_summary: True}, name
+
+
+def test_the_sink_declares_every_schema_metric_with_its_rule(tmp_path, monkeypatch):
+    """A real offline W&B run, read back with W&B's reader: one define_metric record per schema metric, with
+    the schema's summary rule, and ``step`` as the x axis of every per-step metric."""
+    monkeypatch.chdir(tmp_path)
+    wandb_cfg = run_config(["logger.wandb.mode=offline"]).logger.wandb
+    sink = WandbSink(wandb_cfg, tmp_path, {"trainer": {"repeat": 0}}, [], {})
+    sink.log({"step": 1, "perf/tokens_per_s": 10.0, "mem/params_gib_max": 0.5})
+    sink.summary({"summary/tokens_per_s_median": 10.0})
+    sink.close()
+    (folder,) = offline_folders(tmp_path)
+    defined = defined_metrics(records(folder))
+    assert set(defined) == set(ALL_METRICS)
+    for name, metric in ALL_METRICS.items():
+        assert defined[name]["summary"] == {metric.wandb_summary: True}, name
+        expected_step = None if metric.window == "run" or name == "step" else "step"
+        assert defined[name].get("step_metric") == expected_step, name
 
 
 def test_each_offline_run_declares_every_metric_and_its_summary_equals_run_json(sweep):

@@ -1,6 +1,7 @@
 """Every registered data-parallel backend is one object behind one interface (fsdp_exp/parallel/backend.py):
 real instances, asked without a process group. What a backend's vocabulary column calls "refused at
-validation" its own check refuses, and an unknown backend name is refused with the closest real one."""
+validation" its own check refuses, and an unknown backend name is refused with the closest real one (here
+in-process; its exit 2 on the command line: tests/integration/test_config_cli.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from fsdp_exp.config.preflight import STRATEGIES, validate
 from fsdp_exp.parallel.backend import Backend, PlannerRules, backend_for, backend_names, get_backend
 from fsdp_exp.parallel.vocabulary import ROWS
 
-from conftest import run_cli, run_config
+from conftest import run_config
 
 # What the base class leaves to each backend (it raises NotImplementedError there).
 REQUIRED = ("apply", "inspect", "clip_grad_norm", "planner_rules")
@@ -116,9 +117,8 @@ def test_a_knob_the_vocabulary_calls_refused_is_refused_by_the_backend(name, row
         backend.check(with_values(cfg, KNOB[row]), "cpu")
 
 
-def test_an_unknown_backend_is_refused_with_the_closest_name(tmp_path):
-    result = run_cli(["sharding.backend=fsdp3"], tmp_path / "run", timeout=60)
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output
-    assert "sharding.backend='fsdp3' is not one of fsdp2, fsdp1, ddp, deepspeed" in output
-    assert "did you mean sharding.backend=fsdp2?" in output
+def test_an_unknown_backend_is_refused_with_the_closest_name():
+    with pytest.raises(ConfigError) as err:
+        validate(run_config(["sharding.backend=fsdp3"]), cuda_devices=0)
+    assert "sharding.backend='fsdp3' is not one of fsdp2, fsdp1, ddp, deepspeed" in str(err.value)
+    assert "did you mean sharding.backend=fsdp2?" in str(err.value)

@@ -1,5 +1,6 @@
 """What DeepSpeed (and ZeRO-1, offload=optimizer on the other backends) cannot honour is refused before any
-rank starts, naming the knob and the equivalent; and the DeepSpeed config each knob becomes. No process group."""
+rank starts, naming the knob and the equivalent; and the DeepSpeed config each knob becomes. No process group.
+(The command line's exit 2 for such a refusal: tests/integration/test_config_cli.py.)"""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from fsdp_exp.config import ConfigError
 from fsdp_exp.config.preflight import validate
 from fsdp_exp.parallel.deepspeed import ds_config, installed
 
-from conftest import leftover_processes, run_cli, run_config
+from conftest import run_config
 
 needs_deepspeed = pytest.mark.skipif(not installed(), reason="DeepSpeed is not installed (pip install "
                                      "'fsdp_exp[deepspeed]'; the README's test command and CI install it)")
@@ -67,15 +68,6 @@ def test_zero1_and_optimizer_offload_are_refused_where_they_do_not_exist(name):
         validate(run_config(overrides), cuda_devices=0)
     problem, _, remedy = str(err.value).partition("\n  fix: ")
     assert knob in problem and fix in remedy, str(err.value)
-
-
-@needs_deepspeed
-def test_a_refusal_exits_2_before_any_rank_starts(tmp_path):
-    result = run_cli(["sharding=zero2", "prefetch=deep"], tmp_path / "run", timeout=120)
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "prefetch=deep with sharding=grad_op" in result.stderr and "fix:" in result.stderr
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    assert leftover_processes(tmp_path / "run") == []
 
 
 def test_without_deepspeed_the_backend_is_refused_naming_the_install(monkeypatch):

@@ -64,14 +64,6 @@ def test_an_override_of_the_run_fixes_its_dimension():
                for c in tuning.candidates)
 
 
-def test_each_candidate_is_the_config_hydra_composes_from_its_overrides(tuning_7b):
-    run_overrides = [o for o in SMALL_7B if not o.startswith("plan.")]
-    sample = tuning_7b.candidates[:: max(1, len(tuning_7b.candidates) // 12)]
-    for weighed in sample:
-        composed = run_config(run_overrides + weighed.candidate.choices)
-        assert composed == weighed.candidate.cfg, weighed.candidate.choices
-
-
 def test_the_candidate_group_file_composes_to_the_candidate(tuning_7b, tmp_path):
     run_overrides = [o for o in SMALL_7B if not o.startswith("plan.")]
     chosen = [w for w in tuning_7b.candidates if "sharding.shard_size=4" in w.candidate.choices][:1] + \

@@ -1,8 +1,9 @@
 """The W&B side of comparing runs, without a network or a process group: the summary rule of every metric
-(declared by the schema, given to W&B by the sink), and the workspace built for a sweep of 4 jobs
-(composed with Hydra as the sweep composes them).
+(declared by the schema), and the workspace built for a sweep of 4 jobs (composed with Hydra as the sweep
+composes them).
 
-The same checks run on a real sweep's offline W&B files in tests/integration/test_wandb_sync.py.
+The same checks run on a real sweep's offline W&B files in tests/integration/test_wandb_sync.py, and there
+the sink gives W&B each metric's rule (a real offline W&B run: it starts W&B's service process).
 """
 
 from __future__ import annotations
@@ -14,14 +15,12 @@ import pytest
 
 from fsdp_exp.config import ConfigError, plain
 from fsdp_exp.metrics.schema import ALL_METRICS, WANDB_SUMMARY_RULES, render_markdown
-from fsdp_exp.record import WandbSink
 from fsdp_exp.report.load import Run
 from fsdp_exp.report.wandb_workspace import (SPEC_FILE, build_workspace, keep_saved_view, read_spec, summary_name,
                                              sweep_view, write_spec)
 
 from conftest import compose_config, run_config
-from wandb_files import defined_metrics, group_filter, offline_folders, records, spec_references, \
-    unknown_references
+from wandb_files import group_filter, spec_references, unknown_references
 
 GROUP = "2026-11-30_09-00-00"
 GRID = {"sharding": ["full", "grad_op"], "precision": ["fp32", "bf16"]}
@@ -59,24 +58,6 @@ def test_every_metric_declares_a_wandb_summary_rule_and_the_docs_show_it():
     assert ALL_METRICS["mem/tracked_total_gib_max"].wandb_summary == "max"
     assert all(m.wandb_summary == "none" for m in ALL_METRICS.values() if m.window == "run")
     assert "| W&B summary |" in render_markdown()
-
-
-def test_the_sink_declares_every_schema_metric_with_its_rule(tmp_path, monkeypatch):
-    """A real offline W&B run, read back with W&B's reader: one define_metric record per schema metric, with
-    the schema's summary rule, and ``step`` as the x axis of every per-step metric."""
-    monkeypatch.chdir(tmp_path)
-    wandb_cfg = run_config(["logger.wandb.mode=offline"]).logger.wandb
-    sink = WandbSink(wandb_cfg, tmp_path, {"trainer": {"repeat": 0}}, [], {})
-    sink.log({"step": 1, "perf/tokens_per_s": 10.0, "mem/params_gib_max": 0.5})
-    sink.summary({"summary/tokens_per_s_median": 10.0})
-    sink.close()
-    (folder,) = offline_folders(tmp_path)
-    defined = defined_metrics(records(folder))
-    assert set(defined) == set(ALL_METRICS)
-    for name, metric in ALL_METRICS.items():
-        assert defined[name]["summary"] == {metric.wandb_summary: True}, name
-        expected_step = None if metric.window == "run" or name == "step" else "step"
-        assert defined[name].get("step_metric") == expected_step, name
 
 
 def test_every_panel_and_column_names_a_schema_metric_or_a_logged_config_key(sweep, spec):
