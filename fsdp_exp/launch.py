@@ -167,7 +167,8 @@ def _silent_ranks(run_dir: Path, silent: list[int], own: str) -> str:
         ranks = sorted(r for host in lost for r in hosts[host])
         nodes = ", ".join(lost)
         return (f"node {nodes} lost: ranks {ranks} (every rank on {nodes}) left no error of their own (killed, "
-                f"out of memory, or the node failed: see the job's log); rank 0 then failed with: {own}")
+                f"out of memory, stuck, or the node failed or stopped answering: see the job's log); rank 0 then "
+                f"failed with: {own}")
     who = f"rank {silent[0]}" if len(silent) == 1 else f"one of ranks {silent}"
     return (f"{who} left no error of its own (killed by a signal, out of memory, crashed or stuck: see the "
             f"job's log); rank 0 then failed with: {own}")
@@ -266,8 +267,9 @@ def _wait_for_ranks(processes, run_dir: Path) -> Optional[int]:
     return None
 
 
+# A collective that timed out (trainer.collective_timeout_s) waited for a peer that stopped answering.
 PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError",
-               "DistNetworkError", "NCCL communicator was aborted")
+               "DistNetworkError", "NCCL communicator was aborted", "Timed out waiting")
 
 
 def _is_peer_error(run_dir: Path, rank: int) -> bool:

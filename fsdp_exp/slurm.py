@@ -57,6 +57,11 @@ STOP_SIGNALS = [TIME_LIMIT_SIGNAL, "SIGTERM"]
 POLL_S = 3.0
 QUEUED_NOTE_S = 10.0
 QUEUED_REPEAT_S = 300.0
+# The least time between a job's start and its time-limit signal (timeout_min * 60 - signal_delay_s): a
+# task killed by the signal before its Python installed a handler would lose the job.
+MIN_SIGNAL_LEAD_S = 60
+# How long the other tasks of a job may run on after task 0 ended before they are taken for stuck.
+HUNG_TASKS_S = 20.0
 
 
 def job_resources(trainer: Any, gpus_per_node: Optional[int]) -> dict:
@@ -206,6 +211,13 @@ class SlurmLauncher(SubmititSlurmLauncher):
                 fail(f"{', '.join(set_by_hand)}: hydra/launcher=slurm takes each job's tasks and nodes from "
                      "its trainer config.",
                      "pass trainer.nproc_per_node=N (tasks per node) and trainer.nnodes=M instead")
+            lead = int(params["timeout_min"]) * 60 - int(params.get("signal_delay_s") or 0)
+            if lead < MIN_SIGNAL_LEAD_S:
+                fail(f"hydra.launcher.signal_delay_s={params.get('signal_delay_s')} with timeout_min={params['timeout_min']}: "
+                     f"the time-limit signal would come {max(lead, 0)} s after a job starts (SLURM sends it up to "
+                     "~30 s early), before its ranks can handle it, and kill them.",
+                     f"keep timeout_min * 60 - signal_delay_s at {MIN_SIGNAL_LEAD_S} s or more, e.g. "
+                     f"hydra.launcher.signal_delay_s={max(0, int(params['timeout_min']) * 60 - MIN_SIGNAL_LEAD_S)}")
             sizes = partition_sizes()
             for i, cfg in enumerate(configs):
                 resources = job_resources(cfg.trainer, params.get("gpus_per_node"))
@@ -278,6 +290,7 @@ def _wait(jobs: list, first_num: int) -> None:
     """Wait for every job of the sweep to end, saying when one starts, is requeued, or is held in the
     queue (and why): a job that cannot start is seen, not waited on in silence."""
     seen: dict[int, str] = {}  # each job's state at the last look
+    ended_alone: dict[int, float] = {}  # jobs whose task 0 has ended while other tasks run on: since when
     queued_since: dict[int, float] = {}
     noted: dict[int, int] = {}  # how many times a job's wait in the queue was reported
     while True:
@@ -288,6 +301,7 @@ def _wait(jobs: list, first_num: int) -> None:
         if not waiting:
             return
         for num, job in waiting:
+            _cancel_if_hung(job, num, ended_alone)
             state, before = job.state, seen.get(num)
             seen[num] = state
             if state in ("PENDING", "REQUEUED"):
@@ -306,6 +320,22 @@ def _wait(jobs: list, first_num: int) -> None:
             if state == "RUNNING" and before != "RUNNING":
                 log.info(f"\t#{num}: SLURM job {job.job_id} is running" + (" again" if before == "REQUEUED" else ""))
         time.sleep(POLL_S)
+
+
+def _cancel_if_hung(job, num: int, ended_alone: dict) -> None:
+    """Cancel a job whose task 0 (rank 0, which records the run) ended HUNG_TASKS_S ago while other
+    tasks still run. Ranks end together; those that do not are stuck: on a node that stopped answering,
+    or blocked on one (srun waits for every task, so the job would hold its nodes until its time limit
+    and the sweep would wait with it)."""
+    if not job.task(0).done():
+        return
+    since = ended_alone.setdefault(job.job_id, time.monotonic())
+    if time.monotonic() - since < HUNG_TASKS_S:
+        return
+    log.error(f"SLURM job {job.job_id}: task 0 ended {HUNG_TASKS_S:.0f} s ago and other tasks still run (stuck, or "
+              "on a node that stopped answering): cancelling the job")
+    job.cancel(check=False)
+    ended_alone[job.job_id] = float("inf")  # once
 
 
 def _pending_reason(job_id: str) -> str:

@@ -9,7 +9,8 @@ and node2, each in a network namespace of its own, with its own address and host
   resumes in the same folder and completes with the losses of an uninterrupted run, bit for bit;
 - the real time limit requeues a job through submitit until hydra.launcher.max_num_timeout, and then
   the record says why it was not requeued again;
-- a job larger than its partition is refused before anything is submitted;
+- a job larger than its partition, or with a time-limit signal due before its ranks can handle it, is
+  refused before anything is submitted;
 - torchrun across the two hosts (one torchrun per node, started by one ``srun``) is one run too.
 
 The sweeps and the torchrun job start together at the beginning of the module and run side by side on
@@ -65,21 +66,27 @@ def sweeps(two_nodes, tmp_path_factory):
         "two_by_two": Sweep([*TWO_BY_TWO, "trainer.repeat=0,1", *SHORT], base / "two_by_two", env),
         "dead_node": Sweep([*TWO_BY_TWO, "trainer.steps=1000", "trainer.collective_timeout_s=30",
                             "checkpoint.on_signal=false", *SLOW], base / "dead_node", env),
+        # node2's ranks are frozen (SIGSTOP): no connection closes, so only the collective timeout ends it.
+        "stuck_node": Sweep([*TWO_BY_TWO, "trainer.steps=1000", "trainer.collective_timeout_s=15",
+                             "checkpoint.on_signal=false", *SLOW], base / "stuck_node", env),
         "resumed": Sweep(RESUMED, base / "resumed", env),
-        # The real time limit: SIGUSR1 is due 75 s before the job's 2 minutes are up, so 15-45 s after it
-        # starts (SLURM looks at time limits every 30 s or so, and signals at the first look past that
-        # point; measured here: a 120 s / 50 s job got it 47 and 68 s after it started). The job never
-        # finishes, so it is requeued once (max_num_timeout=1), then stops.
+        # The real time limit: SIGUSR1 is due 60 s before the job's 2 minutes are up, so 30-60 s after it
+        # starts (SLURM looks at time limits every 30 s or so and signals at the first look within
+        # signal_delay_s + 30 s of the end; measured here: a 120 s / 50 s job got it 47 and 68 s after it
+        # started). Not earlier: a signal that comes before a task's Python has installed its handler
+        # kills the task, and under this file's load that took up to ~19 s. The job never finishes, so
+        # it is requeued once (max_num_timeout=1), then stops.
         "time_limit": Sweep(["trainer.nproc_per_node=2", "trainer.steps=100000", "debug.step_sleep_s=0.4",
                              "trainer.warmup_steps=1", "hydra.launcher.timeout_min=2",
-                             "hydra.launcher.signal_delay_s=75", "hydra.launcher.max_num_timeout=1"],
+                             "hydra.launcher.signal_delay_s=60", "hydra.launcher.max_num_timeout=1"],
                             base / "time_limit", env),
     }
     started["torchrun"] = _start_torchrun_on_two_nodes(two_nodes, base / "torchrun")
     slurm_env = {**os.environ, **started["resumed"].env}
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=4) as pool:
         acted = {
-            "node2_killed": pool.submit(_kill_node2_ranks, started["dead_node"]),
+            "node2_killed": pool.submit(_signal_node2_ranks, started["dead_node"], signal.SIGKILL),
+            "node2_stopped": pool.submit(_signal_node2_ranks, started["stuck_node"], signal.SIGSTOP),
             # SIGTERM, then SLURM requeues the job itself
             "requeued": pool.submit(_when_at_step, started["resumed"], 0, 3, ["scontrol", "requeue"], slurm_env),
             # the signal SLURM sends before the time limit: fsdp_exp requeues the job through submitit
@@ -133,8 +140,9 @@ def _when_at_step(sweep: Sweep, number: int, step: int, command: list[str], env:
     return job_id
 
 
-def _kill_node2_ranks(sweep: Sweep) -> float:
-    """SIGKILL every rank process of the sweep's job on node2 once it reached step 2; when (monotonic)."""
+def _signal_node2_ranks(sweep: Sweep, signum: int) -> float:
+    """Send ``signum`` to every rank process of the sweep's job on node2 once it reached step 2; when
+    (monotonic)."""
     _wait_for_step(sweep, 0, 2)
     victims = []
     for proc in psutil.process_iter(["pid"]):
@@ -146,7 +154,7 @@ def _kill_node2_ranks(sweep: Sweep) -> float:
             victims.append((int(env["SLURM_PROCID"]), proc))
     assert sorted(rank for rank, _ in victims) == [2, 3], victims
     for _, proc in victims:
-        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(signum)
     return time.monotonic()
 
 
@@ -239,6 +247,28 @@ def test_a_lost_node_ends_its_job_fast_naming_the_node_and_its_ranks(sweeps):
 
 
 @pytest.mark.slow
+def test_a_node_that_stops_answering_ends_its_job_after_the_collective_timeout(sweeps):
+    """node2's ranks are frozen (SIGSTOP: alive, their connections open, as on a node that hangs or drops
+    off the network): the ranks on node1 give up after trainer.collective_timeout_s (15 s), the record
+    names node2, and the sweep cancels the frozen tasks (srun would wait for them until the time limit),
+    so nothing of the job is left and the sweep ends."""
+    started, acted = sweeps
+    sweep = started["stuck_node"]
+    stopped = acted["node2_stopped"].result(timeout=240)
+    code, stderr = sweep.wait(timeout=180)
+    ended = time.monotonic() - stopped
+    assert code == 1, stderr[-3000:]
+    # 15 s timeout + 5 s for the peers' errors + 20 s before stuck tasks are cancelled + the cancel itself
+    assert ended < 90, f"the sweep took {ended:.0f} s after node2 stopped answering"
+    record = sweep.jobs()[0][1]
+    assert record["status"] == "failed", record
+    message = record["error"]["message"]
+    assert "node node2 lost: ranks [2, 3]" in message and "Timed out" in message, message
+    assert "other tasks still run" in sweep.stdout and "cancelling the job" in sweep.stdout, sweep.stdout[-3000:]
+    assert _no_leftovers(sweep.dir) == []
+
+
+@pytest.mark.slow
 def test_a_job_that_slurm_stops_comes_back_and_completes_bit_identical(sweeps, tmp_path):
     """Job 0 is requeued by ``scontrol requeue`` (SIGTERM: SLURM requeues it itself), job 1 gets SIGUSR1, the
     signal SLURM sends before the time limit (fsdp_exp requeues it through submitit). Both save, come
@@ -288,15 +318,23 @@ def test_the_time_limit_requeues_a_job_until_max_num_timeout(sweeps):
     assert _no_leftovers(sweep.dir) == []
 
 
-def test_a_job_larger_than_its_partition_is_refused_before_submission(two_nodes, tmp_path):
+def test_sweeps_that_could_never_run_are_refused_before_submission(two_nodes, tmp_path):
+    """A job larger than its partition would wait in the queue forever; a time-limit signal due before the
+    ranks can handle it would kill them. Both are refused (exit 2) naming the fix; nothing is submitted."""
     env = {**os.environ, **job_env(two_nodes, tmp_path)}
-    cmd = [sys.executable, "-m", "fsdp_exp", "-m", "hydra/launcher=slurm", "trainer.nnodes=1,3", *QUIET,
-           f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "nothing was submitted" in result.stderr and "trainer.nnodes=3" in result.stderr
-    assert "the default partition has 2 node(s)" in result.stderr and "pass trainer.nnodes=2 or less" in result.stderr
-    assert not (tmp_path / "sweep" / ".submitit").exists()
+    for name, overrides, said in (
+            ("too_large", ["trainer.nnodes=1,3"],
+             ["trainer.nnodes=3", "the default partition has 2 node(s)", "pass trainer.nnodes=2 or less"]),
+            ("early_signal", ["hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=90"],
+             ["would come 30 s after a job starts", "hydra.launcher.signal_delay_s=60"])):
+        cmd = [sys.executable, "-m", "fsdp_exp", "-m", "hydra/launcher=slurm", *overrides, *QUIET,
+               f"hydra.sweep.dir={tmp_path / name}"]
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert "nothing was submitted" in result.stderr, result.stderr[-3000:]
+        for words in said:
+            assert words in result.stderr, result.stderr[-3000:]
+        assert not (tmp_path / name / ".submitit").exists()
 
 
 @pytest.mark.slow
