@@ -33,19 +33,23 @@ def cluster(nodes: int) -> Iterator[dict]:
         if REQUIRED:
             pytest.fail(f"FSDP_EXP_REQUIRE_SLURM=1 but {reason}")
         pytest.skip(reason)
-    up = subprocess.run([str(SCRIPTS / "up"), "--nodes", str(nodes)], capture_output=True, text=True, timeout=300)
+    # Each node count has its own default folder; a folder exported by an earlier `eval "$(.ci/slurm/up)"`
+    # in the caller's shell would make both counts share one.
+    env = {k: v for k, v in os.environ.items() if k != "FSDP_EXP_SLURM_DIR"}
+    up = subprocess.run([str(SCRIPTS / "up"), "--nodes", str(nodes)], capture_output=True, text=True, timeout=300,
+                        env=env)
     if up.returncode != 0:
         pytest.fail(f".ci/slurm/up --nodes {nodes} could not stand up the cluster (exit {up.returncode}):\n{up.stderr}")
     exported = dict(line.split("#")[0].strip().removeprefix("export ").split("=", 1)
                     for line in up.stdout.splitlines() if line.startswith("export "))
-    env = {"SLURM_CONF": exported["SLURM_CONF"], "FSDP_EXP_SLURM_DIR": exported["FSDP_EXP_SLURM_DIR"],
-           "PATH": f"{SCRIPTS / 'bin'}{os.pathsep}{os.environ['PATH']}"}
+    cluster_env = {"SLURM_CONF": exported["SLURM_CONF"], "FSDP_EXP_SLURM_DIR": exported["FSDP_EXP_SLURM_DIR"],
+                   "PATH": f"{SCRIPTS / 'bin'}{os.pathsep}{os.environ['PATH']}"}
     try:
-        yield env
+        yield cluster_env
     finally:
         if exported.get("FSDP_EXP_SLURM_STARTED") == "1":
             subprocess.run([str(SCRIPTS / "down"), "--nodes", str(nodes)], capture_output=True, timeout=120,
-                           env={**os.environ, "FSDP_EXP_SLURM_DIR": exported["FSDP_EXP_SLURM_DIR"]})
+                           env={**env, "FSDP_EXP_SLURM_DIR": exported["FSDP_EXP_SLURM_DIR"]})
 
 
 def job_env(cluster_env: dict, base: Path) -> dict:

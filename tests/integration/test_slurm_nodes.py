@@ -9,6 +9,7 @@ and node2, each in a network namespace of its own, with its own address and host
   resumes in the same folder and completes with the losses of an uninterrupted run, bit for bit;
 - the real time limit requeues a job through submitit until hydra.launcher.max_num_timeout, and then
   the record says why it was not requeued again;
+- a job held in the queue is reported while it waits, with SLURM's reason;
 - a job larger than its partition, or with a time-limit signal due before its ranks can handle it, is
   refused before anything is submitted;
 - torchrun across the two hosts (one torchrun per node, started by one ``srun``) is one run too.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -70,6 +72,8 @@ def sweeps(two_nodes, tmp_path_factory):
         "stuck_node": Sweep([*TWO_BY_TWO, "trainer.steps=1000", "trainer.collective_timeout_s=15",
                              "checkpoint.on_signal=false", *SLOW], base / "stuck_node", env),
         "resumed": Sweep(RESUMED, base / "resumed", env),
+        # Held in the queue (sbatch --hold) until the test releases it: the sweep must say that it waits.
+        "held": Sweep([*SHORT, "+hydra.launcher.additional_parameters.hold=true"], base / "held", env),
         # The real time limit: SIGUSR1 is due 60 s before the job's 2 minutes are up, so 30-60 s after it
         # starts (SLURM looks at time limits every 30 s or so and signals at the first look within
         # signal_delay_s + 30 s of the end; measured here: a 120 s / 50 s job got it 47 and 68 s after it
@@ -83,7 +87,7 @@ def sweeps(two_nodes, tmp_path_factory):
     }
     started["torchrun"] = _start_torchrun_on_two_nodes(two_nodes, base / "torchrun")
     slurm_env = {**os.environ, **started["resumed"].env}
-    with ThreadPoolExecutor(max_workers=4) as pool:
+    with ThreadPoolExecutor(max_workers=5) as pool:
         acted = {
             "node2_killed": pool.submit(_signal_node2_ranks, started["dead_node"], signal.SIGKILL),
             "node2_stopped": pool.submit(_signal_node2_ranks, started["stuck_node"], signal.SIGSTOP),
@@ -91,6 +95,7 @@ def sweeps(two_nodes, tmp_path_factory):
             "requeued": pool.submit(_when_at_step, started["resumed"], 0, 3, ["scontrol", "requeue"], slurm_env),
             # the signal SLURM sends before the time limit: fsdp_exp requeues the job through submitit
             "usr1": pool.submit(_when_at_step, started["resumed"], 1, 3, ["scancel", "--signal=USR1"], slurm_env),
+            "released": pool.submit(_release_after, started["held"], HELD_S, slurm_env),
         }
         yield started, acted
         for name, sweep in started.items():
@@ -138,6 +143,21 @@ def _when_at_step(sweep: Sweep, number: int, step: int, command: list[str], env:
     done = subprocess.run([*command, job_id], env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, f"{' '.join(command)} {job_id}: {done.stderr}"
     return job_id
+
+
+HELD_S = 20  # well past the 10 s after which the sweep reports a job held in the queue (QUEUED_NOTE_S)
+
+
+def _release_after(sweep: Sweep, seconds: float, env: dict) -> str:
+    """``scontrol release`` the sweep's job ``seconds`` after it was submitted; its job id."""
+    deadline = time.monotonic() + 120
+    while not (ids := _job_ids(sweep)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ids, f"the sweep {sweep.dir.name} submitted nothing in 120 s"
+    time.sleep(seconds)
+    done = subprocess.run(["scontrol", "release", ids[0]], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, f"scontrol release {ids[0]}: {done.stderr}"
+    return ids[0]
 
 
 def _signal_node2_ranks(sweep: Sweep, signum: int) -> float:
@@ -266,6 +286,20 @@ def test_a_node_that_stops_answering_ends_its_job_after_the_collective_timeout(s
     assert "node node2 lost: ranks [2, 3]" in message and "Timed out" in message, message
     assert "other tasks still run" in sweep.stdout and "cancelling the job" in sweep.stdout, sweep.stdout[-3000:]
     assert _no_leftovers(sweep.dir) == []
+
+
+@pytest.mark.slow
+def test_a_sweep_says_when_its_job_waits_in_the_queue_and_why(sweeps):
+    started, acted = sweeps
+    sweep = started["held"]
+    job_id = acted["released"].result(timeout=240)
+    code, stderr = sweep.wait()
+    assert code == 0, stderr[-3000:]
+    assert re.search(rf"SLURM job {job_id} has waited 1\d s in the queue \(reason: JobHeldUser\)", sweep.stdout), \
+        sweep.stdout[-3000:]
+    assert f"SLURM job {job_id} is running" in sweep.stdout
+    ((_, record),) = sweep.jobs().values()
+    assert record["status"] == "completed", record.get("error")
 
 
 @pytest.mark.slow
