@@ -115,7 +115,9 @@ class Run:
         stop = self.record.get("interrupted")
         if self.status == "interrupted" and isinstance(stop, dict):
             saved = stop.get("checkpoint") or {}
-            return f"stopped by {stop.get('signal')} after step {saved.get('step')}; checkpoint {saved.get('path')}"
+            said = f"stopped by {stop.get('signal')} after step {saved.get('step')}; checkpoint {saved.get('path')}"
+            not_requeued = (self.record.get("slurm") or {}).get("not_requeued")  # fsdp_exp/slurm.py
+            return f"{said}; not requeued: {not_requeued}" if not_requeued else said
         if self.problems:
             return "; ".join(self.problems)
         if self.status in ("running", "starting"):

@@ -1,5 +1,6 @@
-"""SLURM's names, read without a cluster: the first host of a node list (where a step's task 0 runs, so its
-rendezvous host) and the partition check that refuses a job its partition can never hold."""
+"""SLURM's names and words, read without a cluster: the first host of a node list (where a step's task 0
+runs, so its rendezvous host), the partition check that refuses a job its partition can never hold, and
+what the report says of a job that SLURM stopped and that was not requeued."""
 
 from __future__ import annotations
 
@@ -80,3 +81,14 @@ def test_without_partition_sizes_nothing_is_checked():
     """SLURM could not be asked (no scontrol, no controller): sbatch judges the request itself."""
     check_partition(None, 64, {})
     check_partition("anything", 64, {})
+
+
+def test_an_interrupted_run_that_was_not_requeued_says_why_in_the_report():
+    from fsdp_exp.report.load import Run
+
+    interrupted = {"status": "interrupted",
+                   "interrupted": {"signal": "SIGUSR1", "checkpoint": {"step": 179, "path": "/runs/0/checkpoints/step_179"}}}
+    assert Run("/runs/0", record=interrupted).error == \
+        "stopped by SIGUSR1 after step 179; checkpoint /runs/0/checkpoints/step_179"
+    stopped = {**interrupted, "slurm": {"restarts": 1, "not_requeued": "the job reached its time limit 2 time(s)"}}
+    assert Run("/runs/0", record=stopped).error.endswith("; not requeued: the job reached its time limit 2 time(s)")
