@@ -22,9 +22,12 @@ Without a GPU (or with ``--device cpu``) the checks whose code exists on a CPU r
 (``--size tiny``: the default llama_tiny) through the same overrides and the same reading of the
 records, on gloo instead of NCCL and with CPU offload unpinned; the CUDA-only ones say "skipped:
 needs CUDA". With one GPU everything runs at world size 1 and the checks that need several ranks say
-"skipped: needs 2 GPUs"; with more, every run uses every GPU and those checks run. ``--dry-run``
-needs no GPU: it hands every GPU run's overrides to the planner with ``plan.device=h200_141gb``, so a
-refused or misspelt override is found before the loan, and says whether each fits.
+"skipped: needs 2 GPUs"; with more, every run uses every GPU and those checks run. On a CPU,
+``--jobs N`` starts the runs N at a time ahead of the checks that read them (a tiny run keeps about
+one core busy; the checks and their order stay the same). ``--dry-run`` needs no GPU: it hands every
+GPU run's overrides to the planner (``python -m fsdp_exp.plan``'s ``main``, called in this process)
+with ``plan.device=h200_141gb``, so a refused or misspelt override is found before the loan, and
+says whether each fits.
 
 The inventory: ``cuda_places`` scans ``fsdp_exp/**/*.py`` (the syntax tree, so comments and docstrings
 never count) for the code that behaves differently on CUDA, and names each place by file and
@@ -47,18 +50,23 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import datetime
 import functools
 import importlib.util
+import io
 import json
 import os
 import pickle
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -212,6 +220,12 @@ class Context:
     work: Path
     deadline: float
     runs: dict[str, Run] = field(default_factory=dict)
+    # --jobs: the runs started ahead by background threads; a run is started once, by whoever claims it
+    # first, and every other reader waits for it to end.
+    claimed: dict[str, threading.Event] = field(default_factory=dict)
+    running: set = field(default_factory=set)  # the Popen of every run in flight
+    stopped: bool = False  # set by stop(): start nothing more
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def ranks(self) -> int:
@@ -219,19 +233,37 @@ class Context:
         return self.gpus if self.device == "cuda" else 2
 
     def run(self, name: str) -> Run:
-        """The named run, started now if it has not run yet (every check that reads it shares it)."""
+        """The named run, started now if it has not run yet (every check that reads it shares it; one
+        started ahead by ``prefetch`` is waited for)."""
         spec = self.runs[name]
-        if spec.rc is not None:
+        with self.lock:
+            done = self.claimed.get(name)
+            mine = done is None
+            if mine:
+                done = self.claimed[name] = threading.Event()
+        if not mine:
+            done.wait()
             return spec
+        try:
+            self._start(spec)
+        finally:
+            done.set()
+        return spec
+
+    def _start(self, spec: Run) -> None:
         left = self.deadline - time.monotonic()
         spec.run_dir = self.work / (spec.folder or spec.name)
         cmd = [sys.executable, "-m", spec.module, *spec.argv]
         if spec.module == "fsdp_exp":
             cmd += [*QUIET, f"hydra.run.dir={spec.run_dir}"]
         start = time.monotonic()
-        # Its own session: on a timeout the launcher and every rank go together.
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        with self.lock:
+            if self.stopped:
+                return
+            # Its own session: on a timeout the launcher and every rank go together.
+            proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+            self.running.add(proc)
         try:
             spec.stdout, spec.stderr = proc.communicate(timeout=max(1.0, min(spec.timeout_s, left)))
             spec.rc = proc.returncode
@@ -242,8 +274,76 @@ class Context:
         except BaseException:  # interrupted (Ctrl-C, SIGTERM): the run's session must not outlive us
             os.killpg(proc.pid, signal.SIGKILL)
             raise
+        finally:
+            with self.lock:
+                self.running.discard(proc)
         spec.wall_s = time.monotonic() - start
         (self.work / f"{spec.name}.log").write_text(f"$ {' '.join(cmd)}\n{spec.stdout}\n{spec.stderr}")
+
+    def prefetch(self, names: list[str], jobs: int) -> None:
+        """Start these runs ``jobs`` at a time in background threads, in this order, while the checks read
+        them in theirs (``--jobs``; on a CPU, where one run keeps about one core busy). A run that
+        continues another's folder (a resume) is started by the same thread right after that run."""
+        chains: dict[str, list[str]] = {}
+        for name in dict.fromkeys(names):
+            first = self.runs[name].folder
+            chains.setdefault(first if first in chains else name, []).append(name)
+        todo: queue.SimpleQueue = queue.SimpleQueue()
+        for chain in chains.values():
+            todo.put(chain)
+
+        def work() -> None:
+            while not self.stopped:
+                try:
+                    chain = todo.get_nowait()
+                except queue.Empty:
+                    return
+                for name in chain:
+                    # As run_checks does: a run that could not finish in the budget is left to its check
+                    # ("skipped: time budget").
+                    if self.stopped or self.deadline - time.monotonic() < 20:
+                        break
+                    self.run(name)
+
+        for _ in range(jobs):
+            threading.Thread(target=work, name="gpu_check-prefetch", daemon=True).start()
+
+    def stop(self) -> None:
+        """Start no more runs and kill those in flight (what no check waited for: an interrupted or
+        over-budget check)."""
+        with self.lock:
+            self.stopped = True
+            for proc in self.running:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+    def plan_here(self, name: str) -> Run:
+        """The named ``python -m fsdp_exp.plan`` run called in this process (``--dry-run``: one start-up of
+        Python, torch and Hydra for all of its calls): the same ``main``, from the repository as ``-m``
+        has it, its exit status and output kept as ``run`` keeps a subprocess's."""
+        spec = self.runs[name]
+        assert spec.module == "fsdp_exp.plan", spec.module
+        if str(REPO) not in sys.path:
+            sys.path.insert(0, str(REPO))
+        from fsdp_exp.plan.cli import main as plan_main
+
+        out, err = io.StringIO(), io.StringIO()
+        start, cwd = time.monotonic(), os.getcwd()
+        os.chdir(REPO)  # where the subprocess would run
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                spec.rc = plan_main(list(spec.argv))
+        except SystemExit as exit_:
+            spec.rc = exit_.code if isinstance(exit_.code, int) else 1
+        except Exception:  # noqa: BLE001 - as a crashed subprocess: exit 1, its traceback on stderr
+            err.write(traceback.format_exc())
+            spec.rc = 1
+        finally:
+            os.chdir(cwd)
+        spec.wall_s = time.monotonic() - start
+        spec.stdout, spec.stderr = out.getvalue(), err.getvalue()
+        (self.work / f"{spec.name}.log").write_text(
+            f"$ python -m {spec.module} {' '.join(spec.argv)}  (in process)\n{spec.stdout}\n{spec.stderr}")
         return spec
 
     def completed(self, name: str) -> Run:
@@ -297,7 +397,7 @@ def define_runs(ctx: Context, extra: list[str]) -> dict[str, Run]:
         Run("main", main, big_timeout),
         Run("plan", [*main, "plan.format=json"], 90, module="fsdp_exp.plan"),
         # Predict only (tune.run is off): the search on this machine's device, its own tune.json.
-        Run("tune", [*main, "tune.show=5"], 180, module="fsdp_exp.tune"),
+        Run("tune", [*main, "tune.show=5", f"tune.out={ctx.work / 'tune'}"], 180, module="fsdp_exp.tune"),
         Run("fp32", [*functional, "precision=fp32", *short, "trainer.track_memory_step=1",
                      "trainer.digest_shards=false"], 150),
         Run("offload", [*functional, "precision=bf16", "offload=params", *short], 180),
@@ -589,9 +689,6 @@ def check_plan_cli(ctx: Context) -> dict:
 def check_tune_cli(ctx: Context) -> dict:
     """python -m fsdp_exp.tune predicts for the device this machine has (a GPU is found by its CUDA name in
     the device table, else the measured CPU host) and ranks candidates that fit it."""
-    spec = ctx.runs["tune"]
-    if "tune.out=" not in " ".join(spec.argv):
-        spec.argv.append(f"tune.out={ctx.work / 'tune'}")
     cli = ctx.run("tune")
     expect(cli.rc == 0, cli.error())
     result = json.loads((ctx.work / "tune" / "tune.json").read_text())
@@ -731,7 +828,17 @@ def save_runs(ctx: Context, names: tuple[str, ...], save: Path) -> None:
 
 
 def run_checks(ctx: Context, checks: list[Check], out: Optional[Path], header: dict,
-               save: Optional[Path] = None) -> list[dict]:
+               save: Optional[Path] = None, jobs: int = 1) -> list[dict]:
+    if jobs > 1:  # the runs of every check that will not be skipped, started ahead in check order
+        ctx.prefetch([r for c in checks if skip_reason(c, ctx) is None for r in c.runs], jobs)
+    try:
+        return _run_checks(ctx, checks, out, header, save)
+    finally:
+        ctx.stop()
+
+
+def _run_checks(ctx: Context, checks: list[Check], out: Optional[Path], header: dict,
+                save: Optional[Path]) -> list[dict]:
     results: list[dict] = []
     started, interrupted = time.monotonic(), False
     for check in checks:
@@ -821,9 +928,10 @@ def inventory_report() -> int:
 
 
 def dry_run(ctx: Context, checks: list[Check], plan_device: str) -> int:
-    """Each run of these checks through ``python -m fsdp_exp.plan ... plan.device=<GPU>``: every override
-    the GPU machine will get is composed and validated here, and its memory planned against that
-    GPU. 1 if one is refused or does not fit (DeepSpeed's, before that backend exists, is left out)."""
+    """Each run of these checks through ``python -m fsdp_exp.plan ... plan.device=<GPU>`` (its ``main``,
+    called in this process): every override the GPU machine will get is composed and validated here,
+    and its memory planned against that GPU. 1 if one is refused or does not fit (DeepSpeed's, before
+    that backend exists, is left out)."""
     names = list(dict.fromkeys(r for c in checks for r in c.runs))
     bad = 0
     for name in names:
@@ -833,7 +941,7 @@ def dry_run(ctx: Context, checks: list[Check], plan_device: str) -> int:
         probe = Run(f"dry_{name}", [*spec.argv, f"plan.device={plan_device}", "plan.format=json"], 120,
                     module="fsdp_exp.plan")
         ctx.runs[probe.name] = probe
-        ctx.run(probe.name)
+        ctx.plan_here(probe.name)
         if probe.rc != 0:
             waived = bool(spec.feature) and spec.feature in probe.stderr
             bad += not waived
@@ -863,6 +971,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--budget", type=float, default=450, help="seconds for everything (default 450)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an override for every run (e.g. one renamed since this script was written)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs at a time (--device cpu only: each GPU run uses every GPU; default 1)")
     ap.add_argument("--only", default="", help="comma-separated check names to run")
     ap.add_argument("--skip", default="", help="comma-separated check names to leave out")
     ap.add_argument("--list", action="store_true", help="print the checks and exit")
@@ -899,6 +1009,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = args.device if args.device != "auto" else ("cuda" if info["gpus"] else "cpu")
     if device == "cuda" and not info["gpus"]:
         ap.error("--device cuda but torch sees no CUDA device (pass --device cpu)")
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs}: pass 1 or more")
+    if args.jobs > 1 and device == "cuda":
+        ap.error(f"--jobs {args.jobs} is for --device cpu: each GPU run uses every GPU, one run at a time")
     size = args.size if args.size != "auto" else ("full" if device == "cuda" else "tiny")
     work = args.work or Path(tempfile.mkdtemp(prefix="fsdp_exp_gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -910,10 +1024,11 @@ def main(argv: Optional[list[str]] = None) -> int:
               "size": size, "work": str(ctx.work), "budget_s": args.budget, "total_s": None}
     where = f"{info['gpus']} x {info.get('gpu')}" if device == "cuda" else f"{info['cpus']} CPUs"
     print(f"fsdp_exp GPU check on {where} (torch {info['torch']}, CUDA {info['cuda']}, NCCL {info.get('nccl')}), "
-          f"size {size}, budget {args.budget:.0f} s; runs in {ctx.work}", flush=True)
+          f"size {size}, budget {args.budget:.0f} s{f', {args.jobs} runs at a time' if args.jobs > 1 else ''}; "
+          f"runs in {ctx.work}", flush=True)
     # SIGTERM (a time limit) ends the script like Ctrl-C: the running run's processes are killed with it.
     signal.signal(signal.SIGTERM, _interrupted)
-    results = run_checks(ctx, checks, args.out, header, args.save)
+    results = run_checks(ctx, checks, args.out, header, args.save, jobs=args.jobs)
     header["total_s"] = round(time.monotonic() - start, 1)
     if args.out:
         write_json(args.out, header, results)

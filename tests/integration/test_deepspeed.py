@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -203,13 +204,17 @@ def test_resume_after_a_killed_rank_is_bit_identical(parity_runs, tmp_path):
     assert [m["train/loss"] for m in whole] == [m["train/loss"] for m in resumed.metrics]
     saved = json.loads((tmp_path / "resumed" / "checkpoints" / "step_6" / "fsdp_exp_checkpoint.json").read_text())
     assert saved["checkpoint_format"] == "deepspeed"
-    # Another backend or world size cannot read it: refused, naming why, before any step.
-    other = run_cli([*base, "sharding=full", "checkpoint.resume=" + str(tmp_path / "resumed" / "checkpoints")],
-                    tmp_path / "fsdp2")
+    # Another backend or world size cannot read it: refused, naming why, before any step. The two refusals
+    # are independent start-ups of Python and torch: run together.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        other = pool.submit(run_cli, [*base, "sharding=full",
+                                      "checkpoint.resume=" + str(tmp_path / "resumed" / "checkpoints")],
+                            tmp_path / "fsdp2")
+        one_rank = pool.submit(run_cli, [*common, "trainer.nproc_per_node=1",
+                                         "checkpoint.resume=" + str(tmp_path / "resumed" / "checkpoints")],
+                               tmp_path / "one_rank")
+        other, one_rank = other.result(), one_rank.result()
     assert other.returncode != 0 and "sharding.backend=deepspeed" in other.stderr + other.stdout
-    one_rank = run_cli([*common, "trainer.nproc_per_node=1", "checkpoint.resume=" + str(tmp_path / "resumed" /
-                                                                                        "checkpoints")],
-                       tmp_path / "one_rank")
     assert one_rank.returncode != 0
     assert "saved by DeepSpeed on 2 ranks and this run has 1" in one_rank.stderr + one_rank.stdout
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import yaml
@@ -46,12 +50,43 @@ def wandb_run(run_dir: Path) -> tuple[dict, dict]:
     return run, inspected
 
 
+# The multiruns of the two slow tests below: {key: (the test that reads it, its arguments besides TINY)}.
+SLOW_SWEEPS = {
+    "cannot_run": ("test_a_job_that_cannot_run_is_recorded_and_the_sweep_goes_on",
+                   ["sharding=full,grad_op,no_shard,ddp", "offload=params"]),
+    "crashed_rank": ("test_a_crashed_rank_fails_its_job_not_the_sweep",
+                     ["debug.fail_at_step=null,2", "debug.fail_rank=1"]),
+}
+
+
+@pytest.fixture(scope="module")
+def slow_sweeps(request, tmp_path_factory):
+    """``sweep(key) -> (sweep dir, finished multirun)`` for SLOW_SWEEPS. The first call starts the multiruns of
+    every such test this session runs, together (under that test's isolated environment): one keeps about
+    1.3 of this machine's 2 cores busy (rank start-ups, gloo and W&B waits), so both end in ~30 s, not ~45."""
+    selected = {item.originalname for item in request.session.items
+                if getattr(item, "module", None) is request.module}
+    pool = ThreadPoolExecutor(max_workers=len(SLOW_SWEEPS))
+    started = {}
+
+    def sweep(key: str) -> tuple[Path, subprocess.CompletedProcess]:
+        if not started:
+            for name, (test, args) in SLOW_SWEEPS.items():
+                if test in selected or name == key:
+                    sweep_dir = tmp_path_factory.mktemp(name) / "sweep"
+                    started[name] = sweep_dir, pool.submit(run_sweep, [*args, *TINY], sweep_dir)
+        sweep_dir, finished = started[key]
+        return sweep_dir, finished.result()
+
+    yield sweep
+    pool.shutdown()
+
+
 @pytest.mark.slow
-def test_a_job_that_cannot_run_is_recorded_and_the_sweep_goes_on(tmp_path):
+def test_a_job_that_cannot_run_is_recorded_and_the_sweep_goes_on(slow_sweeps):
     """4 jobs, one a combination that cannot run (DDP cannot offload): 3 complete, 1 failed with its reason
     in run.json and in W&B; the multirun exits 1 at the end naming the failed job."""
-    sweep_dir = tmp_path / "sweep"
-    proc = run_sweep(["sharding=full,grad_op,no_shard,ddp", "offload=params", *TINY], sweep_dir)
+    sweep_dir, proc = slow_sweeps("cannot_run")
     assert proc.returncode == 1, proc.stderr[-3000:]
     records = job_records(sweep_dir)
     assert len(records) == 4
@@ -98,11 +133,10 @@ def test_a_job_that_cannot_run_is_recorded_and_the_sweep_goes_on(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_crashed_rank_fails_its_job_not_the_sweep(tmp_path):
+def test_a_crashed_rank_fails_its_job_not_the_sweep(slow_sweeps):
     """Rank 1 of the second job raises at step 2: that job is failed with rank 1 named (run.json and W&B),
     the other completes, and the multirun exits 1."""
-    sweep_dir = tmp_path / "sweep"
-    proc = run_sweep(["debug.fail_at_step=null,2", "debug.fail_rank=1", *TINY], sweep_dir)
+    sweep_dir, proc = slow_sweeps("crashed_rank")
     assert proc.returncode == 1, proc.stderr[-3000:]
     records = list(job_records(sweep_dir).items())
     assert [r["status"] for _, r in records] == ["completed", "failed"]
@@ -142,6 +176,41 @@ def _validate(overrides: list[str]) -> None:
     from fsdp_exp.launch import prepare
 
     prepare(to_run_config(compose(config_name="config", overrides=overrides)))
+
+
+# A spawned validator starts in about 3 s (Python, Hydra, torch), some 15 compositions' worth: below this many
+# jobs one process is as quick.
+SHARE_FROM = 40
+
+
+def _validate_all(jobs: list[list[str]]) -> None:
+    """``_validate`` every job (inside an initialized Hydra). Many jobs: every other one in a spawned process
+    meanwhile, since composing is CPU-bound (~0.2 s a job) and this machine has two cores. A job refused
+    there is validated again here, so the test fails with the very ConfigError (or Hydra's error)."""
+    if len(jobs) < SHARE_FROM:
+        for job in jobs:
+            _validate(job)
+        return
+    with multiprocessing.get_context("spawn").Pool(1) as pool:  # leaving the block ends the other process
+        theirs = pool.apply_async(_first_refused, (jobs[1::2],))
+        for job in jobs[0::2]:
+            _validate(job)
+        refused = theirs.get()
+    if refused is not None:
+        job, trace = refused
+        _validate(job)
+        pytest.fail(f"{job} was refused in the spawned validator but passes here:\n{trace}")
+
+
+def _first_refused(jobs: list[list[str]]) -> Optional[tuple[list[str], str]]:
+    """In the spawned validator: the first job ``_validate`` refuses, with its traceback; None if none."""
+    with initialize_config_module(config_module="fsdp_exp.conf", version_base="1.3"):
+        for job in jobs:
+            try:
+                _validate(job)
+            except Exception:  # noqa: BLE001 - any refusal or crash: the parent raises it again itself
+                return job, traceback.format_exc()
+    return None
 
 
 def _product(params: dict[str, list]) -> list[list[str]]:
@@ -187,8 +256,7 @@ def test_every_combination_of_every_wandb_sweep_is_a_valid_config(path):
         else:  # a distribution: its ends
             choices[key] = [param["min"], param["max"]]
     with initialize_config_module(config_module="fsdp_exp.conf", version_base="1.3"):
-        for job in _product(choices):
-            _validate([*job, *fixed])
+        _validate_all([[*job, *fixed] for job in _product(choices)])
 
 
 def test_the_summary_metric_the_sweeps_optimize_is_in_the_schema():
