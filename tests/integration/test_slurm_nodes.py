@@ -180,7 +180,9 @@ def _signal_node2_ranks(sweep: Sweep, signum: int) -> float:
 
 def _job_ids(sweep: Sweep) -> dict[int, str]:
     """{job number: its SLURM job id} (jobs of one size are one array: <array>_<number in it>)."""
-    ids = {}
+    ids: dict[int, str] = {}
+    if not (sweep.dir / ".submitit").is_dir():  # nothing submitted yet
+        return ids
     for folder in (sweep.dir / ".submitit").iterdir():
         if folder.is_dir() and (folder / f"{folder.name}_submitted.pkl").exists():
             ids[int(folder.name.split("_")[1]) if "_" in folder.name else 0] = folder.name
