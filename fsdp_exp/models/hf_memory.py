@@ -24,6 +24,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional
 
+from fsdp_exp.models.spec import TokenCounts
+
 DTYPES = {4: "float32", 2: "bfloat16"}
 MEASURED_BLOCKS = 2  # blocks built for the measurement: the second one's input comes from a block
 
@@ -242,7 +244,7 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
         block_weight_grads=sum(p.numel() for p in blocks[j].parameters()), logits=b * s * logits.shape[-1])
 
 
-class HfActivations:
+class HfActivations(TokenCounts):
     """The planner's ``ActivationProfile`` of a Hugging Face model, measured (see the module docstring)."""
 
     def __init__(self, spec, m, micro_batch: int, seq_len: int, tp: int):
@@ -263,14 +265,6 @@ class HfActivations:
             _CACHE[key] = measure(*self._args, e=e, autocast=autocast, tp=self._tp, attn_implementation=self._attn,
                                   shapes_only=self._spec.shapes_only())
         return _CACHE[key]
-
-    @property
-    def tokens(self) -> int:
-        return self.b * self.s
-
-    @property
-    def logits(self) -> int:
-        return self.tokens * self.vocab
 
     @property
     def peak_weight_grad(self) -> int:

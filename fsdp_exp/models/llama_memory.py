@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_exp.models.spec import TokenCounts
+
 
 @dataclass(frozen=True)
-class LlamaActivations:
+class LlamaActivations(TokenCounts):
     b: int  # micro-batch
     s: int  # sequence length
     d: int  # model width (the residual stream)
@@ -22,14 +24,6 @@ class LlamaActivations:
     vocab: int
     experts: int
     sp: int  # divisor of the residual stream (tp with sequence parallel, else 1)
-
-    @property
-    def tokens(self) -> int:
-        return self.b * self.s
-
-    @property
-    def logits(self) -> int:
-        return self.tokens * self.vocab
 
     @property
     def peak_weight_grad(self) -> int:

@@ -109,6 +109,23 @@ class Inventory:
     buffer_bytes: int  # module buffers (e.g. rotary tables), unsharded on every rank
 
 
+class TokenCounts:
+    """``tokens`` and ``logits`` of an activation profile from its ``b`` (micro-batch), ``s`` (sequence length)
+    and ``vocab``: the same arithmetic for every model family."""
+
+    b: int
+    s: int
+    vocab: int
+
+    @property
+    def tokens(self) -> int:
+        return self.b * self.s
+
+    @property
+    def logits(self) -> int:
+        return self.tokens * self.vocab
+
+
 class ActivationProfile(Protocol):
     """Per-rank activation sizes of one micro-batch, as the planner's step walk uses them.
 
