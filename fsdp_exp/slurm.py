@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -52,16 +53,30 @@ PER_JOB = ("tasks_per_node", "nodes")
 # SIGTERM when it preempts, requeues or cancels it.
 TIME_LIMIT_SIGNAL = "SIGUSR1"
 STOP_SIGNALS = [TIME_LIMIT_SIGNAL, "SIGTERM"]
+# Each task's Python starts with the stop signals blocked: one that SLURM sends while the task is still
+# starting (importing, for seconds; on a loaded node or a slow shared file system, far longer) stays
+# pending until the handlers are in place (checkpoint/signals.install_signal_handlers unblocks it),
+# where its default action would have killed the task. A signal mask survives exec; this first
+# interpreter runs without site (-S) and replaces itself with the real task at once.
+_HOLD_STOP_SIGNALS = ("import os, signal, sys; "
+                      f"signal.pthread_sigmask(signal.SIG_BLOCK, [{', '.join(f'signal.{s}' for s in STOP_SIGNALS)}]); "
+                      "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
 # How often the sweep asks SLURM for its jobs' states while it waits (one sacct call for all of them);
 # after how long in the queue a job's wait is reported, and how often again.
 POLL_S = 3.0
 QUEUED_NOTE_S = 10.0
 QUEUED_REPEAT_S = 300.0
 # The least time between a job's start and its time-limit signal (timeout_min * 60 - signal_delay_s): a
-# task killed by the signal before its Python installed a handler would lose the job.
+# job signalled while its ranks are still starting would save and be requeued again and again with
+# hardly a step trained in between.
 MIN_SIGNAL_LEAD_S = 60
 # How long the other tasks of a job may run on after task 0 ended before they are taken for stuck.
 HUNG_TASKS_S = 20.0
+
+
+def task_python() -> str:
+    """The command submitit starts each task's Python with (its own arguments follow)."""
+    return f"{shlex.quote(sys.executable)} -S -c {shlex.quote(_HOLD_STOP_SIGNALS)}"
 
 
 def job_resources(trainer: Any, gpus_per_node: Optional[int]) -> dict:
@@ -160,11 +175,14 @@ class SlurmLauncher(SubmititSlurmLauncher):
     def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
                  singleton_state: dict) -> JobReturn:
         """One task of a job (one rank), on a node of the cluster."""
-        from fsdp_exp.checkpoint.signals import install_signal_handlers
+        from fsdp_exp.checkpoint.signals import install_signal_handlers, signal_requested
 
         # SLURM may send its signals before the trainer has read its config: from the first moment they
-        # only ask the run to stop (a run with checkpoint.on_signal=false restores the defaults).
+        # only ask the run to stop (a run with checkpoint.on_signal=false restores the defaults). One
+        # that came while the task started was held (task_python) and arrives now.
         install_signal_handlers(STOP_SIGNALS)
+        if signal_requested():
+            log.warning(f"{signal_requested()} came while this task was starting; it was held until now")
         result = super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
         # Only task 0's result counts (fsdp_exp/slurm.py _result); the others' are left as they are.
         ran = result._return_value if result.status == JobStatus.COMPLETED else None  # noqa: SLF001 - no raise
@@ -215,7 +233,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
             if lead < MIN_SIGNAL_LEAD_S:
                 fail(f"hydra.launcher.signal_delay_s={params.get('signal_delay_s')} with timeout_min={params['timeout_min']}: "
                      f"the time-limit signal would come {max(lead, 0)} s after a job starts (SLURM sends it up to "
-                     "~30 s early), before its ranks can handle it, and kill them.",
+                     "~30 s early), while its ranks are still starting: every start would save and be "
+                     "requeued with hardly a step trained.",
                      f"keep timeout_min * 60 - signal_delay_s at {MIN_SIGNAL_LEAD_S} s or more, e.g. "
                      f"hydra.launcher.signal_delay_s={max(0, int(params['timeout_min']) * 60 - MIN_SIGNAL_LEAD_S)}")
             sizes = partition_sizes()
@@ -228,7 +247,8 @@ class SlurmLauncher(SubmititSlurmLauncher):
             raise SystemExit(EXIT_BAD_CONFIG) from None
 
         executor = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
-                                         slurm_max_num_timeout=params.pop("max_num_timeout"))
+                                         slurm_max_num_timeout=params.pop("max_num_timeout"),
+                                         slurm_python=task_python())
         generic = set(OmegaConf.structured(BaseQueueConf).keys())
         shared = {key if key in generic else f"slurm_{key}": value for key, value in params.items()
                   if key not in (*PER_JOB, "gpus_per_node")}

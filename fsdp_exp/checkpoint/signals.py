@@ -24,17 +24,23 @@ def _on_signal(signum, frame) -> None:  # noqa: ARG001 - the signal module's sig
 
 
 def install_signal_handlers(names: list[str]) -> None:
-    """From now on these signals only ask the run to save and stop (main thread only)."""
-    for name in names:
-        signal.signal(getattr(signal, name), _on_signal)
+    """From now on these signals only ask the run to save and stop (main thread only). A launcher may
+    have started this process with them blocked (fsdp_exp/slurm.py: SLURM can signal a task while it is
+    still importing); one that came meanwhile is pending, and reaches the handler as they are unblocked."""
+    signums = [getattr(signal, name) for name in names]
+    for signum in signums:
+        signal.signal(signum, _on_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
 
 
 def stand_down(names: list[str]) -> None:
     """These signals act as the system defines again (checkpoint.on_signal=false). A launcher may have
     installed the handlers above from its first moment (fsdp_exp/slurm.py: SLURM can signal a job before
     its config is read); a signal that already came is delivered now, as it would have been."""
-    for name in names:
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signums = [getattr(signal, name) for name in names]
+    for signum in signums:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
     if _requested["signal"] in names:
         signal.raise_signal(getattr(signal, _requested["signal"]))
 

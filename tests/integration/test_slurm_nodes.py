@@ -10,7 +10,7 @@ and node2, each in a network namespace of its own, with its own address and host
 - the real time limit requeues a job through submitit until hydra.launcher.max_num_timeout, and then
   the record says why it was not requeued again;
 - a job held in the queue is reported while it waits, with SLURM's reason;
-- a job larger than its partition, or with a time-limit signal due before its ranks can handle it, is
+- a job larger than its partition, or with a time-limit signal due while its ranks are still starting, is
   refused before anything is submitted;
 - torchrun across the two hosts (one torchrun per node, started by one ``srun``) is one run too.
 
@@ -77,8 +77,8 @@ def sweeps(two_nodes, tmp_path_factory):
         # The real time limit: SIGUSR1 is due 60 s before the job's 2 minutes are up, so 30-60 s after it
         # starts (SLURM looks at time limits every 30 s or so and signals at the first look within
         # signal_delay_s + 30 s of the end; measured here: a 120 s / 50 s job got it 47 and 68 s after it
-        # started). Not earlier: a signal that comes before a task's Python has installed its handler
-        # kills the task, and under this file's load that took up to ~19 s. The job never finishes, so
+        # started), while the ranks may still be importing (up to ~19 s and more under this file's load):
+        # the signal waits, blocked, until their handlers are in place. The job never finishes, so
         # it is requeued once (max_num_timeout=1), then stops.
         "time_limit": Sweep(["trainer.nproc_per_node=2", "trainer.steps=100000", "debug.step_sleep_s=0.4",
                              "trainer.warmup_steps=1", "hydra.launcher.timeout_min=2",
