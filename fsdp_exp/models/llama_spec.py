@@ -79,6 +79,10 @@ class LlamaSpec(ModelSpec):
     def tied_weights(self, cfg: ModelConfig) -> dict[str, str]:
         return {"output.weight": "tok_embeddings.weight"} if cfg.tie_embeddings else {}
 
+    def retie(self, model: Llama) -> None:
+        if model.cfg.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
+            model.output.weight = model.tok_embeddings.weight
+
     def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> int:
         """Training FLOPs per token: 6 N + 12 L d S (forward + backward, no recompute).
 

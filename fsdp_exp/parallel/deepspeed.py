@@ -443,7 +443,7 @@ def _materialize_partitioned(deepspeed, model: nn.Module, config: dict, seed: in
     """ZeRO-3 without a full copy: module by module (children first), materialize its own parameters,
     fill them from the seed in the compute dtype, and partition them at once (``zero.Init(module=...)``
     broadcasts each parameter from rank 0, then keeps this rank's partition only)."""
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    names = {id(p): n for n, p in model.named_parameters()}  # a tied tensor: by its first name, as init_weights
     done: dict[int, nn.Parameter] = {}  # tied parameters are materialized once
     for module in reversed(list(model.modules())):
         own = [(attr, p) for attr, p in module.named_parameters(recurse=False)]

@@ -116,15 +116,22 @@ class FSDP1(Backend):
         from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel
 
         seed = cfg.trainer.seed
-        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        names = {id(p): n for n, p in model.named_parameters()}  # a tied tensor: by its first name, as init_weights
+        # A tied parameter (one tensor in two modules) is materialized once; the second module gets the
+        # same tensor again, where its own to_empty would have made it a copy of its own.
+        materialized: dict[int, nn.Parameter] = {}
 
         @torch.no_grad()
         def param_init_fn(module: nn.Module) -> None:
-            pending = [(attr, names[id(p)]) for attr, p in module.named_parameters(recurse=False) if p.is_meta]
+            pending = [(attr, p) for attr, p in module.named_parameters(recurse=False) if p.is_meta]
             module.to_empty(device=device, recurse=False)
-            for attr, full_name in pending:
+            for attr, meta in pending:
+                if id(meta) in materialized:
+                    setattr(module, attr, materialized[id(meta)])
+                    continue
                 param = getattr(module, attr)
-                param.copy_(full_param_init(model, full_name, param.shape, seed, device))
+                param.copy_(full_param_init(model, names[id(meta)], param.shape, seed, device))
+                materialized[id(meta)] = param
 
         kwargs = dict(
             sharding_strategy=sharding_strategy(cfg.sharding.strategy),
@@ -184,6 +191,18 @@ class FSDP1(Backend):
     def quiet_checkpoint_warnings(self) -> None:
         # FSDP1's sharded state dicts go through ShardedTensor, which warns on every tensor at save/load.
         warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor")
+
+    def full_state_dict(self, model: nn.Module) -> dict:
+        """On a CPU device FSDP1's offload of each gathered tensor "to the CPU" frees it under the
+        state-dict hook, which then crashes (SIGSEGV) cloning it: there every rank gathers without
+        offload, and only rank 0 keeps the result. Elsewhere as every backend (rank 0 only, on the CPU)."""
+        if model.compute_device.type != "cpu":
+            return super().full_state_dict(model)
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        return state if dist.get_rank() == 0 else {}
 
     def init_digests(self, model: nn.Module, seed: int) -> list[dict]:
         """FSDP1 keeps each unit's parameters in one flat parameter; this rank holds a contiguous piece of

@@ -291,6 +291,23 @@ def test_exports_and_identical_init_check(tmp_path):
     assert set(flat) == set(state) and all(torch.equal(flat[k], state[k]) for k in state)
 
 
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp1", "zero2"])
+def test_tied_embeddings_stay_one_tensor(tmp_path, sharding):
+    """model.tie_embeddings=true: materializing the model on its device (to_empty; FSDP1's param_init_fn,
+    module by module) makes each module's parameters anew, which would untie the output projection from
+    the embedding and train two tensors. Every backend ties them again: the exported model has one tensor
+    (under both names, or the embedding's alone), seeded as the embedding (the identical-init check)."""
+    import torch
+    from safetensors.torch import load_file
+
+    record = run_experiment([*TINY, "model.tie_embeddings=true", f"sharding={sharding}", "trainer.steps=2",
+                             "logger.wandb.mode=disabled", "checkpoint.export=safetensors",
+                             "debug.check_identical_init=true"], tmp_path)
+    assert record["init_check"]["result"] == "identical"
+    state = load_file(tmp_path / "export" / "model.safetensors")
+    assert "output.weight" not in state or torch.equal(state["output.weight"], state["tok_embeddings.weight"])
+
+
 def test_init_digest_comparison_names_ranks_and_tensors():
     ok = {"name": "w", "slice": "whole", "hash": "a", "expected": "a"}
     assert compare_init_digests([[ok], [ok]]) == []
