@@ -139,7 +139,7 @@ def _fixes(cfg: RunConfig, node: NodeMemory, world_size: Optional[int]) -> str:
 
 def _fitting_changes(cfg: RunConfig, node: NodeMemory, world_size: Optional[int]):
     """[(changes, need)] for the changes the planner says fit this node: single changes, else all of them
-    at once; and the largest model preset that fits."""
+    at once; the model with fewer blocks; and the largest model preset that fits."""
     from fsdp_exp.plan import plan
 
     cuda_devices = cuda_device_count()
@@ -173,6 +173,9 @@ def _fitting_changes(cfg: RunConfig, node: NodeMemory, world_size: Optional[int]
             if need is not None and _fits(need, node):
                 found.append(((f"trainer.nnodes={cfg.trainer.nnodes * nodes}",), need))
                 break
+    shallower = _most_layers_that_fit(cfg, need_of, node)
+    if shallower is not None:
+        found.append(shallower)
     models = []
     for preset in _group_options("model"):
         variant = _variant(cfg, (f"model={preset}",))
@@ -187,6 +190,28 @@ def _fitting_changes(cfg: RunConfig, node: NodeMemory, world_size: Optional[int]
         _, preset, need = max(models)
         found.append(((f"model={preset}",), need))
     return found
+
+
+def _most_layers_that_fit(cfg: RunConfig, need_of, node: NodeMemory):
+    """(changes, need) for the same model with the most blocks that fit (its width kept: what one would
+    try here before the real run elsewhere), by bisection on the block count; None if not even one fits
+    or the family cannot say how to change its depth."""
+    from fsdp_exp.models import spec_for
+
+    spec = spec_for(cfg.model)
+    depth = len(spec.inventory(cfg.model).blocks)
+    if depth < 2 or spec.depth_override(cfg.model, 1) is None:
+        return None
+    best, low, high = None, 1, depth - 1
+    while low <= high:
+        middle = (low + high) // 2
+        changes = (spec.depth_override(cfg.model, middle),)
+        need = need_of(changes)
+        if need is not None and _fits(need, node):
+            best, low = (changes, need), middle + 1
+        else:
+            high = middle - 1
+    return best
 
 
 def _gpu_layouts(cfg: RunConfig) -> Optional[str]:

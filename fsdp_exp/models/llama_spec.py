@@ -83,6 +83,9 @@ class LlamaSpec(ModelSpec):
         if model.cfg.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
             model.output.weight = model.tok_embeddings.weight
 
+    def depth_override(self, cfg: ModelConfig, n_layers: int) -> str:
+        return f"model.n_layers={n_layers}"
+
     def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> int:
         """Training FLOPs per token: 6 N + 12 L d S (forward + backward, no recompute).
 

@@ -256,6 +256,11 @@ class ModelSpec:
         """Make tied parameters one tensor again where ``to_empty`` made them two (it materializes each
         module's parameters on its own); called before the initialization fills them."""
 
+    def depth_override(self, cfg, n_layers: int) -> Optional[str]:
+        """The command-line override that keeps this model's width with ``n_layers`` blocks (what the
+        fit check offers for a model too deep for the node), or None where the family has none."""
+        return None
+
     def flops_per_token(self, cfg, seq_len: int) -> int:
         raise NotImplementedError
 

@@ -147,6 +147,11 @@ def test_the_headline_command_is_refused_with_what_it_needs_what_the_machine_has
     for change in (["precision=bf16"], ["ac=full"], ["precision=bf16", "ac=full"]):
         need, n = planned_total([*HEADLINE, *change])
         assert need * n > room and " ".join(change) + " (" not in offered
+    # The same model made shallower: the most blocks that fit, one more would not.
+    depth = [int(c[0].split("=")[1]) for c in changes if c[0].startswith("model.n_layers=")]
+    assert len(depth) == 1, offered
+    need, n = planned_total([*HEADLINE, f"model.n_layers={depth[0] + 1}"])
+    assert need * n > room, (depth, need, room)
     gpus = re.search(r"On GPUs it would fit (.*?): see python -m fsdp_exp.plan <these overrides> "
                      r"plan.device=(\w+) trainer.nproc_per_node=(\d+)", fix)
     assert gpus, fix
