@@ -148,9 +148,9 @@ def render_table(result: Plan, overrides: list[str]):
     table.add_column("what")
     table.add_column(unit, justify="right")
     table.add_column("notes")
-    table.add_row("parameters", fmt(ms["device"]["params"]), "fp32 shards")
-    table.add_row("gradients", fmt(ms["device"]["grads"]), "fp32 shards, after backward")
-    table.add_row("optimizer state", fmt(ms["device"]["optimizer"]), "AdamW: two fp32 moments")
+    table.add_row("parameters", fmt(ms["device"]["params"]), ms["described"]["params"])
+    table.add_row("gradients", fmt(ms["device"]["grads"]), ms["described"]["grads"])
+    table.add_row("optimizer state", fmt(ms["device"]["optimizer"]), ms["described"]["optimizer"])
     table.add_row("model states", fmt(ms["device"]["total"]), "at rest, on the device",
                   end_section=not ms["host"]["total"])
     if ms["host"]["total"]:

@@ -79,7 +79,8 @@ def plan(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] =
                 "total": peak.total + margin_bytes}
     return Plan(
         num_params=sum(i.numel for i in infos), world_size=topology.world_size, device_kind=kind,
-        model_states={"device": on_device, "host": states.host, "total": states.at_rest["total"]},
+        model_states={"device": on_device, "host": states.host, "total": states.at_rest["total"],
+                      "described": states.described},
         per_rank_bytes=per_rank,
         peak=peak.by_piece(), stage_peaks=stage_peaks,
         margin_bytes=margin_bytes, margin_rule=margin_rule,

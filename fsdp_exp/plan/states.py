@@ -105,6 +105,7 @@ class ModelStates:
     on_device: dict
     resident: dict  # what counts towards the peak: a CPU run has one memory, offloaded or not
     optimizer_groups: tuple[list[int], list[int]]  # each tensor's fp32 shard bytes: matrices, the rest
+    described: dict  # params / grads / optimizer: what they are, in words (the planner table's notes)
 
 
 def model_states(infos: list[ParamInfo], offload: bool, kind: str, optimizer_shard: int = 1) -> ModelStates:
@@ -118,7 +119,11 @@ def model_states(infos: list[ParamInfo], offload: bool, kind: str, optimizer_sha
         states["total"] = states["params"] + states["grads"] + states["optimizer"]
     groups = ([int(4 * i.local_numel) for i in infos if i.is_matrix],
               [int(4 * i.local_numel) for i in infos if not i.is_matrix])
-    return ModelStates(at_rest, host, on_device, at_rest if kind == "cpu" else on_device, groups)
+    held = "whole on every rank" if local >= sum(i.numel for i in infos) else "this rank's shards"
+    described = {"params": f"fp32, {held}", "grads": f"fp32, {held}, after backward",
+                 "optimizer": "AdamW: two fp32 moments, " + (f"split over {optimizer_shard} ranks" if optimizer_shard > 1
+                                                             else held)}
+    return ModelStates(at_rest, host, on_device, at_rest if kind == "cpu" else on_device, groups, described)
 
 
 def zero_model_states(infos: list[ParamInfo], stage: int, shard: int, param_dtype: str, offload_params: bool,
@@ -153,7 +158,13 @@ def zero_model_states(infos: list[ParamInfo], stage: int, shard: int, param_dtyp
         states["total"] = states["params"] + states["grads"] + states["optimizer"]
     groups = ([int(4 * n) for n, i in zip(sized, infos) if i.is_matrix],
               [int(4 * n) for n, i in zip(sized, infos) if not i.is_matrix])
-    return ModelStates(at_rest, host, on_device, at_rest if kind == "cpu" else on_device, groups)
+    part = f"partitioned over {shard} ranks" if shard > 1 else "whole"
+    described = {"params": f"{param_dtype}, " + (part if stage == 3 else "whole on every rank"),
+                 "grads": f"{param_dtype}, " + (part if stage >= 1 else "whole") + (" + the fp32 copy the step makes"
+                                                                                      if copies else ""),
+                 "optimizer": "AdamW: two fp32 moments" + (" + fp32 master" if copies else "")
+                              + (f", {part}" if stage >= 1 else ", whole")}
+    return ModelStates(at_rest, host, on_device, at_rest if kind == "cpu" else on_device, groups, described)
 
 
 @dataclass
