@@ -169,6 +169,19 @@ def check_values(run_config: Any) -> None:
          "anything with NaN or infinity.", "; ".join(fixes))
 
 
+def refusal(exc: BaseException) -> str | None:
+    """What a command-line tool (fsdp_exp.plan, fsdp_exp.tune) says of input it refuses, after its
+    name: a ConfigError in its own words, a config Hydra could not compose in the words the run gives;
+    None for any other error (fsdp_exp's own bug: raised on, not called bad input)."""
+    from fsdp_exp.config.schema import RunConfig
+    from fsdp_exp.errors import ConfigError
+
+    if isinstance(exc, ConfigError):
+        return f"invalid configuration: {exc}"
+    explained = explain_composition_error(exc, RunConfig)
+    return None if explained is None else f"invalid configuration: {explained}"
+
+
 def explain_composition_error(exc: BaseException, schema: type) -> str | None:
     """The message for a config that Hydra could not compose, with the closest real key or option; None
     when ``exc`` is not a composition error (an error of fsdp_exp's own code is not bad input)."""

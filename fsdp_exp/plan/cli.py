@@ -40,7 +40,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Optional
 
-from fsdp_exp.errors import EXIT_BAD_CONFIG, ConfigError
+from fsdp_exp.errors import EXIT_BAD_CONFIG
 from fsdp_exp.plan.devices import GIB, device_table, fits, local_cuda_device
 from fsdp_exp.plan.predict import Plan, plan
 
@@ -188,24 +188,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(__doc__)
         print("devices: " + ", ".join(f"{d.name} ({d.bytes / GIB:.1f} GiB)" for d in device_table().values()))
         return 0
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from fsdp_exp.config.strict import refusal
 
     try:
         result, opts = plan_from_argv(argv)
     except PlanOptionError as err:
         print(f"fsdp_exp.plan: invalid planner option: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except ConfigError as err:
-        print(f"fsdp_exp.plan: invalid configuration: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except (HydraException, OmegaConfBaseException) as err:
-        from fsdp_exp.config import RunConfig
-        from fsdp_exp.config.strict import explain_composition_error
-
-        # The run's own wording for Hydra's refusals (closest key or option), as `python -m fsdp_exp` gives.
-        print(f"fsdp_exp.plan: invalid configuration: {explain_composition_error(err, RunConfig) or err}",
-              file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - bad input is refused; anything else is raised on
+        refused = refusal(err)
+        if refused is None:
+            raise
+        print(f"fsdp_exp.plan: {refused}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if opts["format"] == "json":
         print(json.dumps(result.to_dict(), indent=1))

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from fsdp_exp.errors import EXIT_BAD_CONFIG, EXIT_RUN_FAILED, ConfigError
+from fsdp_exp.errors import EXIT_BAD_CONFIG, EXIT_RUN_FAILED
 
 
 def tune(argv: list[str]) -> tuple[dict, int]:
@@ -67,21 +67,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(__doc__)
         print("options:\n" + "\n".join(f"  {k}=...  {v}" for k, v in OPTIONS.items()))
         return 0
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from fsdp_exp.config.strict import refusal
 
     try:
         data, status = tune(argv)
-    except ConfigError as err:
-        print(f"fsdp_exp.tune: invalid input: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    except (HydraException, OmegaConfBaseException) as err:
-        from fsdp_exp.config import RunConfig
-        from fsdp_exp.config.strict import explain_composition_error
-
-        # The run's own wording for Hydra's refusals (closest key or option), as `python -m fsdp_exp` gives.
-        print(f"fsdp_exp.tune: invalid configuration: {explain_composition_error(err, RunConfig) or err}",
-              file=sys.stderr)
+    except Exception as err:  # noqa: BLE001 - bad input is refused; anything else is raised on
+        refused = refusal(err)
+        if refused is None:
+            raise
+        print(f"fsdp_exp.tune: {refused}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     tuning = data.pop("_tuning")
     return report(tuning, data, status, argv)
