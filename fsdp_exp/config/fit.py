@@ -247,7 +247,7 @@ def _apply(cfg: RunConfig, changes: tuple[str, ...]) -> RunConfig:
     variant = copy.deepcopy(cfg)
     for change in changes:
         key, _, value = change.partition("=")
-        section, _, name = key.partition(".")
+        section, _, name = key.lstrip("+").partition(".")  # +key / ++key: set it whether or not it exists
         current = getattr(variant, section)
         node = OmegaConf.from_dotlist([f"{name}={value}"]) if name else _option(section, value)
         base = OmegaConf.structured(current if name else type(current)())

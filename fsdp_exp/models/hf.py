@@ -181,6 +181,11 @@ class HfSpec(ModelSpec):
         head = model.get_output_embeddings()
         return tuple(name for name, module in model.named_modules() if module is head)
 
+    def depth_override(self, m, n_layers: int) -> str:
+        # transformers' common name for the block count (an alias where a config names it otherwise: GPT-2's
+        # n_layer); ++ sets it whether or not the command line already did.
+        return f"++model.hf_overrides.num_hidden_layers={n_layers}"
+
     def tied_weights(self, m) -> dict[str, str]:
         first: dict[int, str] = {}
         tied = {}

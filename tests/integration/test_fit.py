@@ -296,3 +296,21 @@ def test_a_sweep_announces_the_jobs_that_do_not_fit_and_records_them_failed_with
     assert "model=llama7b" in name and "does not fit" in failed["error"]["message"]
     assert not (sweep_dir / name / "metrics.jsonl").exists()  # it never ran
     assert announced < proc.stderr.index(f"1 of 2 jobs failed: {name}")
+
+
+def test_a_model_too_deep_for_the_node_is_offered_shallower_in_its_familys_own_override():
+    """The fit check's "fewer blocks" suggestion is a command-line override each family understands:
+    model.n_layers for Llama, num_hidden_layers in model.hf_overrides for transformers' models (GPT-2's
+    n_layer through its alias), and applied to the config it gives the model that many blocks."""
+    from fsdp_exp.config.fit import _apply
+    from fsdp_exp.models import spec_for
+
+    for preset, blocks in (("llama7b", 32), ("hf_mistral_7b", 32), ("hf_gpt2_xl", 48)):
+        cfg = run_config([f"model={preset}"])
+        spec = spec_for(cfg.model)
+        assert len(spec.inventory(cfg.model).blocks) == blocks
+        override = spec.depth_override(cfg.model, 3)
+        assert override.endswith("=3")
+        assert len(spec.inventory(_apply(cfg, (override,)).model).blocks) == 3, override
+        composed = run_config([f"model={preset}", override])  # as a user would type it
+        assert len(spec.inventory(composed.model).blocks) == 3, override
