@@ -8,7 +8,6 @@ produced by each backend's ``inspect`` from torch's own objects), that every kno
 from __future__ import annotations
 
 import pytest
-import torch
 
 from fsdp_exp.config import ConfigError
 from fsdp_exp.config.preflight import validate

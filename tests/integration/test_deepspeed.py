@@ -11,7 +11,6 @@ trains every case in turn with fsdp_exp's own Trainer (``run_cases``). Budget on
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor

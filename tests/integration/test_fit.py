@@ -239,7 +239,7 @@ def test_under_a_memory_cgroup_its_limit_is_what_the_machine_has(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     problem = proc.stderr.split("\n  fix: ")[0]
     assert f"this run's rank needs {gib(per_rank)} of memory" in problem
-    assert f"memory cgroup /" in problem and f"limit of {gib(limit)}" in problem, problem
+    assert "memory cgroup /" in problem and f"limit of {gib(limit)}" in problem, problem
     left = float(re.search(r"host has ([\d.]+) GiB left under", problem).group(1))
     assert 0 < left < limit / GIB
     # Outside the cgroup the same run passes the check (where this machine has the room right now).

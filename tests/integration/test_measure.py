@@ -17,7 +17,7 @@ from fsdp_exp.metrics.flops import counted_flops_per_token, mfu, recompute_flops
 from fsdp_exp.metrics.tracker import BREAKDOWN, PHASES
 from fsdp_exp.models import count_params, flops_per_token
 
-from conftest import TINY_BATCH, TINY_MODEL, read_metrics, run_config, run_experiment
+from conftest import TINY_MODEL, read_metrics, run_config, run_experiment
 
 SMALL = [*TINY_MODEL,
          "model.multiple_of=32", "trainer.seq_len=32", "trainer.global_batch_size=8", "checkpoint.on_signal=false",
