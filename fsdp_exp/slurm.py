@@ -55,7 +55,7 @@ TIME_LIMIT_SIGNAL = "SIGUSR1"
 STOP_SIGNALS = [TIME_LIMIT_SIGNAL, "SIGTERM"]
 # Each task's Python starts with the stop signals blocked: one that SLURM sends while the task is still
 # starting (importing, for seconds; on a loaded node or a slow shared file system, far longer) stays
-# pending until the handlers are in place (checkpoint/signals.install_signal_handlers unblocks it),
+# pending until the handlers are in place (checkpoint/signals.handle_stop_signals unblocks it),
 # where its default action would have killed the task. A signal mask survives exec; this first
 # interpreter runs without site (-S) and replaces itself with the real task at once.
 _HOLD_STOP_SIGNALS = ("import os, signal, sys; "
@@ -175,12 +175,13 @@ class SlurmLauncher(SubmititSlurmLauncher):
     def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
                  singleton_state: dict) -> JobReturn:
         """One task of a job (one rank), on a node of the cluster."""
-        from fsdp_exp.checkpoint.signals import install_signal_handlers, signal_requested
+        from fsdp_exp.checkpoint.signals import handle_stop_signals, signal_requested
 
         # SLURM may send its signals before the trainer has read its config: from the first moment they
-        # only ask the run to stop (a run with checkpoint.on_signal=false restores the defaults). One
-        # that came while the task started was held (task_python) and arrives now.
-        install_signal_handlers(STOP_SIGNALS)
+        # only ask the run to stop (the run then keeps those of checkpoint.signals, none with
+        # checkpoint.on_signal=false, and restores the others' defaults). One that came while the task
+        # started was held (task_python) and arrives now.
+        handle_stop_signals(STOP_SIGNALS)
         if signal_requested():
             log.warning(f"{signal_requested()} came while this task was starting; it was held until now")
         result = super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)

@@ -32,7 +32,7 @@ from fsdp_exp.checkpoint.init_check import check_identical_init
 from fsdp_exp.checkpoint.layout import checkpoint_root
 from fsdp_exp.checkpoint.manager import Checkpointer
 from fsdp_exp.checkpoint.rng import RngState
-from fsdp_exp.checkpoint.signals import install_signal_handlers, stand_down
+from fsdp_exp.checkpoint.signals import handle_stop_signals
 from fsdp_exp.checkpoint.states import sharded_state
 from fsdp_exp.config import RunConfig, Topology, plain, to_run_config
 from fsdp_exp.data import build_data
@@ -57,10 +57,9 @@ def run_worker(payload: dict) -> None:
     # A rank killed by a fatal signal (abort, segfault) still says where it was.
     faulthandler.enable()
     cfg = to_run_config(payload["config"])
-    if cfg.checkpoint.on_signal:  # from now on SIGTERM / SIGUSR1 ask every rank to save and stop cleanly
-        install_signal_handlers(list(cfg.checkpoint.signals))
-    else:
-        stand_down(list(cfg.checkpoint.signals))
+    # From now on checkpoint.signals (none with on_signal=false) ask every rank to save and stop cleanly;
+    # any other signal a launcher handled until now acts as the system defines again.
+    handle_stop_signals(list(cfg.checkpoint.signals) if cfg.checkpoint.on_signal else [])
     topology = Topology(**{k: tuple(v) if isinstance(v, list) else v for k, v in payload["topology"].items()})
     threads = cfg.trainer.threads_per_rank or default_threads(topology.nproc_per_node)
     torch.set_num_threads(threads)

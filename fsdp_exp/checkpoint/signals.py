@@ -1,6 +1,6 @@
 """Stop signals, and the per-step agreement of all ranks on "stop" and "my loss is not finite".
 
-``install_signal_handlers`` makes SIGTERM / SIGUSR1 (``checkpoint.signals``) only set a flag. Each
+``handle_stop_signals`` makes SIGTERM / SIGUSR1 (``checkpoint.signals``) only set a flag. Each
 step every rank all-reduces two numbers (the signal, "my loss is not finite") without blocking and
 reads the result one step later, so all ranks agree at the same step to save and stop, or to stop with
 an error on a NaN/inf loss; at a step that saves (and at the last) the current step's flags are agreed
@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 _requested: dict[str, Optional[str]] = {"signal": None}
+_handled: set[str] = set()  # the signals whose handler is _on_signal
 
 
 def _on_signal(signum, frame) -> None:  # noqa: ARG001 - the signal module's signature
@@ -23,24 +24,29 @@ def _on_signal(signum, frame) -> None:  # noqa: ARG001 - the signal module's sig
         _requested["signal"] = signal.Signals(signum).name
 
 
-def install_signal_handlers(names: list[str]) -> None:
-    """From now on these signals only ask the run to save and stop (main thread only). A launcher may
-    have started this process with them blocked (fsdp_exp/slurm.py: SLURM can signal a task while it is
-    still importing); one that came meanwhile is pending, and reaches the handler as they are unblocked."""
+def handle_stop_signals(names: list[str]) -> None:
+    """From now on exactly these signals only ask the run to save and stop (main thread only); any other
+    that was handled here before acts as the system defines again (``_stand_down``). A launcher may have
+    started this process with them blocked (fsdp_exp/slurm.py: SLURM can signal a task while it is still
+    importing); one that came meanwhile is pending, and reaches the handler as they are unblocked."""
+    _stand_down(sorted(_handled - set(names)))
     signums = [getattr(signal, name) for name in names]
     for signum in signums:
         signal.signal(signum, _on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
+    _handled.update(names)
 
 
-def stand_down(names: list[str]) -> None:
-    """These signals act as the system defines again (checkpoint.on_signal=false). A launcher may have
-    installed the handlers above from its first moment (fsdp_exp/slurm.py: SLURM can signal a job before
-    its config is read); a signal that already came is delivered now, as it would have been."""
+def _stand_down(names: list[str]) -> None:
+    """These signals act as the system defines again: a launcher handled them from its first moment
+    (fsdp_exp/slurm.py: SLURM can signal a job before its config is read), the run does not
+    (checkpoint.on_signal=false, or not in checkpoint.signals). One that already came is delivered now,
+    as it would have been."""
     signums = [getattr(signal, name) for name in names]
     for signum in signums:
         signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
+    _handled.difference_update(names)
     if _requested["signal"] in names:
         signal.raise_signal(getattr(signal, _requested["signal"]))
 
