@@ -402,7 +402,7 @@ def define_runs(ctx: Context, extra: list[str]) -> dict[str, Run]:
                      "trainer.digest_shards=false"], 150),
         Run("offload", [*functional, "precision=bf16", "offload=params", *short], 180),
         Run("fsdp1_sync", [*functional, "precision=bf16", "sharding.backend=fsdp1",
-                           "sharding.sync_module_states=true", *short], 150),
+                           "sharding.sync_module_states=true", "checkpoint.export=safetensors", *short], 150),
         Run("fsdp1_offload", [*functional, "precision=bf16", "sharding.backend=fsdp1", "offload=params", *short],
             180),
         Run("ddp_bf16", [*functional, "sharding=ddp", "precision=bf16_pure", *short, "trainer.profile_steps=[2]"],
@@ -612,7 +612,12 @@ def check_offload(ctx: Context) -> dict:
 def check_fsdp1_sync(ctx: Context) -> dict:
     run = ctx.completed("fsdp1_sync")
     expect(find_key(run.record["applied"], "sync_module_states") == [True], "sync_module_states not applied")
-    return {**perf(run), "final loss": round(run.record["summary"]["summary/final_loss"], 4)}
+    # The export gathers FSDP1's full state dict offloaded to the CPU (on a CPU device it cannot offload).
+    export = run.record.get("export") or {}
+    expect(export.get("format") == "safetensors" and Path(export.get("file", "")).is_file(),
+           f"the FSDP1 export was not written: {export}")
+    return {**perf(run), "final loss": round(run.record["summary"]["summary/final_loss"], 4),
+            "export MB": round(export["bytes"] / 1e6, 1)}
 
 
 def check_fsdp1_offload(ctx: Context) -> dict:
@@ -774,8 +779,9 @@ CHECKS = (
     Check("offload_pinned", "FSDP2 offload=params: pinned host memory on CUDA (unpinned on a CPU)",
           ("offload",), check_offload,
           covers=("fsdp_exp/parallel/fsdp2.py:offload_policy", "fsdp_exp/plan/states.py:model_states")),
-    Check("fsdp1_sync_module_states", "FSDP1 sharding.sync_module_states=true (broadcast from rank 0)",
-          ("fsdp1_sync",), check_fsdp1_sync, needs="cuda", covers=("fsdp_exp/parallel/fsdp1.py:FSDP1.check",)),
+    Check("fsdp1_sync_module_states", "FSDP1 sharding.sync_module_states=true (broadcast from rank 0), and "
+          "its export (the full state dict, offloaded to the CPU)", ("fsdp1_sync",), check_fsdp1_sync, needs="cuda",
+          covers=("fsdp_exp/parallel/fsdp1.py:FSDP1.check", "fsdp_exp/parallel/fsdp1.py:FSDP1.full_state_dict")),
     Check("fsdp1_cpu_offload", "FSDP1 offload=params: CPUOffload(offload_params=True)",
           ("fsdp1_offload",), check_fsdp1_offload, needs="cuda", covers=("fsdp_exp/parallel/fsdp1.py:FSDP1.check",)),
     Check("ddp_bf16_hook", "DDP precision=bf16_pure: bf16_compress_hook (needs NCCL)",
