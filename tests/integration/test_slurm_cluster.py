@@ -71,3 +71,24 @@ def test_a_second_cluster_stands_up_beside_the_first_and_down_removes_only_its_o
         still = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", "--time=1", "hostname"], capture_output=True,
                                text=True, env={**os.environ, **first}, timeout=60)
         assert still.returncode == 0 and sorted(still.stdout.split()) == ["node1", "node2"], still.stderr
+
+
+@pytest.mark.slow
+def test_standing_up_a_cluster_in_its_default_folder_leaves_the_others_running():
+    """`up --nodes 3` (its default folder, no FSDP_EXP_SLURM_DIR) clears what a half-started 3-node cluster
+    left before starting; the 1-node cluster running beside it in its own default folder keeps running."""
+    with cluster(1) as single:
+        assert _daemons(single["SLURM_CONF"])
+        env = {k: v for k, v in os.environ.items() if k != "FSDP_EXP_SLURM_DIR"}
+        up = subprocess.run([str(SCRIPTS / "up"), "--nodes", "3"], capture_output=True, text=True, env=env, timeout=180)
+        try:
+            assert up.returncode == 0, up.stderr
+            assert len(_daemons(single["SLURM_CONF"])) == 2, "up --nodes 3 stopped the 1-node cluster"
+        finally:
+            down = subprocess.run([str(SCRIPTS / "down"), "--nodes", "3"], capture_output=True, text=True, env=env,
+                                  timeout=120)
+        assert down.returncode == 0, down.stderr
+        assert len(_daemons(single["SLURM_CONF"])) == 2, "down --nodes 3 stopped the 1-node cluster"
+        idle = subprocess.run(["srun", "--time=1", "hostname"], capture_output=True, text=True,
+                              env={**os.environ, **single}, timeout=60)
+        assert idle.returncode == 0, idle.stderr
