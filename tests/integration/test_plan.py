@@ -83,12 +83,17 @@ def _run_and_compare(overrides, run_dir, tracked=True):
         assert abs(errors[stage]) < tolerance, (f"{stage}: predicted {planned['total']} B ({planned['phase']}) "
                                                      f"vs tracked {measured:.0f} B: {errors[stage]:+.1%}")
     # In the optimizer phase nothing is gathered: the model states the tracker sees are the states at
-    # rest plus the optimizer's own temporaries (its tensors count as optimizer state while it steps).
+    # rest, plus the optimizer's own temporaries (its tensors count as optimizer state while it steps)
+    # when the phase's largest total falls inside the step. It may fall just before it instead (gradient
+    # clipping's temporaries, a few KB more or less of other tensors decide, per rank and per run), so
+    # the states seen lie between the two, within the tolerance.
     planned = predicted.stage_peaks["optimizer"]
     states = row["mem/tracked_optimizer_model_states_gib_max"] * GIB
-    expected = planned["params"] + planned["grads"] + planned["optimizer"] + planned["temporaries"]
-    errors["optimizer model states"] = expected / states - 1
-    assert abs(errors["optimizer model states"]) < MODEL_STATES_TOLERANCE, (expected, states)
+    resting = planned["params"] + planned["grads"] + planned["optimizer"]
+    stepping = resting + planned["temporaries"]
+    nearest = min(max(states, resting), stepping)
+    errors["optimizer model states"] = nearest / states - 1
+    assert abs(errors["optimizer model states"]) < MODEL_STATES_TOLERANCE, (resting, stepping, states)
     record_phases = record["memory_breakdown"]["phases"]
     assert set(record_phases) == set(STAGES)
     assert len(record_phases["backward"]["per_rank"]) == record["topology"]["world_size"]
