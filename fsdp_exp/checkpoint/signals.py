@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 _requested: dict[str, Optional[str]] = {"signal": None}
-_handled: set[str] = set()  # the signals whose handler is _on_signal
 
 
 def _on_signal(signum, frame) -> None:  # noqa: ARG001 - the signal module's signature
@@ -29,12 +28,16 @@ def handle_stop_signals(names: list[str]) -> None:
     that was handled here before acts as the system defines again (``_stand_down``). A launcher may have
     started this process with them blocked (fsdp_exp/slurm.py: SLURM can signal a task while it is still
     importing); one that came meanwhile is pending, and reaches the handler as they are unblocked."""
-    _stand_down(sorted(_handled - set(names)))
+    _stand_down(sorted(_handled() - set(names)))
     signums = [getattr(signal, name) for name in names]
     for signum in signums:
         signal.signal(signum, _on_signal)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
-    _handled.update(names)
+
+
+def _handled() -> set[str]:
+    """The signals whose handler is ``_on_signal`` now."""
+    return {s.name for s in signal.valid_signals() if isinstance(s, signal.Signals) and signal.getsignal(s) is _on_signal}
 
 
 def _stand_down(names: list[str]) -> None:
@@ -46,7 +49,6 @@ def _stand_down(names: list[str]) -> None:
     for signum in signums:
         signal.signal(signum, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, signums)
-    _handled.difference_update(names)
     if _requested["signal"] in names:
         signal.raise_signal(getattr(signal, _requested["signal"]))
 
