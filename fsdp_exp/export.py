@@ -37,11 +37,15 @@ MODEL_CONFIG = "fsdp_exp_model.json"
 
 
 # ------------------------------------------------------------------------------ consolidation
-def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """Every rank calls it; rank 0 gets the full model on the CPU under canonical names, others ``{}``."""
+def full_state_dict(model, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+    """Every rank calls it; rank 0 gets the full model on the CPU under canonical names, others ``{}``.
+    ``cpu_offload=False`` gathers on the model's device on every rank (each holds it for a moment), for a
+    backend that cannot offload there."""
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
+    return state if cpu_offload or dist.get_rank() == 0 else {}
 
 
 def export_dir(setting: Optional[str], run_dir: Path) -> Path:

@@ -196,13 +196,9 @@ class FSDP1(Backend):
         """On a CPU device FSDP1's offload of each gathered tensor "to the CPU" frees it under the
         state-dict hook, which then crashes (SIGSEGV) cloning it: there every rank gathers without
         offload, and only rank 0 keeps the result. Elsewhere as every backend (rank 0 only, on the CPU)."""
-        if model.compute_device.type != "cpu":
-            return super().full_state_dict(model)
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from fsdp_exp.export import full_state_dict
 
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-        return state if dist.get_rank() == 0 else {}
+        return full_state_dict(model, cpu_offload=model.compute_device.type != "cpu")
 
     def init_digests(self, model: nn.Module, seed: int) -> list[dict]:
         """FSDP1 keeps each unit's parameters in one flat parameter; this rank holds a contiguous piece of
