@@ -39,8 +39,12 @@ from urllib.parse import urlparse
 EXIT_NOT_UPLOADED = 1
 EXIT_NO_RUNS = 2
 SYNCED_SUFFIX = ".synced"  # wandb sync marks an uploaded run-<id>.wandb with run-<id>.wandb.synced
-# offline-run-<YYYYMMDD_HHMMSS>-<id>: the W&B id, and the start time that orders a run's folders.
-_FOLDER = re.compile(r"^offline-run-(\d{8}_\d{6})-(\w+)$")
+# W&B names an offline run's folder offline-run-<YYYYMMDD_HHMMSS>-<id>, and when that folder exists already
+# (a run of the same id started within the same second: a failure noted, or a run resumed, at once) it
+# appends -1, -2, ... (wandb.init's set_sync_dir_suffix). The id may hold dashes, so it is read from the
+# run-<id>.wandb file inside, not from the folder's name.
+_FOLDER = re.compile(r"^offline-run-(\d{8}_\d{6})-(.+)$")
+_RUN_FILE = re.compile(r"^run-(.+)\.wandb$")
 _RUNNING: set[subprocess.Popen] = set()  # the wandb sync processes in flight (ended on Ctrl-C)
 
 
@@ -73,11 +77,23 @@ def is_synced(wandb_file: Path) -> bool:
     return wandb_file.with_name(wandb_file.name + SYNCED_SUFFIX).exists()
 
 
-def _start_key(wandb_file: Path) -> tuple[str, float]:
-    # The folder's start time (to the second), then the file's last write: the launcher's note of a failure
-    # can start within the second its rank 0's run stopped.
-    match = _FOLDER.match(wandb_file.parent.name)
-    return (match.group(1) if match else "", wandb_file.stat().st_mtime)
+def offline_run_id(wandb_file: Path) -> Optional[str]:
+    """The W&B id of an offline run's ``run-<id>.wandb``; None for a file W&B's offline mode does not write
+    (an online run's ``run-*`` folder: it went up while it ran)."""
+    file_match, folder_match = _RUN_FILE.match(wandb_file.name), _FOLDER.match(wandb_file.parent.name)
+    if not (file_match and folder_match):
+        return None
+    run_id, rest = file_match.group(1), folder_match.group(2)
+    return run_id if rest == run_id or rest.startswith(f"{run_id}-") else None
+
+
+def _start_key(wandb_file: Path) -> tuple[str, int, float]:
+    # The folder's start time (to the second); within one second W&B's suffix (none, -1, -2, ...: the order
+    # in which wandb.init found the names taken); then the file's last write (folders of one id in two run
+    # folders, started in one second).
+    time_spec, rest = _FOLDER.match(wandb_file.parent.name).groups()
+    suffix = rest[len(offline_run_id(wandb_file)) + 1:]
+    return time_spec, int(suffix) if suffix.isdigit() else 0, wandb_file.stat().st_mtime
 
 
 def find_offline_runs(paths: list[Path]) -> list[OfflineRun]:
@@ -91,11 +107,11 @@ def find_offline_runs(paths: list[Path]) -> list[OfflineRun]:
         candidates = [path] if path.suffix == ".wandb" else path.rglob("*.wandb")
         for file in candidates:
             # offline-run-* only: online runs went up while they ran (latest-run is a link to one of these)
-            if _FOLDER.match(file.parent.name) and file.is_file():
+            if offline_run_id(file) and file.is_file():
                 found.setdefault(file.resolve(), None)
     by_id: dict[str, list[Path]] = {}
     for file in found:
-        by_id.setdefault(_FOLDER.match(file.parent.name).group(2), []).append(file)
+        by_id.setdefault(offline_run_id(file), []).append(file)
     runs = [OfflineRun(run_id, sorted(files, key=_start_key)) for run_id, files in by_id.items()]
     return sorted(runs, key=lambda r: _start_key(r.files[0]))
 

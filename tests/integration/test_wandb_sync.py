@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import pytest
 
 from fsdp_exp.launch import RunFailed
 from fsdp_exp.metrics.schema import ALL_METRICS
-from fsdp_exp.record import WandbSink
+from fsdp_exp.record import WandbSink, note_failure_in_wandb
 from fsdp_exp.sync import find_offline_runs
 
 from conftest import BASE_ENV, QUIET, REPO, TINY_BATCH, TINY_MODEL, run_config, run_experiment
@@ -188,6 +189,42 @@ def test_sync_skips_uploaded_runs_and_reports_why_wandb_sync_failed(sweep, tmp_p
     assert "already uploaded" in rows[first_id]
     assert "3 of 4 W&B run(s) not uploaded" in proc.stderr and first_id not in proc.stderr
     assert "No API key configured" in proc.stderr  # wandb sync's own reason, exit 1
+
+
+def _clock_stopped_at(seconds: float) -> types.ModuleType:
+    frozen = types.ModuleType("time")
+    frozen.__dict__.update(vars(time))
+    frozen.time = lambda: seconds
+    return frozen
+
+
+def test_sync_finds_every_folder_of_a_run_started_several_times_within_one_second(tmp_path, monkeypatch):
+    """A run, the launcher's note of its failure and its resumption, all started within one second (the
+    clock wandb.init reads for a run's start held at one second): W&B itself names their folders
+    offline-run-<time>-<id>, -<id>-1 and -<id>-2, and sync sends all three, in the order they started."""
+    from wandb.sdk import wandb_init
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(wandb_init, "time", _clock_stopped_at(time.time()))
+    wandb_cfg = run_config(["logger.wandb.mode=offline"]).logger.wandb
+    run_dir, config = tmp_path / "run", {"trainer": {"repeat": 0}}
+    first = WandbSink(wandb_cfg, run_dir, config, [], {})
+    first.log({"step": 1, "train/loss": 2.0})
+    first.close()
+    note_failure_in_wandb(wandb_cfg, run_dir, config, [], {}, first.run_id, {"type": "RuntimeError"})
+    resumed = WandbSink(wandb_cfg, run_dir, config, [], {}, run_id=first.run_id)
+    resumed.log({"step": 2, "train/loss": 1.0})
+    resumed.close()
+
+    folders = offline_folders(run_dir)
+    base = folders[0].name
+    assert base.endswith(f"-{first.run_id}") and [f.name for f in folders] == [base, f"{base}-1", f"{base}-2"]
+    (run,) = find_offline_runs([tmp_path])
+    assert run.run_id == first.run_id and [f.parent for f in run.files] == folders
+    listed = subprocess.run([sys.executable, "-m", "fsdp_exp.sync", str(tmp_path), "--dry-run"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert run.run_id in listed.stdout and "3 of 3 file(s)" in listed.stdout
 
 
 def test_a_resumed_run_is_one_wandb_run_and_its_summary_equals_run_json(tmp_path):
