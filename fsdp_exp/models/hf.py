@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 from typing import TYPE_CHECKING, Optional
 
+from fsdp_exp.config.topology import largest_divisor_at_most
 from fsdp_exp.errors import fail
 from fsdp_exp.models import hf_config
 from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan, config_key
@@ -43,6 +44,35 @@ TP_STYLES = {"colwise": COLWISE, "rowwise": ROWWISE, "embedding_rowwise": ROWWIS
 def _logits_only(module, args, output):
     """fsdp_exp's models return the logits; transformers' return a ModelOutput holding them."""
     return output.logits
+
+
+# transformers' names for the number of experts of a mixture-of-experts config (Mixtral's, Qwen-MoE's, DeepSeek's);
+# each routes ``num_experts_per_tok`` of them.
+EXPERT_COUNTS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _check_heads(text_config) -> None:
+    """Grouped-query attention: a config whose key/value heads do not divide its query heads builds (the
+    projections are plain linears) and fails only in a rank's first forward."""
+    heads, kv = getattr(text_config, "num_attention_heads", None), getattr(text_config, "num_key_value_heads", None)
+    if heads and kv and heads % kv:
+        fail(f"num_key_value_heads={kv} of the model does not divide num_attention_heads={heads}: each key/value "
+             "head serves a whole group of query heads.",
+             f"pass model.hf_overrides.num_key_value_heads={largest_divisor_at_most(heads, kv)} (a divisor of {heads})")
+
+
+def _check_experts(text_config) -> None:
+    """An MoE config routing more experts per token than it has (or none) builds, and fails (or mixes 0/0)
+    only in a rank's first forward."""
+    top_k = getattr(text_config, "num_experts_per_tok", None)
+    field = next((f for f in EXPERT_COUNTS if getattr(text_config, f, None)), None)
+    if top_k is None or field is None:
+        return
+    n = getattr(text_config, field)
+    if not 1 <= top_k <= n:
+        good = n if top_k > n else min(2, n)
+        fail(f"num_experts_per_tok={top_k} of the model routes each token to that many experts, and it has {n} "
+             f"({field}): it must lie between 1 and {n}.", f"pass model.hf_overrides.num_experts_per_tok={good}")
 
 
 class _NoTransformers:
@@ -77,11 +107,16 @@ class HfSpec(ModelSpec):
             fail(f"model.attn_implementation={m.attn_implementation!r} is not one of sdpa, eager.",
                  "pass model.attn_implementation=sdpa")
         config = self.config(m)
+        self._check_attention_kernel(m)
+        _check_heads(config.get_text_config())
+        _check_experts(config.get_text_config())
         try:
             model = self.meta_model(m)
         except Exception as exc:  # noqa: BLE001 - transformers' own refusal of the config's values
-            fail(f"transformers cannot build {self.architecture(m)} from this config: {type(exc).__name__}: "
-                 f"{' '.join(str(exc).split())}", "fix the field it names (model.hf_overrides.<field>=...)")
+            message = " ".join(str(exc).split())
+            fail(f"transformers cannot build {self.architecture(m)} from this config: {type(exc).__name__}: {message}",
+                 "pass model.attn_implementation=eager" if "attn_implementation" in message
+                 else "fix the field it names (model.hf_overrides.<field>=...)")
         self.block_class_of(m)
         recipes, unknown = self.recipes(model.config)
         names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
@@ -90,6 +125,18 @@ class HfSpec(ModelSpec):
             fail(f"{type(model).__name__}'s own initialization (_init_weights) leaves {', '.join(missing[:4])}"
                  + (f" and {len(missing) - 4} more" if len(missing) > 4 else "") + " without a value fsdp_exp "
                  "can replay on a sharded model.", f"pick another architecture than {config.model_type}")
+
+    def _check_attention_kernel(self, m) -> None:
+        """transformers refuses SDPA for a model class that has no such path (Gemma-2's soft-capped scores,
+        MPT's ALiBi): what fixes it is the eager kernel, not a field of the config."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config(m))]
+        if m.attn_implementation == "sdpa" and getattr(model_class, "_supports_sdpa", True) is False:
+            fail(f"model.attn_implementation=sdpa (the default): {model_class.__name__} has no SDPA attention in "
+                 f"transformers {hf_config.transformers().__version__}.",
+                 "pass model.attn_implementation=eager (transformers' own attention: it keeps the whole score "
+                 "matrix, which the planner counts)")
 
     def check_tensor_parallel(self, m, tp: int) -> None:
         plan, problem = self._translated_plan(m)

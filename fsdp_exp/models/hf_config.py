@@ -148,10 +148,13 @@ def load(m):
         config = cls.from_dict(fields)
     except Exception as exc:  # noqa: BLE001 - transformers' own validation: wrong types, bad values
         message = " ".join(str(exc).split())
-        bad = next((k for k in overrides if f"'{aliases.get(k, k)}'" in message or f"'{k}'" in message), None)
+        # transformers quotes the field it refuses as 'name' (a type check) or `name` (a validator's message)
+        bad = next((k for k in overrides if any(f"{q}{name}{q}" in message for q in "'`"
+                                                for name in (k, aliases.get(k, k)))), None)
         key = f"model.hf_overrides.{bad}" if bad else where
         fail(f"{key}: {cls.__name__} refuses it: {message}",
-             f"pass a value of the type {cls.__name__} declares" if bad else "fix the config file's field")
+             f"pass a {key}=... of the type and range {cls.__name__} accepts" if bad
+             else "fix the config file's field")
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:

@@ -61,3 +61,62 @@ def test_each_llama_check_refuses_its_bad_value_naming_the_key_and_the_fix(case)
 def test_the_shipped_mixture_of_experts_passes_its_checks():
     validate(run_config(["model=moe_tiny"]), cuda_devices=0)
     validate(run_config(["model=moe_tiny", "model.experts_top_k=4"]), cuda_devices=0)
+
+
+# ------------------------------------------------------------------------------ Hugging Face (model=hf)
+MISTRAL = ["model=hf_mistral_7b", "+model.hf_overrides.num_hidden_layers=2", "+model.hf_overrides.hidden_size=64",
+           "+model.hf_overrides.intermediate_size=128", "+model.hf_overrides.num_attention_heads=4",
+           "+model.hf_overrides.num_key_value_heads=2", "+model.hf_overrides.vocab_size=256", "trainer.seq_len=32"]
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=256, max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Tiny configs as a user brings them (transformers' own save_pretrained): Gemma-2 (no SDPA path in
+    transformers) and a Mixtral of 4 experts, top-2."""
+    transformers = pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf_configs")
+    transformers.Gemma2Config(**TINY).save_pretrained(root / "gemma2")
+    transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2).save_pretrained(root / "mixtral")
+    return root
+
+
+def hf_cases(saved):
+    gemma2 = ["model=hf", f"model.hf_config={saved / 'gemma2'}"]
+    mixtral = ["model=hf", f"model.hf_config={saved / 'mixtral'}", "trainer.seq_len=32"]
+    return {
+        "attention-kernel-known": ([*MISTRAL, "model.attn_implementation=flash"], "model.attn_implementation='flash'",
+                                   "model.attn_implementation=sdpa"),
+        "sdpa-path-exists": (gemma2, "Gemma2ForCausalLM", "model.attn_implementation=eager"),
+        "kv-heads-divide-heads": ([*MISTRAL, "++model.hf_overrides.num_key_value_heads=3"],
+                                  "num_key_value_heads=3", "model.hf_overrides.num_key_value_heads=2"),
+        "experts-per-token-at-most-experts": ([*mixtral, "+model.hf_overrides.num_experts_per_tok=9"],
+                                              "num_experts_per_tok=9", "model.hf_overrides.num_experts_per_tok=4"),
+        "experts-per-token-positive": ([*mixtral, "+model.hf_overrides.num_experts_per_tok=0"],
+                                       "num_experts_per_tok=0", "model.hf_overrides.num_experts_per_tok=2"),
+        "config-class-refusal-names-the-override": ([*MISTRAL, "+model.hf_overrides.head_dim=7"],
+                                                    "model.hf_overrides.head_dim", "model.hf_overrides.head_dim"),
+        "tp-has-a-plan": (["model=hf_gpt2_xl", "+model.hf_overrides.n_layer=1", "+model.hf_overrides.n_embd=64",
+                           "+model.hf_overrides.n_head=4", "trainer.seq_len=32", "parallel.tp=2",
+                           "trainer.nproc_per_node=2"], "parallel.tp=2", "parallel.tp=1"),
+        "tp-divides-heads": ([*MISTRAL, *TP4], "does not divide num_key_value_heads=2", "parallel.tp"),
+    }
+
+
+HF_CASES = ("attention-kernel-known", "sdpa-path-exists", "kv-heads-divide-heads", "experts-per-token-at-most-experts",
+            "experts-per-token-positive", "config-class-refusal-names-the-override", "tp-has-a-plan", "tp-divides-heads")
+
+
+@pytest.mark.parametrize("case", HF_CASES)
+def test_each_hugging_face_check_refuses_its_bad_value_naming_the_key_and_the_fix(case, saved):
+    overrides, key, fix = hf_cases(saved)[case]
+    problem, _, fix_line = refusal(overrides).partition("\n  fix: ")
+    assert key in problem, problem
+    assert fix in fix_line, fix_line
+
+
+def test_an_architecture_without_sdpa_passes_with_eager_attention_and_the_moe_with_its_own_top_k(saved):
+    validate(run_config(["model=hf", f"model.hf_config={saved / 'gemma2'}", "model.attn_implementation=eager"]),
+             cuda_devices=0)
+    validate(run_config(["model=hf", f"model.hf_config={saved / 'mixtral'}", "trainer.seq_len=32"]), cuda_devices=0)
