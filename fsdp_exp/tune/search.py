@@ -39,6 +39,7 @@ BASELINES = {"DDP": "sharding=ddp", "full shard": "sharding=full"}
 class Weighed:
     candidate: Candidate
     refused: Optional[str] = None  # preflight's reason (its first line)
+    refused_fix: Optional[str] = None  # the override preflight's refusal names
     peak_bytes: Optional[int] = None  # the planner's peak, before the allocator margin
     floor_bytes: Optional[int] = None  # over the limit by a lower bound alone (not walked through the step)
     topology: Optional[object] = None
@@ -220,6 +221,7 @@ def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
             topology = validate(candidate.cfg, cuda_devices=cuda_devices)
         except ConfigError as err:
             w.refused = str(err).splitlines()[0]
+            w.refused_fix = str(err).partition("\n  fix: ")[2] or None
             continue
         w.topology, w.limit_bytes = topology, limit
         backend = backend_for(candidate.cfg)
@@ -279,6 +281,11 @@ def _nothing_ranked(weighed: list[Weighed], limit: int, limit_name: str) -> None
         fail(f"no candidate that fits can be timed: {untimed[0].no_prediction}",
              "pass a tune.space.precision the device has a peak for, or another plan.device")
     reasons = Counter(w.refused for w in weighed if w.refused).most_common(1)
+    if reasons[0][1] == len(weighed) and weighed[0].refused_fix:
+        # One reason for every candidate: no dimension of the search changes it (a model the run cannot
+        # build, say), so the fix is preflight's own, not a wider space.
+        fail(f"every one of the {len(weighed)} candidates is refused by preflight for one reason, which no "
+             f"dimension of the search changes: {reasons[0][0]}", weighed[0].refused_fix)
     fail(f"every one of the {len(weighed)} candidates is refused by preflight, most often: {reasons[0][0]}",
          "fix the run's overrides so that the run itself passes (python -m fsdp_exp.plan <overrides>), "
          "or widen the space (tune.space.<dimension>)")

@@ -120,3 +120,15 @@ def test_an_architecture_without_sdpa_passes_with_eager_attention_and_the_moe_wi
     validate(run_config(["model=hf", f"model.hf_config={saved / 'gemma2'}", "model.attn_implementation=eager"]),
              cuda_devices=0)
     validate(run_config(["model=hf", f"model.hf_config={saved / 'mixtral'}", "trainer.seq_len=32"]), cuda_devices=0)
+
+
+def test_tune_passes_on_a_refusal_no_dimension_of_its_search_changes_with_its_own_fix(saved, tmp_path, capsys):
+    from fsdp_exp.tune.cli import main
+
+    narrow = ["tune.space.backend=[fsdp2]", "tune.space.ac=[none,full]", "tune.space.precision=[bf16]",
+              "tune.space.offload=[none]", "tune.space.prefetch=[default]", "tune.space.micro_batch_size=[1]"]
+    assert main(["model=hf", f"model.hf_config={saved / 'gemma2'}", "trainer.nproc_per_node=8",
+                 "plan.device=h100_80gb", *narrow, f"tune.out={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "Gemma2ForCausalLM has no SDPA attention" in err and "fix: pass model.attn_implementation=eager" in err, err
+    assert "tune.space" not in err, err
