@@ -214,12 +214,15 @@ class DeepSpeed(Backend):
         import_s = time.perf_counter() - started
         config = ds_config(cfg, mesh.size())
         dtype = dtype_of(cfg.precision.param_dtype)
+        # Which parameters are matrices (weight decay), read off the meta model: ZeRO-3 leaves each partitioned
+        # parameter an empty 1-D tensor (its data lives in ds_tensor), so afterwards none would be one.
+        decay_names = matrix_parameter_names(model)
         if stage_of(cfg) == 3:
             _materialize_partitioned(deepspeed, model, config, cfg.trainer.seed, device, dtype)
         else:
             model.to_empty(device=device)
             init_weights(model, cfg.trainer.seed, device)
-        optimizer = build_optimizer(model, cfg.optim, matrix_parameter_names(model))
+        optimizer = build_optimizer(model, cfg.optim, decay_names)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=copy.deepcopy(config),
                                                dist_init_required=False)
         compiled = {}
