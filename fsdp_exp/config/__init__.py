@@ -23,10 +23,12 @@ from fsdp_exp.errors import ConfigError, fail  # noqa: F401
 def register_configs() -> None:
     from fsdp_exp.env import run_stamp
 
+    from fsdp_exp.config.strict import composable_schema
+
     store = ConfigStore.instance()
-    store.store(name="schema", node=RunConfig)
+    store.store(name="schema", node=composable_schema(RunConfig))
     for name, schema in MODEL_SCHEMAS.items():  # a model preset names its family's: schema/<name>@_here_
-        store.store(group="model/schema", name=name, node=schema)
+        store.store(group="model/schema", name=name, node=composable_schema(schema))
     if not OmegaConf.has_resolver("run_stamp"):
         OmegaConf.register_new_resolver("run_stamp", run_stamp, use_cache=True)  # one value per process
     if not OmegaConf.has_resolver("job_dirname"):

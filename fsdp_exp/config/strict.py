@@ -50,6 +50,31 @@ def _is_open_map(annotation: Any) -> bool:
     return any(typing.get_origin(arg) in (dict, typing.Dict) for arg in typing.get_args(annotation))
 
 
+def composable_schema(schema: type):
+    """The schema as the node Hydra composes onto (ConfigStore), its open maps open to assignment.
+
+    Hydra composes in struct mode, so a plain ``model.hf_fields={model_type: gpt2}`` would be refused for
+    keys the (empty) map lacks, and only ``+model.hf_fields=...`` would work. A map's keys are its owner's
+    to check (``unknown_keys`` skips them), so its node leaves struct mode: assigning it, or one of its
+    keys (``model.hf_overrides.n_layer=2``), works with or without ``+``."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(schema)
+    _open_maps(node, schema)
+    return node
+
+
+def _open_maps(node: Any, schema: type) -> None:
+    for name, annotation in _field_types(schema).items():
+        if _is_open_map(annotation) and node[name] is not None:
+            from omegaconf import OmegaConf
+
+            OmegaConf.set_struct(node[name], False)
+        inner = _dataclass_of(annotation)
+        if inner is not None and node[name] is not None:
+            _open_maps(node[name], inner)
+
+
 def schema_keys(schema: type, prefix: str = "") -> Iterator[str]:
     """Every dotted key the schema declares (open maps as their own key)."""
     families = _families(schema)

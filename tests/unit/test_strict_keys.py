@@ -62,6 +62,18 @@ def test_an_open_map_is_left_to_its_owner():
     assert "inner.overrides" in set(schema_keys(Outer))
 
 
+def test_an_open_map_is_assigned_with_or_without_a_plus_and_its_neighbours_stay_strict():
+    """``model.hf_fields={...}`` and ``model.hf_overrides.<field>=...`` compose as ``+`` does (a map's keys are
+    its owner's to check); a misspelt key beside them is still refused by name."""
+    fields = run_config(["model=hf", "model.hf_fields={model_type: gpt2, n_layer: 2}"]).model.hf_fields
+    assert fields == {"model_type": "gpt2", "n_layer": 2}
+    assert run_config(["model=hf", "+model.hf_fields={model_type: gpt2, n_layer: 2}"]).model.hf_fields == fields
+    gpt2 = run_config(["model=hf_gpt2_xl", "model.hf_overrides.n_layer=2", "model.hf_fields.n_head=5"]).model
+    assert gpt2.hf_overrides == {"n_layer": 2} and gpt2.hf_fields["n_head"] == 5 and gpt2.hf_fields["n_embd"] == 1600
+    with pytest.raises(ConfigError, match="did you mean model.hf_fields"):
+        run_config(["model=hf", "+model.hf_fieldz={model_type: gpt2}"])
+
+
 def test_every_schema_key_is_listed():
     keys = set(schema_keys(RunConfig))
     assert {"trainer.steps", "model.dim", "logger.wandb.mode", "checkpoint.every"} <= keys
