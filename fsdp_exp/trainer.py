@@ -393,8 +393,9 @@ class Trainer:
         accum = self.topology.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(self.data.micro_batches(step)):
-            # Reduce gradients only after the last micro-batch; the others accumulate locally.
-            with self.parallel.gradient_sync(i == accum - 1):
+            # Reduced into the sharded gradient every micro-batch, or only after the last one
+            # (trainer.grad_sync, resolved by the backend); otherwise accumulated locally.
+            with self.parallel.gradient_sync(last=i == accum - 1):
                 with self.parallel.autocast():
                     logits = self.model(batch.inputs)
                     loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten()) / accum

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from fsdp_exp.config.schema import DTYPES, ModelConfig, OptimConfig, RunConfig
+from fsdp_exp.config.schema import AC_OPS, DTYPES, GRAD_SYNC, ModelConfig, OptimConfig, RunConfig
 from fsdp_exp.config.topology import Topology, largest_divisor_at_most as _largest_divisor_at_most, resolve_nproc
 from fsdp_exp.checkpoint.checks import check_checkpoint
 from fsdp_exp.errors import fail
@@ -216,12 +216,19 @@ def _validate_backend_knobs(cfg: RunConfig, device_type: str) -> None:
     if w.min_num_params < 1:
         fail(f"wrap.min_num_params={w.min_num_params} must be positive.", "pass wrap.min_num_params=100000")
     ac = cfg.ac
-    if ac.mode not in ("none", "full", "selective") or ac.every < 1 or ac.ops not in ("none", "matmul_save"):
+    if ac.ops == "matmul_save":  # the name of every_matmul before torchtitan's policy became selective_op's
+        fail("ac.ops=matmul_save is now called ac.ops=every_matmul (ac=selective_op saves every other matmul).",
+             "pass ac.ops=every_matmul, or ac=selective_op for torchtitan's per-op policy")
+    if ac.mode not in ("none", "full", "selective") or ac.every < 1 or ac.ops not in AC_OPS:
         fail(f"ac.mode={ac.mode!r} ac.every={ac.every} ac.ops={ac.ops!r} is not a valid activation checkpointing "
-              "setting.", "pick a preset: ac=none|full|selective|selective_op")
+              "setting.", "pick a preset: ac=none|full|selective|selective_op "
+              f"(ac.ops={'|'.join(AC_OPS)})")
     if ac.ops != "none" and ac.mode != "selective":
         fail(f"ac.ops={ac.ops} is op-level selective checkpointing and needs ac.mode=selective.",
               "pass ac=selective_op")
+    if cfg.trainer.grad_sync not in GRAD_SYNC:
+        fail(f"trainer.grad_sync={cfg.trainer.grad_sync!r} is not one of {', '.join(GRAD_SYNC)}.",
+             "pass trainer.grad_sync=auto (the backend's rule), every_micro_batch or last_micro_batch")
     rs = s.reshard_after_forward.lower()
     if rs not in ("auto", "true", "false") and not (rs.isdigit() and int(rs) >= 1):
         fail(f"sharding.reshard_after_forward={s.reshard_after_forward!r} is not auto, true, false or a "

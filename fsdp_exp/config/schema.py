@@ -14,6 +14,11 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 DTYPES = ("fp32", "bf16", "fp16")
+# trainer.grad_sync: auto resolves per backend (Backend.grad_sync); the other two say when gradients are reduced.
+EVERY_MICRO_BATCH, LAST_MICRO_BATCH = "every_micro_batch", "last_micro_batch"
+GRAD_SYNC = ("auto", EVERY_MICRO_BATCH, LAST_MICRO_BATCH)
+# ac.ops: which op outputs a checkpointed block saves (fsdp_exp/parallel/ac.py)
+AC_OPS = ("none", "every_other_matmul", "every_matmul")
 
 
 @dataclass
@@ -148,7 +153,9 @@ class ParallelConfig:
 class ActivationCheckpointConfig:
     mode: str = "none"  # none | full | selective
     every: int = 1  # selective: checkpoint every k-th block (layer-level selective AC)
-    ops: str = "none"  # selective: none | matmul_save (op-level: save matmul outputs, recompute the rest)
+    # selective, op level: none | every_other_matmul (torchtitan's per-op SAC: every other matmul's output and
+    # the attention kernel's) | every_matmul (every matmul's and attention's); the rest is recomputed
+    ops: str = "none"
 
 
 @dataclass
@@ -204,6 +211,11 @@ class TrainerConfig:
     repeat: int = 0
     global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: Optional[int] = None  # sequences per rank per forward; None = no accumulation
+    # When accumulated micro-batches reduce their gradients: every_micro_batch (each backward reduces into
+    # the sharded gradient: no unsharded gradient between micro-batches) | last_micro_batch (only the last:
+    # fewer collectives, a whole unsharded gradient held) | auto (the backend's natural rule: FSDP every,
+    # DDP last, DeepSpeed its engine's). The resolved value is in run.json["applied"]["grad_sync"].
+    grad_sync: str = "auto"
     seq_len: int = 128
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
     log_every: int = 1

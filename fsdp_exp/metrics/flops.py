@@ -9,7 +9,8 @@
   For ``ac=full`` on a Llama block that is the block's forward except its last matmul (w2):
   non-reentrant checkpointing stops recomputing as soon as every tensor backward needs is back, and
   w2's inputs are saved before w2 runs. ``ac=selective`` counts every ``ac.every``-th block;
-  ``ac=selective_op`` saves matmul and attention outputs, so it recomputes no FLOPs that count
+  ``ac=selective_op`` (torchtitan's per-op policy) saves every other matmul's output and attention's, so
+  it recomputes the other matmuls; ``ac.ops=every_matmul`` recomputes no FLOPs that count
   (elementwise ops are not counted in either numerator). Norm weights count in 6N (they are
   parameters) but are not matmuls: that is the only difference between 6N + 12LdS and the counter's
   total without checkpointing (tested).

@@ -34,7 +34,7 @@ MEASURED_BLOCKS = 2  # blocks built for the measurement: the second one's input 
 class Measurement:
     block_saved: int  # bytes one block keeps for backward (its input when it keeps it)
     root_saved: int  # bytes the layers outside the blocks keep (embeddings, final norm, position tables)
-    op_level_saved: int  # bytes of the matmul and attention outputs of one block
+    op_level_saved: dict  # ac.ops -> bytes of the op outputs one block saves under it (fsdp_exp.parallel.ac.OpSaver)
     forward_peak: int  # bytes a block holds at once in a forward without autograd, beyond its input
     backward_peak: int  # activation-gradient bytes at a block's backward peak, beyond the incoming one
     weight_grad_at_peak: int  # weight-gradient elements alive at that moment
@@ -57,13 +57,16 @@ class _Storages:
                 import torch
                 from torch.utils._pytree import tree_leaves
 
-                for t in tree_leaves(out):
-                    if isinstance(t, torch.Tensor):
-                        outer.made(t, func)
+                tensors = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                for t in tensors:
+                    outer.made(t, func)
+                if outer.on_op is not None:
+                    outer.on_op(func, tensors)
                 return out
 
         self.mode = Mode()
         self.where = where
+        self.on_op = None  # called with (op, its output tensors) for every op, if set
         self.alive: dict[int, int] = {}  # storage key -> bytes
         self.made_in: dict[int, str] = {}  # storage key -> the region it was made in
         self.made_by: dict[int, object] = {}  # storage key -> the op that made it
@@ -141,7 +144,8 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
 
-    from fsdp_exp.parallel.ac import SAVE_OPS
+    from fsdp_exp.config.schema import AC_OPS
+    from fsdp_exp.parallel.ac import OpSaver
 
     compute = getattr(torch, DTYPES[e])
     config = _scaled_config(config, tp)
@@ -185,17 +189,27 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
                     storages.watch(t)
             return t
 
+        # What op-level checkpointing would save of block j: each policy's OpSaver asked op by op, as the run's.
+        savers = {ops: OpSaver(ops) for ops in AC_OPS if ops != "none"}
+        op_saved: dict[str, dict[int, int]] = {ops: {} for ops in savers}
+
+        def on_op(func, tensors) -> None:
+            if where["region"] == f"block {j}":
+                for ops, saver in savers.items():
+                    if saver.saves(func):
+                        op_saved[ops].update((t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+                                             for t in tensors)
+
+        storages.on_op = on_op
         amp = torch.autocast("cpu", dtype=compute) if autocast else torch.autocast("cpu", enabled=False)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), storages.mode, amp:
             logits = model(tokens).logits
+        storages.on_op = None
         block_input = where["inputs"][j].untyped_storage()._cdata
         mine = {k: n for k, n in saved.get(f"block {j}", {}).items()
                 if storages.made_in.get(k) == f"block {j}" or k == block_input}
         shared = {k: n for region, kv in saved.items() for k, n in kv.items()
                   if not region.startswith("block") or storages.made_in.get(k) == "root"}
-        matmuls = {k: n for k, n in storages.alive.items() if storages.made_in.get(k) == f"block {j}"
-                   and (storages.made_by.get(k) in SAVE_OPS or getattr(storages.made_by.get(k), "_overloadpacket", None)
-                        in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm))}
 
         # Block j's backward, from its output's gradient to its input's: at its largest moment, what it
         # made (activation and weight gradients) and what it still keeps of its saved activations.
@@ -239,7 +253,8 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
             h.remove()
 
     return Measurement(
-        block_saved=block_saved, root_saved=sum(shared.values()), op_level_saved=sum(matmuls.values()),
+        block_saved=block_saved, root_saved=sum(shared.values()),
+        op_level_saved={ops: sum(kept.values()) for ops, kept in op_saved.items()},
         forward_peak=forward_peak, backward_peak=max(0, backward_peak), weight_grad_at_peak=grad_elements,
         block_weight_grads=sum(p.numel() for p in blocks[j].parameters()), logits=b * s * logits.shape[-1])
 
@@ -281,15 +296,15 @@ class HfActivations(TokenCounts):
         total = self._measured(e, autocast).block_saved
         return {"measured": total, "total": total}
 
-    def op_level_saved(self, e: int) -> int:
-        return self._measured(e).op_level_saved
+    def op_level_saved(self, e: int, ops: str) -> int:
+        return self._measured(e).op_level_saved[ops]
 
     def checkpointed_forward_peak(self, e: int) -> int:
         return self._measured(e).forward_peak
 
-    def op_level_forward_peak(self, e: int) -> int:
+    def op_level_forward_peak(self, e: int, ops: str) -> int:
         measured = self._measured(e)
-        return max(0, measured.forward_peak - measured.op_level_saved)
+        return max(0, measured.forward_peak - measured.op_level_saved[ops])
 
     def backward_peak(self, e: int) -> int:
         return self._measured(e).backward_peak

@@ -24,6 +24,7 @@ class LlamaActivations(TokenCounts):
     vocab: int
     experts: int
     sp: int  # divisor of the residual stream (tp with sequence parallel, else 1)
+    tp: int = 1  # tensor-parallel degree: a row-parallel output is reduced by a collective inside the block
 
     @property
     def peak_weight_grad(self) -> int:
@@ -78,22 +79,48 @@ class LlamaActivations(TokenCounts):
         """The stacked expert outputs of a dense MoE (none without experts)."""
         return e * self.tokens * self.d * self.experts if self.experts else 0
 
-    def op_level_saved(self, e: int) -> int:
-        """Op-level selective AC keeps the outputs of the matmuls and of attention (estimated: three
-        query-wide tensors, two key/value-wide, two model-wide, w1's and w3's per expert) and the
-        log-sum-exp."""
-        bs = self.tokens
-        return e * bs * (3 * self.dq + 2 * self.dkv + 2 * self.d + 2 * self.ffn * max(1, self.experts)) \
-            + 4 * self.b * self.heads * self.s
+    def _op_outputs(self, e: int) -> list[tuple[str, int]]:
+        """The outputs of a block's ops that op-level checkpointing may save, in forward order, as
+        (``matmul`` | ``kept``, bytes): each linear layer's matmul; attention's output and log-sum-exp (fp32);
+        under tensor parallel, the collective that reduces each row-parallel output (wo's, w2's)."""
+        tokens = self.tokens
+
+        def matmul(width: int) -> tuple[str, int]:
+            return "matmul", e * tokens * width
+
+        reduced = [("kept", e * tokens * self.d // self.sp)] if self.tp > 1 else []
+        attention = [matmul(self.dq), matmul(self.dkv), matmul(self.dkv),
+                     ("kept", e * tokens * self.dq + 4 * self.b * self.heads * self.s), matmul(self.d), *reduced]
+        swiglu = [matmul(self.ffn), matmul(self.ffn), matmul(self.d)]
+        if self.experts:  # the router's matmul, then every expert's SwiGLU in turn
+            ffn = [matmul(self.experts), *(swiglu * self.experts)]
+        else:
+            ffn = swiglu
+        return attention + ffn + reduced
+
+    def op_level_saved(self, e: int, ops: str) -> int:
+        """What a block keeps under op-level selective AC beyond its input: the outputs ``ops`` saves
+        (fsdp_exp.parallel.ac.OpSaver's rule: every matmul's, or the 1st, 3rd, ... matmul's; always
+        attention's and the collectives')."""
+        saved, matmuls = 0, 0
+        for kind, nbytes in self._op_outputs(e):
+            if kind == "matmul":
+                matmuls += 1
+                if ops == "every_matmul" or matmuls % 2 == 1:
+                    saved += nbytes
+            else:
+                saved += nbytes
+        return saved
 
     def checkpointed_forward_peak(self, e: int) -> int:
         """A checkpointed block saves only its input, but then holds h and the norm's output, silu's
         and w3's outputs and their product (and a dense MoE's stacked outputs)."""
         return self.residual(2 * e) + 3 * e * self.tokens * self.ffn + self._stacked_experts(e)
 
-    def op_level_forward_peak(self, e: int) -> int:
-        """silu's output and the product, next to the kept matmul outputs."""
-        return 2 * e * self.tokens * self.ffn
+    def op_level_forward_peak(self, e: int, ops: str) -> int:
+        """silu's output and the product, next to the kept matmul outputs (and w3's output, alive until
+        the product, when ``ops`` does not keep it)."""
+        return (2 if ops == "every_matmul" else 3) * e * self.tokens * self.ffn
 
     def backward_peak(self, e: int) -> int:
         """At the SwiGLU's backward: the gradients of silu's output and w3's output next to the

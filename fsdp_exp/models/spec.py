@@ -145,13 +145,13 @@ class ActivationProfile(Protocol):
     def block_saved(self, e: int, autocast: bool, math_attention: bool) -> dict[str, int]:
         """What one block keeps for backward, by piece, with ``total`` (its input included)."""
 
-    def op_level_saved(self, e: int) -> int:
-        """What a block keeps under op-level selective checkpointing, beyond its input."""
+    def op_level_saved(self, e: int, ops: str) -> int:
+        """What a block keeps under op-level selective checkpointing (``ac.ops``), beyond its input."""
 
     def checkpointed_forward_peak(self, e: int) -> int:
         """Alive at a checkpointed block's forward peak, beyond its input."""
 
-    def op_level_forward_peak(self, e: int) -> int:
+    def op_level_forward_peak(self, e: int, ops: str) -> int:
         """Alive at an op-level checkpointed block's forward peak, beyond what it keeps and its output."""
 
     def backward_peak(self, e: int) -> int:

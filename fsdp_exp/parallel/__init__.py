@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fsdp_exp.config.schema import EVERY_MICRO_BATCH
 from fsdp_exp.parallel.backend import Backend, backend_for
 
 if TYPE_CHECKING:  # importing this package stays cheap: the backends import torch when they are used
@@ -32,10 +33,13 @@ class Parallelized:
     backend: Backend
     cfg: "RunConfig"
     device: "torch.device"
+    grad_sync: str  # trainer.grad_sync as the backend resolved it: every_micro_batch | last_micro_batch
 
-    def gradient_sync(self, enabled: bool):
-        """A context for one micro-batch's backward: reduce gradients only when ``enabled``."""
-        return self.backend.gradient_sync(self.model, enabled)
+    def gradient_sync(self, last: bool):
+        """A context for one micro-batch's backward (``last``: the step's last one): its gradients are
+        reduced under grad_sync=every_micro_batch, or when it is the last; accumulated locally otherwise."""
+        reduce = last or self.grad_sync == EVERY_MICRO_BATCH
+        return self.backend.gradient_sync(self.model, reduce, last)
 
     def autocast(self):
         return self.backend.autocast(self.cfg, self.device)
@@ -79,5 +83,7 @@ def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device
         applied["compile"] = compile.apply(model, cfg)
     model, dp_applied = backend.apply(model, cfg, _without_tp(mesh), device)
     # What torch holds, read back from the wrapped model (tests compare it with the config).
+    grad_sync = backend.grad_sync(cfg)
+    applied["grad_sync"] = {"trainer.grad_sync": cfg.trainer.grad_sync, "resolved": grad_sync}
     applied = {**dp_applied, **applied, "inspected": backend.inspect(model)}
-    return Parallelized(model=model, applied=applied, backend=backend, cfg=cfg, device=device)
+    return Parallelized(model=model, applied=applied, backend=backend, cfg=cfg, device=device, grad_sync=grad_sync)

@@ -25,6 +25,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
+from fsdp_exp.config.schema import EVERY_MICRO_BATCH
 from fsdp_exp.errors import fail
 
 if TYPE_CHECKING:  # the schema is a leaf; torch is imported by the backends themselves
@@ -171,9 +172,22 @@ class Backend:
         """At the start of a step: drop the previous step's gradients."""
         optimizer.zero_grad(set_to_none=True)
 
-    def gradient_sync(self, model: "nn.Module", enabled: bool):
-        """A context for one micro-batch's backward: reduce gradients only when ``enabled``."""
-        return contextlib.nullcontext() if enabled else model.no_sync()
+    # trainer.grad_sync=auto: when this backend reduces accumulated micro-batches' gradients by nature. A
+    # sharding backend reduces every micro-batch into the sharded gradient, so that no unsharded gradient
+    # outlives its unit's backward.
+    natural_grad_sync: str = EVERY_MICRO_BATCH
+
+    def grad_sync(self, cfg: "RunConfig") -> str:
+        """``trainer.grad_sync`` resolved for this backend: every_micro_batch | last_micro_batch (``check``
+        refuses a value the backend cannot honour)."""
+        value = cfg.trainer.grad_sync
+        return self.natural_grad_sync if value == "auto" else value
+
+    def gradient_sync(self, model: "nn.Module", reduce: bool, last: bool):
+        """A context for one micro-batch's backward: reduce its gradients when ``reduce`` (every micro-batch
+        under grad_sync=every_micro_batch, else only the last), accumulate them locally otherwise; ``last``:
+        the step's last micro-batch."""
+        return contextlib.nullcontext() if reduce else model.no_sync()
 
     def autocast(self, cfg: "RunConfig", device: "torch.device"):
         """A context for the forward: how compute runs in ``precision.param_dtype`` (nothing to do when

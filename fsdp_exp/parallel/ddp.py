@@ -21,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from fsdp_exp.config import PrefetchConfig, RunConfig, Topology, WrapConfig
+from fsdp_exp.config import LAST_MICRO_BATCH, PrefetchConfig, RunConfig, Topology, WrapConfig
 from fsdp_exp.errors import fail
 from fsdp_exp.models import init_weights
 from fsdp_exp.parallel.backend import Backend, PlannerRules
@@ -36,6 +36,9 @@ class DDP(Backend):
     api = "torch.nn.parallel.DistributedDataParallel"
     strategies = ("no_shard", "optimizer")
     column_title = "DDP"
+    # Replicated gradients are whole either way: reducing only the last micro-batch (no_sync) saves the
+    # earlier all-reduces and costs no memory.
+    natural_grad_sync = LAST_MICRO_BATCH
 
     def check(self, cfg: RunConfig, device_type: str) -> None:
         s, p, pf, w = cfg.sharding, cfg.precision, cfg.prefetch, cfg.wrap
@@ -190,6 +193,8 @@ class DDP(Backend):
             "prefetch.limit_all_gathers": "must stay default",
             "wrap=block": "must stay default",
             "ac=full / selective / selective_op": "`checkpoint_wrapper` on blocks",
+            "trainer.grad_sync=every_micro_batch": "no `no_sync()`: each backward all-reduces",
+            "trainer.grad_sync=last_micro_batch": "`no_sync()` until the last micro-batch (auto)",
             "compile=true": "same",
         }
 

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_exp.config import PrefetchConfig, RunConfig, WrapConfig
+from fsdp_exp.config import EVERY_MICRO_BATCH, LAST_MICRO_BATCH, PrefetchConfig, RunConfig, WrapConfig
 from fsdp_exp.errors import fail
 from fsdp_exp.models import canonical_name, full_param_init, init_weights, matrix_parameter_names, spec_of
 from fsdp_exp.parallel.backend import Backend, PlannerRules
@@ -149,6 +149,11 @@ class DeepSpeed(Backend):
                  "pass sharding=full|grad_op|optimizer|no_shard with sharding.backend=deepspeed, or "
                  "sharding.backend=fsdp2 for hybrid")
         refuse_fsdp2_only_knobs(self, cfg)
+        if cfg.trainer.grad_sync not in ("auto", self.grad_sync(cfg)):
+            self.refuse(f"trainer.grad_sync={cfg.trainer.grad_sync}",
+                        f"DeepSpeed's engine reduces ZeRO-{stage_of(cfg)} gradients {self.grad_sync(cfg)} "
+                        "(ZeRO-2/3 at every micro-batch, ZeRO-0/1 at the accumulation boundary) and has no switch.",
+                        f"pass trainer.grad_sync=auto (here {self.grad_sync(cfg)}), or sharding.backend=fsdp2")
         for knob in ("use_orig_params", "sync_module_states"):
             if getattr(s, knob) is not None:
                 self.refuse(f"sharding.{knob}", "DeepSpeed trains the module's own parameters, and fsdp_exp "
@@ -298,8 +303,13 @@ class DeepSpeed(Backend):
         """Nothing: the engine clears the gradients after each step, and the optimizer's own partitions
         (with their host buffers under offload) are not the trainer's to touch."""
 
-    def gradient_sync(self, model: nn.Module, enabled: bool):
-        model.set_gradient_accumulation_boundary(enabled)  # reduce (and step) only at the last micro-batch
+    def grad_sync(self, cfg: RunConfig) -> str:
+        """The engine's own rule, the only one it honours (``check``): ZeRO-2 and -3 reduce every micro-batch
+        into the gradient partitions; stages 0 and 1 reduce at the accumulation boundary."""
+        return EVERY_MICRO_BATCH if stage_of(cfg) >= 2 else LAST_MICRO_BATCH
+
+    def gradient_sync(self, model: nn.Module, reduce: bool, last: bool):
+        model.set_gradient_accumulation_boundary(last)  # the engine decides what it reduces; it steps at the last
         return contextlib.nullcontext()
 
     def backward(self, model: nn.Module, loss: torch.Tensor, scaler) -> None:
@@ -421,6 +431,7 @@ class DeepSpeed(Backend):
             "prefetch.backward=k": "as prefetch.forward (the same bucket serves both directions)",
             "wrap=block": "must stay default (no wrapping units)",
             "ac=full / selective / selective_op": "`checkpoint_wrapper` on blocks, before `deepspeed.initialize`",
+            "trainer.grad_sync=every_micro_batch": "the engine's rule at ZeRO-2/3 (auto there); refused at ZeRO-0/1",
             "compile=true": "`engine.compile()` after `deepspeed.initialize` (the whole module; runs on the CPU)",
         }
 

@@ -254,6 +254,8 @@ class FSDP1(Backend):
             "sharding.use_orig_params": "`use_orig_params` (default true)",
             "sharding.sync_module_states": "`sync_module_states` (CUDA only)",
             "ac=full / selective / selective_op": "`checkpoint_wrapper` on blocks, before wrapping",
+            "trainer.grad_sync=every_micro_batch": "no `no_sync()`: each backward reduce-scatters (auto)",
+            "trainer.grad_sync=last_micro_batch": "`no_sync()` until the last micro-batch",
             "compile=true": "same (needs use_orig_params)",
         }
 

@@ -191,8 +191,11 @@ class FSDP2(Backend):
         return FSDPMemTracker(model, optimizer)  # tells sharded from unsharded, and the comm buffers
 
     # ------------------------------------------------------------------------- training step
-    def gradient_sync(self, model: nn.Module, enabled: bool):
-        model.set_requires_gradient_sync(enabled)
+    def gradient_sync(self, model: nn.Module, reduce: bool, last: bool):
+        # True: the post-backward reduce-scatters the unit's gradient and adds it to the sharded one, then
+        # frees the unsharded one (parameters reshard after backward: FSDP2's default, never changed here).
+        # False: the unsharded gradient stays and accumulates until a micro-batch that reduces.
+        model.set_requires_gradient_sync(reduce)
         return contextlib.nullcontext()
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -254,6 +257,8 @@ class FSDP2(Backend):
             "wrap=experts": "`fully_shard` per expert, then per block",
             "wrap=none": "`fully_shard` on the root only",
             "ac=full / selective / selective_op": "`checkpoint_wrapper` on blocks, before sharding",
+            "trainer.grad_sync=every_micro_batch": "`set_requires_gradient_sync(True)` every micro-batch (auto)",
+            "trainer.grad_sync=last_micro_batch": "`set_requires_gradient_sync(False)` until the last micro-batch",
             "compile=true": "`Module.compile()` per block, before sharding",
             "parallel.tp=N": "`parallelize_module` (Colwise / Rowwise) on a (dp, tp) mesh",
         }

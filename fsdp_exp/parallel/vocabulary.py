@@ -42,10 +42,41 @@ ROWS: dict[str, str] = {
     "sharding.use_orig_params": "n/a",
     "sharding.sync_module_states": "n/a",
     "ac=full / selective / selective_op": "`activation_checkpointing`",
+    "trainer.grad_sync=every_micro_batch": "stages 2 and 3 (reduce into the partitions each micro-batch)",
+    "trainer.grad_sync=last_micro_batch": "stages 0 and 1 (reduce at the accumulation boundary)",
     "compile=true": "n/a",
     "parallel.tp=N": "Megatron TP",
 }
 SHARDING_ROWS = [key for key in ROWS if key.startswith("sharding=")]
+
+# Named policies the table's rows refer to, in words (the code that applies them is named in each).
+POLICIES = """\
+## Named policies
+
+**Op-level selective checkpointing** (`ac=selective_op`, `fsdp_exp/parallel/ac.py`: `OpSaver`). Every block is
+checkpointed, and torch's selective checkpoint API decides op by op what the block keeps for its backward;
+everything else is recomputed there.
+
+- `ac.ops=every_other_matmul` (the preset's policy) is torchtitan's per-op SAC. Counting a block's matmuls in
+  the order its forward runs them, the odd ones (1st, 3rd, 5th, ...) keep their output and the even ones are
+  recomputed; the count starts again in every block and again in its recompute, so both pick the same ones. In
+  a Llama block the seven matmuls are wq, wk, wv, wo, w1, w3, w2: wq, wv, w1 and w2 are kept, wk, wo and w3
+  recomputed. Whatever the count, the outputs of SDPA's kernels (flash, memory-efficient, cuDNN, the CPU's
+  flash: output and log-sum-exp) and of collectives inside the block (reduce-scatter, all-reduce,
+  all-to-all: tensor parallel's) are always kept. torchtitan counts `aten.mm` only, since its linear layers
+  have no bias; here a linear layer with a bias (`aten.addmm`) counts as a matmul too. Batched matmuls are
+  neither counted nor kept.
+- `ac.ops=every_matmul` keeps every matmul's output (mm, addmm, bmm) and the same kernels' and collectives':
+  no matmul is recomputed (HFU equals MFU), at about 1.7 times the first policy's saved bytes (Llama-3 8B's block).
+
+**Gradient accumulation** (`trainer.grad_sync`, `fsdp_exp/parallel/__init__.py`: `Parallelized.gradient_sync`).
+`every_micro_batch` reduces each micro-batch's gradients as its backward finishes each unit, adding them to
+the sharded gradient: between micro-batches a rank holds the gradient shard only, and each unit's unsharded
+gradient lives only until its reduce-scatter. `last_micro_batch` accumulates the unsharded gradients locally
+and reduces once, after the last micro-batch: one collective per unit per step instead of one per micro-batch,
+at the cost of every unit's whole unsharded gradient from the first backward to the last. `auto` (the default)
+is the backend's rule, recorded resolved in `run.json["applied"]["grad_sync"]`.
+"""
 
 
 def backends() -> list[Backend]:
@@ -69,7 +100,8 @@ def render_markdown() -> str:
             f"Select the backend with `sharding.backend={'|'.join(backend_names())}` (`sharding=ddp` for DDP). "
             f"\"{REFUSED}\" means the combination fails before any rank starts, with a message naming "
             "the equivalent; every run records what reached torch in `run.json[\"applied\"]` and reads it "
-            "back from the wrapped model in `applied[\"inspected\"]`.\n\n" + header + "\n" + rows + "\n")
+            "back from the wrapped model in `applied[\"inspected\"]`.\n\n" + header + "\n" + rows + "\n\n"
+            + POLICIES)
 
 
 if __name__ == "__main__":

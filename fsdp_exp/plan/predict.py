@@ -64,7 +64,8 @@ def plan(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] =
         grad_accum_steps=topology.grad_accum_steps, tp=topology.tp_size, shard=shard,
         ac_mode=cfg.ac.mode, ac_every=cfg.ac.every, ac_ops=cfg.ac.ops,
         prefetch_forward=cfg.prefetch.forward, prefetch_backward=cfg.prefetch.backward,
-        reshard_last_block=cfg.sharding.reshard_last_block, wrap_policy=cfg.wrap.policy)
+        reshard_last_block=cfg.sharding.reshard_last_block, wrap_policy=cfg.wrap.policy,
+        grad_sync=backend.grad_sync(cfg))
     walk = StepWalk(setting, rules, profile, gathered(infos, inventory), states, inventory.buffer_bytes)
     phases = walk.phases()
 
@@ -93,8 +94,8 @@ def assumptions(cfg: "RunConfig", backend_notes: tuple[str, ...], model_notes: l
     notes = list(backend_notes)
     if cfg.compile:
         notes.append("compile=true can fuse away saved tensors: the eager estimate is an upper bound")
-    if cfg.ac.ops == "matmul_save":
-        notes.append("op-level selective AC (ac=selective_op): saved matmul outputs estimated")
+    if cfg.ac.ops != "none" and cfg.parallel.tp > 1:
+        notes.append(f"ac.ops={cfg.ac.ops} under tensor parallel: the collectives' saved outputs estimated")
     if cfg.wrap.policy == "size":
         notes.append("wrap=size: units inside blocks are treated like MoE experts (estimated)")
     return notes + model_notes

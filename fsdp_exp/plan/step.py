@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from fsdp_exp.config.schema import LAST_MICRO_BATCH
 from fsdp_exp.models.spec import ActivationProfile
 from fsdp_exp.parallel.backend import PlannerRules
 from fsdp_exp.plan.states import DTYPE_BYTES, Gathered, ModelStates
@@ -68,6 +69,7 @@ class StepSetting:
     prefetch_backward: Optional[int]
     reshard_last_block: Optional[bool]
     wrap_policy: str
+    grad_sync: str = LAST_MICRO_BATCH  # trainer.grad_sync as the backend resolved it
 
 
 class StepWalk:
@@ -96,12 +98,12 @@ class StepWalk:
         # ---- activations
         every = {"none": 0, "full": 1, "selective": s.ac_every}[s.ac_mode]
         self.checkpointed = [every > 0 and j % every == 0 for j in range(self.L)]
-        self.op_level = s.ac_ops == "matmul_save"
+        self.op_level = s.ac_ops != "none"
         self.math_attention = x.math_attention(s.kind, e)
         self.full_block = x.block_saved(e, self.autocast, self.math_attention)["total"]
         # The block's input: the residual stream, which stays fp32 under autocast.
         self.block_input = x.residual(4 if self.autocast else e)
-        kept = self.block_input + x.op_level_saved(e) if self.op_level else self.block_input
+        kept = self.block_input + x.op_level_saved(e, s.ac_ops) if self.op_level else self.block_input
         self.act_block = [kept if c else self.full_block for c in self.checkpointed]
         self.all_acts = sum(self.act_block)
         self.head = x.head_saved(e, self.autocast)
@@ -122,6 +124,13 @@ class StepWalk:
         self.output_cast = self.e_p * g.output_full_numel if self.autocast else 0
         # DDP accumulates micro-batches' gradients into the full-size .grad.
         self.replica_grads = 4 * g.full_numel if s.grad_accum_steps > 1 and not self.gathers else 0
+        # FSDP accumulating micro-batches (trainer.grad_sync): last_micro_batch keeps every unit's unsharded
+        # gradient until the last backward reduces it; every_micro_batch reduces each backward into the
+        # sharded gradients, which then exist whole from the first micro-batch on (the walk's micro-batch is
+        # a later one, the largest).
+        accumulates = s.grad_accum_steps > 1 and self.gathers
+        self.keeps_unsharded = accumulates and s.grad_sync == LAST_MICRO_BATCH
+        self.sharded_before = int(states.resident["grads"]) if accumulates and not self.keeps_unsharded else 0
 
     # ------------------------------------------------------------------------------ helpers
     def phase(self, name: str, **pieces) -> Phase:
@@ -132,11 +141,12 @@ class StepWalk:
                      module_buffers=self.module_buffers, inputs=self.inputs, **pieces)
 
     def accumulated(self, upto: Optional[int]) -> int:
-        """Gradient accumulation: FSDP2 keeps each unit's unsharded gradient (in reduce_dtype) from the
-        first micro-batch until the last one's backward reduces it (the root's and blocks up to
-        ``upto``; all with None)."""
-        if self.s.grad_accum_steps == 1 or not self.gathers:
-            return 0
+        """Gradient accumulation: what earlier micro-batches left. Under last_micro_batch FSDP2 keeps each
+        unit's unsharded gradient (in reduce_dtype) from the first micro-batch until the last one's
+        backward reduces it (the root's and blocks up to ``upto``; all with None); under
+        every_micro_batch the sharded gradients, which each backward adds to."""
+        if not self.keeps_unsharded:
+            return self.sharded_before
         blocks = self.g.block_numel if upto is None else self.g.block_numel[: upto + 1]
         return self.e_r * (self.g.root_numel + sum(blocks))
 
@@ -180,7 +190,7 @@ class StepWalk:
             if not self.checkpointed[i]:
                 in_block = self.full_block + h_alive
             elif self.op_level:
-                in_block = self.act_block[i] + x.op_level_forward_peak(e) + h_alive
+                in_block = self.act_block[i] + x.op_level_forward_peak(e, self.s.ac_ops) + h_alive
             else:
                 in_block = self.block_input + x.checkpointed_forward_peak(e)
             if not self.gathers:
@@ -241,11 +251,12 @@ class StepWalk:
                 out.append(self.phase(f"block {i} backward", grads=grads, unsharded=sum(self.casts[: i + 1]),
                                       comm=self.bucket, activations=acts, temporaries=inner))
                 continue
-            # sharded gradients of the blocks already reduced (offloaded to the host on CUDA)
-            done = sum(g.block_local_bytes[i + 1:]) * self.grads_here
+            # sharded gradients of the blocks already reduced (offloaded to the host on CUDA); all of them
+            # exist already when earlier micro-batches reduced theirs (``accumulated``)
+            done = 0 if self.sharded_before else sum(g.block_local_bytes[i + 1:]) * self.grads_here
             previous_rs = self.e_r * g.block_numel[i + 1] if i + 1 < self.L else 0  # freed at the next one
             new_grads = self.e_p * g.root_early_numel + self.e_grad_w * x.peak_weight_grad
-            if self.s.grad_accum_steps > 1 and self.e_r == self.e_p:
+            if self.keeps_unsharded and self.e_r == self.e_p:
                 new_grads = 0  # later micro-batches accumulate into the kept gradients in place
             out.append(self.phase(f"block {i} backward", grads=done + self.accumulated(i),
                                   unsharded=self.gathered_in_backward(i), comm=self.prefetched(i) + previous_rs,
@@ -270,7 +281,7 @@ class StepWalk:
         if not self.gathers:
             return []
         g = self.g
-        return [self.phase("root reduce-scatter", grads=sum(g.block_local_bytes) * self.grads_here,
+        return [self.phase("root reduce-scatter", grads=self.sharded_before or sum(g.block_local_bytes) * self.grads_here,
                            unsharded=self.e_p * g.root_numel,
                            comm=self.e_r * g.root_numel * (2 if self.gloo_copy else 1),
                            activations=self.logits, temporaries=self.e_p * g.root_numel)]

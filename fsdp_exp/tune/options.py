@@ -16,7 +16,8 @@ from typing import Optional
 from fsdp_exp.errors import fail
 
 # The search space's dimensions, in the order a candidate's overrides list them (fsdp_exp.tune.space).
-SPACE_DIMENSIONS = ("backend", "sharding", "shard_size", "ac", "precision", "offload", "prefetch", "micro_batch_size")
+SPACE_DIMENSIONS = ("backend", "sharding", "shard_size", "ac", "precision", "offload", "prefetch", "micro_batch_size",
+                    "grad_sync")
 
 OPTIONS = {
     "tune.out": "folder for tune.json, the candidates' config group, the sweep and the report "

@@ -9,11 +9,12 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
 - **collectives**, each with its group (size, nodes it spans), how many per step and their bytes:
   - a backend that gathers units (FSDP): each unit's all-gather over the shard group in every
     micro-batch's forward, again in backward where units are resharded after forward (all but the last
-    block, which stays gathered), in ``param_dtype``; one reduce-scatter per unit per step, in
-    ``reduce_dtype`` (earlier micro-batches only accumulate); across replicas of a shard (hybrid,
-    no_shard) one all-reduce of the unit's shard per step;
+    block, which stays gathered), in ``param_dtype``; one reduce-scatter per unit per micro-batch in
+    ``reduce_dtype`` under ``trainer.grad_sync=every_micro_batch`` (FSDP's default), per step under
+    ``last_micro_batch`` (earlier micro-batches only accumulate); across replicas of a shard (hybrid,
+    no_shard) one all-reduce of the unit's shard as often;
   - a backend that replicates (DDP): the gradients all-reduced in 25 MiB buckets (DDP's default), once
-    per step;
+    per step (per micro-batch under every_micro_batch);
   - tensor parallel: two all-reduces of the residual stream per block in forward and two in backward,
     every micro-batch, on the critical path;
   - two tiny all-reduces per step over the world (the loss statistics and the gradient norm).
@@ -49,6 +50,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Optional
 
+from fsdp_exp.config.schema import EVERY_MICRO_BATCH
 from fsdp_exp.plan.states import DTYPE_BYTES
 
 if TYPE_CHECKING:
@@ -168,6 +170,8 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
     shard = backend.shard_group(topology)
     replicas = max(1, dp // max(shard, 1))
     G = topology.grad_accum_steps
+    # Gradient reductions per step (trainer.grad_sync as the backend resolves it): every micro-batch, or the last.
+    R = G if backend.grad_sync(cfg) == EVERY_MICRO_BATCH else 1
     e_p, e_r = DTYPE_BYTES[cfg.precision.param_dtype], DTYPE_BYTES[cfg.precision.reduce_dtype]
     seq = cfg.trainer.seq_len
     tokens = cfg.trainer.global_batch_size * seq
@@ -196,19 +200,19 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
                 share = regathered / units
                 traffic.append(Traffic("backward re-gather", "all-gather", shard, shard_nodes, G * regathered,
                                        G * e_p * full_numel * share, "backward", cfg.prefetch.backward != 0))
-            traffic.append(Traffic("gradient reduce-scatter", "reduce-scatter", shard, shard_nodes, units,
-                                   e_r * full_numel, "backward", True))
+            traffic.append(Traffic("gradient reduce-scatter", "reduce-scatter", shard, shard_nodes, R * units,
+                                   R * e_r * full_numel, "backward", True))
         if replicas > 1:
-            traffic.append(Traffic("replica all-reduce", "all-reduce", replicas, replica_nodes, units,
-                                   e_r * full_numel / shard, "backward", True))
+            traffic.append(Traffic("replica all-reduce", "all-reduce", replicas, replica_nodes, R * units,
+                                   R * e_r * full_numel / shard, "backward", True))
         if offload:
             offload_f = G * 4 * full_numel / shard
             offload_b = G * 4 * full_numel / shard * (regathered / units) + 4 * full_numel / shard
     elif dp > 1:  # replicas: gradients all-reduced in buckets during backward
         grad_bytes = e_r * full_numel
         units = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
-        traffic.append(Traffic("gradient all-reduce (buckets)", "all-reduce", dp, dp_nodes, units, grad_bytes,
-                               "backward", True))
+        traffic.append(Traffic("gradient all-reduce (buckets)", "all-reduce", dp, dp_nodes, R * units,
+                               R * grad_bytes, "backward", True))
     if tp > 1:
         stream = spec_for(cfg.model).activations(cfg.model, topology.micro_batch_size, seq, 1, False).residual(e_p)
         blocks = len(w.block_forward_flops)

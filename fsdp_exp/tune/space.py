@@ -12,7 +12,11 @@ The dimensions (``tune.space.<name>=[...]`` narrows or widens each):
   search path too); fixed by ``<group>=..`` or ``<group>.<key>=..``. Precisions that need a loss scaler
   (fp16) are left out by default where the device computes bf16 as fast (``search``);
 - ``micro_batch_size``: the divisors of each rank's batch that are powers of two, and the batch itself;
-  fixed by ``trainer.micro_batch_size=..``.
+  fixed by ``trainer.micro_batch_size=..``;
+- ``grad_sync``: when accumulated micro-batches reduce their gradients, every_micro_batch and
+  last_micro_batch (memory against collectives), only for candidates that accumulate (one micro-batch
+  per step: the first value alone); fixed by ``trainer.grad_sync=..``. A backend that cannot honour a
+  value (DeepSpeed's engine has its own rule) refuses it in preflight.
 
 A dimension the run's overrides already set is the user's choice and is not searched. The model, the
 global batch and the sequence length are training choices: they stay as given. A backend or a model
@@ -47,7 +51,9 @@ FIXED_BY = {
     "shard_size": ("sharding.shard_size", "sharding.replicate_size"),
     "ac": ("ac",), "precision": ("precision",), "offload": ("offload",), "prefetch": ("prefetch",),
     "micro_batch_size": ("trainer.micro_batch_size",),
+    "grad_sync": ("trainer.grad_sync",),
 }
+GRAD_SYNC_VALUES = ["every_micro_batch", "last_micro_batch"]
 
 
 @dataclass
@@ -140,6 +146,8 @@ def build_space(base: "RunConfig", overrides: list[str], requested: dict[str, li
     per_rank = base.trainer.global_batch_size // dp if base.trainer.global_batch_size % dp == 0 else 0
     values["micro_batch_size"] = requested.get("micro_batch_size", micro_batches(per_rank) if per_rank else ["1"])
     _positive("micro_batch_size", values["micro_batch_size"])
+    values["grad_sync"] = requested.get("grad_sync", GRAD_SYNC_VALUES)
+    _check_values("grad_sync", values["grad_sync"], GRAD_SYNC_VALUES)
     searched_strategies = values["sharding"] if "sharding" not in fixed else [base.sharding.strategy]
     if HYBRID in searched_strategies and "shard_size" not in fixed and not values["shard_size"]:
         notes.append(f"sharding={HYBRID}: no shard group size divides {dp} data-parallel ranks into more than one "
@@ -192,20 +200,33 @@ def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterat
                     sharding = dataclasses.replace(sharding, shard_size=shard, replicate_size=replicate)
                     sharding_choices += [f"sharding.shard_size={shard}", f"sharding.replicate_size={replicate}"]
                 dims = [(g, v[g]) for g in GROUPS if g in v]
-                if "micro_batch_size" in v:
-                    dims.append(("micro_batch_size", v["micro_batch_size"]))
+                for dim in ("micro_batch_size", "grad_sync"):
+                    if dim in v:
+                        dims.append((dim, v[dim]))
                 for rest in _product(dims):
                     changes: dict = {"sharding": sharding}
                     choices = list(sharding_choices)
                     for dim, option in rest:
-                        if dim == "micro_batch_size":
-                            changes["trainer"] = dataclasses.replace(base.trainer, micro_batch_size=int(option))
-                            choices.append(f"trainer.micro_batch_size={option}")
+                        if dim in ("micro_batch_size", "grad_sync"):
+                            value = int(option) if dim == "micro_batch_size" else option
+                            changes["trainer"] = dataclasses.replace(changes.get("trainer", base.trainer),
+                                                                     **{dim: value})
+                            choices.append(f"trainer.{dim}={option}")
                         else:
                             changes[dim] = nodes[(dim, option)]
                             choices.append(f"{dim}={option}")
+                    trainer = changes.get("trainer", base.trainer)
+                    if "grad_sync" in v and trainer.grad_sync != v["grad_sync"][0] \
+                            and not _accumulates(trainer, space.dp):
+                        continue  # one micro-batch per step: every grad_sync is the same run
                     yield Candidate(f"c{index:04d}", choices, dataclasses.replace(base, **changes))
                     index += 1
+
+
+def _accumulates(trainer, dp: int) -> bool:
+    """More than one micro-batch per optimizer step on each rank."""
+    per_rank = trainer.global_batch_size // dp
+    return bool(trainer.micro_batch_size) and trainer.micro_batch_size < per_rank
 
 
 def _product(dims: list[tuple[str, list[str]]]) -> Iterator[list[tuple[str, str]]]:

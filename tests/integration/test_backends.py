@@ -211,7 +211,8 @@ def test_compiled_blocks_match(tmp_path, monkeypatch):
     (["sharding=ddp", "precision=bf16_pure"], "needs NCCL"),
     (["wrap=experts"], "model=moe_tiny"),
     (["parallel.tp=3"], "parallel.tp="),
-    (["ac.ops=matmul_save"], "ac=selective_op"),
+    (["ac.ops=every_matmul"], "ac=selective_op"),
+    (["ac=selective_op", "ac.ops=matmul_save"], "ac.ops=every_matmul"),
 ])
 def test_knobs_a_backend_cannot_honour_are_refused(overrides, needle):
     with pytest.raises(ConfigError) as err:

@@ -282,7 +282,7 @@ def _states_rank(local_rank: int, nprocs: int, port: int, out: str) -> None:
         engine, _ = BACKEND.apply(build_meta(cfg.model), cfg, mesh, torch.device("cpu"))
         counter = BACKEND.model_state_counter(engine, BACKEND.build_optimizer(engine, cfg, set()))
         (batch,) = build_data(cfg, topology, dp_rank=local_rank, device=torch.device("cpu")).micro_batches(0)
-        BACKEND.gradient_sync(engine, True)
+        BACKEND.gradient_sync(engine, True, True)
         loss = F.cross_entropy(engine(batch.inputs).float().flatten(0, 1), batch.targets.flatten())
         BACKEND.backward(engine, loss, None)
         BACKEND.optimizer_step(engine, None, None, 1.0)

@@ -120,6 +120,41 @@ def test_uneven_shards_and_fsdp1_model_states(tmp_path):
     _run_and_compare([*uneven, "sharding.backend=fsdp1"], tmp_path / "fsdp1", tracked=False)
 
 
+ACCUMULATING = [*TINY, "model.dim=256", "trainer.seq_len=8", "trainer.micro_batch_size=1",  # 4 micro-batches
+                "trainer.nproc_per_node=2"]  # parameters (1.6 M) dominate the activations of 8 tokens
+
+
+@pytest.mark.slow
+def test_accumulation_reduces_into_the_gradient_shard_by_default_and_the_planner_follows_both(tmp_path):
+    """2 ranks, 4 micro-batches: by default (trainer.grad_sync=auto: every_micro_batch under FSDP2) the
+    tracked forward holds the gradient shard and no unsharded gradient; under last_micro_batch the whole
+    unsharded gradient. The planner predicts both within 3%, and the losses are the same (fp32)."""
+    GRAD_TOLERANCE = 0.03
+    runs = {}
+    for name, extra in (("default", []), ("last", ["trainer.grad_sync=last_micro_batch"]),
+                        ("fsdp1", ["sharding.backend=fsdp1"])):
+        overrides = [*ACCUMULATING, *extra]
+        tracked = name != "fsdp1"  # torch's tracker cannot hook FSDP1
+        errors = _run_and_compare(overrides, tmp_path / name, tracked=tracked)
+        rows = read_metrics(tmp_path / name)
+        record = json.loads((tmp_path / name / "run.json").read_text())
+        runs[name] = {"rows": rows, "applied": record["applied"]["grad_sync"], "plan": _plan(overrides)}
+        if tracked:
+            assert abs(errors["step"]) < GRAD_TOLERANCE and abs(errors["forward"]) < GRAD_TOLERANCE, errors
+    default, last = runs["default"], runs["last"]
+    assert default["applied"] == {"trainer.grad_sync": "auto", "resolved": "every_micro_batch"}
+    assert runs["fsdp1"]["applied"]["resolved"] == "every_micro_batch"
+    assert last["applied"]["resolved"] == "last_micro_batch"
+    shard = default["plan"].model_states["device"]["grads"]  # fp32, this rank's half
+    forward = [next(r for r in run["rows"] if "mem/tracked_total_gib_max" in r) for run in (default, last)]
+    assert forward[0]["mem/tracked_forward_grads_gib_max"] * GIB == pytest.approx(shard, rel=GRAD_TOLERANCE)
+    assert forward[0]["mem/tracked_forward_unsharded_grads_gib_max"] == 0
+    assert forward[1]["mem/tracked_forward_unsharded_grads_gib_max"] * GIB == pytest.approx(2 * shard, rel=0.01)
+    for name in ("last", "fsdp1"):
+        assert [r["train/loss"] for r in runs[name]["rows"]] == pytest.approx(
+            [r["train/loss"] for r in default["rows"]], rel=1e-6, abs=0)
+
+
 def test_llama7b_full_shard_is_the_zero3_figure():
     """bf16 compute, fp32 master parameters, fp32 gradients, AdamW's two fp32 moments: 16 bytes per
     parameter, divided over 8 ranks (ZeRO-3)."""

@@ -49,6 +49,8 @@ KNOB = {
     "sharding.use_orig_params": {"sharding.use_orig_params": True},
     "sharding.sync_module_states": {"sharding.sync_module_states": False},
     "ac=full / selective / selective_op": {"ac.mode": "full"},
+    "trainer.grad_sync=every_micro_batch": {"trainer.grad_sync": "every_micro_batch"},
+    "trainer.grad_sync=last_micro_batch": {"trainer.grad_sync": "last_micro_batch"},
     "compile=true": {"compile": True},
     "parallel.tp=N": {"parallel.tp": 2},
 }
@@ -122,3 +124,25 @@ def test_an_unknown_backend_is_refused_with_the_closest_name():
         validate(run_config(["sharding.backend=fsdp3"]), cuda_devices=0)
     assert "sharding.backend='fsdp3' is not one of fsdp2, fsdp1, ddp, deepspeed" in str(err.value)
     assert "did you mean sharding.backend=fsdp2?" in str(err.value)
+
+
+def test_grad_sync_auto_is_each_backends_own_rule_and_a_setting_it_cannot_honour_is_refused():
+    """trainer.grad_sync=auto: FSDP reduces every micro-batch into the sharded gradient, DDP only the last
+    (no_sync), DeepSpeed by its engine's rule (ZeRO-2/3 every micro-batch, ZeRO-0/1 at the boundary), which
+    it alone honours."""
+    for name, rule in (("fsdp2", "every_micro_batch"), ("fsdp1", "every_micro_batch"), ("ddp", "last_micro_batch")):
+        assert get_backend(name).grad_sync(default_config(name)) == rule
+        for value in ("every_micro_batch", "last_micro_batch"):  # both honoured
+            cfg = with_values(default_config(name), {"trainer.grad_sync": value})
+            get_backend(name).check(cfg, "cpu")
+            assert get_backend(name).grad_sync(cfg) == value
+    deepspeed = get_backend("deepspeed")
+    for strategy, rule, other in (("full", "every_micro_batch", "last_micro_batch"),
+                                  ("optimizer", "last_micro_batch", "every_micro_batch")):
+        cfg = with_values(default_config("deepspeed"), {"sharding.strategy": strategy})
+        assert deepspeed.grad_sync(cfg) == rule
+        deepspeed.check(with_values(cfg, {"trainer.grad_sync": rule}), "cpu")
+        with pytest.raises(ConfigError, match="trainer.grad_sync=auto"):
+            deepspeed.check(with_values(cfg, {"trainer.grad_sync": other}), "cpu")
+    with pytest.raises(ConfigError, match="trainer.grad_sync='sometimes'"):
+        validate(run_config(["trainer.grad_sync=sometimes"]), cuda_devices=0)
