@@ -24,17 +24,15 @@ import argparse
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
-from urllib.parse import urlparse
+
+from fsdp_exp.net import connect_problem
 
 EXIT_NOT_UPLOADED = 1
 EXIT_NO_RUNS = 2
@@ -126,38 +124,11 @@ def wandb_host() -> str:
 
 
 def wandb_unreachable(timeout: float = 5.0) -> Optional[str]:
-    """None when a TCP connection to the W&B server opens within ``timeout`` seconds, else why not.
-
-    Behind a proxy (HTTPS_PROXY, ...; as W&B's client honours it) the connection tried is the proxy's.
-    Name resolution has no timeout of its own (a machine without a resolver can wait far longer), so the
-    attempt runs in a thread that is abandoned when the time is up."""
+    """None when a TCP connection to the W&B server (or the proxy the environment names for it) opens
+    within ``timeout`` seconds, else why not (fsdp_exp.net)."""
     url = wandb_host()
-    parsed = urlparse(url)
-    if not parsed.hostname:
-        return f"the W&B server address {url!r} names no host"
-    proxy = None if urllib.request.proxy_bypass(parsed.hostname) else urllib.request.getproxies().get(parsed.scheme)
-    target = parsed
-    if proxy:
-        target = urlparse(proxy if "://" in proxy else f"http://{proxy}")
-        url = f"{url} (through the proxy {proxy})"
-    host, port = target.hostname, target.port or (443 if target.scheme == "https" else 80)
-    outcome: dict[str, Optional[str]] = {}
-
-    def connect() -> None:
-        try:
-            socket.create_connection((host, port), timeout=timeout).close()
-            outcome["error"] = None
-        except OSError as err:
-            outcome["error"] = f"{type(err).__name__}: {err.strerror or err}"
-
-    thread = threading.Thread(target=connect, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if "error" not in outcome:
-        return f"cannot reach the W&B server {url}: no connection to {host}:{port} within {timeout:g} s"
-    if outcome["error"]:
-        return f"cannot reach the W&B server {url}: {host}:{port}: {outcome['error']}"
-    return None
+    why = connect_problem(url, timeout)
+    return None if why is None else f"cannot reach the W&B server {url}: {why}"
 
 
 # --------------------------------------------------------------------------------------- uploading

@@ -18,6 +18,7 @@ result; the launcher builds before it spawns any rank.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -226,20 +227,50 @@ def _load(source: Source, root: Path):
 
     try:
         if source.kind == "hf":
-            return datasets.load_dataset(source.dataset, source.dataset_config, split=source.split,
-                                         revision=source.revision, streaming=source.streaming)
+            return _load_hub_dataset(source)
         kwargs = {"sample_by": source.sample_by} if source.kind == "text" else {}
         # Local files: datasets' Arrow copies live next to our blocks, in data.cache_dir.
         return datasets.load_dataset(source.kind, data_files=list(source.files), split="train",
                                      streaming=source.streaming, cache_dir=str(root / "datasets"), **kwargs)
+    except DataError:
+        raise
     except Exception as exc:  # datasets raises many types: missing repo, bad JSON, offline hub, ...
         what = (f"data.dataset={source.dataset!r} split {source.split!r}" if source.kind == "hf"
                 else f"{source.key} as {source.kind}")
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        message = _first_line(exc)
         fix = ("check data.dataset / data.dataset_config / the split name, and that the hub is reachable "
                "(or pass a local folder)" if source.kind == "hf" else
                f"check the files' format, or pick the builder that reads them: data=text|json|parquet")
         raise DataError(f"could not load {what}: {type(exc).__name__}: {message}", fix) from None
+
+
+def _load_hub_dataset(source: Source):
+    """``data.dataset``: a local folder, or a hub name. Where the hub cannot be reached (fsdp_exp.hub: the
+    offline variables, or a probe of a few seconds), datasets reads its cache only: a copy there loads at
+    once, and a name it lacks is refused now instead of after half a minute of retries."""
+    import datasets
+
+    from fsdp_exp import hub
+
+    load = functools.partial(datasets.load_dataset, source.dataset, source.dataset_config, split=source.split,
+                             revision=source.revision, streaming=source.streaming)
+    why = None if Path(os.path.expanduser(source.dataset)).exists() else hub.unreachable()
+    if why is None:
+        return load()
+    try:
+        with hub.offline():
+            return load()
+    except Exception as exc:  # noqa: BLE001 - whatever datasets raises offline, the cause is the same
+        held = " (a data.streaming=true run keeps none)" if source.streaming else ""
+        raise DataError(f"data.dataset={source.dataset!r} is a hub name, {why}, and datasets' cache "
+                        f"({datasets.config.HF_DATASETS_CACHE}) holds no copy of its split {source.split!r}{held}: "
+                        f"{type(exc).__name__}: {_first_line(exc)}",
+                        f"pass data.dataset=<a local folder of its data files (parquet, json, text)>, or "
+                        f"{hub.how_to_reach()}" + (" with data.streaming=false" if source.streaming else "")) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def _tokenize(batch: dict, tokenizer, field: str) -> dict:

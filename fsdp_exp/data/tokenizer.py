@@ -12,6 +12,7 @@ bytes are dropped from the text, and id 0 separates documents once they are pack
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Optional, Sequence
@@ -104,10 +105,34 @@ def load_tokenizer(spec: str, eos_token: Optional[str] = None):
     except ImportError:  # pragma: no cover - a declared dependency
         raise TokenizerError(f"data.tokenizer={spec!r} needs the 'tokenizers' package: pip install tokenizers") from None
     local = _local_tokenizer_file(spec)
+    if local is None:
+        return HFTokenizer(_from_hub(spec), spec, eos_token)
     try:
-        tok = Tokenizer.from_file(str(local)) if local is not None else Tokenizer.from_pretrained(spec)
-    except Exception as exc:  # tokenizers raises plain Exceptions for bad files and missing repos
-        where = f"the file {local}" if local is not None else "the Hugging Face hub (no such local path either)"
-        raise TokenizerError(f"data.tokenizer={spec!r} could not be loaded from {where}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
+        tok = Tokenizer.from_file(str(local))
+    except Exception as exc:  # tokenizers raises plain Exceptions for bad files
+        raise TokenizerError(f"data.tokenizer={spec!r} could not be loaded from the file {local}: {_first_line(exc)}") \
+            from None
     return HFTokenizer(tok, spec, eos_token)
+
+
+def _from_hub(spec: str):
+    """A hub name's tokenizer.json, through the hub cache. Where the hub cannot be reached (fsdp_exp.hub), from
+    the cache only: a name it lacks is refused in seconds, not after the hub client's half minute of retries."""
+    from tokenizers import Tokenizer
+
+    from fsdp_exp import hub
+
+    why = hub.unreachable()
+    try:
+        with hub.offline() if why else contextlib.nullcontext():
+            return Tokenizer.from_pretrained(spec)
+    except Exception as exc:  # tokenizers raises plain Exceptions for missing repos
+        if why:
+            raise TokenizerError(f"data.tokenizer={spec!r} is not a local path; as a hub name: {why}, and the hub "
+                                 f"cache holds no copy of its tokenizer.json ({hub.how_to_reach()}).") from None
+        raise TokenizerError(f"data.tokenizer={spec!r} could not be loaded from the Hugging Face hub (no such local "
+                             f"path either): {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__

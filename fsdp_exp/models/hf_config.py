@@ -51,15 +51,18 @@ def cached_hub_file(name: str, revision: str | None) -> Path | None:
 
 def fetch(m) -> None:
     """The launcher's part, before preflight: a hub name whose config.json is not in the local cache is
-    downloaded into it; with HF_HUB_OFFLINE set (or no way to reach the hub) that is refused by name."""
+    downloaded into it; with HF_HUB_OFFLINE set or no way to reach the hub (fsdp_exp.hub) that is refused by name."""
     if not m.hf_config or is_local(m.hf_config) or cached_hub_file(m.hf_config, m.revision):
         return
     from huggingface_hub import constants, hf_hub_download
 
-    if constants.HF_HUB_OFFLINE:
-        fail(f"model.hf_config={m.hf_config!r} is a hub name, HF_HUB_OFFLINE is set, and the hub cache "
-             f"({constants.HF_HUB_CACHE}) holds no copy of its {HUB_FILE}.",
-             "unset HF_HUB_OFFLINE once to download it, or pass model.hf_config=<a local folder or config.json>")
+    from fsdp_exp import hub
+
+    why = hub.unreachable()  # the offline variables, or a probe of seconds where hf_hub_download retries for 30
+    if why:
+        fail(f"model.hf_config={m.hf_config!r} is a hub name, {why}, and the hub cache ({constants.HF_HUB_CACHE}) "
+             f"holds no copy of its {HUB_FILE}.",
+             f"pass model.hf_config=<a local folder or config.json>, or {hub.how_to_reach()}")
     try:
         hf_hub_download(m.hf_config, HUB_FILE, revision=m.revision, etag_timeout=5)
     except Exception as exc:  # noqa: BLE001 - every hub failure is the same refusal: name it
