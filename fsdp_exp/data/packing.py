@@ -262,9 +262,11 @@ def _load_hub_dataset(source: Source):
             return load()
     except Exception as exc:  # noqa: BLE001 - whatever datasets raises offline, the cause is the same
         held = " (a data.streaming=true run keeps none)" if source.streaming else ""
+        # datasets' own words, unless they only repeat that it is offline (its ConnectionError)
+        detail = "" if isinstance(exc, ConnectionError) else f": {type(exc).__name__}: {_first_line(exc)}"
         raise DataError(f"data.dataset={source.dataset!r} is a hub name, {why}, and datasets' cache "
-                        f"({datasets.config.HF_DATASETS_CACHE}) holds no copy of its split {source.split!r}{held}: "
-                        f"{type(exc).__name__}: {_first_line(exc)}",
+                        f"({datasets.config.HF_DATASETS_CACHE}) holds no copy of its split {source.split!r}{held}"
+                        f"{detail}.",
                         f"pass data.dataset=<a local folder of its data files (parquet, json, text)>, or "
                         f"{hub.how_to_reach()}" + (" with data.streaming=false" if source.streaming else "")) from None
 
