@@ -23,7 +23,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fsdp_exp import __version__
@@ -45,6 +44,7 @@ from fsdp_exp.metrics.peak import measured_peak
 from fsdp_exp.metrics.tracker import BREAKDOWN, PHASES, StepMemory
 from fsdp_exp.models import (build_meta, canonical_name, count_params, flops_per_token, matrix_parameter_names,
                              spec_for)
+from fsdp_exp.models.loss import mean_cross_entropy
 from fsdp_exp.optim import build_scheduler
 from fsdp_exp.parallel import parallelize
 from fsdp_exp.record import ConsoleSink, JsonlSink, RunRecord, WandbSink
@@ -110,6 +110,7 @@ class Trainer:
         self.start_step = self.checkpointer.resume()
 
         self.tokens_per_step = cfg.trainer.global_batch_size * cfg.trainer.seq_len
+        self.loss_chunks = cfg.trainer.loss_chunks  # the output projection and loss per slice of the sequence
         self.flops_per_token = flops_per_token(cfg.model, cfg.trainer.seq_len)
         # HFU's numerator: the model FLOPs plus what activation checkpointing recomputes (torch's
         # FlopCounterMode on the meta model; fsdp_exp/metrics/flops.py). A model the counter cannot run
@@ -396,12 +397,12 @@ class Trainer:
             # Reduced into the sharded gradient every micro-batch, or only after the last one
             # (trainer.grad_sync, resolved by the backend); otherwise accumulated locally.
             with self.parallel.gradient_sync(last=i == accum - 1):
-                with self.parallel.autocast():
-                    logits = self.model(batch.inputs)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten()) / accum
-                if phase:
-                    phase("backward")
-                self.parallel.backward(loss, self.scaler)
+                with self.parallel.loss_parallel():
+                    with self.parallel.autocast():
+                        loss = mean_cross_entropy(self.model, batch.inputs, batch.targets, self.loss_chunks) / accum
+                    if phase:
+                        phase("backward")
+                    self.parallel.backward(loss, self.scaler)
             loss_sum += loss.detach()
             if phase and i < accum - 1:
                 phase("forward")
@@ -421,9 +422,9 @@ class Trainer:
         tokens = 0
         with torch.no_grad():
             for batch in self.data.val_micro_batches():
-                with self.parallel.autocast():
-                    logits = self.model(batch.inputs)
-                total += F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="sum")
+                with self.parallel.loss_parallel(), self.parallel.autocast():
+                    mean = mean_cross_entropy(self.model, batch.inputs, batch.targets, self.loss_chunks)
+                total += mean.double() * batch.targets.numel()
                 tokens += batch.targets.numel()
         _, mean = reduce_over_ranks([total.item() / max(tokens, 1)], self.device)  # equal tokens per rank
         return {"val/loss": mean[0], "val/perplexity": math.exp(min(mean[0], 700.0))}

@@ -84,6 +84,14 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
              "pass trainer.collective_timeout_s=600 (seconds a collective waits for a peer)")
     if t.peak_tflops is not None and t.peak_tflops <= 0:
         fail(f"trainer.peak_tflops={t.peak_tflops} must be positive.", "pass trainer.peak_tflops=null to look it up")
+    if t.loss_chunks < 1:
+        fail(f"trainer.loss_chunks={t.loss_chunks} must be at least 1.",
+             "pass trainer.loss_chunks=8 (1 takes the loss on all the logits at once)")
+    if t.loss_chunks > 1 and p.output_dtype not in (None, "fp32"):
+        # The chunked loss is taken inside the model's forward: the root's output is the loss itself.
+        fail(f"precision.output_dtype={p.output_dtype} would round the loss: with trainer.loss_chunks="
+             f"{t.loss_chunks} the model's output is the loss, not the logits.",
+             "pass precision.output_dtype=null (or fp32), or trainer.loss_chunks=1")
 
     _validate_optim(cfg.optim, t.steps)
 

@@ -147,6 +147,9 @@ class ParallelConfig:
 
     tp: int = 1  # tensor-parallel degree (FSDP2 only): a 2-D mesh (dp, tp)
     sequence_parallel: bool = False  # shard norms and activations between TP regions over the sequence
+    # Keep the logits sharded over the vocabulary on the TP group and take the loss there (torch's
+    # loss_parallel); false: gather them to every TP rank first.
+    loss_parallel: bool = True
 
 
 @dataclass
@@ -218,6 +221,9 @@ class TrainerConfig:
     grad_sync: str = "auto"
     seq_len: int = 128
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
+    # The output projection and cross-entropy in this many slices of the sequence, each slice's fp32 logits
+    # alive only while its loss and gradient are made (fsdp_exp/models/loss.py); 1 = all logits at once.
+    loss_chunks: int = 8
     log_every: int = 1
     device: str = "auto"  # auto | cpu | cuda
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None = look the device up

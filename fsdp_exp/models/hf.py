@@ -25,6 +25,7 @@ Everything the run needs is read from the model itself, never written per archit
 from __future__ import annotations
 
 import copy
+import types
 from typing import TYPE_CHECKING, Optional
 
 from fsdp_exp.config.topology import largest_divisor_at_most
@@ -42,8 +43,44 @@ TP_STYLES = {"colwise": COLWISE, "rowwise": ROWWISE, "embedding_rowwise": ROWWIS
 
 
 def _logits_only(module, args, output):
-    """fsdp_exp's models return the logits; transformers' return a ModelOutput holding them."""
-    return output.logits
+    """fsdp_exp's models return the logits; transformers' return a ModelOutput holding them (and the
+    chunked loss a plain tensor, passed on)."""
+    return getattr(output, "logits", output)
+
+
+def _forward(model, input_ids, targets=None, loss_chunks: int = 1, **kwargs):
+    """transformers' forward, or with ``targets`` the summed cross-entropy of the decoder's last hidden
+    states through the model's output embeddings, chunked (fsdp_exp/models/loss.py). What transformers
+    does to the logits after the head (a soft cap, a scale) is done per chunk too."""
+    if targets is None:
+        return type(model).forward(model, input_ids, **kwargs)
+    from fsdp_exp.models.loss import chunked_cross_entropy
+
+    if model.base_model is model:
+        raise ValueError(f"{type(model).__name__} names no decoder (transformers' base_model_prefix) for the chunked "
+                         "loss to call before its output head: pass trainer.loss_chunks=1")
+    hidden = model.base_model(input_ids=input_ids).last_hidden_state
+    return chunked_cross_entropy(hidden, model.get_output_embeddings(), targets, loss_chunks,
+                                 _logits_transform(model.config.get_text_config()))
+
+
+def _logits_transform(config):
+    """What transformers' causal LMs apply to the head's output before the loss, from their config:
+    Gemma 2/3's ``final_logit_softcapping``, Cohere's ``logit_scale``; None when nothing."""
+    import torch
+
+    cap, scale = getattr(config, "final_logit_softcapping", None), getattr(config, "logit_scale", None)
+    if not cap and scale in (None, 1, 1.0):
+        return None
+
+    def transform(logits):
+        if scale not in (None, 1, 1.0):
+            logits = logits * scale
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return transform
 
 
 # transformers' names for the number of experts of a mixture-of-experts config (Mixtral's, Qwen-MoE's, DeepSeek's);
@@ -192,6 +229,7 @@ class HfSpec(ModelSpec):
         config = copy.deepcopy(self.config(m))
         config.use_cache = False  # training: no key/value cache
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=m.attn_implementation)
+        model.forward = types.MethodType(_forward, model)  # the chunked loss when targets are passed
         model.register_forward_hook(_logits_only)
         return model
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_exp.config.schema import ModelConfig
+from fsdp_exp.models.loss import chunked_cross_entropy
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
@@ -147,12 +148,16 @@ class Llama(nn.Module):
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunks: int = 1) -> torch.Tensor:
+        """The logits; with ``targets``, the summed cross-entropy instead, the output projection taken
+        ``loss_chunks`` slices of the sequence at a time (fsdp_exp/models/loss.py)."""
         seq = tokens.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
             h = block(h, cos, sin)
+        if targets is not None:
+            return chunked_cross_entropy(self.norm(h), self.output, targets, loss_chunks)
         return self.output(self.norm(h))
 
     def init_buffers(self, device: torch.device) -> None:

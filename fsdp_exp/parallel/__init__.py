@@ -44,6 +44,13 @@ class Parallelized:
     def autocast(self):
         return self.backend.autocast(self.cfg, self.device)
 
+    def loss_parallel(self):
+        """A context for one micro-batch's forward and backward: the loss taken on vocabulary-sharded
+        logits under tensor parallel's loss parallel (parallel/tp.py), a no-op otherwise."""
+        from fsdp_exp.parallel import tp
+
+        return tp.loss_context(self.cfg)
+
     def clip_grad_norm(self, max_norm: float) -> "torch.Tensor":
         return self.backend.clip_grad_norm(self.model, max_norm)
 

@@ -82,6 +82,49 @@ def compose(overrides: list[str]) -> "RunConfig":
         return to_run_config(hydra_compose(config_name="config", overrides=overrides))
 
 
+# The memory options the table prices, each asked of the planner as a variant of the configuration (as the
+# fit check does for its offers): a change that the configuration already has, or that cannot apply, is left out.
+MEMORY_OPTIONS = ("ac=full", "ac=selective_op", "precision=bf16", "sharding=full", "offload=params",
+                  "trainer.micro_batch_size=1")
+
+
+def memory_options(cfg: "RunConfig") -> list[str]:
+    """The changes to price for ``cfg``: the loss's and tensor parallel's options either way (what they
+    save, or what turning them off would cost), how accumulated gradients are kept, then the others."""
+    from fsdp_exp.config.schema import EVERY_MICRO_BATCH, LAST_MICRO_BATCH
+
+    t = cfg.trainer
+    changes = ["trainer.loss_chunks=1" if t.loss_chunks > 1 else "trainer.loss_chunks=8"]
+    if cfg.parallel.tp > 1:
+        changes.append(f"parallel.loss_parallel={str(not cfg.parallel.loss_parallel).lower()}")
+    if t.micro_batch_size is not None:  # micro-batches accumulate
+        changes += [f"trainer.grad_sync={EVERY_MICRO_BATCH}", f"trainer.grad_sync={LAST_MICRO_BATCH}"]
+    return changes + list(MEMORY_OPTIONS)
+
+
+def price_options(cfg: "RunConfig", result: Plan, cuda_devices: int, device_kind: Optional[str],
+                  margin: Optional[float]) -> list[dict]:
+    """What each memory option would change of the per-rank need (peak + margin), by planning the variant:
+    [{"change", "saves_bytes" (negative: costs), "total_bytes", "peak_phase"}], the largest saving first."""
+    from fsdp_exp.config.fit import _variant
+    from fsdp_exp.config.preflight import validate
+
+    priced = []
+    for change in memory_options(cfg):
+        variant = _variant(cfg, (change,))
+        if variant is None:
+            continue
+        try:
+            other = plan(variant, validate(variant, cuda_devices=cuda_devices), device_kind=device_kind, margin=margin)
+        except Exception:  # noqa: BLE001 - a change this configuration cannot take is not an option here
+            continue
+        saves = result.per_rank_bytes["total"] - other.per_rank_bytes["total"]
+        if saves:
+            priced.append({"change": change, "saves_bytes": saves, "total_bytes": other.per_rank_bytes["total"],
+                           "peak_phase": other.peak["phase"]})
+    return sorted(priced, key=lambda o: -o["saves_bytes"])
+
+
 def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
     from fsdp_exp.config.preflight import validate
 
@@ -113,17 +156,18 @@ def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
         # Plan for that GPU: as many GPUs per node as the run asks for (auto = 8).
         n = cfg.trainer.nproc_per_node
         gpus = int(n) if n.isdigit() else 8
-        topology = validate(cfg, cuda_devices=gpus)
     else:
         from fsdp_exp.env import cuda_device_count
 
-        topology = validate(cfg, cuda_devices=cuda_device_count())
-    result = plan(cfg, topology, device_kind=device.kind if device else None, margin=margin)
+        gpus = cuda_device_count()
+    topology = validate(cfg, cuda_devices=gpus)
+    kind = device.kind if device else None
+    result = plan(cfg, topology, device_kind=kind, margin=margin)
     if device is None:
         device = table["cpu_host"] if result.device_kind == "cpu" else local_cuda_device()
     if device is not None:
         result.device = fits(result, device)
-    return result, {"format": fmt}
+    return result, {"format": fmt, "options": price_options(cfg, result, gpus, kind, margin)}
 
 
 def _count(n: int) -> str:
@@ -133,7 +177,10 @@ def _count(n: int) -> str:
     return str(n)
 
 
-def render_table(result: Plan, overrides: list[str]):
+STAGE_WORDS = {"forward": "forward stage", "backward": "backward stage", "optimizer": "optimizer stage"}
+
+
+def render_table(result: Plan, overrides: list[str], options: Optional[list[dict]] = None):
     from rich.table import Table
 
     ms, per, pk = result.model_states, result.per_rank_bytes, result.peak
@@ -158,7 +205,9 @@ def render_table(result: Plan, overrides: list[str]):
     table.add_row("activations", fmt(per["activations"]), "at the peak, with their gradients")
     table.add_row("buffers", fmt(per["buffers"]), f"at the peak: unsharded params {fmt(pk['unsharded'])}, "
                   f"comm {fmt(pk['comm'])}, module {fmt(pk['module_buffers'])}")
-    table.add_row("peak", fmt(pk["total"]), f"{pk['phase']}; gradients alive then {fmt(pk['grads'])}")
+    stage = next(ph["stage"] for ph in result.phases if ph["name"] == pk["phase"])
+    table.add_row("peak", fmt(pk["total"]), f"at {pk['phase']} ({STAGE_WORDS[stage]}); "
+                  f"gradients alive then {fmt(pk['grads'])}")
     table.add_row("allocator margin", fmt(result.margin_bytes), result.margin_rule)
     table.add_row("total", fmt(per["total"]), "peak + margin", end_section=True)
     if result.device:
@@ -167,6 +216,11 @@ def render_table(result: Plan, overrides: list[str]):
         verdict = "fits" if dv["fits"] else "does NOT fit"
         table.add_row(dv["name"], fmt(dv["bytes"]),
                       f"{verdict}{shared}: needs {fmt(dv['needed_bytes'])}, headroom {fmt(dv['headroom_bytes'])}")
+    for i, option in enumerate(options or []):
+        saves = option["saves_bytes"]
+        table.add_row("with " + option["change"], f"{'-' if saves > 0 else '+'}{fmt(abs(saves))}",
+                      f"needs {fmt(option['total_bytes'])}; peak then at {option['peak_phase']}",
+                      end_section=i == len(options) - 1)
     for note in result.assumptions:
         table.add_row("note", "", note)
     return table
@@ -202,12 +256,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"fsdp_exp.plan: {refused}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if opts["format"] == "json":
-        print(json.dumps(result.to_dict(), indent=1))
+        print(json.dumps({**result.to_dict(), "options": opts["options"]}, indent=1))
     else:
         from rich.console import Console
 
         console = Console()
-        console.print(render_table(result, split_argv(argv)[1]))
+        console.print(render_table(result, split_argv(argv)[1], opts["options"]))
         line = verdict_line(result)
         if line:
             console.print(line)

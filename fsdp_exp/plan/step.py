@@ -70,6 +70,8 @@ class StepSetting:
     reshard_last_block: Optional[bool]
     wrap_policy: str
     grad_sync: str = LAST_MICRO_BATCH  # trainer.grad_sync as the backend resolved it
+    loss_chunks: int = 1  # trainer.loss_chunks: the output projection and loss per slice of the sequence
+    loss_parallel: bool = False  # parallel.loss_parallel: the logits stay sharded over the TP group's vocabulary
 
 
 class StepWalk:
@@ -107,10 +109,15 @@ class StepWalk:
         self.act_block = [kept if c else self.full_block for c in self.checkpointed]
         self.all_acts = sum(self.act_block)
         self.head = x.head_saved(e, self.autocast)
-        # The logits, held by the step until it returns: param_dtype, or the root's output_dtype.
-        out = rules.root_output_dtype
-        self.logits = (DTYPE_BYTES[out] if out else e) * x.logits
-        self.log_softmax = 4 * x.logits
+        # The logits this rank makes at once: all of them, or one slice of the sequence's (trainer.loss_chunks,
+        # fsdp_exp/models/loss.py); a vocabulary shard of them under loss parallel, else gathered whole.
+        self.chunks = max(1, min(s.loss_chunks, x.s))
+        self.vocab_share = s.tp if s.tp > 1 and s.loss_parallel else 1
+        self.logit_elements = -(-x.logits * -(-x.s // self.chunks) // x.s // self.vocab_share)
+        # In param_dtype, or all at once the root's output_dtype (the chunked loss is the root's output).
+        out = rules.root_output_dtype if self.chunks == 1 else None
+        self.logits = (DTYPE_BYTES[out] if out else e) * self.logit_elements
+        self.log_softmax = 4 * self.logit_elements
         self.module_buffers = buffer_bytes
         self.inputs = 2 * 8 * x.tokens  # token ids and targets (int64)
         # Weight gradients: in param_dtype where the unsharded parameters are (FSDP); DDP's land in
@@ -186,6 +193,12 @@ class StepWalk:
         grads = self.accumulated(None) + self.replica_grads
         h_alive = 0 if self.autocast or e == 4 else x.residual(e)  # fp32 and autocast: saved already
         out = []
+        first = next((j for j in range(self.L) if g.own[j]), None)
+        if self.all_gathers and first is not None:
+            # 0) The first block's all-gather lands while the root's all-gather output is still held (freed at
+            # that unit's wait) beside the root's gathered parameters: what a large vocabulary's step peaks at.
+            out.append(self.phase("forward (root gathered)", grads=grads, unsharded=self.e_p * g.root_numel,
+                                  comm=self.e_p * (g.root_numel + g.own[first]), activations=x.residual(e)))
         for i in range(self.L):
             if not self.checkpointed[i]:
                 in_block = self.full_block + h_alive
@@ -208,32 +221,57 @@ class StepWalk:
             unsh = self.e_p * (g.root_numel + (sum(g.block_numel) if not self.reshard
                                                else (g.own[self.L - 1] if self.keep_last else 0)))
             comm = self.e_p * self.last_gathered(self.L - 1) if self.all_gathers else 0
-        # Tensor parallel: the column-parallel output is gathered to a replicated one (parallel/tp.py), so
-        # the local shard of the logits and the all-gather's output are alive next to the result.
-        tp_gather = self.logits // self.s.tp + self.logits if self.s.tp > 1 else 0
+        # Tensor parallel without loss parallel: the column-parallel output is gathered to a replicated one
+        # (parallel/tp.py), so the local shard of the logits and the all-gather's output are alive next to it.
+        tp_gather = self.logits // self.s.tp + self.logits if self.s.tp > 1 and self.vocab_share == 1 else 0
         out.append(self.phase("forward (output projection)", grads=grads, unsharded=unsh, comm=comm,
                               activations=self.all_acts + self.head + self.logits, temporaries=tp_gather))
         return out
 
     def loss(self) -> list[Phase]:
         """3) The loss's forward (the end of the forward stage), while log_softmax's output (fp32) is
-        made; a logits tensor that is not fp32 has its fp32 copy (``.float()``) alive then. Then its
-        backward: every activation, the loss gradients (fp32); a resharded root is gathered again only
-        after this."""
+        made; logits that are not fp32 have their fp32 copy (``.float()``) alive then. Then its
+        backward: log_softmax's output and the loss gradients (fp32); the logits themselves are gone.
+
+        All the logits at once (``trainer.loss_chunks=1``): the loss is taken after the model's forward,
+        and a resharded root is gathered again only after its backward. One slice's
+        (``fsdp_exp.models.loss``): the loss is the root's output, so the root stays gathered through the
+        slices and is gathered again before their backward, where each slice's logits are made again
+        beside the output projection's weight gradient (made by the first) and the hidden states'
+        gradient, accumulated over the slices (with the next slice's, zero-padded, being added). The
+        output projection's weight gradient is summed over the slices by autograd before it reaches the
+        parameter: the sum so far, the next slice's and their sum are alive at once (measured with torch's
+        tracker), which is the moment of the loss's backward when the head's weight outweighs a slice's
+        logits."""
         g = self.g
+        chunked = self.chunks > 1
         if not self.gathers:
             unsh, comm = sum(self.casts) + self.output_cast, self.bucket
         elif not self.reshard:
             unsh, comm = self.e_p * (g.root_numel + sum(g.block_numel)), 0
         else:
-            unsh, comm = (self.e_p * g.own[self.L - 1] if self.keep_last else 0), 0
+            unsh, comm = self.e_p * ((g.own[self.L - 1] if self.keep_last else 0) + (g.root_numel if chunked else 0)), 0
         grads = self.accumulated(None) + self.replica_grads
-        acts = self.all_acts + self.head + self.logits + self.log_softmax
-        float_copy = 4 * self.x.logits if self.logits != 4 * self.x.logits else 0
-        return [self.phase("loss forward", grads=grads, unsharded=unsh, comm=comm, activations=acts,
-                           temporaries=float_copy),
-                self.phase("loss backward", grads=grads, unsharded=unsh, comm=comm, activations=acts,
-                           temporaries=2 * 4 * self.x.logits)]
+        acts = self.all_acts + self.head
+        float_copy = 4 * self.logit_elements if self.logits != 4 * self.logit_elements else 0
+        # Loss parallel (torch's log_softmax on the vocabulary shards) holds one more fp32 tensor of the
+        # logits' size in the forward and the backward; in a slice's backward half that (both measured with
+        # torch's tracker on CPU).
+        sharded = self.log_softmax if self.vocab_share > 1 else 0
+        # Inside the root's forward the last block's all-gather output is still held (as at the projection).
+        forward_comm = self.e_p * self.last_gathered(self.L - 1) if chunked and self.all_gathers else comm
+        forward = self.phase("loss forward", grads=grads, unsharded=unsh, comm=forward_comm,
+                             activations=acts + self.logits + self.log_softmax, temporaries=float_copy + sharded)
+        if not chunked:
+            return [forward, self.phase("loss backward", grads=grads, unsharded=unsh, comm=comm,
+                                        activations=acts + self.log_softmax,
+                                        temporaries=2 * 4 * self.logit_elements + sharded)]
+        # A slice's recomputed log_softmax output, its gradient and the logits' (fp32), the recomputed logits
+        # and their gradient's cast to param_dtype; or the head's weight gradient three times.
+        made_again = 3 * self.log_softmax + self.logits + (self.logits if float_copy else 0)
+        weight_sums = 3 * self.e_grad_w * (g.root_early_numel if self.gathers else g.root_early_full_numel)
+        return [forward, self.phase("loss backward", grads=grads, unsharded=unsh, comm=comm, activations=acts,
+                                    temporaries=max(made_again, weight_sums) + 2 * self.resid_grad + sharded // 2)]
 
     def backward(self) -> list[Phase]:
         """4) Each block's backward, last to first, at its peak (the SwiGLU's): the gradient arriving
@@ -243,7 +281,7 @@ class StepWalk:
         out = []
         for i in reversed(range(self.L)):
             recompute = self.full_block if self.checkpointed[i] else 0
-            acts = sum(self.act_block[:i]) + (0 if self.checkpointed[i] else self.full_block) + self.logits
+            acts = sum(self.act_block[:i]) + (0 if self.checkpointed[i] else self.full_block)
             inner = self.resid_grad + x.backward_peak(e) + recompute  # beside the new weight gradients
             if not self.gathers:
                 grads = self.replica_grads or (4 * g.root_early_full_numel + 4 * sum(g.block_full_numel[i + 1:])
@@ -264,7 +302,7 @@ class StepWalk:
             # Post-backward: the block is resharded, its gradients copied into the reduce-scatter input
             # (reduce_dtype), the unsharded ones freed.
             unsh = self.e_p * (g.root_numel + (sum(g.block_numel[:i]) if not self.reshard else 0))
-            rest = dict(unsharded=unsh, activations=sum(self.act_block[:i]) + self.logits,
+            rest = dict(unsharded=unsh, activations=sum(self.act_block[:i]),
                         temporaries=self.e_p * g.root_early_numel + self.resid_grad)
             out.append(self.phase(f"block {i} reduce-scatter",
                                   grads=done + self.accumulated(i - 1) + self.e_p * g.block_numel[i],
@@ -277,14 +315,14 @@ class StepWalk:
         return out
 
     def root_reduction(self) -> list[Phase]:
-        """6) The root's gradient reduction, after the input embedding's backward."""
+        """6) The root's gradient reduction, after the input embedding's backward: FSDP2 reshards the root
+        before it reduces (its post-backward), so only its unsharded gradients and the buffers are left."""
         if not self.gathers:
             return []
         g = self.g
         return [self.phase("root reduce-scatter", grads=self.sharded_before or sum(g.block_local_bytes) * self.grads_here,
-                           unsharded=self.e_p * g.root_numel,
                            comm=self.e_r * g.root_numel * (2 if self.gloo_copy else 1),
-                           activations=self.logits, temporaries=self.e_p * g.root_numel)]
+                           temporaries=self.e_p * g.root_numel)]
 
     def optimizer_step(self) -> Phase:
         """7) The optimizer step: CUDA's foreach AdamW makes a temporary the size of all shards. The
@@ -296,8 +334,7 @@ class StepWalk:
             temporaries = int(st["params"])
         else:
             temporaries = max(_loop_temporaries(sizes) for sizes in self.states.optimizer_groups)
-        return self.phase("optimizer step", grads=st["grads"], comm=self.bucket, activations=self.logits,
-                          temporaries=temporaries)
+        return self.phase("optimizer step", grads=st["grads"], comm=self.bucket, temporaries=temporaries)
 
 
 def _loop_temporaries(sizes: list[int]) -> int:

@@ -60,3 +60,56 @@ def test_forward_on_cpu_and_init_depends_on_seed_and_name_only():
     changed = tokens.clone()
     changed[:, -1] = (changed[:, -1] + 1) % 256
     assert torch.allclose(models[0](changed)[:, :-1], logits[:, :-1], atol=1e-6)
+
+
+def _model_of(overrides):
+    cfg = run_config(overrides)
+    model = build_meta(cfg.model)
+    model.to_empty(device="cpu")
+    init_weights(model, 0, torch.device("cpu"))
+    return model.eval()  # no dropout: the two losses see the same function
+
+
+def _saved_config(tmp_path, name, config):
+    config.save_pretrained(tmp_path / name)
+    return [f"model.hf_config={tmp_path / name}", "model=hf"]
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-tied", "hf-gpt2-tied", "hf-gemma2-softcap"])
+def test_the_chunked_loss_equals_the_loss_on_all_logits_with_the_same_gradients(tmp_path, family):
+    """trainer.loss_chunks: the output projection and loss over slices of the sequence (an uneven split
+    too: 7 slices of 32 positions) give the plain F.cross_entropy of the model's logits, fp32, and the same
+    gradient for every parameter (tied embeddings and a family's soft cap included)."""
+    from fsdp_exp.models.loss import mean_cross_entropy
+
+    tiny = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=256"]
+    if family.startswith("llama"):
+        overrides = [*tiny, f"model.tie_embeddings={str(family == 'llama-tied').lower()}"]
+    else:
+        transformers = pytest.importorskip("transformers")
+        if family == "hf-gpt2-tied":
+            overrides = _saved_config(tmp_path, "gpt2", transformers.GPT2Config(
+                n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0))
+        else:
+            overrides = [*_saved_config(tmp_path, "gemma2", transformers.Gemma2Config(
+                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, vocab_size=256, final_logit_softcapping=5.0)),
+                "model.attn_implementation=eager"]
+    model = _model_of(overrides)
+    tokens, targets = torch.randint(0, 256, (2, 2, 32), generator=torch.Generator().manual_seed(1))
+
+    def loss_and_grads(loss_of):
+        model.zero_grad(set_to_none=True)
+        loss = loss_of()
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    whole, whole_grads = loss_and_grads(
+        lambda: torch.nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten()))
+    chunked, chunked_grads = loss_and_grads(lambda: mean_cross_entropy(model, tokens, targets, 7))
+    assert abs(chunked / whole - 1) < 1e-6, (chunked, whole)
+    assert set(chunked_grads) == set(whole_grads)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    with torch.no_grad():  # evaluation takes the same path without checkpoints
+        assert abs(mean_cross_entropy(model, tokens, targets, 7).item() / whole - 1) < 1e-6

@@ -1,0 +1,67 @@
+"""The training loss: mean cross-entropy per token, with the output projection computed in chunks of the
+sequence so that no moment of the step holds every logit in fp32 (``trainer.loss_chunks``).
+
+``loss_chunks=1`` is the plain way: the model returns the logits, the loss is taken on their fp32 copy.
+With more chunks the model's own forward (``forward(tokens, targets=..., loss_chunks=k)``, every family
+takes these) ends with ``chunked_cross_entropy``: the final hidden states are split over the sequence,
+and each chunk's projection, fp32 cast and cross-entropy run under ``torch.utils.checkpoint``, so a
+chunk's logits exist only while its loss is taken in the forward and while its gradient is made in the
+backward (the projection is recomputed then: one more matmul of the output head, in exchange for 1/k of
+the logits). The loss is computed inside the root module's forward on purpose: every backend's hooks
+(FSDP2's and FSDP1's gathering of the root, DeepSpeed's per-module ones, tensor parallel's styles on
+the head) see the head being called, in the forward and again at the recomputation.
+
+Under tensor parallel's loss parallel the logits stay sharded over the vocabulary (a DTensor), and the
+loss is a replicated DTensor; ``mean_cross_entropy`` hands back its local value (the parallel layer
+holds torch's ``loss_parallel`` context around the forward and the backward).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def mean_cross_entropy(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Mean cross-entropy per token of ``model`` (any family, wrapped by any backend) on one batch."""
+    if chunks <= 1:
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    else:
+        loss = model(inputs, targets=targets, loss_chunks=chunks) / targets.numel()
+    return _local(loss)
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunks: int,
+                          logits_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+    """The summed cross-entropy of ``head(hidden)`` (hidden: batch x sequence x width) against ``targets``
+    (batch x sequence), ``chunks`` slices of the sequence at a time. ``logits_transform``: what the
+    family does to the logits before the loss (e.g. a soft cap)."""
+    total = None
+    for h, t in zip(hidden.tensor_split(min(chunks, hidden.shape[1]), dim=1),
+                    targets.tensor_split(min(chunks, targets.shape[1]), dim=1)):
+        if torch.is_grad_enabled():
+            part = checkpoint(_chunk_loss, h, t, head, logits_transform, use_reentrant=False)
+        else:  # evaluation: nothing is kept for a backward
+            part = _chunk_loss(h, t, head, logits_transform)
+        total = part if total is None else total + part
+    return total
+
+
+def _chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module,
+                logits_transform: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+    logits = head(hidden)
+    if logits_transform is not None:
+        logits = logits_transform(logits)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def _local(loss: torch.Tensor) -> torch.Tensor:
+    """A loss taken on vocabulary-sharded logits is a replicated DTensor: its value as a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
