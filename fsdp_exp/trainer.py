@@ -39,10 +39,10 @@ from fsdp_exp.env import default_threads, placement
 from fsdp_exp.dist import (RankInfo, broadcast_object, build_mesh, gather_over_ranks, init_distributed,
                            reduce_over_ranks)
 from fsdp_exp.metrics import memory
-from fsdp_exp.metrics.flops import lookup_peak_tflops, mfu, recompute_flops_per_token
+from fsdp_exp.metrics.flops import convention_flops_per_token, lookup_peak_tflops, mfu, recompute_flops_per_token
 from fsdp_exp.metrics.peak import measured_peak
 from fsdp_exp.metrics.tracker import BREAKDOWN, PHASES, StepMemory
-from fsdp_exp.models import (build_meta, canonical_name, count_params, flops_per_token, matrix_parameter_names,
+from fsdp_exp.models import (build_meta, canonical_name, count_params, matrix_parameter_names,
                              spec_for)
 from fsdp_exp.models.loss import mean_cross_entropy
 from fsdp_exp.optim import build_scheduler
@@ -111,7 +111,8 @@ class Trainer:
 
         self.tokens_per_step = cfg.trainer.global_batch_size * cfg.trainer.seq_len
         self.loss_chunks = cfg.trainer.loss_chunks  # the output projection and loss per slice of the sequence
-        self.flops_per_token = flops_per_token(cfg.model, cfg.trainer.seq_len)
+        # MFU's numerator under the run's named convention (trainer.flops_convention; recorded in run.json env)
+        self.flops_per_token = convention_flops_per_token(cfg.trainer.flops_convention, cfg.model, cfg.trainer.seq_len)
         # HFU's numerator: the model FLOPs plus what activation checkpointing recomputes (torch's
         # FlopCounterMode on the meta model; fsdp_exp/metrics/flops.py). A model the counter cannot run
         # on the meta device gets no HFU (null, and the reason in run.json env), not a failed run.
@@ -209,6 +210,7 @@ class Trainer:
             "num_params": count_params(self.cfg.model),
             "architecture": spec_for(self.cfg.model).architecture(self.cfg.model),  # e.g. MistralForCausalLM
             "flops_per_token": self.flops_per_token,
+            "flops_convention": self.cfg.trainer.flops_convention,
             "recompute_flops_per_token": self.recompute_flops_per_token,
             "hardware_flops_per_token": None if self.recompute_flops_per_token is None
             else self.flops_per_token + self.recompute_flops_per_token,

@@ -84,6 +84,11 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
              "pass trainer.collective_timeout_s=600 (seconds a collective waits for a peer)")
     if t.peak_tflops is not None and t.peak_tflops <= 0:
         fail(f"trainer.peak_tflops={t.peak_tflops} must be positive.", "pass trainer.peak_tflops=null to look it up")
+    from fsdp_exp.metrics.flops import CONVENTIONS
+
+    if t.flops_convention not in CONVENTIONS:
+        fail(f"trainer.flops_convention={t.flops_convention!r} is not a FLOPs convention MFU knows.",
+             f"pass one of {', '.join(CONVENTIONS)} (docs/metrics.md defines each)")
     if t.loss_chunks < 1:
         fail(f"trainer.loss_chunks={t.loss_chunks} must be at least 1.",
              "pass trainer.loss_chunks=8 (1 takes the loss on all the logits at once)")

@@ -227,6 +227,9 @@ class TrainerConfig:
     log_every: int = 1
     device: str = "auto"  # auto | cpu | cuda
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None = look the device up
+    # MFU's FLOPs per token, by a named convention (fsdp_exp/metrics/flops.py CONVENTIONS, docs/metrics.md):
+    # fsdp_exp | llmfoundry | torchtitan_2024_04 | torchtitan | megatron. Recorded beside every MFU (run.json env).
+    flops_convention: str = "fsdp_exp"
     threads_per_rank: Optional[int] = None  # CPU threads per rank; None = cores / local ranks
     eval_every: int = 0  # steps between evaluations on the validation data (val/loss); 0 = never
     # Memory breakdown of one step by torch's memory tracker (slow: sampled inside the warm-up).

@@ -57,6 +57,48 @@ def lookup_peak_tflops(device_name: str, dtype: str) -> Optional[float]:
     return PEAK_TFLOPS[max(matches, key=len)].get(dtype)
 
 
+# ------------------------------------------------------------------------------ MFU conventions
+# Per token, forward and backward, no recompute. N: every parameter (tied ones once, position tables too);
+# N_in: the input embeddings (token and position lookups); A: 12 L w S, attention's score and value products
+# over the whole sequence (w: heads x head dim; L blocks; S the sequence); N_mm: the parameters of matmuls
+# (N less N_in and the 1-D norms and biases; the output projection counted even when tied to the input).
+DEFAULT_CONVENTION = "fsdp_exp"
+CONVENTIONS = {
+    "fsdp_exp": "6 (N - N_in + tied output) + 12 L w S: the model family's own (ModelSpec.flops_per_token)",
+    "llmfoundry": "6 N + 12 L d S: llm-foundry's MFU (embeddings and the position table counted; attention "
+                  "not causal)",
+    "torchtitan_2024_04": "6 N + 12 L H Q T: torchtitan's until 2024-05 (embeddings counted; not causal)",
+    "torchtitan": "6 (N - N_in) + 12 L H Q T: torchtitan's since 2024-05 (PaLM's appendix B, the input "
+                  "embedding left out)",
+    "megatron": "6 N_mm + 6 L w S: Megatron-LM's num_floating_point_operations (matmul weights and the logits; "
+                "attention causal)",
+}
+
+
+def convention_flops_per_token(convention: str, model_cfg, seq_len: int) -> float:
+    """Training FLOPs per token under ``convention`` (``CONVENTIONS``), from the model family's inventory and
+    formula: A = flops_per_token(S) - flops_per_token(0), and 6 x (N - N_in + tied output) = flops_per_token(0)."""
+    from fsdp_exp.models import spec_for
+
+    if convention not in CONVENTIONS:
+        raise ValueError(f"unknown FLOPs convention {convention!r}: one of {', '.join(CONVENTIONS)}")
+    spec = spec_for(model_cfg)
+    own = float(spec.flops_per_token(model_cfg, seq_len))
+    if convention == "fsdp_exp":
+        return own
+    matmul_and_more = float(spec.flops_per_token(model_cfg, 0))
+    attention = own - matmul_and_more
+    inventory = spec.inventory(model_cfg)
+    n_all = sum(p.numel for p in inventory.params)
+    n_in = sum(p.numel for p in inventory.params if p.name in inventory.input_params)
+    if convention in ("llmfoundry", "torchtitan_2024_04"):
+        return 6.0 * n_all + attention
+    if convention == "torchtitan":
+        return 6.0 * (n_all - n_in) + attention
+    vectors = sum(p.numel for p in inventory.params if len(p.shape) == 1 and p.name not in inventory.input_params)
+    return matmul_and_more - 6.0 * vectors + attention / 2
+
+
 def mfu(tflops_achieved: float, peak_tflops: Optional[float]) -> Optional[float]:
     """Utilization: achieved TFLOPS per rank / the peak of one rank's device. Used for both MFU
     (model FLOPs) and HFU (hardware FLOPs: model FLOPs + recompute)."""

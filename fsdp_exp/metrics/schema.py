@@ -71,7 +71,8 @@ STEP_METRICS: list[Metric] = [
     Metric("perf/tokens_per_s_per_rank", "tokens/s", "step", "mean", "perf/tokens_per_s / world size",
            wandb_summary="none"),
     Metric("perf/tflops_per_rank", "TFLOPS", "step", "mean",
-           "model FLOPs per token x tokens/s per rank / 1e12 (6N + 12LdS, no recompute)", wandb_summary="none"),
+           "model FLOPs per token x tokens/s per rank / 1e12 (no recompute; the FLOPs under trainer.flops_convention, "
+           "default fsdp_exp: 6N + 12LdS, see the conventions below)", wandb_summary="none"),
     Metric("perf/mfu", "fraction", "step", "mean",
            "perf/tflops_per_rank / the peak TFLOPS of one rank's device in the compute dtype (GPU: data "
            "sheet; CPU: measured, see run.json env.peak_tflops_source); null when unknown", wandb_summary="none"),
@@ -253,7 +254,26 @@ def render_markdown() -> str:
         lines += [f"| `{m.name}` | {m.unit} | {m.window} | {m.ranks} | {m.device} | {m.wandb_summary} | "
                   f"{m.description} |" for m in metrics]
         lines.append("")
+    lines += flops_conventions_markdown()
     return "\n".join(lines)
+
+
+def flops_conventions_markdown() -> list[str]:
+    """The FLOPs conventions MFU can count by (``trainer.flops_convention``; fsdp_exp/metrics/flops.py)."""
+    from fsdp_exp.metrics.flops import CONVENTIONS, DEFAULT_CONVENTION
+
+    lines = ["## MFU's FLOPs conventions (`trainer.flops_convention`)", "",
+             "`perf/mfu`, `perf/tflops_per_rank` and `summary/mfu_median` count the model's FLOPs per token (forward "
+             "and backward, no recompute) under one named convention, recorded beside them in run.json "
+             "`env.flops_convention` (and the W&B config's `env`); the default is "
+             f"`{DEFAULT_CONVENTION}`. N: every parameter (tied ones once, position tables too); N_in: the input "
+             "embeddings (token and position lookups); L: blocks; d: width; w = H x Q: attention's width (query "
+             "heads x head dim); S = T: the sequence; N_mm: the matmuls' parameters (N less N_in and the 1-D norms "
+             "and biases, the output projection counted even when tied).", "",
+             "| convention | FLOPs per token |", "|---|---|"]
+    lines += [f"| `{name}` | {text} |" for name, text in CONVENTIONS.items()]
+    lines.append("")
+    return lines
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Fit the step-time model to measured runs, and cache the fit per device (``tune.calibrate_from=<sweep>``).
+"""Fit the step-time model to measured runs, and cache the fit per device (``tune.calibrate_from=<sweep>``), or
+to a published table (``tune.calibrate_from=benchmarks/published``: ``calibrate_published``).
 
 Every completed run of the sweep is read back (``run.json``: its config, topology, device and median
 tokens/s) and the repeats of a configuration become one sample (the median of their medians); the model
@@ -45,7 +46,10 @@ if TYPE_CHECKING:
 PARAMS = ("efficiency", "intra.latency_us", "step_overhead_ms", "dispatch_us", "intra.gbps", "inter.latency_us",
           "inter.gbps")
 PRIOR_WEIGHT = 1e-4  # per (ln 10)^2 of a figure's change, against the relative mean absolute error
-BOUNDS = {"efficiency": (1e-4, 1.0)}
+BOUNDS = {"efficiency": (1e-4, 1.0), "attention_efficiency": (1e-4, 1.0)}
+# A published table (benchmarks/published/*.csv) fits the kernel figures the data sheets cannot tell
+# (fsdp_exp/plan/devices.py FITTED_A100 says what each is); its runs do not tell the links apart.
+PUBLISHED_PARAMS = ("efficiency", "attention_efficiency")
 
 
 def cache_path() -> Path:
@@ -63,8 +67,12 @@ def save(key: str, entry: dict) -> None:
 
 
 def value(perf: "DevicePerf", name: str) -> float:
+    """A figure by name: ``efficiency``, a link's ``intra.gbps``, or a table's entry ``unit_us.flat``."""
     link, _, field = name.partition(".")
-    return getattr(getattr(perf, link), field) if field else getattr(perf, name)
+    if not field:
+        return getattr(perf, name)
+    holder = getattr(perf, link)
+    return holder.get(field, 0.0) if isinstance(holder, dict) else getattr(holder, field)
 
 
 def apply(perf: "DevicePerf", params: dict) -> "DevicePerf":
@@ -72,7 +80,9 @@ def apply(perf: "DevicePerf", params: dict) -> "DevicePerf":
     changes: dict = {}
     for name, fitted in params.items():
         link, _, field = name.partition(".")
-        if field:
+        if field and isinstance(getattr(perf, link), dict):
+            changes[link] = {**changes.get(link, getattr(perf, link)), field: fitted}
+        elif field:
             current = changes.get(link, getattr(perf, link))
             changes[link] = dataclasses.replace(current, **{field: fitted}, source=current.source + " (calibrated)"
                                                 if "(calibrated)" not in current.source else current.source)
@@ -113,29 +123,31 @@ def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 
     return points[int(np.argmin(values))]
 
 
-def fit(samples: list, perf: "DevicePerf", names: tuple[str, ...]) -> tuple[dict, float, float]:
-    """(fitted figures, MAE of tokens/s before, after) for ``samples`` of (StepCosts, measured tokens/s).
+def fit(samples: list, perf: "DevicePerf", names: tuple[str, ...], relative: bool = False) -> tuple[dict, float, float]:
+    """(fitted figures, MAE of tokens/s before, after) for ``samples`` of (StepCosts, measured tokens/s), or of
+    (StepCosts, tokens/s, the DevicePerf of that run: its own network) where runs differ in more than the fit.
 
     The objective is the mean absolute error of tokens/s relative to the mean measured (the error the tuner
-    reports), plus the prior; the search starts at the prior, so the error after is never above the error
-    before on these samples."""
+    reports), or with ``relative`` the mean |log(predicted / measured)| (a published record whose runs span
+    three orders of magnitude of tokens/s: each run counts alike), plus the prior; the search starts at the
+    prior, so the error after is never above the error before on these samples."""
     from fsdp_exp.tune.perf import timing
 
-    x0 = np.array([math.log(value(perf, n)) for n in names])
-    measured = np.array([m for _, m in samples])
+    x0 = np.array([math.log(value(perf, n) or 1e-9) for n in names])
+    measured = np.array([s[1] for s in samples])
 
     def predicted(x: np.ndarray) -> np.ndarray:
         params = {}
         for n, v in zip(names, x):
             low, high = BOUNDS.get(n, (1e-9, 1e12))
             params[n] = min(max(math.exp(v), low), high)
-        candidate = apply(perf, params)
-        return np.array([timing(costs, candidate).tokens_per_s for costs, _ in samples])
+        return np.array([timing(s[0], apply(s[2] if len(s) > 2 else perf, params)).tokens_per_s for s in samples])
 
     scale = float(np.mean(measured))
 
     def loss(x: np.ndarray) -> float:
-        error = np.mean(np.abs(predicted(x) - measured)) / scale
+        p = predicted(x)
+        error = np.mean(np.abs(np.log(p / measured))) if relative else np.mean(np.abs(p - measured)) / scale
         return float(error + PRIOR_WEIGHT * np.sum(((x - x0) / math.log(10)) ** 2))
 
     best = nelder_mead(loss, x0)
@@ -182,8 +194,38 @@ def run_samples(sweep_dir: Path) -> dict[str, dict]:
     return groups
 
 
+def is_published(path: Path) -> bool:
+    """A published table (a CSV file, or a folder of them and no run records), not a measured sweep."""
+    path = Path(path)
+    return path.suffix == ".csv" or (path.is_dir() and any(path.glob("*.csv")) and not any(path.rglob("run.json")))
+
+
+def calibrate_published(path: Path) -> dict[str, dict]:
+    """Fit ``PUBLISHED_PARAMS`` per device to the published runs of ``path`` (fsdp_exp.tune.published) and cache
+    them like a sweep's fit: in relative error, the runs' own networks kept."""
+    from fsdp_exp.tune.published import step_samples
+
+    groups = step_samples([Path(path)])
+    if not groups:
+        fail(f"tune.calibrate_from={path}: no published run there that fsdp_exp can express.",
+             "pass a table with the columns of benchmarks/published/README.md (e.g. benchmarks/published)")
+    cached = {}
+    for key, group in groups.items():
+        params, before, after = fit(group["samples"], group["perf"], PUBLISHED_PARAMS, relative=True)
+        entry = {"params": params, "from": str(Path(path).resolve()), "runs": group["runs"],
+                 "configurations": len(group["samples"]), "mae_tokens_per_s_before": before,
+                 "mae_tokens_per_s_after": after, "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                 "prior": {n: value(group["perf"], n) for n in PUBLISHED_PARAMS}, "published": True}
+        save(key, entry)
+        cached[key] = entry
+    return cached
+
+
 def calibrate_from(sweep_dir: Path) -> dict[str, dict]:
-    """Fit and cache per device; returns what was cached, by device key."""
+    """Fit and cache per device; returns what was cached, by device key. ``sweep_dir`` may be a published table
+    instead (``is_published``)."""
+    if is_published(sweep_dir):
+        return calibrate_published(sweep_dir)
     groups = run_samples(sweep_dir)
     if not groups:
         fail(f"tune.calibrate_from={sweep_dir}: no completed run with a record to fit to.",

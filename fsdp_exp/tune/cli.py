@@ -48,7 +48,7 @@ def tune(argv: list[str]) -> tuple[dict, int]:
         measure.collect(tuning, ids, out / "sweep")
         if any(not (tuning.by_id(cid).measured or {}).get("tokens_per_s") for cid in ids):
             status = EXIT_RUN_FAILED
-    elif opts.calibrate_from:
+    elif opts.calibrate_from and not calibrate.is_published(opts.calibrate_from):
         plan["carried_from"] = str(opts.calibrate_from.parent / "tune.json")
         measure.carry_measurements(tuning, opts.calibrate_from.parent / "tune.json")
     if any(w.measured for w in tuning.candidates):

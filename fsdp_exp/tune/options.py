@@ -29,12 +29,16 @@ OPTIONS = {
     "tune.spread": "also measure this many fitting candidates spread over the predicted ranking (default 0)",
     "tune.extra": "also measure these candidates, by id (e.g. tune.extra=[c0012,c0040]), even ones over budget",
     "tune.calibrate_from": "a measured sweep folder: fit the model's efficiency, latencies and bandwidths to it "
-                           "and cache them for this device",
+                           "and cache them for this device; or a published table (benchmarks/published, a CSV): "
+                           "fit its devices' matmul and attention efficiencies",
     "tune.format": "table | json (default table)",
     "tune.show": "rows of the printed table (default 15)",
     **{f"tune.space.{d}": f"the values of '{d}' to search, e.g. tune.space.{d}=[a,b]" for d in SPACE_DIMENSIONS},
     "plan.device": "the device to plan and time for (default: this machine)",
     "plan.margin": "the allocator margin as a fraction of the peak",
+    "plan.network": "the network between nodes, a whole node's (fsdp_exp/plan/devices.py NETWORKS, e.g. "
+                    "ib_ndr_8x400g, roce_8x200g, efa_3200g; default: the device's)",
+    "plan.device_power_w": "a board power limit in watts: the peak FLOPS scale by (limit / rated)^(1/3)",
 }
 
 
@@ -53,6 +57,8 @@ class TuneOptions:
     space: dict[str, list[str]] = field(default_factory=dict)  # dimension -> values the user gave
     device: Optional[str] = None
     margin: Optional[float] = None
+    network: Optional[str] = None
+    power_w: Optional[float] = None
 
     def out_dir(self) -> Path:
         return self.out or Path("outputs/tune") / time.strftime("%Y-%m-%d_%H-%M-%S")
@@ -118,9 +124,10 @@ def split_argv(argv: list[str]) -> tuple[TuneOptions, list[str]]:
             opts.extra = _list(key, value)
         elif key == "tune.calibrate_from":
             opts.calibrate_from = Path(value)
-            if not opts.calibrate_from.is_dir():
-                fail(f"tune.calibrate_from={value}: no such folder.",
-                     "pass the folder of a measured sweep (tune.run=true writes <tune.out>/sweep)")
+            if not (opts.calibrate_from.is_dir() or opts.calibrate_from.suffix == ".csv" and opts.calibrate_from.is_file()):
+                fail(f"tune.calibrate_from={value}: no such folder or published table.",
+                     "pass the folder of a measured sweep (tune.run=true writes <tune.out>/sweep), or a published "
+                     "table (benchmarks/published or one of its CSV files)")
         elif key == "tune.format":
             if value not in ("table", "json"):
                 fail(f"tune.format={value!r} is not one of table, json.", "pass tune.format=json")
@@ -134,6 +141,16 @@ def split_argv(argv: list[str]) -> tuple[TuneOptions, list[str]]:
                 fail(f"tune.budget_gib={value!r} is not a positive number of GiB.", "pass e.g. tune.budget_gib=70")
         elif key == "plan.device":
             opts.device = value
+        elif key == "plan.network":
+            opts.network = value
+        elif key == "plan.device_power_w":
+            try:
+                opts.power_w = float(value)
+            except ValueError:
+                opts.power_w = -1.0
+            if not opts.power_w > 0:
+                fail(f"plan.device_power_w={value!r} is not a positive number of watts.",
+                     "pass e.g. plan.device_power_w=500")
         elif key == "plan.margin":
             try:
                 opts.margin = float(value)

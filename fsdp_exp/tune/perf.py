@@ -99,6 +99,12 @@ class StepCosts:
     ranks_per_node: int
     world: int
     model_flops: float  # the step's model FLOPs on this rank (MFU's numerator)
+    # By kernel class (the GPU timing, ``DevicePerf.kernels``), forward of the whole step on this rank:
+    gemms: tuple[tuple[float, float, float, float], ...] = ()  # (M, K, N, FLOPs) of the linear layers' matmuls
+    attention_flops: float = 0.0  # as a causal fused kernel computes them (half the counted square)
+    memory_bytes: float = 0.0  # the memory-bound operators' reads and writes, the loss's included
+    recompute_share: float = 0.0  # of the forward's kernels, the share activation checkpointing runs again
+    param_layout: str = ""  # the backend's (PlannerRules.param_layout): which per-unit software cost applies
 
 
 @dataclass
@@ -219,13 +225,31 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
         for phase in ("forward", "backward"):
             traffic.append(Traffic(f"tensor-parallel all-reduce ({phase})", "all-reduce", tp, 1, G * 2 * blocks,
                                    G * 2 * blocks * stream, phase, False))
+    kernels = _kernel_classes(w, cfg, tokens_rank / tp, topology.micro_batch_size * seq, tp, e_p)
     return StepCosts(
+        **kernels, param_layout=rules.param_layout if rules.gathers_units else "",
         tokens_per_step=tokens, micro_batches=G, units=max(units, 1), dtype=cfg.precision.param_dtype,
         forward_flops=model_flops / 3, backward_flops=2 * model_flops / 3 + recompute,
         forward_ops=G * ops_f, backward_ops=G * ops_b, optimizer_ops=ADAMW_OPS_PER_TENSOR * tensors,
         traffic=tuple(traffic), offload_forward_bytes=offload_f, offload_backward_bytes=offload_b,
         optimizer_bytes=ADAMW_BYTES_PER_PARAM * local_numel, optimizer_on_host=offload,
         ranks_per_node=nproc, world=topology.world_size, model_flops=model_flops)
+
+
+LOSS_BYTES_PER_LOGIT = 24  # cross-entropy in fp32: cast, log-softmax, its gradient and the cast back (read + write)
+FLASH_BACKWARD_PER_FORWARD = 2.5  # a fused attention backward recomputes the scores: 5 matmuls to forward's 2
+BACKWARD_BYTES_PER_FORWARD = 2.0  # an elementwise backward reads the output's gradient and the saved input
+
+
+def _kernel_classes(w, cfg: "RunConfig", tokens: float, m: int, tp: int, e_p: int) -> dict:
+    """The forward's work on this rank by kernel class (``Work``'s counts scaled to the step's tokens): each
+    linear layer's matmul with its shape (M: a micro-batch's tokens; N split over tensor-parallel ranks),
+    attention at the FLOPs a causal fused kernel does, the memory-bound operators' bytes in the compute dtype."""
+    gemms = tuple((float(m), float(k), float(n) / tp, tokens * f) for k, n, f in w.gemms)
+    counted = w.forward_flops_per_token or 1.0
+    return {"gemms": gemms, "attention_flops": tokens * w.attention_flops_per_token / 2,
+            "memory_bytes": tokens * (w.memory_elements_per_token * e_p + LOSS_BYTES_PER_LOGIT * w.logits_per_token),
+            "recompute_share": w.recompute_flops_per_token(cfg) / counted}
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -250,6 +274,62 @@ def _phase(compute: float, overlappable: float, waiting: float, overlap: float, 
     return waiting + first + rest - hidden, hidden
 
 
+def _gemm_seconds(costs: StepCosts, perf: "DevicePerf", rate: float) -> float:
+    """The forward's linear-layer matmuls: each at the large-shape rate less its shape's penalty (a smallest
+    dimension of ``gemm_half_dim`` halves it: short matmuls fill fewer of the SMs' tiles), and never faster
+    than moving its operands once through the device's memory (the roofline)."""
+    e = DTYPE_BYTES[costs.dtype]
+    bandwidth = perf.memory_gbps * 1e9 * perf.memory_efficiency
+    total = 0.0
+    for m, k, n, flops in costs.gemms:
+        calls = flops / (2 * m * k * n)
+        compute = flops / rate * (1 + perf.gemm_half_dim / min(m, k, n))
+        total += max(compute, calls * e * (m * k + k * n + m * n) / bandwidth)
+    return total
+
+
+def kernel_seconds(costs: StepCosts, perf: "DevicePerf", peak: float) -> tuple[float, float]:
+    """(forward, backward) device seconds by kernel class (``DevicePerf.kernels``): matmuls by shape, attention
+    as a causal fused kernel, the memory-bound operators by their bytes; backward twice the matmuls and the
+    bytes, 2.5 x attention (a fused backward recomputes the scores), and what checkpointing recomputes."""
+    rate = peak * 1e12 * perf.efficiency
+    gemm = _gemm_seconds(costs, perf, rate)
+    attention = costs.attention_flops / (peak * 1e12 * perf.attention_efficiency)
+    memory = costs.memory_bytes / (perf.memory_gbps * 1e9 * perf.memory_efficiency)
+    forward = gemm + attention + memory
+    backward = 2 * gemm + FLASH_BACKWARD_PER_FORWARD * attention + BACKWARD_BYTES_PER_FORWARD * memory
+    return forward, backward + costs.recompute_share * forward
+
+
+def traffic_seconds(t: Traffic, perf: "DevicePerf", ranks_per_node: int) -> float:
+    """One purpose's collectives. Within a node (or on a network given per rank): the ring of
+    ``collective_seconds``. Across nodes on a network given per node: NCCL runs a ring per network card, so the
+    node's cards carry the group's traffic together; a group holding r of a node's ranks shares them with the
+    node's other groups (r / ranks-per-node of the node's rate), and no rank moves faster than its NVLink. The
+    ring's latency: a step per rank within the nodes and a network hop per node."""
+    if t.nodes <= 1 or not perf.inter.per_node:
+        link = _link(perf, t.nodes)
+        return collective_seconds(t.kind, t.ranks, t.bytes, t.count, link.latency_us, link.gbps)
+    if t.ranks <= 1:
+        return 0.0
+    local = max(1, t.ranks // t.nodes)
+    gbps = perf.inter.gbps * local / max(ranks_per_node, local)
+    if local > 1:
+        gbps = min(gbps, perf.intra.gbps)
+    rounds = 2 if t.kind == "all-reduce" else 1
+    latency = (t.ranks - t.nodes) * perf.intra.latency_us + t.nodes * perf.inter.latency_us
+    return rounds * (t.count * latency * 1e-6 + (t.ranks - 1) / t.ranks * t.bytes / (gbps * 1e9))
+
+
+def unit_seconds(costs: StepCosts, perf: "DevicePerf") -> float:
+    """The sharding backend's own software per gathered unit and collective (``DevicePerf.unit_us`` of its
+    parameter layout): host work that waits on the device (FSDP1's rate limiter, FSDP2's copy-in / copy-out
+    launches), so it adds to the step."""
+    us = perf.unit_us.get(costs.param_layout, 0.0) if costs.param_layout else 0.0
+    calls = sum(t.count for t in costs.traffic if t.kind in ("all-gather", "reduce-scatter"))
+    return us * 1e-6 * calls
+
+
 def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
     peak = perf.peak_tflops.get(costs.dtype)
     if not peak:
@@ -261,12 +341,15 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
         work, host = flops / rate, ops * dispatch
         return max(work, host) if perf.async_dispatch else work + host
 
-    c_f, c_b = compute(costs.forward_flops, costs.forward_ops), compute(costs.backward_flops, costs.backward_ops)
+    if perf.kernels and costs.gemms:
+        k_f, k_b = kernel_seconds(costs, perf, peak)
+        c_f, c_b = max(k_f, costs.forward_ops * dispatch), max(k_b, costs.backward_ops * dispatch)
+    else:
+        c_f, c_b = compute(costs.forward_flops, costs.forward_ops), compute(costs.backward_flops, costs.backward_ops)
     comm: dict[str, float] = {}
     parts = {"forward": [0.0, 0.0], "backward": [0.0, 0.0]}  # [overlappable, waiting] seconds
     for t in costs.traffic:
-        link = _link(perf, t.nodes)
-        seconds = collective_seconds(t.kind, t.ranks, t.bytes, t.count, link.latency_us, link.gbps)
+        seconds = traffic_seconds(t, perf, costs.ranks_per_node)
         comm[t.purpose] = comm.get(t.purpose, 0.0) + seconds
         parts[t.phase][0 if t.overlappable else 1] += seconds
     copy = perf.host
@@ -287,7 +370,7 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
     if not perf.async_dispatch:
         optimizer += costs.optimizer_ops * dispatch
     world_link = _link(perf, 2 if costs.world > costs.ranks_per_node else 1)
-    overhead = perf.step_overhead_ms * 1e-3 + collective_seconds(
+    overhead = perf.step_overhead_ms * 1e-3 + unit_seconds(costs, perf) + collective_seconds(
         "all-reduce", costs.world, 8.0 * TINY_ALL_REDUCES, TINY_ALL_REDUCES, world_link.latency_us, world_link.gbps)
     breakdown = {"compute": c_f + c_b, "exposed_comm": exposed_comm, "offload": exposed_offload + offload_opt,
                  "optimizer": optimizer, "overhead": overhead}

@@ -203,6 +203,7 @@ def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
     calibration = calibrate.load(device_key)
     if calibration is not None:
         perf = calibrate.apply(perf, calibration["params"])
+    perf, perf_note = _cluster(perf, perf_note, opts)
     if "precision" in space.values and "precision" not in opts.space:
         leave_out_scaled_precisions(space, nodes, perf, device.name)
     probed = time.perf_counter()
@@ -211,6 +212,9 @@ def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
     limit, limit_name = capacity, device.name + (f" / {nproc} ranks" if device.kind == "cpu" else "")
     if opts.budget_gib is not None and opts.budget_gib * GIB < capacity:
         limit, limit_name = int(opts.budget_gib * GIB), f"tune.budget_gib={opts.budget_gib:g}"
+    elif opts.budget_gib is not None:  # a budget cannot give a rank more memory than its device has: say so
+        space.notes.append(f"tune.budget_gib={opts.budget_gib:g} is above what {limit_name} has "
+                           f"({capacity / GIB:.3g} GiB per rank): the device's memory is the limit")
 
     weighed: list[Weighed] = []
     first_done = first_cpu = None
@@ -229,11 +233,13 @@ def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
         floor = parameter_floor(candidate.cfg, topology, backend, device.kind)
         if floor > limit:  # certain without walking the step
             w.floor_bytes, w.fits = floor, False
+            if candidate.id in opts.extra:
+                time_candidate(w, perf)
             continue
         result = plan(candidate.cfg, topology, device_kind=device.kind, margin=opts.margin)
         w.peak_bytes, w.need_bytes = result.peak["total"], result.per_rank_bytes["total"]
         w.fits = w.need_bytes <= limit
-        if w.fits:  # the time of what cannot run here is computed only when it is asked for (tune.extra)
+        if w.fits or candidate.id in opts.extra:  # what cannot run here is timed only when asked for (tune.extra)
             time_candidate(w, perf)
         if first_done is None:
             first_done, first_cpu = time.perf_counter(), time.process_time()
@@ -247,7 +253,7 @@ def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
         w.rank = position
     planned = [w for w in weighed if w.need_bytes is not None]
     if not ranked:
-        _nothing_ranked(weighed, limit, limit_name)
+        _nothing_ranked(weighed, limit, limit_name, budget_is_limit=limit < capacity)
     n_after = len(weighed) - 1
     rest = finished - (first_done or finished)
     rest_cpu = finished_cpu - (first_cpu or finished_cpu)  # what this process got of a busy machine
@@ -266,16 +272,39 @@ def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
                   timing=timing, baselines=baselines, device_key=device_key)
 
 
-def _nothing_ranked(weighed: list[Weighed], limit: int, limit_name: str) -> None:
-    """Refuse a search that ranks nothing, saying why: nothing fits, nothing can run, or nothing can be timed."""
+def _cluster(perf: "DevicePerf", note: str, opts: "TuneOptions") -> tuple["DevicePerf", str]:
+    """The device's figures on the cluster the options describe: its network between nodes (``plan.network``)
+    and a power limit (``plan.device_power_w``)."""
+    from fsdp_exp.plan.devices import with_network, with_power
+
+    if opts.network:
+        perf = with_network(perf, opts.network)
+        note += f"; between nodes: {perf.inter.source}"
+    if opts.power_w:
+        if not perf.tdp_w:
+            fail(f"plan.device_power_w={opts.power_w:g}: this device has no rated power to scale from.",
+                 "drop plan.device_power_w, or pass a plan.device=<a GPU of the table>")
+        perf = with_power(perf, opts.power_w)
+        note += f"; power-limited to {opts.power_w:g} W"
+    return perf, note
+
+
+def _nothing_ranked(weighed: list[Weighed], limit: int, limit_name: str, budget_is_limit: bool = True) -> None:
+    """Refuse a search that ranks nothing, saying why: nothing fits, nothing can run, or nothing can be timed.
+    Raising tune.budget_gib is offered only where the budget, not the device, is the limit."""
+    from fsdp_exp.tune.output import label
+
     sized = [w for w in weighed if w.need_bytes is not None or w.floor_bytes is not None]
     if sized and not any(w.fits for w in sized):
         least = min(sized, key=lambda w: w.need_bytes if w.need_bytes is not None else w.floor_bytes)
         need = least.need_bytes if least.need_bytes is not None else least.floor_bytes
-        fail(f"no candidate fits {limit_name} ({limit / GIB:.3g} GiB per rank): the smallest, "
-             f"{' '.join(least.candidate.choices)}, needs {need / GIB:.3g} GiB.",
-             f"raise tune.budget_gib to at least {need / GIB:.3g}, or add ranks "
-             "(trainer.nnodes / trainer.nproc_per_node), or a smaller trainer.global_batch_size")
+        smallest = "the only candidate" if len(sized) == 1 else "the smallest"
+        room = (f"raise tune.budget_gib to at least {need / GIB:.3g}" if budget_is_limit else
+                f"a device with at least {need / GIB:.3g} GiB per rank (plan.device=...)")
+        fail(f"no candidate fits {limit_name} ({limit / GIB:.3g} GiB per rank): {smallest}, "
+             f"{label(least.candidate.choices)}, needs {need / GIB:.3g} GiB.",
+             f"{room}, or add ranks (trainer.nnodes / trainer.nproc_per_node), or a smaller "
+             "trainer.global_batch_size")
     untimed = [w for w in weighed if w.no_prediction]
     if untimed:
         fail(f"no candidate that fits can be timed: {untimed[0].no_prediction}",

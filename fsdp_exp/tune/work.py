@@ -15,6 +15,12 @@ how many operators the host dispatches.
 - **Operators**: the same forward counts the aten operators each block and the whole model dispatch
   (batch-independent). A backward dispatches about twice a forward's (an assumption: two gradients per
   matmul); a recomputed block dispatches its forward again.
+- **Kernel classes** (what the GPU timing of ``fsdp_exp.tune.perf`` reads): the same forward sorts the
+  work by the kernel that does it. Matmuls (``mm``/``addmm``, the linear layers) by shape: each one's
+  (K, N) with its FLOPs per token (M is the micro-batch's tokens); attention (everything else the FLOP
+  counter counts: SDPA, batched matmuls) as FLOPs per token; and the memory-bound operators (norms,
+  activations, residual adds, casts, embeddings) as the elements they read and write per token, from
+  their tensors' sizes (views move nothing).
 
 Counting a 70B model's forward takes about a second; it is cached per model config and sequence length.
 """
@@ -38,6 +44,10 @@ class Work:
     block_last_matmul_flops: tuple[float, ...]  # per token, each block's last matmul in forward
     forward_ops: int  # operators one forward dispatches (batch-independent)
     block_forward_ops: tuple[int, ...]
+    gemms: tuple[tuple[int, int, float], ...] = ()  # (K, N, forward FLOPs per token) of the linear layers
+    attention_flops_per_token: float = 0.0  # forward, as counted (over the whole sequence: not causal)
+    memory_elements_per_token: float = 0.0  # forward: elements the memory-bound operators read and write
+    logits_per_token: float = 0.0  # the output's elements per token (the vocabulary): what the loss reads
     # per token, each block's matmuls that ac.ops=every_other_matmul does not save (recomputed in backward)
     block_unsaved_matmul_flops: tuple[float, ...] = ()
 
@@ -88,6 +98,9 @@ def _count(cfg: "RunConfig") -> Work:
     model = spec.meta_model(cfg.model)  # shared: hooks are removed again below
     blocks = spec.inventory(cfg.model).blocks
     seq = cfg.trainer.seq_len
+
+    gemms: dict[tuple[int, int], float] = {}
+    moved = [0.0]
     unsaved = [0.0] * len(blocks)
     running: dict = {}  # the block running now and its OpSaver
 
@@ -102,6 +115,7 @@ def _count(cfg: "RunConfig") -> Work:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             CountOps.count += 1
             out = func(*args, **(kwargs or {}))
+            _classify(func, args, out, seq, gemms, moved)
             count_unsaved(func, args)
             return out
 
@@ -121,23 +135,120 @@ def _count(cfg: "RunConfig") -> Work:
         handles.append(module.register_forward_pre_hook(lambda *_, j=j: entered(j)))
         handles.append(module.register_forward_hook(lambda *_, j=j: left(j)))
     tokens = torch.zeros((1, seq), dtype=torch.long, device="meta")
+    twin = _Repeats(model, blocks, gemms, moved)
     try:
-        with torch.no_grad(), spec.shapes_only(), FlopCounterMode(display=False) as counter, CountOps():
-            model(tokens)
+        with torch.no_grad(), spec.shapes_only(), FlopCounterMode(display=False) as counter, CountOps(), twin:
+            output = model(tokens)
     finally:
         for handle in handles:
             handle.remove()
+    for j in twin.skipped:  # each skipped block did what its twin did
+        block_ops[j], unsaved[j] = block_ops[twin.index], unsaved[twin.index]
+    if twin.skipped:
+        CountOps.count += len(twin.skipped) * block_ops[twin.index]
     counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
     root = type(model).__name__
     block_flops, last = [], []
-    for name in blocks:
-        prefix = f"{root}.{name}"
+    for j, name in enumerate(blocks):
+        prefix = f"{root}.{blocks[twin.index] if j in twin.skipped else name}"
         inside = [k for k in counts if k.startswith(prefix + ".")]
         leaves = [k for k in inside if not any(other.startswith(k + ".") for other in inside)]
         block_flops.append(counts.get(prefix, 0) / seq)
         last.append(counts[leaves[-1]] / seq if leaves else 0.0)  # leaves appear in the order they first ran
+    total = counter.get_total_flops() / seq + (len(twin.skipped) * block_flops[twin.index] if twin.skipped else 0.0)
     return Work(flops_per_token=float(spec.flops_per_token(cfg.model, seq)),
-                forward_flops_per_token=counter.get_total_flops() / seq,
+                forward_flops_per_token=total,
                 block_forward_flops=tuple(block_flops), block_last_matmul_flops=tuple(last),
                 forward_ops=CountOps.count, block_forward_ops=tuple(block_ops),
-                block_unsaved_matmul_flops=tuple(unsaved))
+                gemms=tuple((k, n, f) for (k, n), f in gemms.items()),
+                attention_flops_per_token=max(0.0, total - sum(gemms.values())),
+                memory_elements_per_token=moved[0] / seq, block_unsaved_matmul_flops=tuple(unsaved),
+                logits_per_token=_numel(output) / seq)
+
+
+class _Repeats:
+    """Count a stack of identical blocks by two of them: every block after the second with the second's class and
+    parameter shapes is not run (it returns the second's output at once, which has the shapes the next block
+    takes) and is credited with what the second did: its operators, matmuls by shape and bytes moved. A 70B
+    model's 80 blocks then cost as much to count as two. Blocks that differ only in what their parameters do not
+show (an alternating sliding window) count as their twin does: the meta device runs attention over the whole
+sequence either way."""
+
+    index = 1
+
+    def __init__(self, model, blocks: tuple, gemms: dict, moved: list):
+        self.modules = [model.get_submodule(b) for b in blocks]
+        self.gemms, self.moved = gemms, moved
+        shape = [(type(m), tuple((n, tuple(p.shape)) for n, p in m.named_parameters())) for m in self.modules]
+        self.skipped = [j for j in range(2, len(blocks)) if shape[j] == shape[1]]
+        self.handles: list = []
+        self.output = None
+
+    def __enter__(self):
+        if not self.skipped:
+            return self
+        before = {}
+        twin = self.modules[self.index]
+
+        def entered(*_):
+            before.update(gemms=dict(self.gemms), moved=self.moved[0])
+
+        def left(_module, _args, output):
+            self.output = output
+            self.delta_gemms = {k: v - before["gemms"].get(k, 0.0) for k, v in self.gemms.items()}
+            self.delta_moved = self.moved[0] - before["moved"]
+
+        self.handles = [twin.register_forward_pre_hook(entered), twin.register_forward_hook(left)]
+        for j in self.skipped:
+            self.modules[j].forward = lambda *args, **kwargs: self.output
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for j in self.skipped:
+            self.modules[j].__dict__.pop("forward", None)
+        if self.skipped and self.output is not None and exc[0] is None:
+            n = len(self.skipped)
+            for key, flops in self.delta_gemms.items():
+                self.gemms[key] = self.gemms.get(key, 0.0) + n * flops
+            self.moved[0] += n * self.delta_moved
+
+
+def _numel(output) -> float:
+    """Elements of a model's output (its logits: a tensor, or the first tensor of a tuple / ModelOutput)."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return float(output.numel())
+    values = output.values() if hasattr(output, "values") else output
+    return next((float(v.numel()) for v in values if isinstance(v, torch.Tensor)), 0.0)
+
+
+_GEMMS = ("mm", "addmm")
+_COUNTED = ("bmm", "baddbmm", "_scaled_dot_product", "convolution")  # FLOPs the counter has: not memory-bound
+_FREE = ("empty", "zeros", "ones", "full", "scalar_tensor", "arange", "lift_fresh", "_local_scalar_dense",
+         "_unsafe_view", "alias")
+
+
+def _classify(func, args, out, seq: int, gemms: dict, moved: list) -> None:
+    """Sort one operator of the counted forward (batch 1, ``seq`` tokens) into a linear layer's matmul (by
+    its (K, N)), a counted FLOP (attention), a view (nothing moves), or a memory-bound operator (the
+    elements of its tensor inputs and outputs)."""
+    import torch
+
+    name = func.__name__.split(".")[0]
+    if name in _GEMMS:
+        a, b = args[-2], args[-1]
+        m, k = a.shape
+        n = b.shape[1]
+        if m == seq:
+            gemms[(int(k), int(n))] = gemms.get((int(k), int(n)), 0.0) + 2.0 * k * n
+        return
+    if name.startswith(_COUNTED) or name.startswith(_FREE) or getattr(func, "is_view", False):
+        return
+    tensors = [t for t in (*args, *(out if isinstance(out, (tuple, list)) else (out,)))
+               if isinstance(t, torch.Tensor)]
+    if seq > 1 and any(t.dim() >= 2 and t.shape[-1] == seq and t.shape[-2] == seq for t in tensors):
+        return  # attention's scores (on the meta device SDPA runs as math): a fused kernel never writes them
+    moved[0] += float(sum(t.numel() for t in tensors))

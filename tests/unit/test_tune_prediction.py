@@ -326,3 +326,45 @@ def test_bad_input_exits_2_with_the_fix(argv, problem, fix, tmp_path, capsys):
     err = capsys.readouterr().err
     assert problem in err and "fix:" in err and fix in err, err
     assert not (Path(tmp_path) / "tune.json").exists()
+
+
+# ------------------------------------------------------------------------------------ the tuner's messages
+def _every_dimension() -> list[str]:
+    """Overrides that fix every dimension of the tuner's space (sharded gradient accumulation where the trainer
+    has it)."""
+    from fsdp_exp.config.schema import TrainerConfig
+
+    fixed = ["sharding=full", "ac=full", "precision=bf16", "offload=none", "prefetch=default",
+             "trainer.micro_batch_size=1"]
+    return fixed + (["trainer.grad_sync=every_micro_batch"] if hasattr(TrainerConfig(), "grad_sync") else [])
+
+
+EVERY_DIMENSION = _every_dimension()
+
+
+def test_a_budget_above_the_device_says_so_and_the_refusal_does_not_offer_raising_it(tmp_path, capsys):
+    fitting, _ = _weigh(SMALL_7B + EVERY_DIMENSION + ["tune.budget_gib=500"])
+    assert fitting.limit_name == "h100_80gb"
+    assert any("tune.budget_gib=500 is above what h100_80gb has" in n for n in fitting.space.notes)
+    too_big = ["model=llama70b", "trainer.nproc_per_node=2", "plan.device=h100_80gb", *EVERY_DIMENSION,
+               "tune.budget_gib=500", f"tune.out={tmp_path}"]
+    assert main(too_big) == 2
+    err = capsys.readouterr().err
+    assert "a device with at least" in err and "raise tune.budget_gib" not in err, err
+
+
+def test_tune_extra_times_a_candidate_over_the_budget(tuning_7b):
+    over = [w for w in tuning_7b.candidates if w.fits is False and not w.refused]
+    assert over and all(w.prediction is None for w in over)  # over the budget: not timed unless asked
+    extra = [over[0].candidate.id, next(w for w in over if w.floor_bytes is not None).candidate.id]
+    again, _ = _weigh(SMALL_7B + NARROW + ["tune.budget_gib=12", f"tune.extra=[{','.join(extra)}]"])
+    for cid in extra:
+        assert again.by_id(cid).prediction is not None and again.by_id(cid).prediction.tokens_per_s > 0
+
+
+def test_the_refusal_with_every_dimension_fixed_names_the_run_as_given(tmp_path, capsys):
+    argv = ["model=llama70b", "trainer.nproc_per_node=2", "plan.device=h100_80gb", *EVERY_DIMENSION,
+            f"tune.out={tmp_path}"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the only candidate, (the run as given), needs" in err and ", ," not in err, err

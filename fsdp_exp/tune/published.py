@@ -1,0 +1,278 @@
+"""The published GPU record as fsdp_exp runs: each row of a published table (``benchmarks/published/*.csv``,
+the columns its README lists) mapped to the overrides of ``python -m fsdp_exp`` that express it, or the reason
+it cannot be (``express``), and its run config (``Configs``: Hydra composes once per choice of config groups).
+
+MPT (llm-foundry) is GPT-2's block in transformers (``model=hf``: LayerNorm with biases, biases on every
+linear, a GELU MLP of ``ffn_dim``, full multi-head attention, tied embeddings, a learned position table of
+``seq_len`` rows): the parameter count matches the published one exactly, which the caller checks. Llama 2/3
+(torchtitan) is the llama family with the row's width, depth, heads, vocabulary and SwiGLU rounding. FSDP1
+``FULL_SHARD`` -> ``sharding=fsdp1``, FSDP2 -> ``sharding=full``, HSDP -> ``sharding=hybrid``; composer's
+``amp_bf16`` (FSDP ``mixed_precision=DEFAULT``: fp32 reduction) -> ``precision=bf16``, ``PURE`` ->
+``precision=bf16_pure``; AC none / full / selective layer (every 2nd block, torchtitan's default) / per-op.
+Pipeline, context and expert parallel rows and FP8 are not expressible yet, and say so.
+
+Used by ``benchmarks/published.py`` (the figures) and ``tune.calibrate_from=<a table>`` (the fit).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+# The published device names -> the device table's (fsdp_exp/plan/devices.py).
+DEVICES = {"A100_80GB": "a100_80gb", "A100_40GB": "a100_40gb", "H100_80GB": "h100_80gb", "H100_SXM": "h100_80gb",
+           "H100_96GB": "h100_96gb_500w", "H100_PCIE": "h100_pcie", "H200": "h200_141gb", "B200": "b200_192gb"}
+# Each source's MFU convention (fsdp_exp/metrics/flops.py CONVENTIONS) and its peak's dtype.
+CONVENTION = {"llmfoundry": "llmfoundry", "torchtitan": "torchtitan_2024_04"}
+
+
+@dataclass
+class Row:
+    source: str  # the file's stem
+    index: int
+    fields: dict
+    overrides: list[str] = field(default_factory=list)
+    device: Optional[str] = None
+    network: Optional[str] = None
+    not_expressible: Optional[str] = None
+    model_fields: dict = field(default_factory=dict)  # the model's fields, as the overrides set them
+    # predictions
+    predicted_tokens: Optional[float] = None
+    need_gib: Optional[float] = None
+    device_gib: Optional[float] = None
+    verdict: Optional[str] = None  # fits | borderline | refused
+    mfu_recomputed: Optional[float] = None
+    error: Optional[str] = None
+
+    @property
+    def published_tokens(self) -> Optional[float]:
+        text = self.fields.get("tokens_per_s_per_gpu") or ""
+        return float(text) if text else None
+
+    @property
+    def published_oom(self) -> bool:
+        return "OOM" in (self.fields.get("memory_as_published") or "")
+
+    @property
+    def table(self) -> str:
+        f = self.fields
+        return f"{self.source} | {f['model']} | {f['gpu']}"
+
+    @property
+    def name(self) -> str:
+        f = self.fields
+        return (f"{f['model']} {f['gpu']} x{f['n_gpus']} seq {f['seq_len']} mb {f['micro_batch']} "
+                f"AC {f['activation_checkpointing'].split(' (')[0]} {f['precision']}")
+
+
+def load(paths: list[Path], rows_per_file: Optional[int] = None) -> list[Row]:
+    """The rows of published tables (CSV files, or folders of them), each file's first ``rows_per_file``."""
+    files = [f for p in paths for f in (sorted(Path(p).glob("*.csv")) if Path(p).is_dir() else [Path(p)])]
+    out = []
+    for path in files:
+        with open(path, newline="") as f:
+            records = list(csv.DictReader(f))
+        for i, fields in enumerate(records[:rows_per_file] if rows_per_file else records):
+            out.append(Row(path.stem, i, fields))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ mapping
+def framework(fields: dict) -> str:
+    text = fields["framework"].lower()
+    return "llmfoundry" if "llm-foundry" in text or "composer" in text else "torchtitan" if "torchtitan" in text \
+        else text
+
+
+def _int(text: str, default: int = 0) -> int:
+    return int(text) if (text or "").strip().isdigit() else default
+
+
+def model_overrides(f: dict) -> list[str] | str:
+    """The model as the row's architecture, or why it cannot be expressed."""
+    d, layers, heads, kv = int(f["d_model"]), int(f["n_layers"]), int(f["n_heads"]), _int(f["n_kv_heads"])
+    ffn, vocab, seq = int(f["ffn_dim"]), int(f["vocab"]), int(f["seq_len"])
+    kind = f["ffn_type"]
+    if kind.startswith("GELU MLP") and "learned pos-emb" in kind:
+        # MPT as llm-foundry builds it: GPT-2's block (LayerNorm with biases, biases on every linear, a GELU
+        # MLP, full multi-head attention), tied embeddings and a learned position table of seq_len rows.
+        fields = {"model_type": "gpt2", "vocab_size": vocab, "n_positions": seq, "n_embd": d, "n_layer": layers,
+                  "n_head": heads, "n_inner": ffn, "activation_function": "gelu", "resid_pdrop": 0.0,
+                  "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True}
+        body = ",".join(f"{k}:{v}" for k, v in fields.items())
+        return ["model=hf", "+model.hf_fields={" + body + "}"]
+    if kind.startswith("SwiGLU") and "untied" in kind:
+        base = ["model=llama7b", f"model.dim={d}", f"model.n_layers={layers}", f"model.n_heads={heads}",
+                f"model.n_kv_heads={kv or heads}", f"model.vocab_size={vocab}", f"model.max_seq_len={seq}"]
+        return base + _swiglu_hidden(d, ffn)
+    return f"architecture not mapped: {kind}"
+
+
+def _swiglu_hidden(d: int, ffn: int) -> list[str]:
+    """``multiple_of`` / ``ffn_dim_multiplier`` giving Llama's SwiGLU hidden size ``ffn`` for width ``d``
+    (Llama rounds int(2/3 x 4d x multiplier) up to a multiple)."""
+    for multiplier in (None, 1.3, 1.5, 2.0, 1.0):
+        for multiple in (256, 1024, 4096, 512, 2048):
+            hidden = int(2 * 4 * d / 3)
+            if multiplier is not None:
+                hidden = int(multiplier * hidden)
+            if multiple * ((hidden + multiple - 1) // multiple) == ffn:
+                out = [f"model.multiple_of={multiple}"]
+                return out + ([f"model.ffn_dim_multiplier={multiplier}"] if multiplier is not None else [])
+    return [f"model.multiple_of={ffn}"]  # no rule found: the parameter check below says so
+
+
+def sharding_overrides(f: dict) -> list[str] | str:
+    text = (f["sharding"] + " " + f["framework"]).upper()
+    if _int(f["pp"], 1) > 1 or _int(f["cp"], 1) > 1 or _int(f["ep"], 1) > 1:
+        return "pipeline / context / expert parallel rows are not expressible (no such dimension yet)"
+    tp = [f"parallel.tp={_int(f['tp'], 1)}"] if _int(f["tp"], 1) > 1 else []
+    if "FULL_SHARD" in text and "FSDP1" in text:
+        return ["sharding=fsdp1"] + tp
+    if "HYBRID" in text or "HSDP" in text:
+        return ["sharding=hybrid"] + tp
+    if "FSDP2" in text or "FULLY_SHARD" in text:
+        return ["sharding=full"] + tp
+    if "FULL_SHARD" in text:
+        return ["sharding=fsdp1"] + tp
+    return f"sharding not mapped: {f['sharding']}"
+
+
+def ac_override(f: dict) -> str:
+    text = f["activation_checkpointing"].lower()
+    if text.startswith("none") or text == "no":
+        return "ac=none"
+    if text.startswith("full"):
+        return "ac=full"
+    if "per-op" in text or "op" in text.split("(")[-1]:
+        return "ac=selective_op"
+    return "ac=selective"  # layer-wise: torchtitan's default selective_ac_option is every 2nd block
+
+
+def precision_override(f: dict) -> str | None:
+    text = (f["precision"] + " " + f["precision_detail"]).lower()
+    if "fp8" in text:
+        return None
+    if "pure" in text:
+        return "precision=bf16_pure"  # FSDP mixed_precision=PURE: bf16 gradients reduced in bf16
+    if "bf16" in text:
+        return "precision=bf16"  # bf16 compute, fp32 reduction
+    return None
+
+
+def network_of(f: dict, device: str) -> str:
+    text = f["interconnect"].lower()
+    if "roce" in text and "1600" in text:
+        return "roce_8x200g"
+    if "3200" in text:
+        return "ib_ndr_8x400g" if "ib" in text or "infiniband" in text else "efa_3200g"
+    return ""  # the device's own default network
+
+
+def express(row: Row) -> None:
+    f = row.fields
+    gpu = DEVICES.get(f["gpu"].upper())
+    if gpu is None:
+        row.not_expressible = f"device {f['gpu']} is not in the device table"
+        return
+    model = model_overrides(f)
+    sharding = sharding_overrides(f)
+    precision = precision_override(f)
+    for problem in (model, sharding):
+        if isinstance(problem, str):
+            row.not_expressible = problem
+            return
+    if precision is None:
+        row.not_expressible = f"precision not expressible yet: {f['precision']} ({f['precision_detail']})"
+        return
+    n_gpus = int(f["n_gpus"])
+    per_node = _int(f["gpus_per_node"]) or min(8, n_gpus)
+    row.device, row.network = gpu, network_of(f, gpu)
+    row.model_fields = _model_fields(model)
+    row.overrides = model + sharding + [
+        precision, ac_override(f), f"trainer.nproc_per_node={per_node}", f"trainer.nnodes={n_gpus // per_node}",
+        f"trainer.global_batch_size={f['global_batch']}", f"trainer.micro_batch_size={f['micro_batch']}",
+        f"trainer.seq_len={f['seq_len']}", "trainer.device=cuda"]
+
+
+def _model_fields(model: list[str]) -> dict:
+    """The model config's fields the overrides set: ``model.k=v`` as typed values, ``+model.hf_fields={...}``
+    as the dict."""
+    import yaml
+
+    out: dict = {}
+    for override in model:
+        key, _, value = override.lstrip("+").partition("=")
+        if key.startswith("model."):
+            out[key.removeprefix("model.")] = yaml.safe_load(value.replace(":", ": ").replace(",", ", ")) \
+                if value.startswith("{") else yaml.safe_load(value)
+    return out
+
+
+def _trainer_fields(row: Row) -> dict:
+    values = dict(o.partition("=")[::2] for o in row.overrides if o.startswith("trainer."))
+    return {"nproc_per_node": values["trainer.nproc_per_node"], "nnodes": int(values["trainer.nnodes"]),
+            "global_batch_size": int(values["trainer.global_batch_size"]),
+            "micro_batch_size": int(values["trainer.micro_batch_size"]), "seq_len": int(values["trainer.seq_len"]),
+            "device": values["trainer.device"]}
+
+
+class Configs:
+    """Each row's run config. Hydra composes once per choice of the config groups (the model family, sharding,
+    precision, AC); every other row of that choice is the composed config with its model's fields and the
+    trainer's values replaced (``dataclasses.replace``): what Hydra composes from the same overrides (tested),
+    at a thousandth of the cost."""
+
+    def __init__(self, compose):
+        self.compose, self.bases = compose, {}
+
+    def __call__(self, row: Row):
+        # the model's field names belong to the key: a field one row sets and another leaves at its preset's
+        # value must not be carried over from the row composed first
+        groups = tuple(o for o in row.overrides if not o.lstrip("+").startswith(("model.", "trainer."))) + \
+            tuple(sorted(row.model_fields))
+        if groups not in self.bases:
+            self.bases[groups] = self.compose(row.overrides)
+            return self.bases[groups]
+        base = self.bases[groups]
+        return dataclasses.replace(base, model=dataclasses.replace(base.model, **row.model_fields),
+                                   trainer=dataclasses.replace(base.trainer, **_trainer_fields(row)))
+
+
+def step_samples(paths: list[Path]) -> dict[str, dict]:
+    """The published runs with a throughput, by device: ``{device: {"samples": [(StepCosts, published tokens/s of
+    the whole run, DevicePerf with the row's network)], "perf": the device's DevicePerf, "runs": n}}``, for
+    ``tune.calibrate_from=<a published table>``. Rows that cannot be expressed, or whose mapped architecture
+    misses the published parameter count, are left out."""
+    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.errors import ConfigError
+    from fsdp_exp.models import spec_for
+    from fsdp_exp.plan.devices import device_table, with_network
+    from fsdp_exp.tune.perf import step_costs
+    from fsdp_exp.tune.search import hydra_session
+
+    table = device_table()
+    groups: dict[str, dict] = {}
+    with hydra_session() as (compose, _):
+        configs = Configs(compose)
+        for row in load(paths):
+            express(row)
+            if row.not_expressible or not row.published_tokens:
+                continue
+            cfg = configs(row)
+            published_n = _int(row.fields.get("n_params", ""))
+            if published_n and sum(p.numel for p in spec_for(cfg.model).inventory(cfg.model).params) != published_n:
+                continue
+            try:
+                topology = validate(cfg, cuda_devices=int(cfg.trainer.nproc_per_node))
+            except ConfigError:
+                continue
+            perf = table[row.device].perf
+            group = groups.setdefault(row.device, {"samples": [], "perf": perf, "runs": 0})
+            group["samples"].append((step_costs(cfg, topology), row.published_tokens * topology.world_size,
+                                     with_network(perf, row.network) if row.network else perf))
+            group["runs"] += 1
+    return groups
