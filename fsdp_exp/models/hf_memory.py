@@ -11,6 +11,11 @@ kernels chosen are the CPU's (SDPA's flash kernel saves its log-sum-exp, not the
 - a dispatch mode that follows every storage an op makes until it is freed: the largest moment of a
   block's backward (activation gradients, beyond the one arriving from above, and the weight
   gradients made so far), and of its forward under ``no_grad`` (what a checkpointed block holds).
+  Storages are told apart by their Python objects (torch keeps one per storage while it lives), not by
+  address, which a freed storage soon hands to a new one: a measurement repeats itself exactly.
+
+Mixture-of-experts models (Mixtral, Qwen3-MoE, DeepSeek-V3, ...) run their experts through torch's grouped
+matmul; fake tensors get its result in every dtype the op runs in (``_grouped_mm_in_any_dtype``).
 
 Sizes are per rank and per micro-batch; tensor parallel is measured on a model whose heads and
 feed-forward width are divided by ``tp`` (each rank's share). One measurement per (compute dtype,
@@ -20,6 +25,7 @@ autocast) is cached.
 from __future__ import annotations
 
 import copy
+import itertools
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -66,6 +72,11 @@ class _Storages:
 
         self.mode = Mode()
         self.where = where
+        # A storage's key: a serial number given the first time it is seen, held while its Python object lives
+        # (torch keeps one object per storage for the storage's lifetime). Never its address: a freed storage's
+        # address is soon a new one's, and a key that outlived its storage then matched another (issue 24).
+        self.serials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.next_serial = itertools.count()
         self.on_op = None  # called with (op, its output tensors) for every op, if set
         self.alive: dict[int, int] = {}  # storage key -> bytes
         self.made_in: dict[int, str] = {}  # storage key -> the region it was made in
@@ -76,9 +87,16 @@ class _Storages:
         self.window_bytes = 0
         self.samples: list[tuple[int, int, frozenset]] = []  # (window bytes, watched bytes, window keys)
 
+    def key(self, t) -> int:
+        """The key of ``t``'s storage: the same for every view of it while it lives, never another's."""
+        storage = t.untyped_storage()
+        if storage not in self.serials:
+            self.serials[storage] = next(self.next_serial)
+        return self.serials[storage]
+
     def made(self, t, func=None) -> None:
         storage = t.untyped_storage()
-        key = storage._cdata
+        key = self.key(t)
         if key in self.alive:
             return
         self.alive[key] = storage.nbytes()
@@ -91,7 +109,7 @@ class _Storages:
             self.samples.append((self.window_bytes, self.watched_bytes, frozenset(self.window)))
 
     def watch(self, t) -> None:
-        key = t.untyped_storage()._cdata
+        key = self.key(t)
         if key in self.alive and key not in self.watched:
             self.watched.add(key)
             self.watched_bytes += self.alive[key]
@@ -111,6 +129,44 @@ class _Storages:
     def close(self) -> list[tuple[int, int, frozenset]]:
         samples, self.window = self.samples, None
         return samples
+
+
+def _grouped_mm_in_any_dtype():
+    """A dispatch mode giving fake tensors torch's grouped matmul (``aten._grouped_mm``, transformers'
+    default experts path for MoE models) in every dtype.
+
+    The op runs in fp32, bf16 and fp16: CUDA's fast kernel takes bf16, its composite fallback (the CPU's,
+    and CUDA's for other dtypes) any dtype. Its meta kernel, which fake tensors use, checks the fast
+    kernel's bf16 only, so an fp32 or fp16 measurement stopped there. Outside bf16 this mode returns the
+    op's result as the fallback makes it: its documented shape (``torch.nn.functional.grouped_mm``), the
+    operands' dtype, contiguous. Autograd saves the same operands whichever kernel runs."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+                return _grouped_mm_result(*args, **kwargs)
+            return func(*args, **kwargs)
+
+    return Mode()
+
+
+def _grouped_mm_result(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """An empty tensor shaped as ``grouped_mm(mat_a, mat_b, offs=offs)``: 2-D operands are cut into
+    ``offs.size(0)`` groups along their shared (2-D x 2-D) or leading (2-D x 3-D) dimension."""
+    import torch
+
+    if mat_a.dim() == 2 and mat_b.dim() == 2:  # a weight gradient: one (M, N) product per group
+        shape = (offs.size(0), mat_a.size(0), mat_b.size(1))
+    elif mat_a.dim() == 2:  # tokens grouped by expert times one weight per expert
+        shape = (mat_a.size(0), mat_b.size(-1))
+    elif mat_b.dim() == 2:
+        shape = (mat_a.size(1), mat_b.size(1))
+    else:  # a batched matmul
+        shape = (mat_a.size(0), mat_a.size(1), mat_b.size(-1))
+    return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
 
 
 def _scaled_config(config, tp: int):
@@ -152,16 +208,17 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
     config.use_cache = False
     where = {"region": "root", "inputs": {}, "outputs": {}}
     storages = _Storages(where)
-    with FakeTensorMode(allow_non_fake_inputs=True), shapes_only:
+    # Entered before the storages' mode, the grouped-matmul mode handles an op after it: the storages see its result.
+    with FakeTensorMode(allow_non_fake_inputs=True), _grouped_mm_in_any_dtype(), shapes_only:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if autocast else compute,
                                                  attn_implementation=attn_implementation)
         model.train()
         blocks = [m for m in model.modules() if type(m).__name__ == block_class_name]
         j = len(blocks) - 1  # the measured block (its input comes from the block before it)
-        kept = {p.untyped_storage()._cdata for p in model.parameters()}
-        kept |= {buf.untyped_storage()._cdata for buf in model.buffers()}
+        kept = {storages.key(p) for p in model.parameters()}
+        kept |= {storages.key(buf) for buf in model.buffers()}
         tokens = torch.zeros((b, s), dtype=torch.long)
-        kept.add(tokens.untyped_storage()._cdata)
+        kept.add(storages.key(tokens))
         saved: dict[str, dict[int, int]] = {}  # region -> storage -> bytes
 
         def pre(i):
@@ -182,9 +239,9 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
             handles.append(block.register_forward_hook(post(i), with_kwargs=True))
 
         def pack(t):
-            storage = t.untyped_storage()
-            if storage._cdata not in kept:
-                saved.setdefault(where["region"], {})[storage._cdata] = storage.nbytes()
+            key = storages.key(t)
+            if key not in kept:
+                saved.setdefault(where["region"], {})[key] = t.untyped_storage().nbytes()
                 if where["region"] == f"block {j}":
                     storages.watch(t)
             return t
@@ -197,15 +254,14 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
             if where["region"] == f"block {j}":
                 for ops, saver in savers.items():
                     if saver.saves(func):
-                        op_saved[ops].update((t.untyped_storage()._cdata, t.untyped_storage().nbytes())
-                                             for t in tensors)
+                        op_saved[ops].update((storages.key(t), t.untyped_storage().nbytes()) for t in tensors)
 
         storages.on_op = on_op
         amp = torch.autocast("cpu", dtype=compute) if autocast else torch.autocast("cpu", enabled=False)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), storages.mode, amp:
             logits = model(tokens).logits
         storages.on_op = None
-        block_input = where["inputs"][j].untyped_storage()._cdata
+        block_input = storages.key(where["inputs"][j])
         mine = {k: n for k, n in saved.get(f"block {j}", {}).items()
                 if storages.made_in.get(k) == f"block {j}" or k == block_input}
         shared = {k: n for region, kv in saved.items() for k, n in kv.items()
@@ -227,7 +283,7 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
         where["inputs"][j].register_hook(closed)
         with storages.mode:
             logits.float().sum().backward()
-        grads = {p.grad.untyped_storage()._cdata: (p.grad.numel(), p.grad.untyped_storage().nbytes())
+        grads = {storages.key(p.grad): (p.grad.numel(), p.grad.untyped_storage().nbytes())
                  for p in blocks[j].parameters() if p.grad is not None}
         block_saved = sum(mine.values())
         best = max(marks.get("samples") or [(0, block_saved, frozenset())], key=lambda x: x[0] + x[1])
