@@ -712,6 +712,7 @@ def check_fit(ctx: Context) -> dict:
     expect("does not fit" in run.stderr and "fix:" in message, f"refused, but not for memory: {run.error()}")
     if ctx.device == "cuda":  # what the GPU has free, asked from a child process of the launcher
         expect("cuda:" in message, "the refusal does not name the GPU's free memory")
+        expect("error band" in message, "the refusal does not say how sure it is (the planner's error band)")
     first = message.splitlines()[0]
     return {"refused in s": round(run.wall_s, 1), "says": first[:160]}
 
@@ -774,7 +775,7 @@ CHECKS = (
                   "fsdp_exp/plan/devices.py:fits")),
     Check("fit_refusal", "a run too big for this node (Llama 70B) refused before any rank, by the GPU's free memory",
           ("fit_refused",), check_fit,
-          covers=("fsdp_exp/config/fit.py:_problem", "fsdp_exp/config/fit.py:_fixes",
+          covers=("fsdp_exp/config/fit.py:check_fit", "fsdp_exp/config/fit.py:_problem", "fsdp_exp/config/fit.py:_fixes",
                   "fsdp_exp/config/fit.py:_fitting_changes", "fsdp_exp/config/fit.py:_gpu_layouts")),
     Check("offload_pinned", "FSDP2 offload=params: pinned host memory on CUDA (unpinned on a CPU)",
           ("offload",), check_offload,

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from fsdp_exp.tune.published import CONVENTION, Row, framework, express, Configs, _int
+from fsdp_exp.tune.published import CONVENTION, Configs, Row, _int, express, framework
 
 HERE = Path(__file__).resolve().parent
 RECORD = HERE / "published"
@@ -54,7 +54,7 @@ WITHIN = 0.15  # "within 15%"
 MFU_WITHIN = 0.01  # published MFU reproduced within 1% (relative)
 
 # ------------------------------------------------------------------------------------------------ predict
-def predict_all(rows: list[Row]) -> dict:
+def predict_all(rows: list[Row], memory: bool = True) -> dict:
     from fsdp_exp.config.fit import error_band
     from fsdp_exp.config.preflight import validate
     from fsdp_exp.errors import ConfigError
@@ -85,10 +85,10 @@ def predict_all(rows: list[Row]) -> dict:
                 topology = validate(cfg, cuda_devices=int(cfg.trainer.nproc_per_node))
                 device = table[row.device]
                 perf = with_network(device.perf, row.network) if row.network else device.perf
-                result = plan(cfg, topology, device_kind="cuda")
-                need = result.per_rank_bytes["total"]
-                row.need_gib, row.device_gib = need / GIB, device.bytes / GIB
-                row.verdict = band.verdict(need, device.bytes)
+                if memory:
+                    need = plan(cfg, topology, device_kind="cuda").per_rank_bytes["total"]
+                    row.need_gib, row.device_gib = need / GIB, device.bytes / GIB
+                    row.verdict = band.verdict(need, device.bytes)
                 row.predicted_tokens = predict(cfg, topology, perf).tokens_per_s / topology.world_size
                 convention = CONVENTION.get(framework(row.fields))
                 if convention and row.published_tokens:
@@ -128,6 +128,7 @@ def figures(rows: list[Row]) -> dict:
     mfu = [(r.mfu_recomputed, float(r.fields["mfu"])) for r in expressed
            if r.mfu_recomputed is not None and r.fields.get("mfu")]
     mfu_errors = [abs(a / b - 1) for a, b in mfu]
+    planned = [r for r in expressed if r.verdict]  # none with --no-memory
     over_ran = [r.need_gib / r.device_gib - 1 for r in expressed if r.published_tokens and r.need_gib]
     over_oom = [r.need_gib / r.device_gib - 1 for r in expressed if r.published_oom and r.need_gib]
     memory = [(r.need_gib, float(r.fields["memory_gib_per_gpu"])) for r in expressed
@@ -140,10 +141,10 @@ def figures(rows: list[Row]) -> dict:
         "within_15": sum(e <= WITHIN for e in errors) / len(errors) if errors else None,
         "spearman_mean": statistics.mean(rhos.values()) if rhos else None, "spearman_tables": len(rhos),
         "spearman_by_table": rhos,
-        "false_refusals": sum(r.verdict == "refused" for r in expressed if r.published_tokens),
-        "borderline_ran": sum(r.verdict == "borderline" for r in expressed if r.published_tokens),
+        "false_refusals": sum(r.verdict == "refused" for r in planned if r.published_tokens) if planned else None,
+        "borderline_ran": sum(r.verdict == "borderline" for r in planned if r.published_tokens) if planned else None,
         "published_oom": sum(r.published_oom for r in expressed),
-        "false_accepts": sum(r.verdict != "refused" for r in expressed if r.published_oom),
+        "false_accepts": sum(r.verdict != "refused" for r in planned if r.published_oom) if planned else None,
         "mfu_rows": len(mfu), "mfu_within_1pct": sum(e <= MFU_WITHIN for e in mfu_errors),
         "mfu_max_error": max(mfu_errors) if mfu_errors else None,
         # what the fit check's error band (fsdp_exp.config.fit.PLANNER_BAND) is read from
@@ -190,9 +191,9 @@ def lines(name: str, fig: dict) -> list[str]:
     return out
 
 
-def run(part: str = "calibration", rows_per_file: Optional[int] = None) -> dict:
+def run(part: str = "calibration", rows_per_file: Optional[int] = None, memory: bool = True) -> dict:
     rows = load(part, rows_per_file)
-    info = predict_all(rows)
+    info = predict_all(rows, memory)
     by_source = {s: figures([r for r in rows if r.source == s]) for s in dict.fromkeys(r.source for r in rows)}
     return {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/published.py " + " ".join(sys.argv[1:]),
             "part": part, "seconds": info["seconds"], "band": info["band"], "overall": figures(rows),
@@ -205,8 +206,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rows", type=int, default=None, help="only the first N rows of each file")
     parser.add_argument("--part", choices=("calibration", "all"), default="calibration")
     parser.add_argument("--worst", type=int, default=0, help="also list the N rows furthest from published")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip the planner (throughput and MFU only: no fit verdicts, much faster)")
     args = parser.parse_args(argv)
-    data = run(args.part, args.rows)
+    data = run(args.part, args.rows, memory=not args.no_memory)
     if args.json:
         print(json.dumps(data, indent=1, default=str))
         return 0
@@ -219,7 +222,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         ranked = sorted((r for r in data["rows"] if r["ratio"]), key=lambda r: -abs(math.log(r["ratio"])))
         for r in ranked[: args.worst]:
             print(f"  x{r['ratio']:.2f}  {r['source']}: {r['name']}  pub {r['published_tokens_per_s_per_gpu']:,.0f} "
-                  f"pred {r['predicted_tokens_per_s_per_gpu']:,.0f}  need {r['need_gib']:.1f}/{r['device_gib']:.0f} GiB")
+                  f"pred {r['predicted_tokens_per_s_per_gpu']:,.0f}"
+                  + (f"  need {r['need_gib']:.1f}/{r['device_gib']:.0f} GiB" if r["need_gib"] is not None else ""))
     return 0
 
 

@@ -25,12 +25,20 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
 
 ``timing(costs, perf)`` turns the counts into seconds with a ``DevicePerf``:
 
-- compute: FLOPs / (peak of ``param_dtype`` x efficiency); the operators cost ``dispatch_us`` each,
-  hidden behind the device's work where dispatch is asynchronous (CUDA), added to it where it is not
-  (eager CPU);
+- compute on a GPU (``DevicePerf.kernels``), by kernel class (``kernel_seconds``): the linear layers'
+  matmuls by shape at ``efficiency`` (less ``gemm_half_dim``'s penalty, never faster than their operands'
+  bytes allow), attention as a causal fused kernel does it (half the counted square; 2.5 x in backward) at
+  ``attention_efficiency``, the memory-bound operators and the loss's logits by their bytes at
+  ``memory_efficiency`` of the memory's bandwidth, backward twice the matmuls and bytes, and the share of
+  the forward that activation checkpointing runs again. On a CPU: FLOPs / (peak of ``param_dtype`` x
+  efficiency). The operators cost ``dispatch_us`` each, hidden behind the device's work where dispatch is
+  asynchronous (CUDA), added to it where it is not (eager CPU);
 - a collective over a ring of n ranks (the alpha-beta model): an all-gather or a reduce-scatter takes
   ``(n-1) x latency + (n-1)/n x bytes / bandwidth``, an all-reduce twice that; the link is the node's
-  (``intra``) when the group stays in one node, else the network's (``inter``, per rank);
+  (``intra``) when the group stays in one node, else the network's (``inter``): a network given per node
+  (a GPU's) carries the group's traffic over all of the node's cards, shared with the node's other groups
+  (``traffic_seconds``);
+- the sharding backend's software: ``unit_us`` (by parameter layout) per gathered unit and collective;
 - overlap: collectives that a prefetch or the backward's bucketing can run ahead of need are hidden
   behind the phase's compute, up to ``overlap`` of the smaller of the two; the first unit's all-gather
   and the last unit's reduction always wait. Forward prefetch off (``prefetch.forward=0``) exposes the
@@ -39,9 +47,9 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
 - the step = forward + backward of every micro-batch + the optimizer step + ``step_overhead_ms`` + the
   tiny all-reduces.
 
-What it leaves out, knowingly: kernels' efficiency changing with their shapes (one efficiency per device,
-fitted), a backend's own per-collective software cost (in the fitted latency), stragglers, congestion
-between jobs, NCCL's tree and NVLS algorithms, compile.
+What it leaves out, knowingly: stragglers, congestion between jobs, NCCL's tree and NVLS algorithms,
+compile, FP8; on a CPU kernels' efficiency by shape and the backend's per-collective software cost (both in
+the probed and fitted figures). The GPU figures it fits on the published record: fsdp_exp/plan/devices.py.
 """
 
 from __future__ import annotations

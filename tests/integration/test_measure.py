@@ -80,11 +80,16 @@ def test_profiled_fsdp2_run_comm_mfu_hfu_and_summary(tmp_path, cache_home):
     MFU and HFU follow from the measured CPU peak, and the summary leaves the profiled step out."""
     run = tmp_path / "run"
     overrides = [*SMALL, "ac=full", "trainer.steps=6", "trainer.warmup_steps=2", "trainer.profile_steps=[3]",
-                 "logger.wandb.mode=offline"]
+                 "logger.wandb.mode=offline", "trainer.flops_convention=torchtitan"]
     run_experiment(overrides, run)
     record = json.loads((run / "run.json").read_text())
     rows = read_metrics(run)
     assert record["status"] == "completed"
+    # MFU counts by the named convention, and says which (torchtitan's: the input embedding left out of 6N)
+    from fsdp_exp.metrics.flops import convention_flops_per_token
+
+    assert record["env"]["flops_convention"] == "torchtitan"
+    assert record["env"]["flops_per_token"] == convention_flops_per_token("torchtitan", run_config(overrides).model, SEQ)
 
     # Communication, recomputed from the artifacts.
     traces = [run / "traces" / f"rank{r}_step4.json" for r in (0, 1)]

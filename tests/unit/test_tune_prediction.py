@@ -346,8 +346,8 @@ def test_a_budget_above_the_device_says_so_and_the_refusal_does_not_offer_raisin
     fitting, _ = _weigh(SMALL_7B + EVERY_DIMENSION + ["tune.budget_gib=500"])
     assert fitting.limit_name == "h100_80gb"
     assert any("tune.budget_gib=500 is above what h100_80gb has" in n for n in fitting.space.notes)
-    too_big = ["model=llama70b", "trainer.nproc_per_node=2", "plan.device=h100_80gb", *EVERY_DIMENSION,
-               "tune.budget_gib=500", f"tune.out={tmp_path}"]
+    too_big = ["model=llama7b", "trainer.nproc_per_node=1", "trainer.seq_len=2048", "plan.device=h100_80gb",
+               *EVERY_DIMENSION, "tune.budget_gib=500", f"tune.out={tmp_path}"]  # 7B's states alone: 100 GiB
     assert main(too_big) == 2
     err = capsys.readouterr().err
     assert "a device with at least" in err and "raise tune.budget_gib" not in err, err
