@@ -97,15 +97,19 @@ def memory_options(cfg: "RunConfig") -> list[str]:
     changes = ["trainer.loss_chunks=1" if t.loss_chunks > 1 else "trainer.loss_chunks=8"]
     if cfg.parallel.tp > 1:
         changes.append(f"parallel.loss_parallel={str(not cfg.parallel.loss_parallel).lower()}")
-    if t.micro_batch_size is not None:  # micro-batches accumulate
-        changes += [f"trainer.grad_sync={EVERY_MICRO_BATCH}", f"trainer.grad_sync={LAST_MICRO_BATCH}"]
+    if t.micro_batch_size is not None:  # micro-batches may accumulate: the rule the backend does not apply now
+        from fsdp_exp.parallel.backend import backend_for
+
+        resolved = backend_for(cfg).grad_sync(cfg)
+        changes += [f"trainer.grad_sync={rule}" for rule in (EVERY_MICRO_BATCH, LAST_MICRO_BATCH) if rule != resolved]
     return changes + list(MEMORY_OPTIONS)
 
 
 def price_options(cfg: "RunConfig", result: Plan, cuda_devices: int, device_kind: Optional[str],
                   margin: Optional[float]) -> list[dict]:
     """What each memory option would change of the per-rank need (peak + margin), by planning the variant:
-    [{"change", "saves_bytes" (negative: costs), "total_bytes", "peak_phase"}], the largest saving first."""
+    [{"change", "saves_bytes" (negative: costs; 0: the peak lies elsewhere), "total_bytes", "peak_phase"}],
+    the largest saving first."""
     from fsdp_exp.config.fit import _variant
     from fsdp_exp.config.preflight import validate
 
@@ -118,10 +122,8 @@ def price_options(cfg: "RunConfig", result: Plan, cuda_devices: int, device_kind
             other = plan(variant, validate(variant, cuda_devices=cuda_devices), device_kind=device_kind, margin=margin)
         except Exception:  # noqa: BLE001 - a change this configuration cannot take is not an option here
             continue
-        saves = result.per_rank_bytes["total"] - other.per_rank_bytes["total"]
-        if saves:
-            priced.append({"change": change, "saves_bytes": saves, "total_bytes": other.per_rank_bytes["total"],
-                           "peak_phase": other.peak["phase"]})
+        priced.append({"change": change, "saves_bytes": result.per_rank_bytes["total"] - other.per_rank_bytes["total"],
+                       "total_bytes": other.per_rank_bytes["total"], "peak_phase": other.peak["phase"]})
     return sorted(priced, key=lambda o: -o["saves_bytes"])
 
 
@@ -218,7 +220,7 @@ def render_table(result: Plan, overrides: list[str], options: Optional[list[dict
                       f"{verdict}{shared}: needs {fmt(dv['needed_bytes'])}, headroom {fmt(dv['headroom_bytes'])}")
     for i, option in enumerate(options or []):
         saves = option["saves_bytes"]
-        table.add_row("with " + option["change"], f"{'-' if saves > 0 else '+'}{fmt(abs(saves))}",
+        table.add_row("with " + option["change"], f"{'-' if saves > 0 else '+' if saves else ''}{fmt(abs(saves))}",
                       f"needs {fmt(option['total_bytes'])}; peak then at {option['peak_phase']}",
                       end_section=i == len(options) - 1)
     for note in result.assumptions:

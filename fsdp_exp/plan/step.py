@@ -165,8 +165,9 @@ class StepWalk:
         return self.e_p * (g.root_numel + g.own[i] + g.largest_nested[i])
 
     def prefetched(self, i: int) -> int:
-        """All-gather buffers of units gathered ahead of block i's backward."""
-        if not self.reshard:
+        """All-gather buffers of units gathered ahead of block i's backward (none where a shard group of one
+        rank gathers nothing)."""
+        if not self.reshard or not self.all_gathers:
             return 0
         g = self.g
         ahead = sum(g.own[max(0, i - self.back_depth):i])
@@ -192,7 +193,8 @@ class StepWalk:
         x, g, e = self.x, self.g, self.e
         grads = self.accumulated(None) + self.replica_grads
         h_alive = 0 if self.autocast or e == 4 else x.residual(e)  # fp32 and autocast: saved already
-        out = []
+        # The step starts with the last step's gradients (the tracker's forward stage starts before zero_grad).
+        out = [self.phase("forward (last step's gradients)", grads=self.states.resident["grads"])]
         first = next((j for j in range(self.L) if g.own[j]), None)
         if self.all_gathers and first is not None:
             # 0) The first block's all-gather lands while the root's all-gather output is still held (freed at
@@ -243,7 +245,7 @@ class StepWalk:
         parameter: the sum so far, the next slice's and their sum are alive at once (measured with torch's
         tracker), which is the moment of the loss's backward when the head's weight outweighs a slice's
         logits."""
-        g = self.g
+        g, e = self.g, self.e
         chunked = self.chunks > 1
         if not self.gathers:
             unsh, comm = sum(self.casts) + self.output_cast, self.bucket
@@ -269,7 +271,9 @@ class StepWalk:
         # A slice's recomputed log_softmax output, its gradient and the logits' (fp32), the recomputed logits
         # and their gradient's cast to param_dtype; or the head's weight gradient three times.
         made_again = 3 * self.log_softmax + self.logits + (self.logits if float_copy else 0)
-        weight_sums = 3 * self.e_grad_w * (g.root_early_numel if self.gathers else g.root_early_full_numel)
+        # (Under autocast the slices share one cast of the weight: the sums are in param_dtype, before the cast.)
+        weight_sums = 3 * (e if self.autocast else self.e_grad_w) * \
+            (g.root_early_numel if self.gathers else g.root_early_full_numel)
         return [forward, self.phase("loss backward", grads=grads, unsharded=unsh, comm=comm, activations=acts,
                                     temporaries=max(made_again, weight_sums) + 2 * self.resid_grad + sharded // 2)]
 

@@ -61,6 +61,8 @@ def test_auto_nproc_and_batch_split():
     (["prefetch.backward=0"], "prefetch.backward=null"),
     (["trainer.nproc_per_node=zero"], "trainer.nproc_per_node=auto"),
     (["model.n_kv_heads=3"], "model.n_kv_heads"),
+    (["trainer.loss_chunks=0"], "trainer.loss_chunks=8"),
+    (["precision=bf16_pure", "precision.output_dtype=bf16"], "trainer.loss_chunks=1"),
 ])
 def test_validation_messages_name_the_fix(overrides, fix):
     with pytest.raises(ConfigError) as err:
