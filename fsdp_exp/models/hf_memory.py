@@ -30,6 +30,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Optional
 
+from fsdp_exp.errors import fail
 from fsdp_exp.models.spec import TokenCounts
 
 DTYPES = {4: "float32", 2: "bfloat16"}
@@ -177,7 +178,8 @@ def _scaled_config(config, tp: int):
     small = copy.deepcopy(config)
     layers = min(getattr(small, "num_hidden_layers", MEASURED_BLOCKS), MEASURED_BLOCKS)
     small.num_hidden_layers = layers
-    if isinstance(getattr(small, "layer_types", None), list):
+    derived = isinstance(getattr(type(small), "layer_types", None), property)  # Jamba's: it follows the depth itself
+    if isinstance(getattr(small, "layer_types", None), list) and not derived:
         small.layer_types = small.layer_types[:layers]
     if tp > 1:
         fields = {f.name for f in dataclasses.fields(type(small))} if dataclasses.is_dataclass(small) else set()
@@ -322,6 +324,7 @@ class HfActivations(TokenCounts):
         config = spec.config(m)
         self._args = (config, spec.block_class_of(m).__name__, micro_batch, seq_len)
         self._spec = spec
+        self._architecture = spec.architecture(m)
         self._tp, self._attn = tp, m.attn_implementation
         self.b, self.s = micro_batch, seq_len
         self.d = config.get_text_config().hidden_size
@@ -333,9 +336,22 @@ class HfActivations(TokenCounts):
         if key not in _CACHE:
             if len(_CACHE) >= 64:
                 _CACHE.clear()
-            _CACHE[key] = measure(*self._args, e=e, autocast=autocast, tp=self._tp, attn_implementation=self._attn,
-                                  shapes_only=self._spec.shapes_only())
+            _CACHE[key] = self._measure(e, autocast)
         return _CACHE[key]
+
+    def _measure(self, e: int, autocast: bool) -> Measurement:
+        """``measure``, or a refusal where the model's forward needs values fake tensors do not have."""
+        from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+        try:
+            return measure(*self._args, e=e, autocast=autocast, tp=self._tp, attn_implementation=self._attn,
+                           shapes_only=self._spec.shapes_only())
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            fail(f"the planner measures {self._architecture}'s activations on fake tensors (shapes without values), "
+                 f"and its forward calls {exc.func}, whose result depends on the values (a mixture of experts that "
+                 "sizes each expert's batch by the tokens routed to it does so); it cannot predict this model.",
+                 "measure it in a run instead: python -m fsdp_exp with these overrides and trainer.steps=2 reports "
+                 "summary/tracked_peak_gib_max")
 
     @property
     def peak_weight_grad(self) -> int:

@@ -174,6 +174,27 @@ def test_mixture_of_experts_architectures_are_planned_in_every_precision(model_t
     assert 0 < profile.block_saved(2)["total"] < profile.block_saved(4)["total"]
 
 
+def test_a_config_whose_class_derives_its_layer_types_is_measured_on_two_blocks(tmp_path):
+    """Jamba (Mamba blocks, experts every other one) derives ``layer_types`` from its depth: the two-block
+    measurement used to set it and crash (a property without a setter)."""
+    folder = saved_config(tmp_path, "jamba", **TINY, num_experts=4, num_experts_per_tok=2, mamba_d_state=4,
+                          mamba_dt_rank=8, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    cfg = run_config(["model=hf", f"model.hf_config={folder}", "trainer.seq_len=8"])
+    assert spec_for(cfg.model).activations(cfg.model, 2, 8, 1, False).block_saved(4)["total"] > 0
+
+
+def test_experts_sized_by_the_routed_tokens_are_refused_by_the_planner_naming_the_op_and_a_run_to_measure(tmp_path):
+    """JetMoe sizes each expert's batch from the routing's values (``tolist``), which fake tensors do not have:
+    the planner refuses it (exit 2 in the plan CLI; a run records no plan and trains) instead of crashing."""
+    folder = saved_config(tmp_path, "jetmoe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_key_value_heads=2, kv_channels=16, num_local_experts=4, num_experts_per_tok=2,
+                          vocab_size=256, bos_token_id=0, eos_token_id=0)
+    cfg = run_config(["model=hf", f"model.hf_config={folder}", "trainer.seq_len=32"])
+    with pytest.raises(ConfigError, match="JetMoeForCausalLM's activations on fake tensors") as err:
+        spec_for(cfg.model).activations(cfg.model, 4, 32, 1, False).block_saved(4)
+    assert "_local_scalar_dense" in str(err.value) and "summary/tracked_peak_gib_max" in str(err.value)
+
+
 # A GPT-2 whose measurement wavered before storages were told apart by object, not address: 3 to 6 different
 # results of 6 (two fresh processes, three each) in each of 6 tries; this test failed in each of 3.
 REPEATED_MEASUREMENT = """
