@@ -11,7 +11,9 @@ the logits). The loss is computed inside the root module's forward on purpose: e
 (FSDP2's and FSDP1's gathering of the root, DeepSpeed's per-module ones, tensor parallel's styles on
 the head) see the head being called, in the forward and again at the recomputation.
 
-Under tensor parallel's loss parallel the logits stay sharded over the vocabulary (a DTensor), and the
+Under sequence parallel the hidden states arrive sharded over the sequence (a DTensor) and are sliced over
+the batch instead (a micro-batch of one sequence is then one slice). Under tensor parallel's loss parallel
+the logits stay sharded over the vocabulary (a DTensor), and the
 loss is a replicated DTensor; ``mean_cross_entropy`` hands back its local value (the parallel layer
 holds torch's ``loss_parallel`` context around the forward and the backward).
 """
@@ -39,11 +41,14 @@ def mean_cross_entropy(model: nn.Module, inputs: torch.Tensor, targets: torch.Te
 def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunks: int,
                           logits_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """The summed cross-entropy of ``head(hidden)`` (hidden: batch x sequence x width) against ``targets``
-    (batch x sequence), ``chunks`` slices of the sequence at a time. ``logits_transform``: what the
+    (batch x sequence), in ``chunks`` slices of the sequence (of the batch under sequence parallel). ``logits_transform``: what the
     family does to the logits before the loss (e.g. a soft cap)."""
+    # Hidden states sharded over the sequence (tensor parallel's sequence parallel, a DTensor) are sliced
+    # over the batch instead: a slice of the sharded dim would gather all of them first.
+    dim = 0 if _sharded_over(hidden, 1) else 1
+    n = min(chunks, hidden.shape[dim])
     total = None
-    for h, t in zip(hidden.tensor_split(min(chunks, hidden.shape[1]), dim=1),
-                    targets.tensor_split(min(chunks, targets.shape[1]), dim=1)):
+    for h, t in zip(hidden.tensor_split(n, dim=dim), targets.tensor_split(n, dim=dim)):
         if torch.is_grad_enabled():
             part = checkpoint(_chunk_loss, h, t, head, logits_transform, use_reentrant=False)
         else:  # evaluation: nothing is kept for a backward
@@ -58,6 +63,12 @@ def _chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module,
     if logits_transform is not None:
         logits = logits_transform(logits)
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def _sharded_over(tensor: torch.Tensor, dim: int) -> bool:
+    from torch.distributed.tensor import DTensor, Shard
+
+    return isinstance(tensor, DTensor) and any(isinstance(p, Shard) and p.dim == dim for p in tensor.placements)
 
 
 def _local(loss: torch.Tensor) -> torch.Tensor:

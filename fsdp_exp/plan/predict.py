@@ -66,7 +66,8 @@ def plan(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] =
         prefetch_forward=cfg.prefetch.forward, prefetch_backward=cfg.prefetch.backward,
         reshard_last_block=cfg.sharding.reshard_last_block, wrap_policy=cfg.wrap.policy,
         grad_sync=backend.grad_sync(cfg),
-        loss_chunks=cfg.trainer.loss_chunks, loss_parallel=cfg.parallel.loss_parallel)
+        loss_chunks=cfg.trainer.loss_chunks, loss_parallel=cfg.parallel.loss_parallel,
+        sequence_parallel=cfg.parallel.sequence_parallel)
     walk = StepWalk(setting, rules, profile, gathered(infos, inventory), states, inventory.buffer_bytes)
     phases = walk.phases()
 

@@ -72,6 +72,7 @@ class StepSetting:
     grad_sync: str = LAST_MICRO_BATCH  # trainer.grad_sync as the backend resolved it
     loss_chunks: int = 1  # trainer.loss_chunks: the output projection and loss per slice of the sequence
     loss_parallel: bool = False  # parallel.loss_parallel: the logits stay sharded over the TP group's vocabulary
+    sequence_parallel: bool = False  # parallel.sequence_parallel: the chunked loss slices the batch instead
 
 
 class StepWalk:
@@ -111,9 +112,11 @@ class StepWalk:
         self.head = x.head_saved(e, self.autocast)
         # The logits this rank makes at once: all of them, or one slice of the sequence's (trainer.loss_chunks,
         # fsdp_exp/models/loss.py); a vocabulary shard of them under loss parallel, else gathered whole.
-        self.chunks = max(1, min(s.loss_chunks, x.s))
+        over_batch = s.tp > 1 and s.sequence_parallel  # the hidden states are sharded over the sequence then
+        self.chunks = max(1, min(s.loss_chunks, x.b if over_batch else x.s))
+        per_chunk = -(-x.b // self.chunks) * x.s if over_batch else x.b * -(-x.s // self.chunks)  # tokens
         self.vocab_share = s.tp if s.tp > 1 and s.loss_parallel else 1
-        self.logit_elements = -(-x.logits * -(-x.s // self.chunks) // x.s // self.vocab_share)
+        self.logit_elements = -(-x.logits * per_chunk // x.tokens // self.vocab_share)
         # In param_dtype, or all at once the root's output_dtype (the chunked loss is the root's output).
         out = rules.root_output_dtype if self.chunks == 1 else None
         self.logits = (DTYPE_BYTES[out] if out else e) * self.logit_elements
