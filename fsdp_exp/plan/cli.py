@@ -29,6 +29,10 @@ What it predicts, per rank (the largest rank: rank 0 holds the ``ceil`` chunk of
   recomputed block under activation checkpointing, the logits and the loss's gradients, the
   gradients flowing through a block's backward, module buffers, the input batch.
 
+Below the verdict, each memory option (``trainer.loss_chunks``, ``parallel.loss_parallel``, ``trainer.grad_sync``,
+``ac``, ``precision``, ``sharding``, ``offload``, the micro-batch) is priced by planning the configuration again
+with it: what the per-rank need would become and where the peak would then fall (``options`` in the JSON).
+
 Measured against torch's memory tracker (``mem/tracked_total_gib_max`` for the step,
 ``mem/tracked_<stage>_total_gib_max`` for each stage) on CPU runs of tiny models, see docs/design.md
 for the errors by configuration.
