@@ -100,6 +100,7 @@ class Row:
     pareto_tied: bool = False  # off the Pareto front by medians, but tied with every row that beats it
     repeats: list["Row"] = field(default_factory=list)  # a ranked configuration's runs, in job order
     repeat_of: Optional[str] = None  # a run listed under a configuration: that configuration's label
+    flops_convention: Optional[str] = None  # what its MFU counts (run.json env; None: a run from before, fsdp_exp's)
 
     def value(self, metric: str) -> Optional[float]:
         return getattr(self, metric)
@@ -178,7 +179,8 @@ def _row(run: Run, label: str) -> Row:
                world_size=int(world) if isinstance(world, int) else None,
                tokens_per_s_p10=_number(s.get("summary/tokens_per_s_p10")),
                tokens_per_s_p90=_number(s.get("summary/tokens_per_s_p90")),
-               repeat=repeat_index(run.config) if run.config else None, config_id=configuration_id(run))
+               repeat=repeat_index(run.config) if run.config else None, config_id=configuration_id(run),
+               flops_convention=run.env.get("flops_convention"))
 
 
 def _why_not_ranked(run: Run, row: Row, metric: str) -> str:
@@ -326,6 +328,7 @@ def configuration_row(label: str, members: list[tuple[Run, Row]], metric: str) -
               tokens_per_s_p10=first.tokens_per_s_p10 if single else None,
               tokens_per_s_p90=first.tokens_per_s_p90 if single else None,
               repeat=first.repeat if single else None, config_id=first.config_id, repeat_count=len(runs),
+              flops_convention=first.flops_convention,
               ci_low=found.low, ci_high=found.high, interval_over=found.over, interval_note=note, repeats=runs)
     return row, found
 
@@ -465,7 +468,19 @@ def caption(report: Report) -> str:
         parts.append("all runs: " + " ".join(report.common_overrides))
     sources = {r.peak_source for r in report.ranked if r.peak_source}
     parts += [f"peak from {s}: {PEAK_SOURCES[s]}" for s in PEAK_SOURCES if s in sources]
+    parts.append(mfu_note(report.ranked))
     return "\n".join(parts)
+
+
+def mfu_note(rows: list[Row]) -> str:
+    """What the MFU column counts (trainer.flops_convention, docs/metrics.md), and a warning where runs differ."""
+    from fsdp_exp.metrics.flops import DEFAULT_CONVENTION
+
+    used = sorted({r.flops_convention or DEFAULT_CONVENTION for r in rows})
+    if len(used) > 1:
+        return (f"MFU counts FLOPs by different conventions here ({', '.join(used)}: docs/metrics.md): not "
+                "comparable across them; compare tokens/s")
+    return f"MFU counts FLOPs by the {used[0] if used else DEFAULT_CONVENTION} convention (docs/metrics.md)"
 
 
 def repeated(report: Report) -> list[Row]:

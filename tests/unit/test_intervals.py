@@ -225,3 +225,12 @@ def test_the_sweeper_runs_a_presets_repeats_interleaved():
     assert [job[0] for job in jobs[:3]] == ["sharding=full", "sharding=grad_op", "sharding=ddp"]
     batches = InterleavedSweeper.split_arguments(OverridesParser.create().parse_overrides(params), 4)
     assert [len(b) for b in batches] == [4, 4, 1] and sum(batches, []) == jobs
+
+
+def test_the_caption_says_which_flops_convention_mfu_counts_and_warns_when_runs_differ():
+    same = build_report(sweep({"full": [1000, 1010], "ddp": [2000, 2010]}))
+    assert "MFU counts FLOPs by the fsdp_exp convention" in caption(same)
+    mixed = sweep({"full": [1000, 1010], "ddp": [2000, 2010]})
+    for run in mixed[::2]:  # sharding=full's repeats (the sweep interleaves them with DDP's)
+        run.record["env"]["flops_convention"] = "megatron"
+    assert "different conventions here (fsdp_exp, megatron" in caption(build_report(mixed))
