@@ -12,7 +12,7 @@
 2. ``tune.calibrate_from`` that sweep, then the same space predicted again: the same figures against the same
    measurements (in-sample: the calibration saw them).
 
-The figures go to ``<out>/summary.json`` and are printed; the README quotes a run of it.
+The figures go to ``<out>/summary.json`` and are printed; benchmarks/RESULTS.md quotes a run of it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ calibration that makes the next prediction of the same space closer, and the 70B
 without a process group.
 
 About 4 minutes on 2 idle cores, most of it the 6 tiny runs of the measured tune. The 8-configurations x
-3-repeats Spearman check is a benchmark (benchmarks/tune_cpu.py; its figures are in the README).
+3-repeats Spearman check is a benchmark (benchmarks/tune_cpu.py; its figures are in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

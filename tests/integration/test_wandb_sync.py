@@ -3,7 +3,7 @@ rank: what each offline run file declares and holds (read with W&B's own reader;
 which gives every schema metric its summary rule and x axis), the workspace the report writes for the sweep,
 and ``python -m fsdp_exp.sync`` where no W&B server answers.
 
-What needs a network (saving the workspace, uploading runs) is not tested here; the README says so.
+What needs a network (saving the workspace, uploading runs) is not tested here; docs/reports.md says so.
 Budget: the sweep ~40 s, the resumed run ~25 s, the rest a few seconds each (2 idle cores).
 """
 

@@ -116,7 +116,7 @@ def test_a_replica_over_the_budget_by_its_parameters_alone_is_not_walked(tuning_
 
 
 def test_the_planner_weighs_at_least_fifty_candidates_a_second_after_the_first(tuning_7b):
-    # A count, not a timing: the machine may be busy. The README gives the measured rate.
+    # A count, not a timing: the machine may be busy. docs/planning.md gives the measured rate.
     assert tuning_7b.timing["candidates_per_s_after_first"] is not None
     assert tuning_7b.counts()["weighed"] == len(tuning_7b.candidates) > 100
 
@@ -187,7 +187,7 @@ def test_the_alpha_beta_time_of_a_ring():
 
 
 def test_with_gloo_like_latency_ddp_beats_full_sharding_of_a_tiny_model():
-    """The README's CPU sweep: DDP 2.7x as fast as full sharding. Per-collective latency dominates a tiny model."""
+    """The CPU sweep in benchmarks/RESULTS.md: DDP 2.7x as fast as full sharding. Per-collective latency dominates a tiny model."""
     # gloo's latency with FSDP's own software cost per collective on a CPU: tens of milliseconds (what a
     # calibration on this machine's sweeps finds)
     gloo = dataclasses.replace(H100, intra=dataclasses.replace(H100.intra, latency_us=20_000.0, gbps=0.3),
