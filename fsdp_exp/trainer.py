@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_exp import __version__
 from fsdp_exp.checkpoint.faults import inject_step_fault
@@ -378,6 +379,8 @@ class Trainer:
         digest = hashlib.sha256()
         for name, param in sorted(self.model.named_parameters(), key=lambda item: canonical_name(item[0])):
             local = param.to_local() if isinstance(param, DTensor) else param
+            while is_traceable_wrapper_subclass(local):  # a weight wrapper (torchao's float8 all-gather): its data
+                local = getattr(local, local.__tensor_flatten__()[0][0])
             digest.update(canonical_name(name).encode())
             digest.update(local.detach().float().cpu().contiguous().numpy().tobytes())
         digests = [None] * self.info.world_size

@@ -131,6 +131,9 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
     if "fp16" in (p.param_dtype, p.reduce_dtype) and p.loss_scaler != "dynamic":
         fail("fp16 gradients underflow without loss scaling, and precision.loss_scaler=none.",
               "pass precision.loss_scaler=dynamic (or use precision=fp16, which sets it)")
+    from fsdp_exp.parallel import float8
+
+    float8.check(cfg, device_type)
 
     # Offload.
     if cfg.offload.pin_memory and device_type == "cpu":

@@ -106,6 +106,15 @@ class PrecisionConfig:
     buffer_dtype: Optional[str] = None  # FSDP1: dtype of buffers (None = param_dtype)
     cast_forward_inputs: bool = True  # cast floating-point forward inputs to param_dtype
     loss_scaler: str = "none"  # none | dynamic (fp16 needs dynamic)
+    # Float8 matmuls (torchao, fsdp_exp/parallel/float8.py, docs/float8.md): null = off | tensorwise | rowwise |
+    # rowwise_with_gw_hp (mxfp8 is refused by name). The parameters keep param_dtype; only the matmuls run in float8.
+    float8_recipe: Optional[str] = None
+    float8_all_gather: bool = False  # FSDP2, tensorwise: all-gather the weights in float8 (1 byte a parameter)
+    float8_emulate: bool = False  # torchao's emulated float8 matmul instead of torch._scaled_mm
+    # Modules kept high precision: a name or a run of dotted name parts (feed_forward, layers.0; null = the model's
+    # output projection); besides these, every
+    # linear whose dims are not multiples of 16 stays high precision.
+    float8_filter_fqns: Optional[list[str]] = None
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""Parallelism, applied in a fixed order like a recipe: tensor parallel, activation checkpointing,
-compile, then the data-parallel backend (``backend_for(cfg)``: FSDP2, FSDP1, DDP or DeepSpeed, see backend.py),
+"""Parallelism, applied in a fixed order like a recipe: tensor parallel, float8 training (float8.py),
+activation checkpointing, compile, then the data-parallel backend (``backend_for(cfg)``: FSDP2, FSDP1, DDP or DeepSpeed, see backend.py),
 which also materializes the model and initializes it identically on every rank. Each step records what
 it handed to torch ("applied"); the backend then reads back what torch holds (``applied["inspected"]``).
 
@@ -67,7 +67,12 @@ class Parallelized:
         self.backend.backward(self.model, loss, scaler)
 
     def optimizer_step(self, optimizer, scaler, max_norm: float) -> "torch.Tensor":
-        return self.backend.optimizer_step(self.model, optimizer, scaler, max_norm)
+        grad_norm = self.backend.optimizer_step(self.model, optimizer, scaler, max_norm)
+        if self.cfg.precision.float8_all_gather:  # the next all-gathers' float8 scales, from the updated weights
+            from fsdp_exp.parallel import float8
+
+            float8.precompute_scales(self.model)
+        return grad_norm
 
 
 def _without_tp(mesh: "DeviceMesh") -> "DeviceMesh":
@@ -78,11 +83,13 @@ def _without_tp(mesh: "DeviceMesh") -> "DeviceMesh":
 
 def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.device") -> Parallelized:
     """``model`` is on the meta device; the result is sharded, materialized and initialized."""
-    from fsdp_exp.parallel import ac, compile, tp
+    from fsdp_exp.parallel import ac, compile, float8, tp
 
     applied: dict = {}
     if cfg.parallel.tp > 1:
         applied["tp"] = tp.apply(model, cfg, mesh["tp"])
+    if float8.enabled(cfg):  # before AC and compile, which wrap the converted layers (as torchtitan orders it)
+        applied["float8"] = float8.apply(model, cfg)
     if cfg.ac.mode != "none":
         applied["ac"] = ac.apply(model, cfg)
     backend = backend_for(cfg)

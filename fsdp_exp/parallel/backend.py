@@ -110,6 +110,10 @@ class Backend:
     # compile=true: the backend compiles the wrapped model itself (DeepSpeed's engine.compile), instead of
     # the recipe compiling each block before it (fsdp_exp/parallel/compile.py)
     compiles_itself: bool = False
+    # precision.float8_recipe (fsdp_exp/parallel/float8.py): why this backend cannot train torchao's float8
+    # linear layers (None: it can), and whether it all-gathers float8 weights (precision.float8_all_gather)
+    float8_refusal: Optional[str] = "fsdp_exp has not checked torchao's float8 training with it."
+    float8_all_gather: bool = False
 
     def missing_dependency(self) -> Optional[str]:
         """What to install for this backend when a package it needs is missing (None: nothing)."""

@@ -34,6 +34,7 @@ COMM_HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp
 class DDP(Backend):
     name = "ddp"
     api = "torch.nn.parallel.DistributedDataParallel"
+    float8_refusal = None  # torchao's float8 linears hold plain parameters: DDP reduces their gradients as any
     strategies = ("no_shard", "optimizer")
     column_title = "DDP"
     # Replicated gradients are whole either way: reducing only the last micro-batch (no_sync) saves the

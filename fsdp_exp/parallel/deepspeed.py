@@ -129,6 +129,8 @@ def ds_config(cfg: RunConfig, dp: int) -> dict:
 class DeepSpeed(Backend):
     name = "deepspeed"
     api = "deepspeed.initialize"
+    float8_refusal = ("ZeRO partitions and casts the parameters itself, outside torchao's float8 weight wrapper; "
+                      "torchao supports float8 training under FSDP2.")
     strategies = ("full", "grad_op", "optimizer", "no_shard")
     tracks_memory = False  # torch's MemTracker cannot follow ZeRO's partitioned / flattened parameters
     compiles_itself = True  # compile=true: engine.compile() (torch.compile of the module, ZeRO's hooks kept)

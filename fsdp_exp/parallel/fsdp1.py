@@ -85,6 +85,8 @@ def _clean(name: str) -> str:
 class FSDP1(Backend):
     name = "fsdp1"
     api = "torch.distributed.fsdp.FullyShardedDataParallel"
+    float8_refusal = ("torchao documents float8 training under FSDP2 (per-parameter sharding), not FSDP1's flat "
+                      "parameters, and fsdp_exp has not checked it there.")
     strategies = tuple(STRATEGY_NAMES)
     tracks_memory = False  # torch's MemTracker cannot hook FSDP1's parameters (views into flat parameters)
     column_title = "FSDP1 (`FullyShardedDataParallel`)"

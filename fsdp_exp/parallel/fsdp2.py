@@ -91,6 +91,8 @@ def _set_prefetch(model: nn.Module, chain: list[str], forward: int, backward: in
 class FSDP2(Backend):
     name = "fsdp2"
     api = "torch.distributed.fsdp.fully_shard"
+    float8_refusal = None
+    float8_all_gather = True  # torchao extends fully_shard's all-gather (fsdp_pre_all_gather)
     strategies = tuple(RESHARD_AFTER_FORWARD)
     column_title = "FSDP2 (`fully_shard`)"
 

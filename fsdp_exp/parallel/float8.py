@@ -1,0 +1,140 @@
+"""Float8 training (torchao), a recipe step applied before activation checkpointing, compile and sharding.
+
+``precision=float8`` (or ``precision.float8_recipe=tensorwise|rowwise|rowwise_with_gw_hp`` on any
+precision) swaps the model's ``nn.Linear`` layers for torchao's ``Float8Linear``: their matmuls run in
+float8 with dynamic scales, while the parameters, gradients and optimizer state keep the run's dtypes
+(``param_dtype`` bf16 or fp32 and fp32 master weights), so checkpoints and exports stay high precision.
+
+Which layers are converted follows torchao's documented filter: the model's output projection (the
+family's ``output_modules``, or ``precision.float8_filter_fqns`` when given) stays high precision, and so
+does every linear whose input or output features are not a multiple of 16 (float8 matmuls need them).
+
+``precision.float8_all_gather=true`` (FSDP2, tensorwise only) all-gathers the weights in float8 (1 byte
+a parameter) instead of ``param_dtype``; the scales are then precomputed for all weights in one step
+after each optimizer step (``precompute_scales``). gloo carries float8 tensors (checked on torch 2.13
+CPU), so this runs on the CPU as well.
+
+``precision.float8_emulate=true`` runs torchao's emulated matmul (the cast, then a high-precision
+matmul) instead of ``torch._scaled_mm``; torch 2.13's CPU build has ``_scaled_mm`` for both recipes, so
+neither device needs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+from fsdp_exp.errors import fail
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from fsdp_exp.config import RunConfig
+
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's Float8LinearRecipeName values
+MXFP8 = "mxfp8"
+FLOAT8_MATMUL_MULTIPLE = 16  # torch._scaled_mm needs both dims of each operand to be multiples of 16
+INSTALL = 'pip install "fsdp_exp[float8]" (torchao)'
+
+
+def enabled(cfg: "RunConfig") -> bool:
+    return cfg.precision.float8_recipe is not None
+
+
+def check(cfg: "RunConfig", device_type: str) -> None:
+    """Refuse what float8 training cannot do here, each by the override that fixes it (preflight)."""
+    from fsdp_exp.parallel.backend import backend_for
+
+    p = cfg.precision
+    if not enabled(cfg):
+        if p.float8_all_gather:
+            fail("precision.float8_all_gather=true all-gathers float8 weights, but float8 training is off.",
+                 "pass precision=float8 (or precision.float8_recipe=tensorwise), or precision.float8_all_gather=false")
+        return
+    if p.float8_recipe == MXFP8:
+        fail(f"precision.float8_recipe=mxfp8: torchao's MXFP8 training needs a CUDA device of compute capability "
+             f"10.0 or more (Blackwell), and fsdp_exp does not build it yet; this run is on {device_type}.",
+             "pass precision.float8_recipe=tensorwise or rowwise")
+    if p.float8_recipe not in RECIPES:
+        fail(f"precision.float8_recipe={p.float8_recipe!r} is not one of torchao's float8 recipes "
+             f"({', '.join(RECIPES)}).", "pass precision.float8_recipe=tensorwise (or null: no float8)")
+    if importlib.util.find_spec("torchao") is None:
+        fail(f"precision.float8_recipe={p.float8_recipe} needs torchao, which is not installed.", INSTALL)
+    backend = backend_for(cfg)
+    if backend.float8_refusal:
+        backend.refuse(f"precision.float8_recipe={p.float8_recipe}", backend.float8_refusal,
+                       "pass sharding.backend=fsdp2 (or sharding=ddp), or precision=bf16")
+    if cfg.parallel.tp > 1:
+        fail(f"precision.float8_recipe={p.float8_recipe} with parallel.tp={cfg.parallel.tp}: fsdp_exp's tensor-parallel "
+             "plan uses torch's Colwise/RowwiseParallel, not torchao's float8 ones.", "pass parallel.tp=1, or precision=bf16")
+    if p.float8_all_gather and not backend.float8_all_gather:
+        backend.refuse("precision.float8_all_gather=true", "only FSDP2 all-gathers float8 weights "
+                       "(torchao's fsdp_pre_all_gather extension of fully_shard).",
+                       "pass precision.float8_all_gather=false, or sharding.backend=fsdp2")
+    if p.float8_all_gather and p.float8_recipe != "tensorwise":
+        fail(f"precision.float8_all_gather=true with precision.float8_recipe={p.float8_recipe}: torchao all-gathers "
+             "float8 weights under tensorwise scaling only.",
+             "pass precision.float8_recipe=tensorwise, or precision.float8_all_gather=false")
+    if p.float8_all_gather and cfg.offload.params:
+        fail("precision.float8_all_gather=true with offload=params: the float8 cast of the offloaded shards would "
+             "run on the host every step.", "pass offload=none, or precision.float8_all_gather=false")
+
+
+def skipped_fqns(cfg: "RunConfig") -> tuple[str, ...]:
+    """The modules kept high precision by name: the setting, else the model's output projection."""
+    from fsdp_exp.models import spec_for
+
+    if cfg.precision.float8_filter_fqns is not None:
+        return tuple(cfg.precision.float8_filter_fqns)
+    return tuple(spec_for(cfg.model).output_modules_of(cfg.model))
+
+
+def why_kept(name: str, module: "nn.Module", by_name: tuple[str, ...]) -> str | None:
+    """Why a linear layer stays high precision (None: it is converted)."""
+    from torch import nn
+
+    if not isinstance(module, nn.Linear):
+        return "not an nn.Linear"
+    if any(f".{fqn}." in f".{name}." for fqn in by_name):  # whole name parts: "feed_forward", "output", "layers.0"
+        return "precision.float8_filter_fqns"
+    if module.in_features % FLOAT8_MATMUL_MULTIPLE or module.out_features % FLOAT8_MATMUL_MULTIPLE:
+        return f"dims {module.in_features}x{module.out_features} not multiples of {FLOAT8_MATMUL_MULTIPLE}"
+    return None
+
+
+def torchao_config(cfg: "RunConfig"):
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig
+
+    p = cfg.precision
+    config = Float8LinearConfig.from_recipe_name(p.float8_recipe)
+    return dataclasses.replace(config, emulate=p.float8_emulate,
+                               enable_fsdp_float8_all_gather=p.float8_all_gather)
+
+
+def apply(model: "nn.Module", cfg: "RunConfig") -> dict:
+    """Convert ``model``'s eligible linear layers in place (on meta, before sharding); the applied settings."""
+    from torch import nn
+    from torchao.float8 import convert_to_float8_training
+
+    by_name = skipped_fqns(cfg)
+    kept = {name: why for name, module in model.named_modules() if isinstance(module, nn.Linear)
+            if (why := why_kept(name, module, by_name))}
+    config = torchao_config(cfg)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: name not in kept)
+    from torchao.float8.float8_linear import Float8Linear
+
+    converted = [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]
+    return {"api": "torchao.float8.convert_to_float8_training", "recipe": cfg.precision.float8_recipe,
+            "emulate": config.emulate, "enable_fsdp_float8_all_gather": config.enable_fsdp_float8_all_gather,
+            "precompute_float8_dynamic_scale_for_fsdp": config.enable_fsdp_float8_all_gather,
+            "filter_fqns": list(by_name), "converted": converted, "kept_high_precision": kept}
+
+
+def precompute_scales(model: "nn.Module") -> None:
+    """After the optimizer step, under float8 all-gather: every weight's scale for the next all-gather in
+    one all-reduce, instead of one per weight as each unit gathers."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
