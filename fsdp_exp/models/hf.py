@@ -112,6 +112,20 @@ def _check_experts(text_config) -> None:
              f"({field}): it must lie between 1 and {n}.", f"pass model.hf_overrides.num_experts_per_tok={good}")
 
 
+def _routed_share(text_config) -> float:
+    """The share of a routed expert's parameters one token computes with: top-k of the experts (1 for a
+    dense model)."""
+    top_k = getattr(text_config, "num_experts_per_tok", None)
+    field = next((f for f in EXPERT_COUNTS if getattr(text_config, f, None)), None)
+    return top_k / getattr(text_config, field) if top_k and field else 1.0
+
+
+def _is_routed_expert(name: str) -> bool:
+    """transformers keeps routed experts under a module named ``experts`` (one stacked tensor per projection,
+    or one module per expert); DeepSeek's always-on ``shared_experts`` are dense."""
+    return "experts" in name.split(".")
+
+
 class _NoTransformers:
     """Stands for transformers' model class where transformers is not installed (nothing is one)."""
 
@@ -300,18 +314,23 @@ class HfSpec(ModelSpec):
     def flops_per_token(self, m, seq_len: int) -> int:
         """Training FLOPs per token: 6 N + 12 L w S (forward + backward, no recompute).
 
-        N counts the parameters less the embedding lookups before the blocks (token and position
+        N counts the parameters a token computes with (of a mixture of experts, top-k of the routed
+        experts), less the embedding lookups before the blocks (token and position
         embeddings), with the output projection counted as the matmul it is even when it is tied to
         the input embedding; w is attention's width (heads x head dim), L the blocks, S the sequence.
         Attention is counted over the whole sequence (as PaLM's appendix B does), sliding windows too.
         """
         inventory = self.inventory(m)
         model = self.meta_model(m)
-        n = sum(p.numel for p in inventory.params if p.name not in inventory.input_params)
+        # A mixture of experts computes each token with its top-k routed experts only (6 N counts active
+        # parameters, as the model FLOPs of MoE training are usually quoted).
+        share = _routed_share(self.config(m).get_text_config())
+        n = sum(p.numel * (share if _is_routed_expert(p.name) else 1)
+                for p in inventory.params if p.name not in inventory.input_params)
         tied = self.tied_weights(m)
         n += sum(model.get_parameter(name).numel() for name in tied
                  if name.startswith(tuple(o + "." for o in self.output_modules_of(m))))
-        return 6 * n + 12 * len(inventory.blocks) * self.attention_width(m) * seq_len
+        return round(6 * n) + 12 * len(inventory.blocks) * self.attention_width(m) * seq_len
 
     def attention_width(self, m) -> int:
         config = self.config(m).get_text_config()

@@ -336,3 +336,20 @@ def test_a_sweep_jobs_folder_name_stays_a_valid_file_name_with_many_overrides():
     long_a = ",".join(f"+model.hf_overrides.field_{i}=64" for i in range(12))
     long_b = long_a.replace("=64", "=65")
     assert len(job_dirname(long_a).encode()) <= 200 and job_dirname(long_a) != job_dirname(long_b)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_counts_the_flops_of_its_routed_experts_only(model_type, tmp_path):
+    """6 N counts what a token computes with: more experts at the same top-k add only the router's columns,
+    one more routed expert per token adds one expert's matmuls."""
+    def flops(name, **moe):
+        folder = saved_config(tmp_path / name, model_type, **TINY, **{**MOE[model_type], **moe})
+        cfg = run_config(["model=hf", f"model.hf_config={folder}", "trainer.seq_len=32"])
+        return flops_per_token(cfg.model, 32)
+
+    experts = next(f for f in ("num_local_experts", "num_experts") if f in MOE[model_type])
+    ffn = MOE[model_type].get("moe_intermediate_size", TINY["intermediate_size"])
+    layers, d = TINY["num_hidden_layers"], TINY["hidden_size"]
+    base = flops("base")
+    assert flops("more", **{experts: 8}) - base == 6 * layers * d * 4  # the router: 4 more outputs per block
+    assert base - flops("top1", num_experts_per_tok=1) == 6 * layers * 3 * d * ffn  # gate, up, down of one expert
