@@ -92,3 +92,12 @@ def test_float8_refusals_name_the_setting_and_the_fix(overrides, named):
 def test_float8_runs_on_fsdp2_and_ddp():
     for overrides in ([], ["sharding=ddp"]):
         validate(run_config([*TINY_MODEL, *TINY_BATCH, "precision=float8", *overrides]), cuda_devices=0)
+
+
+def test_a_float8_refusal_exits_2_before_any_rank_starts(tmp_path):
+    from conftest import run_cli
+
+    result = run_cli([*TINY_MODEL, *TINY_BATCH, "precision=float8", "sharding.backend=fsdp1"], tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "precision.float8_recipe=tensorwise cannot be honoured by sharding.backend=fsdp1" in result.stderr
+    assert "fix: pass sharding.backend=fsdp2" in result.stderr and not (tmp_path / "metrics.jsonl").exists()
