@@ -138,3 +138,24 @@ def precompute_scales(model: "nn.Module") -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def planned_matmuls(cfg: "RunConfig", blocks: tuple[str, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """For the planner: (in_features, out_features) of each linear that ``apply`` converts, per block (of
+    ``blocks``, the inventory's names); () when float8 is off. Read from the shared meta model by the same
+    filter, without torchao. Converted linears outside the blocks (an unfiltered output projection) are
+    not counted."""
+    from torch import nn
+
+    from fsdp_exp.models import spec_for
+
+    if not enabled(cfg):
+        return ()
+    by_name = skipped_fqns(cfg)
+    per_block: list[list[tuple[int, int]]] = [[] for _ in blocks]
+    for name, module in spec_for(cfg.model).meta_model(cfg.model).named_modules():
+        if isinstance(module, nn.Linear) and why_kept(name, module, by_name) is None:
+            j = next((j for j, block in enumerate(blocks) if name.startswith(block + ".")), None)
+            if j is not None:
+                per_block[j].append((module.in_features, module.out_features))
+    return tuple(tuple(shapes) for shapes in per_block)

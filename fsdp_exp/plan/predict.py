@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from fsdp_exp.models import spec_for
+from fsdp_exp.parallel import float8
 from fsdp_exp.parallel.backend import backend_for
 from fsdp_exp.plan.devices import GIB, allocator_margin
 from fsdp_exp.plan.states import gathered, model_states, param_infos, unit_names, zero_model_states
@@ -67,7 +68,8 @@ def plan(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] =
         reshard_last_block=cfg.sharding.reshard_last_block, wrap_policy=cfg.wrap.policy,
         grad_sync=backend.grad_sync(cfg),
         loss_chunks=cfg.trainer.loss_chunks, loss_parallel=cfg.parallel.loss_parallel,
-        sequence_parallel=cfg.parallel.sequence_parallel)
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        float8_matmuls=float8.planned_matmuls(cfg, inventory.blocks), float8_all_gather=cfg.precision.float8_all_gather)
     walk = StepWalk(setting, rules, profile, gathered(infos, inventory), states, inventory.buffer_bytes)
     phases = walk.phases()
 

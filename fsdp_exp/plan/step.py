@@ -73,6 +73,10 @@ class StepSetting:
     loss_chunks: int = 1  # trainer.loss_chunks: the output projection and loss per slice of the sequence
     loss_parallel: bool = False  # parallel.loss_parallel: the logits stay sharded over the TP group's vocabulary
     sequence_parallel: bool = False  # parallel.sequence_parallel: the chunked loss slices the batch instead
+    # precision.float8_recipe: (in_features, out_features) of each linear converted to float8, per block (() = off),
+    # and whether FSDP2 all-gathers their weights in float8 (fsdp_exp/parallel/float8.py)
+    float8_matmuls: tuple = ()
+    float8_all_gather: bool = False
 
 
 class StepWalk:
@@ -142,6 +146,17 @@ class StepWalk:
         self.keeps_unsharded = accumulates and s.grad_sync == LAST_MICRO_BATCH
         self.sharded_before = int(states.resident["grads"]) if accumulates and not self.keeps_unsharded else 0
 
+        # ---- float8 (torchao): a converted matmul casts its operands to float8 (1 byte an element) while it
+        # runs: in forward its input and weight; in backward its output's gradient twice (once for the input's
+        # gradient, once for the weight's), its weight and its input. Under float8 all-gather the gathered weight
+        # is float8 already (no weight cast), and gathering it takes 1 byte an element instead of param_dtype's.
+        f8 = s.float8_matmuls or ((),) * self.L
+        t, w = x.tokens, 0 if s.float8_all_gather else 1
+        self.f8_forward = [max((t * i + w * i * o for i, o in mm), default=0) for mm in f8]
+        self.f8_backward = [max((2 * t * o + t * i + w * i * o for i, o in mm), default=0) for mm in f8]
+        self.f8_saved = [(self.e_p - 1) * sum(i * o for i, o in mm) if s.float8_all_gather and self.gathers else 0
+                         for mm in f8]  # bytes fewer in block j's gathered unit
+
     # ------------------------------------------------------------------------------ helpers
     def phase(self, name: str, **pieces) -> Phase:
         stage = "optimizer" if name.startswith("optimizer") else "forward" if name.startswith(
@@ -164,8 +179,8 @@ class StepWalk:
         """Unsharded parameter bytes while block i runs its backward."""
         g = self.g
         if not self.reshard:
-            return self.e_p * (g.root_numel + sum(g.block_numel[: i + 1]))
-        return self.e_p * (g.root_numel + g.own[i] + g.largest_nested[i])
+            return self.e_p * (g.root_numel + sum(g.block_numel[: i + 1])) - sum(self.f8_saved[: i + 1])
+        return self.e_p * (g.root_numel + g.own[i] + g.largest_nested[i]) - self.f8_saved[i]
 
     def prefetched(self, i: int) -> int:
         """All-gather buffers of units gathered ahead of block i's backward (none where a shard group of one
@@ -174,7 +189,8 @@ class StepWalk:
             return 0
         g = self.g
         ahead = sum(g.own[max(0, i - self.back_depth):i])
-        return self.e_p * (ahead + (g.largest_nested[i] if len(g.nested[i]) > 1 else 0))
+        return self.e_p * (ahead + (g.largest_nested[i] if len(g.nested[i]) > 1 else 0)) \
+            - sum(self.f8_saved[max(0, i - self.back_depth):i])
 
     def last_gathered(self, i: int) -> int:
         """The all-gather output still held while block i runs forward: the latest unit's up to block i
@@ -203,7 +219,8 @@ class StepWalk:
             # 0) The first block's all-gather lands while the root's all-gather output is still held (freed at
             # that unit's wait) beside the root's gathered parameters: what a large vocabulary's step peaks at.
             out.append(self.phase("forward (root gathered)", grads=grads, unsharded=self.e_p * g.root_numel,
-                                  comm=self.e_p * (g.root_numel + g.own[first]), activations=x.residual(e)))
+                                  comm=self.e_p * (g.root_numel + g.own[first]) - self.f8_saved[first],
+                                  activations=x.residual(e)))
         for i in range(self.L):
             if not self.checkpointed[i]:
                 in_block = self.full_block + h_alive
@@ -215,17 +232,21 @@ class StepWalk:
                 unsh, comm = sum(self.casts[: i + 1]), self.bucket
             else:
                 unsh = self.e_p * (g.root_numel + (sum(g.block_numel[: i + 1]) if not self.reshard
-                                                   else g.own[i] + g.largest_nested[i]))
+                                                   else g.own[i] + g.largest_nested[i])) \
+                    - (sum(self.f8_saved[: i + 1]) if not self.reshard else self.f8_saved[i])
                 comm = self.e_p * (self.last_gathered(i) + sum(g.own[i + 1: i + 1 + self.fwd_depth])) \
+                    - (self.f8_saved[i] if g.own[i] else 0) - sum(self.f8_saved[i + 1: i + 1 + self.fwd_depth]) \
                     if self.all_gathers else 0
             out.append(self.phase(f"forward block {i}", grads=grads, unsharded=unsh, comm=comm,
-                                  activations=sum(self.act_block[:i]) + in_block))
+                                  activations=sum(self.act_block[:i]) + in_block, temporaries=self.f8_forward[i]))
         if not self.gathers:
             unsh, comm = sum(self.casts) + self.output_cast, self.bucket
         else:
             unsh = self.e_p * (g.root_numel + (sum(g.block_numel) if not self.reshard
-                                               else (g.own[self.L - 1] if self.keep_last else 0)))
-            comm = self.e_p * self.last_gathered(self.L - 1) if self.all_gathers else 0
+                                               else (g.own[self.L - 1] if self.keep_last else 0))) \
+                - (sum(self.f8_saved) if not self.reshard else (self.f8_saved[-1] if self.keep_last else 0))
+            comm = self.e_p * self.last_gathered(self.L - 1) - (self.f8_saved[-1] if g.own[-1] else 0) \
+                if self.all_gathers else 0
         # Tensor parallel without loss parallel: the column-parallel output is gathered to a replicated one
         # (parallel/tp.py), so the local shard of the logits and the all-gather's output are alive next to it.
         tp_gather = self.logits // self.s.tp + self.logits if self.s.tp > 1 and self.vocab_share == 1 else 0
@@ -294,7 +315,7 @@ class StepWalk:
                 grads = self.replica_grads or (4 * g.root_early_full_numel + 4 * sum(g.block_full_numel[i + 1:])
                                                + 4 * x.block_weight_grads)
                 out.append(self.phase(f"block {i} backward", grads=grads, unsharded=sum(self.casts[: i + 1]),
-                                      comm=self.bucket, activations=acts, temporaries=inner))
+                                      comm=self.bucket, activations=acts, temporaries=inner + self.f8_backward[i]))
                 continue
             # sharded gradients of the blocks already reduced (offloaded to the host on CUDA); all of them
             # exist already when earlier micro-batches reduced theirs (``accumulated``)
@@ -305,7 +326,7 @@ class StepWalk:
                 new_grads = 0  # later micro-batches accumulate into the kept gradients in place
             out.append(self.phase(f"block {i} backward", grads=done + self.accumulated(i),
                                   unsharded=self.gathered_in_backward(i), comm=self.prefetched(i) + previous_rs,
-                                  activations=acts, temporaries=new_grads + inner))
+                                  activations=acts, temporaries=new_grads + inner + self.f8_backward[i]))
             # Post-backward: the block is resharded, its gradients copied into the reduce-scatter input
             # (reduce_dtype), the unsharded ones freed.
             unsh = self.e_p * (g.root_numel + (sum(g.block_numel[:i]) if not self.reshard else 0))
