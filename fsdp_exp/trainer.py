@@ -123,6 +123,7 @@ class Trainer:
         except Exception as exc:  # noqa: BLE001 - a measurement aside must not stop training
             self.recompute_flops_per_token, self.recompute_error = None, f"{type(exc).__name__}: {exc}"
         self.peak_tflops, self.peak_source, self.peak_measurement = self._peak_tflops()
+        self.fp8_peak_tflops, self.fp8_peak_source = self._fp8_peak_tflops()
         from fsdp_exp.plan import plan_for_run
 
         # The memory planner's prediction (fsdp_exp/plan.py): run.json["plan"], the peak and model states
@@ -157,6 +158,17 @@ class Trainer:
             peak = lookup_peak_tflops(name, dtype)
             return peak, f"table: {name} {dtype}" if peak else f"unknown device {name}", None
         return self._measured_cpu_peak(dtype)
+
+    def _fp8_peak_tflops(self) -> tuple[Optional[float], str]:
+        """Under precision.float8_recipe, the device's FP8 peak: MFU's second denominator (perf/mfu_fp8),
+        beside the compute dtype's (perf/mfu), since the converted matmuls run on the FP8 tensor cores."""
+        if self.cfg.precision.float8_recipe is None:
+            return None, "float8 off"
+        if self.device.type != "cuda":
+            return None, "a CPU has no FP8 matmul peak"
+        name = torch.cuda.get_device_name(self.device)
+        peak = lookup_peak_tflops(name, "fp8")
+        return peak, f"table: {name} fp8" if peak else f"no FP8 peak known for {name}"
 
     def _measured_cpu_peak(self, dtype: str) -> tuple[Optional[float], str, Optional[dict]]:
         """This CPU's matmul peak per rank: from the cache, or measured now by every rank at once
@@ -219,6 +231,8 @@ class Trainer:
             "peak_tflops": self.peak_tflops,
             "peak_tflops_source": self.peak_source,
             "peak_tflops_measurement": self.peak_measurement,
+            "peak_tflops_fp8": self.fp8_peak_tflops,
+            "peak_tflops_fp8_source": self.fp8_peak_source,
         }
 
     def _device_name(self) -> str:
@@ -469,6 +483,7 @@ class Trainer:
             "perf/tflops_per_rank": tflops,
             "perf/mfu": mfu(tflops, self.peak_tflops),
             "perf/hfu": None if hw_tflops is None else mfu(hw_tflops, self.peak_tflops),
+            "perf/mfu_fp8": mfu(tflops, self.fp8_peak_tflops),
             "perf/data_time_s": hi[1],  # the slowest rank's wait holds every rank back
         }
         for key, h, m in zip([*local, *counts], hi[2:], mean[2:]):
@@ -520,6 +535,8 @@ class Trainer:
             "summary/tflops_per_rank_median": median("perf/tflops_per_rank"),
             "summary/mfu_median": median("perf/mfu"),
             "summary/hfu_median": median("perf/hfu"),
+            "summary/mfu_fp8_median": median("perf/mfu_fp8"),
+            "summary/peak_tflops_fp8": self.fp8_peak_tflops,
             "summary/peak_tflops": self.peak_tflops,
             "summary/peak_tflops_source": self.peak_source,
             "summary/final_loss": self.history[-1]["train/loss"] if self.history else None,

@@ -80,6 +80,10 @@ STEP_METRICS: list[Metric] = [
            "as perf/mfu, with the FLOPs that activation checkpointing recomputes added (counted by torch's "
            "FlopCounterMode on the meta model; equals perf/mfu without ac); null when the peak is unknown",
            wandb_summary="none"),
+    Metric("perf/mfu_fp8", "fraction", "step", "mean",
+           "precision=float8 only: perf/tflops_per_rank / the device's dense FP8 peak (e.g. H100 SXM 1979 TFLOPS), "
+           "beside perf/mfu, which stays against the compute dtype's (bf16) peak; null otherwise and on devices "
+           "without FP8 tensor cores (a CPU)", wandb_summary="none"),
     Metric("perf/data_time_s", "s", "step", "max",
            "time the step waited for its data (fetch, and copy to the device; part of perf/step_time_s); "
            "near 0 when loading keeps up, a large share of the step when it starves", wandb_summary="mean"),
@@ -200,6 +204,10 @@ SUMMARY_METRICS: list[Metric] = [
     Metric("summary/tflops_per_rank_median", "TFLOPS", "run", "mean", "median of perf/tflops_per_rank"),
     Metric("summary/mfu_median", "fraction", "run", "mean", "median of perf/mfu; null when the peak is unknown"),
     Metric("summary/hfu_median", "fraction", "run", "mean", "median of perf/hfu; null when the peak is unknown"),
+    Metric("summary/mfu_fp8_median", "fraction", "run", "mean",
+           "median of perf/mfu_fp8 (precision=float8: MFU against the FP8 peak); null otherwise"),
+    Metric("summary/peak_tflops_fp8", "TFLOPS", "run", "rank0",
+           "the dense FP8 peak of one rank's device that perf/mfu_fp8 divides by (precision=float8); null otherwise"),
     Metric("summary/peak_tflops", "TFLOPS", "run", "rank0", "the peak of one rank's device that MFU and HFU divide by"),
     Metric("summary/peak_tflops_source", "text", "run", "rank0",
            "where that peak comes from: trainer.peak_tflops, the GPU table, or a CPU measurement (cached)"),

@@ -51,6 +51,10 @@ def test_a_float8_run_trains_within_5_percent_of_bf16_and_records_its_converted_
         "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")]
     assert applied["converted"] == blocks and applied["kept_high_precision"] == {"output": "precision.float8_filter_fqns"}
     assert applied["enable_fsdp_float8_all_gather"] and applied["precompute_float8_dynamic_scale_for_fsdp"]
+    # MFU against the FP8 peak is its own, labelled metric; a CPU has none, and the record says so.
+    env, summary = records["float8"]["env"], records["float8"]["summary"]
+    assert env["peak_tflops_fp8"] is None and env["peak_tflops_fp8_source"] == "a CPU has no FP8 matmul peak"
+    assert summary["summary/mfu_fp8_median"] is None and summary["summary/mfu_median"] is not None
 
 
 def test_a_float8_all_gather_run_resumes_bit_identically(runs):

@@ -101,3 +101,11 @@ def test_a_float8_refusal_exits_2_before_any_rank_starts(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "precision.float8_recipe=tensorwise cannot be honoured by sharding.backend=fsdp1" in result.stderr
     assert "fix: pass sharding.backend=fsdp2" in result.stderr and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_fp8_peaks_are_the_dense_data_sheet_figures_and_absent_without_fp8_tensor_cores():
+    from fsdp_exp.metrics.flops import lookup_peak_tflops
+
+    assert lookup_peak_tflops("NVIDIA H100 80GB HBM3", "fp8") == 1979.0
+    assert lookup_peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
+    assert lookup_peak_tflops("NVIDIA A100-SXM4-80GB", "fp8") is None
