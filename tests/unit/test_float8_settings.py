@@ -89,7 +89,7 @@ def test_float8_refusals_name_the_setting_and_the_fix(overrides, named):
     assert named in str(err.value) and "fix:" in str(err.value)
 
 
-def test_float8_runs_on_fsdp2_and_ddp():
+def test_float8_is_accepted_on_fsdp2_and_ddp():
     for overrides in ([], ["sharding=ddp"]):
         validate(run_config([*TINY_MODEL, *TINY_BATCH, "precision=float8", *overrides]), cuda_devices=0)
 
