@@ -65,7 +65,7 @@ def predict_all(rows: list[Row], memory: bool = True) -> dict:
     from fsdp_exp.plan import plan
     from fsdp_exp.plan.devices import GIB, device_table, with_network
     from fsdp_exp.tune.perf import predict
-    from fsdp_exp.tune.search import hydra_session
+    from fsdp_exp.tune.compose import hydra_session
 
     table = device_table()
     band = error_band()

@@ -196,8 +196,10 @@ def run_samples(sweep_dir: Path) -> dict[str, dict]:
 
 def is_published(path: Path) -> bool:
     """A published table (a CSV file, or a folder of them and no run records), not a measured sweep."""
+    from fsdp_exp.record.run_record import RUN_RECORD
+
     path = Path(path)
-    return path.suffix == ".csv" or (path.is_dir() and any(path.glob("*.csv")) and not any(path.rglob("run.json")))
+    return path.suffix == ".csv" or (path.is_dir() and any(path.glob("*.csv")) and not any(path.rglob(RUN_RECORD)))
 
 
 def calibrate_published(path: Path) -> dict[str, dict]:

@@ -11,26 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from fsdp_exp.plan.devices import GIB
+from fsdp_exp.tune.space import label
 
 if TYPE_CHECKING:
     from fsdp_exp.tune.search import Tuning, Weighed
-
-
-def label(choices: list[str]) -> str:
-    """A candidate's choices, short: ``fsdp2 hybrid 4x2 · ac=full · precision=bf16 · mb=2``."""
-    sharding, rest = [], []
-    values = {c.partition("=")[0]: c.partition("=")[2] for c in choices}
-    for key in ("sharding.backend", "sharding.strategy"):
-        if key in values:
-            sharding.append(values[key])
-    if "sharding.shard_size" in values:
-        sharding.append(f"{values['sharding.replicate_size']}x{values['sharding.shard_size']}")
-    for choice in choices:
-        key, _, value = choice.partition("=")
-        if key.startswith("sharding."):
-            continue
-        rest.append(f"mb={value}" if key == "trainer.micro_batch_size" else choice)
-    return " · ".join(([" ".join(sharding)] if sharding else []) + rest) or "(the run as given)"
 
 
 def _gib(n: Optional[float]) -> str:

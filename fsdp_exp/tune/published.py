@@ -252,7 +252,7 @@ def step_samples(paths: list[Path]) -> dict[str, dict]:
     from fsdp_exp.models import spec_for
     from fsdp_exp.plan.devices import device_table, with_network
     from fsdp_exp.tune.perf import step_costs
-    from fsdp_exp.tune.search import hydra_session
+    from fsdp_exp.tune.compose import hydra_session
 
     table = device_table()
     groups: dict[str, dict] = {}

@@ -14,7 +14,6 @@ second this machine weighed.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -119,26 +118,6 @@ class Tuning:
         return Counter(w.refused for w in self.candidates if w.refused).most_common(top)
 
 
-@contextlib.contextmanager
-def hydra_session():
-    """Compose any number of configs under one Hydra initialization; also lists a group's options."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    from fsdp_exp.config import to_run_config
-
-    with initialize_config_module(config_module="fsdp_exp.conf", version_base="1.3"):
-        loader = GlobalHydra.instance().config_loader()
-
-        def run_config(overrides: list[str]) -> "RunConfig":
-            return to_run_config(compose(config_name="config", overrides=overrides))
-
-        def options(group: str, overrides: list[str]) -> list[str]:
-            return sorted(loader.get_group_options(group, config_name="config", overrides=overrides))
-
-        yield run_config, options
-
-
 def resolve_device(name: Optional[str], base: "RunConfig") -> tuple["Device", int]:
     """(the device to plan and time for, CUDA devices per node to validate against)."""
     from fsdp_exp.env import cuda_device_count
@@ -184,6 +163,7 @@ def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
     from fsdp_exp.parallel.backend import backend_for
     from fsdp_exp.plan import plan
     from fsdp_exp.tune import calibrate
+    from fsdp_exp.tune.compose import hydra_session
 
     started, cpu_started = time.perf_counter(), time.process_time()
     with hydra_session() as (compose, options):
@@ -292,7 +272,7 @@ def _cluster(perf: "DevicePerf", note: str, opts: "TuneOptions") -> tuple["Devic
 def _nothing_ranked(weighed: list[Weighed], limit: int, limit_name: str, budget_is_limit: bool = True) -> None:
     """Refuse a search that ranks nothing, saying why: nothing fits, nothing can run, or nothing can be timed.
     Raising tune.budget_gib is offered only where the budget, not the device, is the limit."""
-    from fsdp_exp.tune.output import label
+    from fsdp_exp.tune.space import label
 
     sized = [w for w in weighed if w.need_bytes is not None or w.floor_bytes is not None]
     if sized and not any(w.fits for w in sized):

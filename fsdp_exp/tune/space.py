@@ -251,3 +251,20 @@ def baseline_choices(space: Space) -> dict[str, Optional[list[str]]]:
     """The baselines every measurement includes: DDP and full sharding (the shipped presets), with everything
     else as the run's config has it."""
     return {"ddp": ["sharding=ddp"], "full shard": ["sharding=full"]}
+
+
+def label(choices: list[str]) -> str:
+    """A candidate's choices, short: ``fsdp2 hybrid 4x2 · ac=full · precision=bf16 · mb=2``."""
+    sharding, rest = [], []
+    values = {c.partition("=")[0]: c.partition("=")[2] for c in choices}
+    for key in ("sharding.backend", "sharding.strategy"):
+        if key in values:
+            sharding.append(values[key])
+    if "sharding.shard_size" in values:
+        sharding.append(f"{values['sharding.replicate_size']}x{values['sharding.shard_size']}")
+    for choice in choices:
+        key, _, value = choice.partition("=")
+        if key.startswith("sharding."):
+            continue
+        rest.append(f"mb={value}" if key == "trainer.micro_batch_size" else choice)
+    return " · ".join(([" ".join(sharding)] if sharding else []) + rest) or "(the run as given)"

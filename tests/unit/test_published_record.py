@@ -15,7 +15,7 @@ from fsdp_exp.config.fit import ErrorBand, error_band
 from fsdp_exp.metrics.flops import convention_flops_per_token
 from fsdp_exp.plan.devices import DEVICES, GIB, with_power
 from fsdp_exp.tune import published
-from fsdp_exp.tune.search import hydra_session
+from fsdp_exp.tune.compose import hydra_session
 
 REPO = Path(__file__).resolve().parents[2]
 RECORD = REPO / "benchmarks" / "published"
