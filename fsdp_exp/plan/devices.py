@@ -42,8 +42,10 @@ class Link:
 class DevicePerf:
     """What the step-time model (``fsdp_exp.tune.perf``) knows of a device; every figure names its source.
 
-    ``efficiency``: the share of the peak the model's matmuls reach (a prior; ``tune.calibrate_from``
-    fits it); ``overlap``: the share of overlappable communication that compute hides (NCCL's kernels
+    ``efficiency``: the share of the peak the model's matmuls reach (on a GPU the device's achievable share,
+    ``KernelPrior``, times the software's share fitted on the published A100 record, ``SOFTWARE``;
+    ``tune.calibrate_from`` fits it per device); ``overlap``: the share of overlappable communication that
+    compute hides (NCCL's kernels
     take SMs from compute); ``dispatch_us``: the host's cost per operator (kernel launch), ``async_dispatch``:
     whether it overlaps the device's work (CUDA streams) or adds to it (eager CPU); ``step_overhead_ms``: a
     fixed cost per step (data, logging, the small all-reduces of the loss and the gradient norm).
@@ -84,7 +86,10 @@ def _gib(x: float) -> int:
 
 # Links. NCCL's ring collectives reach about 80% of a link's one-way rate (nccl-tests' "busbw" on DGX
 # systems), which is the figure given; latencies are per ring step, from nccl-tests' small-message times
-# (an 8-GPU NVLink all-gather of a few KiB takes ~20 us: 7 steps), and assumed where a note says so.
+# (an 8-GPU NVLink all-gather of a few KiB takes ~20 us: 7 steps), and assumed where a note says so. Checked
+# against published nccl-tests busbw (docs.alayanew.com, "NCCL-tests in practice", 2026): 8 x A100 SXM4 230-250 GB/s
+# (NVLINK3's 240); 8 x H100 SXM5 all-reduce 460-480 GB/s, above the ring's 450 GB/s because NVLS reduces in the
+# switch, which FSDP's all-gathers and reduce-scatters here do not get (the model leaves NVLS out): 360 kept.
 NVLINK3 = Link(240.0, 3.0, "NVLink 3: 600 GB/s both ways = 300 GB/s each way (A100 data sheet), x0.8 NCCL")
 NVLINK4 = Link(360.0, 3.0, "NVLink 4: 900 GB/s both ways = 450 GB/s each way (H100/H200 data sheets), x0.8 NCCL")
 NVLINK5 = Link(720.0, 3.0, "NVLink 5: 1.8 TB/s both ways = 900 GB/s each way (B200 data sheet), x0.8 NCCL")
@@ -131,21 +136,63 @@ def with_power(perf: "DevicePerf", watts: float) -> "DevicePerf":
                                tdp_w=watts, source=perf.source + f"; power-limited to {watts:g} W (peak x{scale:.3f})")
 
 
-# The figures fitted on the published record (python -m fsdp_exp.tune tune.calibrate_from=benchmarks/published,
-# the calibration part: llm-foundry's and torchtitan's A100 tables, 231 runs; mean |log(predicted / published)|
-# minimised) where a data sheet cannot tell them. Two are fitted: ``efficiency`` (large matmuls reach 0.70 of
-# the peak: cuBLAS's bf16 GEMMs on an A100 commonly reach 200-230 of 312 TFLOPS) and ``attention_efficiency``
-# (0.32 of the peak counting a causal kernel's FLOPs: the FlashAttention / Triton kernels of those runs).
+@dataclass(frozen=True)
+class KernelPrior:
+    """What one device's kernels reach of its data-sheet peak on their own, measured by public microbenchmarks
+    (a prior per device, with its source): ``gemm``, the best large bf16 GEMM (cuBLAS); ``attention``, the fused
+    causal attention kernel the published runs of that device used, forward and backward."""
+
+    gemm: float
+    attention: float
+    source: str
+
+
+# Achievable shares of the data-sheet peak. GEMM: stas00/ml-engineering, compute/accelerator/README.md, "Maximum
+# Achievable Matmul FLOPS comparison table" (mamf-finder.py, bf16, best shape): A100 SXM 267.9 of 312 (85.9%,
+# CUDA 12.1), A100 PCIe 256.4 of 312 (82.2%), H100 SXM 792.1 of 989 (80.1%, CUDA 12.1; its boost clock is not held
+# under a 700 W GEMM load), GH200 821.0 of 989 (83.0%); the same repository's H200-to-B200 upgrade guide: H100/H200
+# SXM 794.5 of 989 (80.3%), B200 SXM 1745 of 2250 (77.6%). Attention: the kernel of the published runs, by date.
+# llm-foundry's tables (2023-2024) and torchtitan's (2024) ran FlashAttention-2 (flash-attn 2.x; torch SDPA's flash
+# backend is FA2 from torch 2.2), FlashAttention-3 (Hopper only, July 2024) none of them. FA2 reaches 50-73% of the
+# A100's peak in forward (Dao 2023, arXiv:2307.08691), forward and backward together about 0.6; on an H100 FA2
+# reaches about 35% of the peak (Shah et al. 2024, the FlashAttention-3 paper, arXiv:2407.08608, against FA3's 75%).
+FA2_A100, FA2_HOPPER = 0.60, 0.35
+A100_SXM = KernelPrior(0.859, FA2_A100, "GEMM: A100 SXM MAMF 267.9/312 (ml-engineering); attention: FA2 on A100")
+A100_PCIE_LIKE = KernelPrior(0.822, FA2_A100, "no published figure for this device: assumed as the A100 PCIe "
+                                              "(MAMF 256.4/312, ml-engineering) and FA2 on A100")
+HOPPER = KernelPrior(0.801, FA2_HOPPER, "GEMM: H100 SXM MAMF 792.1/989 (ml-engineering; H200 794.5/989 likewise); "
+                                        "attention: FA2 on H100 (FA3 paper)")
+HOPPER_PCIE = KernelPrior(0.801, FA2_HOPPER, "no published figure for the PCIe board: assumed as the H100 SXM's "
+                                             "(MAMF 792.1/989) and FA2 on H100")
+BLACKWELL = KernelPrior(0.776, 0.25, "GEMM: B200 SXM MAMF 1745/2250 (ml-engineering); attention assumed 0.25: "
+                                     "FA2 has no Blackwell kernels of its own (Ampere-style MMA on sm_100; "
+                                     "ml-engineering calls it very slow there), no published share found")
+
+# The software's share of what the kernels can reach, fitted on the published record (python -m fsdp_exp.tune
+# tune.calibrate_from=benchmarks/published, the calibration part: llm-foundry's and torchtitan's A100 tables, 231
+# runs; mean |log(predicted / published)| minimised) where a data sheet cannot tell it: the A100's fitted shares of
+# the peak, 0.70 for the matmuls and 0.32 for attention (counting a causal kernel's FLOPs), over the A100's
+# priors: what a training step loses to shapes, fusion and launch gaps beyond the best microbenchmark. A device's
+# efficiency is its prior times this; the A100's figures are the fitted ones again.
+FITTED_A100 = {"efficiency": 0.70, "attention_efficiency": 0.32}
+SOFTWARE = {"gemm": FITTED_A100["efficiency"] / A100_SXM.gemm,
+            "attention": FITTED_A100["attention_efficiency"] / A100_SXM.attention}
 # Fitted with them, and left at what the record put them: ``gemm_half_dim`` (0: beyond the roofline and the
 # memory-bound operators, the record shows no shape penalty) and ``unit_us`` (0 for both layouts: the runs'
 # FSDP software hides behind their device work). ``memory_efficiency`` is a prior (STREAM-like copies reach
-# about 80% of HBM's rate). The A100's figures apply to every GPU until a record of that GPU fits its own.
-FITTED_A100 = {"efficiency": 0.70, "attention_efficiency": 0.32, "gemm_half_dim": 0.0, "memory_efficiency": 0.8,
-               "unit_us": {"flat": 0.0, "dim0": 0.0}}
+# about 80% of HBM's rate).
+FITTED_SHAPES = {"gemm_half_dim": 0.0, "memory_efficiency": 0.8, "unit_us": {"flat": 0.0, "dim0": 0.0}}
+
+
+def kernel_efficiencies(prior: KernelPrior) -> dict:
+    """``DevicePerf``'s efficiencies of a device: its kernels' prior times the software's fitted share."""
+    return {"efficiency": prior.gemm * SOFTWARE["gemm"],
+            "attention_efficiency": prior.attention * SOFTWARE["attention"]}
 
 
 def _gpu(description: str, memory_gbps: float, intra: Link, inter: Link, host: Link, host_memory_gbps: float,
-         memory_source: str, tdp_w: Optional[float] = None, power_w: Optional[float] = None) -> DevicePerf:
+         memory_source: str, kernels: KernelPrior, tdp_w: Optional[float] = None,
+         power_w: Optional[float] = None) -> DevicePerf:
     from fsdp_exp.metrics.flops import PEAK_TFLOPS, lookup_peak_tflops
 
     peaks = {dtype: lookup_peak_tflops(description, dtype) for dtype in ("fp32", "bf16", "fp16")}
@@ -154,9 +201,10 @@ def _gpu(description: str, memory_gbps: float, intra: Link, inter: Link, host: L
         intra=intra, inter=inter, host=host, host_memory_gbps=host_memory_gbps,
         overlap=0.9, dispatch_us=5.0, async_dispatch=True, step_overhead_ms=2.0,
         source=f"peak dense TFLOPS: the vendor's data sheet (fsdp_exp/metrics/flops.py, "
-               f"{len(PEAK_TFLOPS)} devices); memory: {memory_source}; kernel efficiencies fitted on the "
-               f"published A100 record (fsdp_exp/plan/devices.py FITTED_A100)",
-        kernels=True, tdp_w=tdp_w, **FITTED_A100)
+               f"{len(PEAK_TFLOPS)} devices); memory: {memory_source}; kernel efficiencies: the device's achievable "
+               f"share of the peak ({kernels.source}) x the software's share fitted on the published A100 record "
+               f"(fsdp_exp/plan/devices.py SOFTWARE)",
+        kernels=True, tdp_w=tdp_w, **kernel_efficiencies(kernels), **FITTED_SHAPES)
     return with_power(perf, power_w) if power_w else perf
 
 
@@ -165,31 +213,34 @@ DGX_A100_HOST = "host: 2x EPYC 7742, 16 channels DDR4-3200 = 410 GB/s (DGX A100)
 DGX_H100_HOST = "host: 2x Xeon 8480C, 16 channels DDR5-4800 = 614 GB/s (DGX H100)"
 DEVICES: dict[str, Device] = {
     "l4_24gb": Device("l4_24gb", "cuda", _gib(22.0), "NVIDIA L4 (24 GB)", _gpu(
-        "NVIDIA L4", 300.0, PCIE4_P2P, CLOUD, PCIE4_HOST, 200.0, "300 GB/s GDDR6 (L4 data sheet)", 72.0)),
+        "NVIDIA L4", 300.0, PCIE4_P2P, CLOUD, PCIE4_HOST, 200.0, "300 GB/s GDDR6 (L4 data sheet)",
+        A100_PCIE_LIKE, 72.0)),
     "a10g_24gb": Device("a10g_24gb", "cuda", _gib(22.0), "NVIDIA A10G (24 GB)", _gpu(
-        "NVIDIA A10G", 600.0, PCIE4_P2P, CLOUD, PCIE4_HOST, 200.0, "600 GB/s GDDR6 (A10G data sheet)", 300.0)),
+        "NVIDIA A10G", 600.0, PCIE4_P2P, CLOUD, PCIE4_HOST, 200.0, "600 GB/s GDDR6 (A10G data sheet)",
+        A100_PCIE_LIKE, 300.0)),
     "a100_40gb": Device("a100_40gb", "cuda", _gib(39.4), "NVIDIA A100 40GB", _gpu(
         "NVIDIA A100", 1555.0, NVLINK3, NETWORKS["ib_hdr_8x200g"], PCIE4_HOST, 400.0,
-        f"1,555 GB/s HBM2 (A100 40GB SXM data sheet, 400 W); {DGX_A100_HOST}", 400.0)),
+        f"1,555 GB/s HBM2 (A100 40GB SXM data sheet, 400 W); {DGX_A100_HOST}", A100_SXM, 400.0)),
     "a100_80gb": Device("a100_80gb", "cuda", _gib(79.1), "NVIDIA A100 80GB", _gpu(
         "NVIDIA A100", 2039.0, NVLINK3, NETWORKS["ib_hdr_8x200g"], PCIE4_HOST, 400.0,
-        f"2,039 GB/s HBM2e (A100 80GB SXM data sheet, 400 W); {DGX_A100_HOST}", 400.0)),
+        f"2,039 GB/s HBM2e (A100 80GB SXM data sheet, 400 W); {DGX_A100_HOST}", A100_SXM, 400.0)),
     "h100_80gb": Device("h100_80gb", "cuda", _gib(79.1), "NVIDIA H100 80GB", _gpu(
         "NVIDIA H100", 3350.0, NVLINK4, NETWORKS["ib_ndr_8x400g"], PCIE5_HOST, 600.0,
-        f"3.35 TB/s HBM3 (H100 SXM data sheet, 700 W); {DGX_H100_HOST}", 700.0)),
+        f"3.35 TB/s HBM3 (H100 SXM data sheet, 700 W); {DGX_H100_HOST}", HOPPER, 700.0)),
     "h100_96gb_500w": Device("h100_96gb_500w", "cuda", _gib(94.5), "NVIDIA H100 96GB HBM2e (500 W)", _gpu(
         "NVIDIA H100", 2460.0, NVLINK4, NETWORKS["roce_8x400g"], PCIE5_HOST, 600.0,
         "the H100 SXM with 96 GB of HBM2e (six 16 GB stacks at 3.2 Gb/s x 1024 bits = 2.46 TB/s; derived, not a "
-        "data sheet) at a 500 W power limit, as torchtitan's H100 tables describe their cluster", 700.0, 500.0)),
+        "data sheet) at a 500 W power limit, as torchtitan's H100 tables describe their cluster",
+        HOPPER, 700.0, 500.0)),
     "h100_pcie": Device("h100_pcie", "cuda", _gib(79.1), "NVIDIA H100 PCIe 80GB", _gpu(
         "NVIDIA H100 PCIe", 2000.0, NVLINK_BRIDGE, CLOUD, PCIE5_HOST, 600.0,
-        "2.0 TB/s HBM2e (H100 PCIe data sheet, 350 W)", 350.0)),
+        "2.0 TB/s HBM2e (H100 PCIe data sheet, 350 W)", HOPPER_PCIE, 350.0)),
     "h200_141gb": Device("h200_141gb", "cuda", _gib(139.8), "NVIDIA H200 141GB", _gpu(
         "NVIDIA H200", 4800.0, NVLINK4, NETWORKS["ib_ndr_8x400g"], PCIE5_HOST, 600.0,
-        "4.8 TB/s HBM3e (H200 SXM data sheet, 700 W); host as DGX H100", 700.0)),
+        "4.8 TB/s HBM3e (H200 SXM data sheet, 700 W); host as DGX H100", HOPPER, 700.0)),
     "b200_192gb": Device("b200_192gb", "cuda", _gib(178.4), "NVIDIA B200 192GB", _gpu(
         "NVIDIA B200", 8000.0, NVLINK5, NETWORKS["ib_ndr_8x400g"], PCIE5_HOST, 700.0, "8 TB/s HBM3e (B200 data "
-        "sheet, 1000 W); host: 2x Xeon 8570, 16 channels DDR5-5600 = 717 GB/s (DGX B200)", 1000.0)),
+        "sheet, 1000 W); host: 2x Xeon 8570, 16 channels DDR5-5600 = 717 GB/s (DGX B200)", BLACKWELL, 1000.0)),
     "cpu_host": Device("cpu_host", "cpu", 0, "this machine's RAM (psutil), shared by its ranks"),
 }
 

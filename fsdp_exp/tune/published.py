@@ -167,6 +167,8 @@ def network_of(f: dict, device: str) -> str:
     text = f["interconnect"].lower()
     if "roce" in text and "1600" in text:
         return "roce_8x200g"
+    if "roce" in text and "3200" in text:  # llm-foundry's H100 tables: RoCE, not AWS's EFA
+        return "roce_8x400g"
     if "3200" in text:
         return "ib_ndr_8x400g" if "ib" in text or "infiniband" in text else "efa_3200g"
     return ""  # the device's own default network

@@ -124,3 +124,23 @@ def test_a_power_limit_lowers_the_peak_by_the_cube_root_of_the_power_share():
     assert with_power(h100, 900.0) == h100  # a limit above the rating changes nothing
     assert DEVICES["h100_96gb_500w"].perf.peak_tflops["bf16"] == pytest.approx(capped.peak_tflops["bf16"])
     assert dataclasses.replace(capped, source=h100.source, tdp_w=700.0).memory_gbps == h100.memory_gbps
+
+
+def test_each_gpus_kernel_efficiency_is_its_achievable_share_of_the_peak_times_the_software_share_fitted_on_the_a100():
+    from fsdp_exp.plan.devices import A100_SXM, BLACKWELL, FITTED_A100, HOPPER
+
+    a100, h100, b200 = (DEVICES[name].perf for name in ("a100_80gb", "h100_80gb", "b200_192gb"))
+    assert (a100.efficiency, a100.attention_efficiency) == (FITTED_A100["efficiency"],
+                                                            FITTED_A100["attention_efficiency"])
+    for perf, prior in ((h100, HOPPER), (b200, BLACKWELL)):
+        assert perf.efficiency == pytest.approx(a100.efficiency * prior.gemm / A100_SXM.gemm)
+        assert perf.attention_efficiency == pytest.approx(
+            a100.attention_efficiency * prior.attention / A100_SXM.attention)
+    # An H100's GEMMs reach a smaller share of its data-sheet peak than an A100's, FlashAttention-2 on it less still.
+    assert h100.efficiency < a100.efficiency and h100.attention_efficiency < a100.attention_efficiency
+    assert DEVICES["h100_96gb_500w"].perf.efficiency == h100.efficiency  # its power limit lowers the peak instead
+
+
+def test_llm_foundrys_roce_at_3200_gbps_is_roce_not_efa():
+    fields = {"interconnect": "3200 Gbps node-node interconnect (RoCE)"}
+    assert published.network_of(fields, "h100_80gb") == "roce_8x400g"
