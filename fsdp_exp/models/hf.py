@@ -130,6 +130,30 @@ class _NoTransformers:
     """Stands for transformers' model class where transformers is not installed (nothing is one)."""
 
 
+def _no_values_drawn_on_meta():
+    """While a model is built, torch's initializers (``nn.Linear``'s ``kaiming_uniform_``, GPT-2's ``Conv1D``
+    ``normal_``, ...) called on a meta tensor return it untouched: it has no values to draw, and each call costs
+    about a millisecond through torch's reference decompositions (most of the planner's time on the published
+    record). A torch function mode, so nothing is patched: shapes, dtypes, tying and buffers are built as they
+    are, and a tensor with storage is initialized as before. transformers' own ``_init_weights`` already skips
+    the meta device; fsdp_exp draws the values later (``hf_init``)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    initializers = {getattr(torch.nn.init, name) for name in dir(torch.nn.init)
+                    if name.endswith("_") and not name.startswith("_")}
+
+    class NoValuesOnMeta(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            tensor = args[0] if args else kwargs.get("tensor")
+            if func in initializers and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+            return func(*args, **kwargs)
+
+    return NoValuesOnMeta()
+
+
 class HfSpec(ModelSpec):
     name = "hf"
 
@@ -242,7 +266,9 @@ class HfSpec(ModelSpec):
 
         config = copy.deepcopy(self.config(m))
         config.use_cache = False  # training: no key/value cache
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=m.attn_implementation)
+        with _no_values_drawn_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     attn_implementation=m.attn_implementation)
         model.forward = types.MethodType(_forward, model)  # the chunked loss when targets are passed
         model.register_forward_hook(_logits_only)
         return model
@@ -349,7 +375,7 @@ class HfSpec(ModelSpec):
         cache = self.__dict__.setdefault("_recipes", {})
         key = config.to_json_string(use_diff=False)
         if key not in cache:
-            with torch.device("meta"):
+            with torch.device("meta"), _no_values_drawn_on_meta():
                 fresh = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
             first: dict[int, str] = {}
             aliases = {name: first.setdefault(id(p), name) for name, p in fresh.named_parameters(remove_duplicate=False)}

@@ -19,7 +19,9 @@ matmul; fake tensors get its result in every dtype the op runs in (``_grouped_mm
 
 Sizes are per rank and per micro-batch; tensor parallel is measured on a model whose heads and
 feed-forward width are divided by ``tp`` (each rank's share). One measurement per (compute dtype,
-autocast) is cached.
+autocast) is cached, in the process and on disk (``$XDG_CACHE_HOME/fsdp_exp/hf_activations.json``, keyed on
+everything the measurement depends on, ``_disk_key``): a later process planning the same model, micro-batch and
+sequence reads it back instead of measuring again.
 """
 
 from __future__ import annotations
@@ -336,16 +338,29 @@ class HfActivations(TokenCounts):
         if key not in _CACHE:
             if len(_CACHE) >= 64:
                 _CACHE.clear()
-            _CACHE[key] = self._measure(e, autocast)
+            _CACHE[key] = self._stored(key) or self._measure(e, autocast)
         return _CACHE[key]
+
+    def _stored(self, key: tuple) -> Optional[Measurement]:
+        """The measurement kept on disk under ``key`` (everything it depends on, ``_disk_key``), else None."""
+        from fsdp_exp.cache import read_entry
+
+        entry = read_entry(disk_cache_path(), _disk_key(key))
+        return Measurement(**entry) if entry else None
 
     def _measure(self, e: int, autocast: bool) -> Measurement:
         """``measure``, or a refusal where the model's forward needs values fake tensors do not have."""
         from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
+        from dataclasses import asdict
+
+        from fsdp_exp.cache import write_entry
+
         try:
-            return measure(*self._args, e=e, autocast=autocast, tp=self._tp, attn_implementation=self._attn,
-                           shapes_only=self._spec.shapes_only())
+            measured = measure(*self._args, e=e, autocast=autocast, tp=self._tp, attn_implementation=self._attn,
+                               shapes_only=self._spec.shapes_only())
+            write_entry(disk_cache_path(), _disk_key((*self._key, e, autocast)), asdict(measured))
+            return measured
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
             fail(f"the planner measures {self._architecture}'s activations on fake tensors (shapes without values), "
                  f"and its forward calls {exc.func}, whose result depends on the values (a mixture of experts that "
@@ -395,3 +410,28 @@ class HfActivations(TokenCounts):
 
 
 _CACHE: dict[tuple, Measurement] = {}
+
+
+def disk_cache_path():
+    from fsdp_exp.cache import cache_file
+
+    return cache_file("hf_activations.json")
+
+
+def _disk_key(key: tuple) -> str:
+    """A measurement's key between processes: the in-process key (the model's full transformers config, its block
+    class, micro-batch, sequence, tensor parallel, attention implementation, dtype, autocast) with the versions of
+    torch and transformers and the source of the code that measures (this module, the family's shapes-only context
+    in models/hf.py, OpSaver in parallel/ac.py): any change to one of them measures again."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    here = Path(__file__).resolve().parent
+    sources = [here / "hf_memory.py", here / "hf.py", here.parent / "parallel" / "ac.py"]
+    code = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
+    text = json.dumps([list(map(str, key)), torch.__version__, transformers.__version__, code])
+    return hashlib.sha256(text.encode()).hexdigest()

@@ -353,3 +353,55 @@ def test_a_mixture_of_experts_counts_the_flops_of_its_routed_experts_only(model_
     base = flops("base")
     assert flops("more", **{experts: 8}) - base == 6 * layers * d * 4  # the router: 4 more outputs per block
     assert base - flops("top1", num_experts_per_tok=1) == 6 * layers * 3 * d * ffn  # gate, up, down of one expert
+
+
+def test_the_planners_measurement_is_kept_on_disk_under_everything_it_depends_on_and_read_back(monkeypatch, tmp_path):
+    """A measurement lands in the cache folder keyed on the model, micro-batch, sequence, dtype (and the
+    measuring code's versions); with the process's own cache emptied it is read back equal; another micro-batch
+    is another key."""
+    from dataclasses import asdict
+
+    from fsdp_exp.models import hf_memory
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(hf_memory, "_CACHE", {})
+    cfg = shrunk(next(iter(SHRUNK)))
+    profile = spec_for(cfg.model).activations(cfg.model, 4, 32, 1, False)
+    measured = profile._measured(2)
+    stored = json.loads(hf_memory.disk_cache_path().read_text())
+    assert stored == {hf_memory._disk_key((*profile._key, 2, False)): asdict(measured)}
+    hf_memory._CACHE.clear()
+    assert profile._measured(2) == measured
+    other = spec_for(cfg.model).activations(cfg.model, 2, 32, 1, False)
+    assert hf_memory._disk_key((*other._key, 2, False)) not in stored
+
+
+def test_a_model_built_on_meta_draws_no_values_and_is_the_same_model():
+    """The family's build on the meta device runs none of torch's random initializers (each costs about a
+    millisecond on meta) and gives the same parameters, shapes and tying as transformers' own construction."""
+    import copy
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForCausalLM
+
+    cfg = shrunk("hf_gpt2_xl")
+    spec = spec_for(cfg.model)
+
+    class Draws(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.normal_, torch.ops.aten.uniform_):
+                self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with torch.device("meta"), Draws():
+        built = spec.build(cfg.model)
+    assert Draws.ops == []
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(copy.deepcopy(spec.config(cfg.model)), dtype=torch.float32)
+    def shapes(model):
+        return [(n, p.shape, p.dtype) for n, p in model.named_parameters(remove_duplicate=False)]
+
+    assert shapes(built) == shapes(plain)
+    assert built.lm_head.weight is built.transformer.wte.weight
