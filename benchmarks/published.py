@@ -9,8 +9,9 @@ No GPU is needed: each published run (one row) is mapped to the overrides of ``p
 express it (``overrides``), composed, validated, planned (``fsdp_exp.plan``: the peak per rank, against the
 device's memory) and timed (``fsdp_exp.tune.perf`` with the device's and the network's figures), all in this
 one process: Hydra composes once per choice of config groups, the model on the meta device, its inventory
-and its operator counts are cached per model config (2.6 minutes for the 233 rows on a 2-core machine, most
-of it the planner's activation profile per micro-batch; ``--no-memory`` skips the planner). What it prints,
+and its operator counts are cached per model config, the planner's activation profile per model, micro-batch
+and sequence also on disk (74 s for the 233 rows on a 2-core machine, 29 s with that cache warm;
+``--no-memory`` skips the planner; benchmarks/RESULTS.md). What it prints,
 per source and overall:
 
 - rows expressible, and why the others are not (pipeline or FP8 rows, an architecture the mapping does not
