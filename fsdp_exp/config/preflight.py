@@ -22,7 +22,7 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
     ``world_size`` is given when ranks come from outside (torchrun, SLURM); otherwise it follows
     from ``trainer.nproc_per_node`` x ``trainer.nnodes``.
     """
-    t, s, p = cfg.trainer, cfg.sharding, cfg.precision
+    t, p = cfg.trainer, cfg.precision
 
     if t.device not in ("auto", "cpu", "cuda"):
         fail(f"trainer.device={t.device!r} is not one of auto, cpu, cuda.", "pass trainer.device=auto")

@@ -240,7 +240,7 @@ def _load(source: Source, root: Path):
         message = _first_line(exc)
         fix = ("check data.dataset / data.dataset_config / the split name, and that the hub is reachable "
                "(or pass a local folder)" if source.kind == "hf" else
-               f"check the files' format, or pick the builder that reads them: data=text|json|parquet")
+               "check the files' format, or pick the builder that reads them: data=text|json|parquet")
         raise DataError(f"could not load {what}: {type(exc).__name__}: {message}", fix) from None
 
 

@@ -100,7 +100,7 @@ def test_every_option_runs_two_steps(tmp_path, choice):
     assert record["status"] == "completed"
     assert record["choices"]["sharding"] == choice["sharding"]
     losses = _losses(tmp_path)
-    assert len(losses) == 2 and all(l == l and l > 0 for l in losses)  # finite, positive
+    assert len(losses) == 2 and all(loss == loss and loss > 0 for loss in losses)  # finite, positive
 
     # What reached fully_shard, per unit.
     applied = record["applied"]
