@@ -388,6 +388,10 @@ def define_runs(ctx: Context, extra: list[str]) -> dict[str, Run]:
     # itself). On a CPU one rank: a cold inductor cache costs each rank about 40 s there.
     compiled = [*where, *big, f"trainer.nproc_per_node={n if gpu else 1}", "sharding=full", "precision=bf16",
                 *steps, "trainer.track_memory=false", "trainer.digest_shards=false", "compile=true"]
+    # The same compiled run with torchao's float8 matmuls (tensorwise, float8 all-gathers): tokens/s against
+    # the compiled bf16 run on the same shapes. CUDA only: on a CPU tests/integration/test_float8.py runs it.
+    float8 = [*[o for o in compiled if o != "precision=bf16"], "precision=float8",
+              "precision.float8_all_gather=true"]
     functional = [*where, *small, *ranks]
     ckpt = [*where, *saved, *ranks, "precision=bf16", "trainer.seq_len=256", "data=text",
             f"data.num_workers={2 if gpu else 1}", f"data.cache_dir={ctx.work / 'data_cache'}",
@@ -420,6 +424,7 @@ def define_runs(ctx: Context, extra: list[str]) -> dict[str, Run]:
         Run("deepspeed", [*functional, "precision=bf16", "sharding.backend=deepspeed", *short], 240,
             feature="sharding.backend"),
         Run("compile", compiled, 300 if ctx.size == "full" else 200),
+        Run("float8", float8, 300 if ctx.size == "full" else 200),
     ]
     return {r.name: r for r in runs}
 
@@ -504,6 +509,24 @@ def check_compile(ctx: Context) -> dict:
     if eager.rc == 0 and eager.record["env"]["world_size"] == run.record["env"]["world_size"]:
         ratio = s["summary/tokens_per_s_median"] / eager.record["summary"]["summary/tokens_per_s_median"]
         out["x eager"] = round(ratio, 3)
+    return out
+
+
+def check_float8(ctx: Context) -> dict:
+    """float8 against bf16, both compiled, same shapes: tokens/s, and MFU against the bf16 and the FP8 peak."""
+    run = ctx.completed("float8")
+    s, applied = run.record["summary"], run.record["applied"]
+    converted = (find_key(applied, "converted") or [[]])[0]
+    out = {**perf(run), "MFU (bf16 peak)": sig(s["summary/mfu_median"] or 0),
+           "MFU (fp8 peak)": s["summary/mfu_fp8_median"] and sig(s["summary/mfu_fp8_median"]),
+           "fp8 peak TFLOPS": s["summary/peak_tflops_fp8"], "converted layers": len(converted)}
+    expect(len(converted) > 0, "no layer converted to float8 (run.json applied.float8)", out)
+    expect(s["summary/peak_tflops_fp8"], f"no FP8 peak for this GPU: {run.record['env'].get('peak_tflops_fp8_source')}",
+           out)
+    bf16 = ctx.runs["compile"]
+    if bf16.rc == 0 and bf16.record["env"]["world_size"] == run.record["env"]["world_size"]:
+        out["x bf16 compiled"] = round(s["summary/tokens_per_s_median"] /
+                                       bf16.record["summary"]["summary/tokens_per_s_median"], 3)
     return out
 
 
@@ -803,6 +826,9 @@ CHECKS = (
                   "fsdp_exp/tune/search.py:parameter_floor")),
     Check("compile", "the same as fsdp2_bf16 with compile=true: tokens/s, MFU, speed-up, first step",
           ("compile",), check_compile),
+    Check("float8", "the compiled run with precision=float8 (float8 all-gathers): tokens/s against compiled bf16, "
+          "MFU against both peaks", ("float8", "compile"), check_float8, needs="cuda",
+          covers=("fsdp_exp/trainer.py:Trainer._fp8_peak_tflops",)),
 )
 
 
