@@ -256,7 +256,7 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_good_checkpoint(tm
     assert state and all(t.isfinite().all() for t in state.values())
 
 
-def test_exports_and_identical_init_check(tmp_path):
+def test_exports_and_identical_init_check(tmp_path, monkeypatch):
     """checkpoint.export=hf: transformers' LlamaForCausalLM loads it offline and its logits match the
     model in the final checkpoint within 1e-4. The same checkpoint exported offline as safetensors holds
     fsdp_exp's names. debug.check_identical_init passes on a healthy run."""
@@ -277,7 +277,9 @@ def test_exports_and_identical_init_check(tmp_path):
     ours.init_buffers(torch.device("cpu"))
     ours.load_state_dict(state)
 
-    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # Offline for this test only: a variable left set changes how later tests' hub names are refused.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     from transformers import LlamaForCausalLM
 
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()

@@ -6,7 +6,6 @@ over the same 20 steps of the same data, and the float8 run resumed from its ste
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -64,7 +63,7 @@ def test_a_float8_all_gather_run_resumes_bit_identically(runs):
     assert {s: resumed[s] for s in resumed} == {s: uninterrupted[s] for s in resumed}
 
 
-def test_the_float8_export_holds_high_precision_weights_that_transformers_loads(runs):
+def test_the_float8_export_holds_high_precision_weights_that_transformers_loads(runs, monkeypatch):
     """Its logits match the model in the final checkpoint (plain nn.Linear, fp32) within 1e-4."""
     import torch
     from safetensors.torch import load_file
@@ -83,7 +82,9 @@ def test_the_float8_export_holds_high_precision_weights_that_transformers_loads(
     ours.init_buffers(torch.device("cpu"))
     ours.load_state_dict(state)
 
-    os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # Offline for this test only: a variable left set changes how later tests' hub names are refused.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     from transformers import LlamaForCausalLM
 
     hf = LlamaForCausalLM.from_pretrained(export, dtype=torch.float32).eval()

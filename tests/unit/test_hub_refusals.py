@@ -19,6 +19,16 @@ from conftest import run_config
 
 pytest.importorskip("datasets")
 
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+@pytest.fixture(autouse=True)
+def online_settings(monkeypatch):
+    """Each test starts from a machine whose offline variables are unset (its own setenv aside), as a user's
+    would be: what these tests check is the reachability probe and each variable's own message."""
+    for name in OFFLINE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
 
 def test_a_hub_dataset_out_of_reach_is_refused_within_seconds_naming_the_key_and_the_fix(tmp_path):
     cfg = run_config(["data=hf", "data.dataset=nonexistent_org/x", f"data.cache_dir={tmp_path / 'blocks'}"])
