@@ -46,3 +46,23 @@ def reference_losses(cfg: RunConfig, steps: int) -> list[float]:
         scheduler.step()
         losses.append(loss.item())
     return losses
+
+
+def hf_export_logits_gap(export_dir, checkpoint_dir) -> tuple[float, dict]:
+    """(the largest |logit| difference between transformers' LlamaForCausalLM loaded from ``export_dir`` and
+    fsdp_exp's model loaded from the checkpoint at ``checkpoint_dir``, that checkpoint's state). Set
+    HF_HUB_OFFLINE before calling (monkeypatch: a variable left set changes later tests' hub refusals)."""
+    from transformers import LlamaForCausalLM
+
+    from fsdp_exp.config import ModelConfig
+    from fsdp_exp.export import load_checkpoint_model
+
+    state, model_cfg = load_checkpoint_model(checkpoint_dir)
+    ours = build_meta(ModelConfig(**model_cfg))
+    ours.to_empty(device="cpu")
+    ours.init_buffers(torch.device("cpu"))
+    ours.load_state_dict(state)
+    hf = LlamaForCausalLM.from_pretrained(export_dir, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return (ours(tokens) - hf(tokens).logits).abs().max().item(), state

@@ -263,29 +263,17 @@ def test_exports_and_identical_init_check(tmp_path, monkeypatch):
     import torch
     from safetensors.torch import load_file
 
-    from fsdp_exp.config import ModelConfig
-    from fsdp_exp.export import load_checkpoint_model, main as export_main
-    from fsdp_exp.models import build_meta
+    from fsdp_exp.export import main as export_main
+    from reference import hf_export_logits_gap
 
     record = run_experiment([*TINY, "trainer.steps=2", "logger.wandb.mode=disabled", "checkpoint.every=2",
                              "checkpoint.export=hf", "debug.check_identical_init=true"], tmp_path)
     assert record["init_check"]["result"] == "identical" and record["init_check"]["shards_checked"] > 0
     assert record["export"]["format"] == "hf"
-    state, model_cfg = load_checkpoint_model(tmp_path / "checkpoints" / "step_2")
-    ours = build_meta(ModelConfig(**model_cfg))
-    ours.to_empty(device="cpu")
-    ours.init_buffers(torch.device("cpu"))
-    ours.load_state_dict(state)
-
     # Offline for this test only: a variable left set changes how later tests' hub names are refused.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    from transformers import LlamaForCausalLM
-
-    hf = LlamaForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
+    diff, state = hf_export_logits_gap(tmp_path / "export", tmp_path / "checkpoints" / "step_2")
     assert diff < 1e-4, diff
 
     export_main([str(tmp_path / "checkpoints" / "step_2"), str(tmp_path / "flat"), "--format", "safetensors"])

@@ -68,27 +68,14 @@ def test_the_float8_export_holds_high_precision_weights_that_transformers_loads(
     import torch
     from safetensors.torch import load_file
 
-    from fsdp_exp.config import ModelConfig
-    from fsdp_exp.export import load_checkpoint_model
-    from fsdp_exp.models import build_meta
+    from reference import hf_export_logits_gap
 
     folders, records = runs
     export = folders["float8"] / "export"
     assert records["float8"]["export"]["format"] == "hf"
     assert {t.dtype for t in load_file(export / "model.safetensors").values()} == {torch.float32}
-    state, model_cfg = load_checkpoint_model(folders["float8"] / "checkpoints" / f"step_{STEPS}")
-    ours = build_meta(ModelConfig(**model_cfg))
-    ours.to_empty(device="cpu")
-    ours.init_buffers(torch.device("cpu"))
-    ours.load_state_dict(state)
-
     # Offline for this test only: a variable left set changes how later tests' hub names are refused.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
-    from transformers import LlamaForCausalLM
-
-    hf = LlamaForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
+    diff, _ = hf_export_logits_gap(export, folders["float8"] / "checkpoints" / f"step_{STEPS}")
     assert diff < 1e-4, diff
