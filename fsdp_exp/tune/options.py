@@ -83,6 +83,16 @@ def _int(key: str, value: str, least: int) -> int:
     return number
 
 
+def _positive(key: str, value: str, unit: str, example: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not number > 0:
+        fail(f"{key}={value!r} is not a positive number of {unit}.", f"pass e.g. {key}={example}")
+    return number
+
+
 def _bool(key: str, value: str) -> bool:
     if value.lower() not in ("true", "false"):
         fail(f"{key}={value!r} is neither true nor false.", f"pass {key}=true")
@@ -133,24 +143,13 @@ def split_argv(argv: list[str]) -> tuple[TuneOptions, list[str]]:
                 fail(f"tune.format={value!r} is not one of table, json.", "pass tune.format=json")
             opts.format = value
         elif key == "tune.budget_gib":
-            try:
-                opts.budget_gib = float(value)
-            except ValueError:
-                opts.budget_gib = -1.0
-            if not opts.budget_gib > 0:
-                fail(f"tune.budget_gib={value!r} is not a positive number of GiB.", "pass e.g. tune.budget_gib=70")
+            opts.budget_gib = _positive(key, value, "GiB", "70")
         elif key == "plan.device":
             opts.device = value
         elif key == "plan.network":
             opts.network = value
         elif key == "plan.device_power_w":
-            try:
-                opts.power_w = float(value)
-            except ValueError:
-                opts.power_w = -1.0
-            if not opts.power_w > 0:
-                fail(f"plan.device_power_w={value!r} is not a positive number of watts.",
-                     "pass e.g. plan.device_power_w=500")
+            opts.power_w = _positive(key, value, "watts", "500")
         elif key == "plan.margin":
             try:
                 opts.margin = float(value)
