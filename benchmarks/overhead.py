@@ -65,6 +65,9 @@ def run_framework(steps: int, warmup: int, run_dir: Path) -> tuple[float, list[f
     overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
         f"trainer.steps={steps}", f"trainer.warmup_steps={warmup}", f"trainer.nproc_per_node={WORLD}",
         f"trainer.global_batch_size={BATCH}", f"trainer.seq_len={SEQ}", "prefetch=default",
+        # The baseline takes its loss on all logits at once: so does the framework here (the chunked default,
+        # trainer.loss_chunks=8, recomputes the output head in backward to hold 1/8 of the fp32 logits).
+        "trainer.loss_chunks=1",
         "logger.wandb.mode=disabled", "logger.progress=false", "logger.summary_table=false",
         f"hydra.run.dir={run_dir}",
     ]
