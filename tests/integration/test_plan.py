@@ -140,7 +140,7 @@ ACCUMULATING = [*TINY, "model.dim=256", "trainer.seq_len=8", "trainer.micro_batc
 def test_accumulation_reduces_into_the_gradient_shard_by_default_and_the_planner_follows_both(tmp_path):
     """2 ranks, 4 micro-batches: by default (trainer.grad_sync=auto: every_micro_batch under FSDP2) the
     tracked forward holds the gradient shard and no unsharded gradient; under last_micro_batch the whole
-    unsharded gradient. The planner predicts both within 3%, and the losses are the same (fp32)."""
+    unsharded gradient. The planner predicts both forwards within 3%, and the losses are the same (fp32)."""
     GRAD_TOLERANCE = 0.03
     runs = {}
     for name, extra in (("default", []), ("last", ["trainer.grad_sync=last_micro_batch"]),
@@ -152,7 +152,11 @@ def test_accumulation_reduces_into_the_gradient_shard_by_default_and_the_planner
         record = json.loads((tmp_path / name / "run.json").read_text())
         runs[name] = {"rows": rows, "applied": record["applied"]["grad_sync"], "plan": _plan(overrides)}
         if tracked:
-            assert abs(errors["step"]) < GRAD_TOLERANCE and abs(errors["forward"]) < GRAD_TOLERANCE, errors
+            # The forward phase, where the two policies differ, is held to 3%. The step's peak (backward
+            # here) is held only to PEAK_TOLERANCE in _run_and_compare: torch's tracker counts one more
+            # block of unsharded parameters there or not depending on when Python's cyclic GC runs
+            # (gc.set_threshold(10, 2, 2) in every process: +2.2 MB, the step -5.5%; seen so in CI).
+            assert abs(errors["forward"]) < GRAD_TOLERANCE, (name, errors)
     default, last = runs["default"], runs["last"]
     assert default["applied"] == {"trainer.grad_sync": "auto", "resolved": "every_micro_batch"}
     assert runs["fsdp1"]["applied"]["resolved"] == "every_micro_batch"
