@@ -138,7 +138,7 @@ def cuda_places(package: Path) -> dict[str, list[int]]:
 
 # Places the pattern finds that read a config string and never touch CUDA: tested on a CPU, where named.
 RUN_ELSEWHERE = {
-    "fsdp_exp/models/hf_memory.py:HfActivations.notes": "the planner's note text by device kind; no CUDA call "
+    "fsdp_exp/plan/activations/hf.py:HfActivations.notes": "the planner's note text by device kind; no CUDA call "
                                                         "(tests/unit/test_hf_model_specs.py)",
     "fsdp_exp/tune/calibrate.py:run_samples": "reads a measured run's recorded device type to pick its table "
                                               "entry; no CUDA call (tests/unit/test_tune_prediction.py)",
@@ -766,14 +766,14 @@ class Check:
 # Every run on CUDA goes through these: the launcher's GPU count and fit check (a child process asks each
 # GPU's free memory), preflight's device choice, NCCL, the device names in the record and the checkpointer.
 EVERY_CUDA_RUN = ("fsdp_exp/env.py:cuda_device_count", "fsdp_exp/env.py:cuda_free_memory",
-                  "fsdp_exp/config/fit.py:node_memory", "fsdp_exp/config/fit.py:_need",
-                  "fsdp_exp/config/preflight.py:validate", "fsdp_exp/dist.py:init_distributed",
+                  "fsdp_exp/fit_check.py:node_memory", "fsdp_exp/fit_check.py:_need",
+                  "fsdp_exp/preflight.py:validate", "fsdp_exp/dist.py:init_distributed",
                   "fsdp_exp/trainer.py:Trainer._device_name",
                   "fsdp_exp/checkpoint/manager.py:Checkpointer._device_name")
 # The planner's CUDA rules, which every CUDA run's plan (run.json["plan"]) goes through.
 PLANNER_CUDA_RULES = ("fsdp_exp/plan/states.py:model_states", "fsdp_exp/plan/step.py:StepWalk.__init__",
                       "fsdp_exp/plan/step.py:StepWalk.optimizer_step", "fsdp_exp/plan/devices.py:allocator_margin",
-                      "fsdp_exp/models/llama_memory.py:LlamaActivations.notes")
+                      "fsdp_exp/plan/activations/llama.py:LlamaActivations.notes")
 
 CHECKS = (
     Check("fsdp2_bf16", "Llama-3 8B-shaped, 2 blocks, bf16, FSDP2: tokens/s and MFU against the data sheet",
@@ -791,15 +791,15 @@ CHECKS = (
           ("main",), check_comm, needs="2 ranks", covers=("fsdp_exp/metrics/comm.py:comm_from_trace",)),
     Check("planner_fp32_gqa", "fp32 with grouped-query attention: the planner assumes SDPA's math fallback on CUDA",
           ("fp32",), functools.partial(check_planner, run_name="fp32"), needs="cuda",
-          covers=("fsdp_exp/models/llama_memory.py:LlamaActivations.math_attention",)),
+          covers=("fsdp_exp/plan/activations/llama.py:LlamaActivations.math_attention",)),
     Check("plan_cli", "python -m fsdp_exp.plan on this machine's device, the run's own plan equal to it",
           ("plan",), check_plan_cli,
           covers=("fsdp_exp/plan/cli.py:plan_from_argv", "fsdp_exp/plan/devices.py:local_cuda_device",
                   "fsdp_exp/plan/devices.py:fits")),
     Check("fit_refusal", "a run too big for this node (Llama 70B) refused before any rank, by the GPU's free memory",
           ("fit_refused",), check_fit,
-          covers=("fsdp_exp/config/fit.py:check_fit", "fsdp_exp/config/fit.py:_problem", "fsdp_exp/config/fit.py:_fixes",
-                  "fsdp_exp/config/fit.py:_fitting_changes", "fsdp_exp/config/fit.py:_gpu_layouts")),
+          covers=("fsdp_exp/fit_check.py:check_fit", "fsdp_exp/fit_check.py:_problem", "fsdp_exp/fit_check.py:_fixes",
+                  "fsdp_exp/fit_check.py:_fitting_changes", "fsdp_exp/fit_check.py:_gpu_layouts")),
     Check("offload_pinned", "FSDP2 offload=params: pinned host memory on CUDA (unpinned on a CPU)",
           ("offload",), check_offload,
           covers=("fsdp_exp/parallel/fsdp2.py:offload_policy", "fsdp_exp/plan/states.py:model_states")),

@@ -156,7 +156,7 @@ def run_baseline(steps: int, warmup: int, out: Path) -> tuple[float, list[float]
 # ----------------------------------------------------------------------------- --metrics
 def metrics_rank(rank: int, port: int, overrides: list[str], steps: int, run_dir: str, out: str) -> None:
     """One rank of the in-run comparison: the real Trainer, full and minimal steps interleaved."""
-    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.preflight import validate
     from fsdp_exp.dist import init_distributed
     from fsdp_exp.plan import compose
     from fsdp_exp.trainer import Trainer

@@ -20,7 +20,7 @@ per source and overall:
 - Spearman of predicted against published tokens/s within each table (same source, model, device, with at
   least 3 rows that ran), averaged over the tables;
 - false refusals (published with a throughput, so it ran, and the fit check refuses it: predicted need
-  beyond the device plus the planner's error band, ``fsdp_exp.config.fit``) and false accepts (published
+  beyond the device plus the planner's error band, ``fsdp_exp.fit_check``) and false accepts (published
   as out of memory and predicted to fit); the borderline rows (within the band);
 - memory against the published peak where a source gives one;
 - MFU recomputed under the source's own FLOPs convention (``fsdp_exp.metrics.flops.CONVENTIONS``) from the
@@ -58,8 +58,8 @@ MFU_WITHIN = 0.01  # published MFU reproduced within 1% (relative)
 
 # ------------------------------------------------------------------------------------------------ predict
 def predict_all(rows: list[Row], memory: bool = True) -> dict:
-    from fsdp_exp.config.fit import error_band
-    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.fit_check import error_band
+    from fsdp_exp.preflight import validate
     from fsdp_exp.errors import ConfigError
     from fsdp_exp.metrics.flops import convention_flops_per_token
     from fsdp_exp.models import spec_for
@@ -150,7 +150,7 @@ def figures(rows: list[Row]) -> dict:
         "false_accepts": sum(r.verdict != "refused" for r in planned if r.published_oom) if planned else None,
         "mfu_rows": len(mfu), "mfu_within_1pct": sum(e <= MFU_WITHIN for e in mfu_errors),
         "mfu_max_error": max(mfu_errors) if mfu_errors else None,
-        # what the fit check's error band (fsdp_exp.config.fit.PLANNER_BAND) is read from
+        # what the fit check's error band (fsdp_exp.fit_check.PLANNER_BAND) is read from
         "band_measured": {"ran_most_over": max(over_ran) if over_ran else None,
                           "oom_least_over": min(over_oom) if over_oom else None, "ran": len(over_ran)},
         "memory_rows": len(memory),

@@ -198,7 +198,7 @@ def local_rank() -> int:
 
 
 # ------------------------------------------------------------------------------------------- memory
-# What this process may really use, for the fit check before launch (fsdp_exp/config/fit.py) and for
+# What this process may really use, for the fit check before launch (fsdp_exp/fit_check.py) and for
 # telling an out-of-memory death from another SIGKILL (fsdp_exp/oom.py).
 
 GIB = 2**30

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from fsdp_exp.config import RunConfig, Topology, fail, plain
-from fsdp_exp.config.preflight import validate
+from fsdp_exp.preflight import validate
 from fsdp_exp.env import cuda_device_count, export_slurm_rendezvous, external_world, local_rank, slurm_job
 from fsdp_exp.errors import RunFailed  # noqa: F401 - raised here, caught by __main__ and slurm
 from fsdp_exp.record import RunRecord
@@ -43,7 +43,7 @@ def free_port() -> int:
 
 def prepare(cfg: RunConfig, world: Optional[tuple[int, int]] = None) -> Topology:
     """Validate before anything is spawned, and check that the run fits this node's memory
-    (fsdp_exp/config/fit.py; ``trainer.check_fit``); raises ConfigError naming the fix."""
+    (fsdp_exp/fit_check.py; ``trainer.check_fit``); raises ConfigError naming the fix."""
     from fsdp_exp.models import fetch_model_files
 
     fetch_model_files(cfg.model)  # a hub name's config.json into the hub cache: preflight reads local files only
@@ -62,7 +62,7 @@ def prepare(cfg: RunConfig, world: Optional[tuple[int, int]] = None) -> Topology
     topology = validate(cfg, cuda_devices=cuda_device_count(), world_size=world[0] if world else None)
     # Then ask the planner whether it fits this node (above validate: the planner validates its variants).
     # Under torchrun / SLURM every rank asks, before the process group starts, for its own GPU.
-    from fsdp_exp.config.fit import check_fit
+    from fsdp_exp.fit_check import check_fit
 
     check_fit(cfg, topology, world_size=world[0] if world else None,
               rank_of_node=local_rank() if world is not None else None)

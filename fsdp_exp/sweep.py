@@ -9,7 +9,7 @@ a sweep list is already refused before any job runs. What Hydra lets through, th
 - a value listed twice in one sweep (``precision=fp32,fp32``: two identical jobs).
 
 Combinations that compose but cannot run (``sharding=ddp offload=params``, a batch that does not
-divide the ranks, a model the planner says does not fit this machine's memory: fsdp_exp/config/fit.py)
+divide the ranks, a model the planner says does not fit this machine's memory: fsdp_exp/fit_check.py)
 are not refused: a grid naturally contains some. They are announced before the first job, then each
 is recorded as a failed run with its reason ("does not fit: ...") without running, and the sweep goes
 on; the multirun exits non-zero at the end, as for any failed job.

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_exp.config import RunConfig
-from fsdp_exp.config.preflight import validate
+from fsdp_exp.preflight import validate
 from fsdp_exp.data import build_data
 from fsdp_exp.models import build_meta, init_weights
 from fsdp_exp.optim import build_scheduler

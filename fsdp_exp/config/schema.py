@@ -2,7 +2,7 @@
 
 A leaf: it imports nothing of fsdp_exp, so every other module may import it. The YAML files under
 ``conf/`` are merged onto these schemas, so a misspelt key or a value of the wrong type is refused
-while Hydra composes. Checks that span groups live in ``fsdp_exp.config.preflight``, which calls
+while Hydra composes. Checks that span groups live in ``fsdp_exp.preflight``, which calls
 each owner's own checks (backends, models, data, checkpoints) before any rank starts.
 """
 
@@ -253,7 +253,7 @@ class TrainerConfig:
     memory_snapshot: bool = False
     digest_shards: bool = True  # hash every rank's parameter shards at the end (replicas must agree)
     # Before any rank starts, refuse a run the memory planner says cannot fit this node (a GPU's free
-    # memory, or a CPU host's RAM under its memory cgroup's limit): fsdp_exp/config/fit.py. false = run anyway.
+    # memory, or a CPU host's RAM under its memory cgroup's limit): fsdp_exp/fit_check.py. false = run anyway.
     check_fit: bool = True
     # How long a collective may wait for a peer before the rank gives up with an error (the process group's
     # timeout). A rank that dies usually ends its peers at once (its connections close); a node that

@@ -19,7 +19,7 @@ Everything the run needs is read from the model itself, never written per archit
   does not translate, is refused for ``parallel.tp > 1``.
 - **export**: the identity: the parameters already have transformers' names, config.json is the config's.
 - **the planner**: the inventory from the meta model; activations measured by running the model under
-  torch's FakeTensorMode (``fsdp_exp.models.hf_memory``).
+  torch's FakeTensorMode (``fsdp_exp.plan.activations.hf``).
 """
 
 from __future__ import annotations
@@ -450,7 +450,7 @@ class HfSpec(ModelSpec):
 
     # -------------------------------------------------------------------------- planner
     def activations(self, m, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool):
-        from fsdp_exp.models.hf_memory import HfActivations
+        from fsdp_exp.plan.activations.hf import HfActivations
 
         if sequence_parallel:
             fail("parallel.sequence_parallel has no plan for a Hugging Face model (transformers' plans shard "

@@ -1,6 +1,6 @@
 """The Llama family's spec (``model.name=llama``, the tiny MoE variant included): its config checks,
 FLOPs, tensor-parallel plan, Hugging Face mapping and the planner's activation profile
-(``fsdp_exp.models.llama_memory``). The modules themselves are in ``fsdp_exp.models.llama``.
+(``fsdp_exp.plan.activations.llama``). The modules themselves are in ``fsdp_exp.models.llama``.
 
 Hugging Face export: fsdp_exp rotates interleaved pairs (x[2i], x[2i+1]) like Meta's original
 Llama; HF's LlamaForCausalLM rotates halves (x[i], x[i + d/2]). The rows of wq and wk are permuted
@@ -18,7 +18,6 @@ from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.config.topology import largest_divisor_at_most
 from fsdp_exp.errors import fail
 from fsdp_exp.models.llama import Llama, TransformerBlock, ffn_hidden_dim
-from fsdp_exp.models.llama_memory import LlamaActivations
 from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan
 
 # fsdp_exp's names in a block -> Hugging Face's (model.layers.<i>.<name>), and at the root.
@@ -225,7 +224,9 @@ class LlamaSpec(ModelSpec):
 
     # -------------------------------------------------------------------------- planner
     def activations(self, cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int,
-                    sequence_parallel: bool) -> LlamaActivations:
+                    sequence_parallel: bool):
+        from fsdp_exp.plan.activations.llama import LlamaActivations
+
         head_dim = cfg.dim // cfg.n_heads
         return LlamaActivations(
             b=micro_batch, s=seq_len, d=cfg.dim, dq=cfg.n_heads * head_dim // tp,

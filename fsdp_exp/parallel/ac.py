@@ -11,7 +11,7 @@ save some ops' outputs and recompute the rest:
   elementwise ops, norms and the like are recomputed (no matmul FLOPs recomputed).
 
 What each keeps is ``OpSaver``'s to say; the planner's activation profiles follow the same rule
-(fsdp_exp/models/llama_memory.py by arithmetic, hf_memory.py by running ``OpSaver`` on the model).
+(fsdp_exp/plan/activations/llama.py by arithmetic, plan/activations/hf.py by running ``OpSaver`` on the model).
 """
 
 from __future__ import annotations

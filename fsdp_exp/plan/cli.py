@@ -4,7 +4,7 @@
     python -m fsdp_exp.plan sharding=grad_op ac=full plan.format=json
 
 It takes the same overrides as a run (``python -m fsdp_exp ...``), composes the same config, resolves
-the same ``Topology`` (``fsdp_exp.config.preflight.validate``) and builds the model on the meta device only
+the same ``Topology`` (``fsdp_exp.preflight.validate``) and builds the model on the meta device only
 (parameter shapes, no memory, no process group). Three options belong to the planner and never
 reach the run config: ``plan.format=table|json``, ``plan.device=<name>`` (a row of ``DEVICES``;
 default: this machine) and ``plan.margin=<fraction>`` (the allocator margin; default 0 on a CPU,
@@ -25,7 +25,7 @@ What it predicts, per rank (the largest rank: rank 0 holds the ``ceil`` chunk of
   only of the units whose backward has run), unsharded parameters in ``param_dtype`` (the root and
   the unit in flight; every unit under ``grad_op`` / ``no_shard``; DDP's autocast copies of the
   weights), all-gather prefetch and reduce-scatter buffers, activations saved for backward
-  (derived tensor by tensor by the model family: for Llama ``fsdp_exp.models.llama_memory``), the
+  (derived tensor by tensor by the model family: for Llama ``fsdp_exp.plan.activations.llama``), the
   recomputed block under activation checkpointing, the logits and the loss's gradients, the
   gradients flowing through a block's backward, module buffers, the input batch.
 
@@ -114,8 +114,8 @@ def price_options(cfg: "RunConfig", result: Plan, cuda_devices: int, device_kind
     """What each memory option would change of the per-rank need (peak + margin), by planning the variant:
     [{"change", "saves_bytes" (negative: costs; 0: the peak lies elsewhere), "total_bytes", "peak_phase"}],
     the largest saving first."""
-    from fsdp_exp.config.fit import _variant
-    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.fit_check import _variant
+    from fsdp_exp.preflight import validate
 
     priced = []
     for change in memory_options(cfg):
@@ -132,7 +132,7 @@ def price_options(cfg: "RunConfig", result: Plan, cuda_devices: int, device_kind
 
 
 def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
-    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.preflight import validate
 
     options, overrides = split_argv(argv)
     fmt = options.get("format", "table")

@@ -249,7 +249,7 @@ def step_samples(paths: list[Path]) -> dict[str, dict]:
     the whole run, DevicePerf with the row's network)], "perf": the device's DevicePerf, "runs": n}}``, for
     ``tune.calibrate_from=<a published table>``. Rows that cannot be expressed, or whose mapped architecture
     misses the published parameter count, are left out."""
-    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.preflight import validate
     from fsdp_exp.errors import ConfigError
     from fsdp_exp.models import spec_for
     from fsdp_exp.plan.devices import device_table, with_network

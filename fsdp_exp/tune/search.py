@@ -157,7 +157,7 @@ def device_perf(device: "Device", base: "RunConfig", nproc: int) -> tuple["Devic
 
 
 def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
-    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.preflight import validate
     from fsdp_exp.config.topology import resolve_nproc
     from fsdp_exp.models import fetch_model_files
     from fsdp_exp.parallel.backend import backend_for

@@ -119,7 +119,7 @@ def build_space(base: "RunConfig", overrides: list[str], requested: dict[str, li
                 group_options: dict[str, list[str]], world: int) -> Space:
     """The space for this run: ``requested`` (``tune.space.*``) where given, else the defaults of the table above,
     less the dimensions ``overrides`` fix."""
-    from fsdp_exp.config.preflight import STRATEGIES
+    from fsdp_exp.preflight import STRATEGIES
     from fsdp_exp.parallel.backend import backend_names, get_backend
 
     fixed = fixed_dimensions(overrides)

@@ -19,7 +19,7 @@ import pytest
 from fsdp_exp.checkpoint import (META_FILE, TMP_SUFFIX, CheckpointError, compare_init_digests, complete_checkpoints,
                                  read_meta, resolve_resume)
 from fsdp_exp.config import ConfigError
-from fsdp_exp.config.preflight import validate
+from fsdp_exp.preflight import validate
 from fsdp_exp.launch import RunFailed
 
 from conftest import TINY_BATCH, TINY_MODEL, BASE_ENV, MARKER, QUIET, REPO, leftover_processes, read_metrics, run_config, run_experiment

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fsdp_exp.config import ConfigError
-from fsdp_exp.config.preflight import validate
+from fsdp_exp.preflight import validate
 from fsdp_exp.data import build_data, prepare_data
 from fsdp_exp.data.loader import StepData
 from fsdp_exp.data.tokenizer import ByteTokenizer

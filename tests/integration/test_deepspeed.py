@@ -96,7 +96,7 @@ def run_cases(cases: dict[str, list[str]], root: Path, nprocs: int = 2) -> dict[
     import torch.multiprocessing as mp
 
     from fsdp_exp.config import plain
-    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.preflight import validate
     from fsdp_exp.launch import free_port
     from fsdp_exp.record import RunRecord
 
@@ -266,7 +266,7 @@ def _states_rank(local_rank: int, nprocs: int, port: int, out: str) -> None:
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
-    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.preflight import validate
     from fsdp_exp.data import build_data
     from fsdp_exp.models import build_meta
     from fsdp_exp.parallel.deepspeed import BACKEND
@@ -313,7 +313,7 @@ def test_model_states_fall_as_the_zero_papers_formulas(tmp_path, nprocs):
     of 18 bytes counts that copy and leaves out the 16-bit gradient partition ZeRO-3 also keeps."""
     import torch.multiprocessing as mp
 
-    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.preflight import validate
     from fsdp_exp.launch import free_port
     from fsdp_exp.plan.predict import plan
 
@@ -357,7 +357,7 @@ def test_planner_and_deepspeeds_estimators_for_a_7b_model():
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.preflight import validate
     from fsdp_exp.plan.predict import plan
 
     def planned(sharding):

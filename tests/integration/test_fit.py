@@ -34,7 +34,7 @@ SEVEN_B_2_LAYERS = ["model=llama7b", "model.n_layers=2", "trainer.nproc_per_node
 
 def planned_total(overrides: list[str]) -> tuple[float, int]:
     """(per-rank bytes the planner predicts, ranks on the node) for these overrides on this machine."""
-    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.preflight import validate
     from fsdp_exp.plan import plan
 
     cfg = run_config(overrides)
@@ -302,7 +302,7 @@ def test_a_model_too_deep_for_the_node_is_offered_shallower_in_its_familys_own_o
     """The fit check's "fewer blocks" suggestion is a command-line override each family understands:
     model.n_layers for Llama, num_hidden_layers in model.hf_overrides for transformers' models (GPT-2's
     n_layer through its alias), and applied to the config it gives the model that many blocks."""
-    from fsdp_exp.config.fit import _apply
+    from fsdp_exp.fit_check import _apply
     from fsdp_exp.models import spec_for
 
     for preset, blocks in (("llama7b", 32), ("hf_mistral_7b", 32), ("hf_gpt2_xl", 48)):

@@ -11,7 +11,7 @@ import math
 import pytest
 
 from fsdp_exp.config import ConfigError
-from fsdp_exp.config.preflight import validate
+from fsdp_exp.preflight import validate
 from fsdp_exp.metrics.comm import comm_from_trace
 from fsdp_exp.metrics.flops import counted_flops_per_token, mfu, recompute_flops_per_token
 from fsdp_exp.metrics.tracker import BREAKDOWN, PHASES

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from fsdp_exp.config.preflight import validate
+from fsdp_exp.preflight import validate
 
 from conftest import TINY_BATCH, TINY_MODEL, REPO, read_metrics, run_config, run_experiment
 

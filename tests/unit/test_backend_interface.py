@@ -11,7 +11,7 @@ import functools
 import pytest
 
 from fsdp_exp.config import ConfigError
-from fsdp_exp.config.preflight import STRATEGIES, validate
+from fsdp_exp.preflight import STRATEGIES, validate
 from fsdp_exp.parallel.backend import Backend, PlannerRules, backend_for, backend_names, get_backend
 from fsdp_exp.parallel.vocabulary import ROWS
 

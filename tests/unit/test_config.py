@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_exp.config import ConfigError
-from fsdp_exp.config.preflight import validate
+from fsdp_exp.preflight import validate
 
 from conftest import REPO, run_config
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_exp.config import ConfigError
-from fsdp_exp.config.preflight import validate
+from fsdp_exp.preflight import validate
 from fsdp_exp.parallel.deepspeed import ds_config, installed
 
 from conftest import run_config

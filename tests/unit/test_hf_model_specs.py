@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 from fsdp_exp.config import ConfigError  # noqa: E402
-from fsdp_exp.config.preflight import validate  # noqa: E402
+from fsdp_exp.preflight import validate  # noqa: E402
 from fsdp_exp.metrics.flops import counted_flops_per_token  # noqa: E402
 from fsdp_exp.models import build_meta, count_params, flops_per_token, init_weights, spec_for  # noqa: E402
 
@@ -200,7 +200,7 @@ def test_experts_sized_by_the_routed_tokens_are_refused_by_the_planner_naming_th
 REPEATED_MEASUREMENT = """
 from transformers import GPT2Config
 from fsdp_exp.models.hf import HF
-from fsdp_exp.models.hf_memory import measure
+from fsdp_exp.plan.activations.hf import measure
 config = GPT2Config(n_embd=256, n_head=4, n_layer=2, n_positions=128, vocab_size=256, bos_token_id=0, eos_token_id=0)
 for _ in range(3):
     print(measure(config, "GPT2Block", 4, 128, e=4, autocast=False, tp=1, attn_implementation="sdpa",
@@ -361,7 +361,7 @@ def test_the_planners_measurement_is_kept_on_disk_under_everything_it_depends_on
     is another key."""
     from dataclasses import asdict
 
-    from fsdp_exp.models import hf_memory
+    from fsdp_exp.plan.activations import hf as hf_memory
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(hf_memory, "_CACHE", {})

@@ -77,7 +77,7 @@ def test_with_hf_datasets_offline_a_copy_in_datasets_cache_is_read_at_once(tmp_p
 def test_a_tokenizer_or_a_model_config_out_of_reach_is_refused_within_seconds(overrides, key):
     """The launcher's other hub names: the model's config.json (fetched before preflight) and the tokenizer
     (loaded by preflight's data check)."""
-    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.preflight import validate
     from fsdp_exp.models import fetch_model_files
 
     cfg = run_config(overrides)

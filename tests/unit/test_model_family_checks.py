@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fsdp_exp.config import ConfigError
-from fsdp_exp.config.preflight import validate
+from fsdp_exp.preflight import validate
 
 from conftest import run_config
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp_exp.config import ConfigError
-from fsdp_exp.config.preflight import validate
+from fsdp_exp.preflight import validate
 from fsdp_exp.models import REGISTRY, build_meta, count_params, get_spec, spec_for
 from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec
 

@@ -1,6 +1,6 @@
 """Op-level selective activation checkpointing (fsdp_exp/parallel/ac.py) keeps what the planner says: one
 checkpointed block's forward on the CPU, measured by torch's MemTracker, against the model family's
-activation profile (fsdp_exp/models/llama_memory.py), for both ``ac.ops`` policies. No process group."""
+activation profile (fsdp_exp/plan/activations/llama.py), for both ``ac.ops`` policies. No process group."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.config.fit import ErrorBand, error_band
+from fsdp_exp.fit_check import ErrorBand, error_band
 from fsdp_exp.metrics.flops import convention_flops_per_token
 from fsdp_exp.plan.devices import DEVICES, GIB, with_power
 from fsdp_exp.tune import published
@@ -102,7 +102,7 @@ def test_the_fit_check_refuses_only_beyond_the_planners_error_band():
 def test_collectives_between_nodes_run_over_all_the_nodes_cards():
     """MPT-13B's published H100 throughput is flat from 8 to 64 GPUs: inter-node traffic spreads over a node's
     eight cards, so full sharding over 8 nodes costs little more than within one."""
-    from fsdp_exp.config.preflight import validate
+    from fsdp_exp.preflight import validate
     from fsdp_exp.tune.perf import predict
 
     perf = DEVICES["h100_80gb"].perf

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsdp_exp.config.preflight import validate
+from fsdp_exp.preflight import validate
 from fsdp_exp.parallel.backend import BACKEND_MODULES, get_backend
 from fsdp_exp.plan.devices import DEVICES
 from fsdp_exp.tune import calibrate, measure

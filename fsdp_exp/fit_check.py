@@ -34,7 +34,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from fsdp_exp.config.preflight import validate
+from fsdp_exp.preflight import validate
 from fsdp_exp.config.schema import RunConfig
 from fsdp_exp.config.topology import Topology
 from fsdp_exp.env import GIB, HostMemory, cuda_device_count, cuda_free_memory, host_memory

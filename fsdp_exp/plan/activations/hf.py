@@ -430,8 +430,8 @@ def _disk_key(key: tuple) -> str:
     import torch
     import transformers
 
-    here = Path(__file__).resolve().parent
-    sources = [here / "hf_memory.py", here / "hf.py", here.parent / "parallel" / "ac.py"]
+    package = Path(__file__).resolve().parents[2]  # fsdp_exp/
+    sources = [Path(__file__).resolve(), package / "models" / "hf.py", package / "parallel" / "ac.py"]
     code = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
     text = json.dumps([list(map(str, key)), torch.__version__, transformers.__version__, code])
     return hashlib.sha256(text.encode()).hexdigest()
