@@ -18,6 +18,11 @@ from fsdp_exp.optim import build_scheduler
 
 
 def reference_losses(cfg: RunConfig, steps: int) -> list[float]:
+    return reference_run(cfg, steps)[0]
+
+
+def reference_run(cfg: RunConfig, steps: int) -> tuple[list[float], torch.nn.Module]:
+    """The losses of ``steps`` steps and the trained model (to compare parameters with)."""
     # The same model, optimizer, data and steps; everything about parallelism and precision at its
     # default: one unsharded fp32 process, the whole global batch at once.
     cfg = RunConfig(model=cfg.model, optim=cfg.optim, data=cfg.data, trainer=cfg.trainer)
@@ -45,7 +50,7 @@ def reference_losses(cfg: RunConfig, steps: int) -> list[float]:
         optimizer.step()
         scheduler.step()
         losses.append(loss.item())
-    return losses
+    return losses, model
 
 
 def hf_export_logits_gap(export_dir, checkpoint_dir) -> tuple[float, dict]:

@@ -1,0 +1,346 @@
+"""Pipeline parallel: the model cut into stages by blocks, FSDP2 inside each stage, a schedule of
+torch.distributed.pipelining driving the micro-batches (the first stage of issue #26; the trainer does
+not call it yet, see docs/pipeline.md).
+
+The mesh is 2-D, (pp, dp), pp outermost as torchtitan orders its dims: rank = pp_index * dp + dp_index,
+so the ranks of one stage are neighbours (one node) and the stage-to-stage sends cross the nodes.
+
+A stage is the family's own model built on the meta device with what the stage does not run taken out:
+its blocks not in the stage are deleted, the input modules (the spec's ``input_modules``: embeddings)
+become ``nn.Identity`` on every stage but the first, and the root modules after the blocks (final norm,
+output projection) become ``nn.Identity`` on every stage but the last. The stage therefore runs the
+family's own forward, and its parameters keep their names in the full model, so the seeded
+initialization (``models.init_weights``: a function of the seed and the name) gives every stage exactly
+the values the unsplit model has.
+
+    import torch.distributed as dist; dist.init_process_group("gloo")        # 2 ranks
+    mesh = pipeline_mesh("cpu", pp=2, dp=1)
+    engine = build_pipeline(cfg, PipelineSettings(pp=2, schedule="1f1b", microbatches=4), mesh, device)
+    loss = engine.step(inputs, targets)        # this dp rank's batch, on every rank of the stage group
+    grad_norm = engine.optimizer_step(cfg.trainer.grad_clip)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from fsdp_exp.errors import fail
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdp_exp.config import ModelConfig, RunConfig
+
+# parallel.pp_schedule -> (torch.distributed.pipelining class, stage placement). "loop": stage s on pp rank
+# s % pp; "v": rank r holds stages r and 2 pp - 1 - r (the V-shaped schedules need 2 stages per rank).
+SCHEDULES = {
+    "gpipe": ("ScheduleGPipe", "loop"),
+    "1f1b": ("Schedule1F1B", "loop"),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", "loop"),
+    "looped_bfs": ("ScheduleLoopedBFS", "loop"),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", "loop"),
+    "zbv_zero_bubble": ("ScheduleZBVZeroBubble", "v"),
+    "dualpipev": ("ScheduleDualPipeV", "v"),
+}
+SINGLE_STAGE = ("gpipe", "1f1b")  # PipelineScheduleSingle: one stage per rank
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """The proposed ``parallel.pp*`` keys, as plain values (config/schema.py does not have them yet)."""
+
+    pp: int  # parallel.pp: pipeline ranks (the mesh's pp dim)
+    schedule: str = "1f1b"  # parallel.pp_schedule: a key of SCHEDULES
+    microbatches: int = 0  # parallel.pp_microbatches: 0 = pp (the fewest 1F1B accepts)
+    stages_per_rank: int = 1  # parallel.pp_stages_per_rank (interleaved, looped, V schedules)
+    split: Optional[tuple[int, ...]] = None  # parallel.pp_split: first block of every stage but the first
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches or self.pp
+
+
+# ------------------------------------------------------------------------------------------ checks
+def check(settings: PipelineSettings, model_cfg: "ModelConfig", local_batch: int) -> None:
+    """Refuse (``fail``, naming the override) what the pipeline cannot run, before any rank starts."""
+    from fsdp_exp.models import spec_for
+
+    s = settings
+    if s.schedule not in SCHEDULES:
+        fail(f"parallel.pp_schedule={s.schedule!r} is not a schedule fsdp_exp knows.",
+             f"pass parallel.pp_schedule={'|'.join(SCHEDULES)}")
+    if s.schedule in SINGLE_STAGE and s.stages_per_rank != 1:
+        fail(f"parallel.pp_schedule={s.schedule} runs one stage per rank, not {s.stages_per_rank}.",
+             "pass parallel.pp_stages_per_rank=1, or parallel.pp_schedule=interleaved_1f1b|looped_bfs")
+    if SCHEDULES[s.schedule][1] == "v" and s.stages_per_rank != 2:
+        fail(f"parallel.pp_schedule={s.schedule} places two stages on every rank (a V).",
+             "pass parallel.pp_stages_per_rank=2")
+    n_blocks = len(spec_for(model_cfg).inventory(model_cfg).blocks)
+    if s.num_stages > n_blocks:
+        fail(f"{s.num_stages} pipeline stages (parallel.pp={s.pp} x parallel.pp_stages_per_rank={s.stages_per_rank}) "
+             f"need at least as many blocks; the model has {n_blocks}.",
+             f"pass a smaller parallel.pp or parallel.pp_stages_per_rank, or model.n_layers>={s.num_stages}")
+    if s.split is not None:
+        _check_split(s.split, s.num_stages, n_blocks)
+    if local_batch % s.n_microbatches:
+        fail(f"parallel.pp_microbatches={s.n_microbatches} does not divide the {local_batch} sequences each "
+             "data-parallel rank trains on per step (unequal micro-batches would weigh tokens unequally).",
+             "pass a parallel.pp_microbatches that divides trainer.global_batch_size / dp")
+    if s.schedule == "1f1b" and s.n_microbatches < s.num_stages:
+        fail(f"1F1B needs at least as many micro-batches as stages ({s.num_stages}), not {s.n_microbatches}.",
+             f"pass parallel.pp_microbatches>={s.num_stages}")
+    if getattr(model_cfg, "tie_embeddings", False):
+        fail("model.tie_embeddings=true ties the first stage's embeddings to the last stage's output "
+             "projection; stages on different ranks cannot share a tensor.", "pass model.tie_embeddings=false")
+
+
+def _check_split(split: tuple[int, ...], num_stages: int, n_blocks: int) -> None:
+    cuts = list(split)
+    if len(cuts) != num_stages - 1 or cuts != sorted(set(cuts)) or not all(0 < c < n_blocks for c in cuts):
+        fail(f"parallel.pp_split={cuts} must be {num_stages - 1} increasing block indices between 1 and "
+             f"{n_blocks - 1} (the first block of every stage after the first).",
+             "pass parallel.pp_split=null (balanced by parameters) or fix the list")
+
+
+# ------------------------------------------------------------------------------------------ the cut
+def balanced_split(weights: list[int], num_stages: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
+    """The first block of every stage but the first, cutting ``weights`` (parameters per block) into
+    ``num_stages`` contiguous runs of at least one block so that the heaviest stage is as light as it can
+    be; ``first_extra`` / ``last_extra`` are the parameters the first / last stage hold beside blocks.
+    Exact (dynamic programming over the cut points; ties go to the earliest cut)."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+
+    def cost(start: int, end: int, stage: int) -> int:
+        extra = (first_extra if stage == 0 else 0) + (last_extra if stage == num_stages - 1 else 0)
+        return prefix[end] - prefix[start] + extra
+
+    inf = float("inf")
+    # best[k][j]: the lightest heaviest stage placing blocks [0, j) on stages 0..k-1; cut[k][j]: where k-1 began
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for j in range(k, n - (num_stages - k) + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], cost(i, j, k - 1))
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    cuts, j = [], n
+    for k in range(num_stages, 1, -1):
+        j = cut[k][j]
+        cuts.append(j)
+    return sorted(cuts)
+
+
+def stage_blocks(settings: PipelineSettings, model_cfg: "ModelConfig") -> list[list[int]]:
+    """The block indices of every stage, in stage order (``parallel.pp_split``, or balanced by parameters)."""
+    from fsdp_exp.models import spec_for
+
+    inventory = spec_for(model_cfg).inventory(model_cfg)
+    n_blocks = len(inventory.blocks)
+    if settings.split is not None:
+        cuts = list(settings.split)
+    else:
+        per_block = [0] * n_blocks
+        first = last = 0
+        for p in inventory.params:
+            if p.block is not None:
+                per_block[p.block] += p.numel
+            elif p.name in inventory.input_params:
+                first += p.numel
+            else:  # the root's parameters after the blocks: final norm, output projection
+                last += p.numel
+        cuts = balanced_split(per_block, settings.num_stages, first, last)
+    bounds = [0, *cuts, n_blocks]
+    return [list(range(bounds[s], bounds[s + 1])) for s in range(settings.num_stages)]
+
+
+def stages_of_rank(settings: PipelineSettings, pp_rank: int) -> list[int]:
+    """The stage indices pp rank ``pp_rank`` holds, in the order the schedule expects them."""
+    pp, per_rank = settings.pp, settings.stages_per_rank
+    if SCHEDULES[settings.schedule][1] == "v":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(per_rank)]
+
+
+# ------------------------------------------------------------------------------------------ building
+def pipeline_mesh(device_type: str, pp: int, dp: int) -> "DeviceMesh":
+    """The (pp, dp) mesh: pp outermost, as torchtitan orders its dims (pp, dp_replicate, dp_shard, cp, tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+
+
+def build_stage_module(model_cfg: "ModelConfig", blocks: list[int], first: bool, last: bool) -> "nn.Module":
+    """The family's model on the meta device with only what this stage runs (see the module docstring)."""
+    from torch import nn
+
+    from fsdp_exp.models import build_meta, spec_for
+
+    spec = spec_for(model_cfg)
+    inventory = spec.inventory(model_cfg)
+    model = build_meta(model_cfg)
+    keep = {inventory.blocks[i] for i in blocks}
+    for name in inventory.blocks:
+        if name not in keep:
+            parent, _, child = name.rpartition(".")
+            delattr(model.get_submodule(parent), child)
+    containers = {name.rpartition(".")[0].partition(".")[0] for name in inventory.blocks}
+    after_blocks = [name for name, _ in model.named_children()
+                    if name not in spec.input_modules and name not in containers]
+    for name in () if first else spec.input_modules:
+        setattr(model, name, nn.Identity())
+    for name in () if last else after_blocks:
+        setattr(model, name, nn.Identity())
+    return model
+
+
+def shard_stage(stage: "nn.Module", cfg: "RunConfig", dp_mesh: "DeviceMesh", device: "torch.device") -> dict:
+    """FSDP2 inside one stage: ``fully_shard`` on each unit of the wrap policy, then the stage's root, over
+    the dp dim; then materialize this rank's shards and fill them from the seed. Parameters stay
+    unsharded between the micro-batches of a step (``reshard_after_forward=False``, torchtitan's default
+    under PP: resharding would all-gather every unit again for every micro-batch)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_exp.models import init_weights
+    from fsdp_exp.parallel.common import describe
+    from fsdp_exp.parallel.fsdp2 import mp_policy, offload_policy
+    from fsdp_exp.parallel.wrap import unit_names
+
+    common = dict(mesh=dp_mesh, offload_policy=offload_policy(cfg, dp_mesh.device_type), reshard_after_forward=False)
+    units = []
+    for name in unit_names(stage, cfg):
+        kwargs = {**common, "mp_policy": mp_policy(cfg, root=False)}
+        fully_shard(stage.get_submodule(name), **kwargs)
+        units.append({"module": name, "fully_shard": describe(kwargs)})
+    root_kwargs = {**common, "mp_policy": mp_policy(cfg, root=True)}
+    fully_shard(stage, **root_kwargs)
+    units.append({"module": "<root>", "fully_shard": describe(root_kwargs)})
+    stage.to_empty(device="cpu" if cfg.offload.params else device)
+    init_weights(stage, cfg.trainer.seed, device)
+    return {"units": units}
+
+
+def stage_loss(logits: "torch.Tensor", targets: "torch.Tensor") -> "torch.Tensor":
+    """The schedule's loss_fn on the last stage: the project's mean cross-entropy per token. The stage has
+    already made the logits, so the "model" handed to ``mean_cross_entropy`` is the identity."""
+    from torch import nn
+
+    from fsdp_exp.models.loss import mean_cross_entropy
+
+    return mean_cross_entropy(nn.Identity(), logits, targets, chunks=1)
+
+
+@dataclass
+class PipelineEngine:
+    """This rank's stages, their schedule and optimizers: the training step of a pipeline-parallel run.
+
+    ``step`` runs forward and backward over the micro-batches of this dp rank's batch and returns the
+    step's mean loss on every rank; ``optimizer_step`` clips by the norm over all stages, steps and zeroes.
+    Gradients come out as the whole batch's mean: the schedule divides them by the micro-batch count
+    (``scale_grads=True``) and FSDP2 averages them over dp.
+    """
+
+    settings: PipelineSettings
+    stage_indices: list[int]
+    stages: list["nn.Module"]
+    schedule: object
+    mesh: "DeviceMesh"
+    optimizers: list = field(default_factory=list)
+    schedulers: list = field(default_factory=list)
+    applied: dict = field(default_factory=dict)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def has_last(self) -> bool:
+        return self.settings.num_stages - 1 in self.stage_indices
+
+    def step(self, inputs: "torch.Tensor", targets: "torch.Tensor") -> float:
+        """Forward and backward over ``settings.n_microbatches`` micro-batches of (inputs, targets): this dp
+        rank's sequences (every rank passes them; the schedule reads inputs on the first stage, targets on
+        the last). Returns the step's mean loss over the global batch, on every rank."""
+        import torch
+        import torch.distributed as dist
+
+        losses: list = []
+        self.schedule.step(*((inputs,) if self.has_first else ()), target=targets if self.has_last else None,
+                           losses=losses if self.has_last else None, return_outputs=False)
+        dp = self.mesh["dp"].size()
+        # One all-reduce over every rank: the dp ranks holding the last stage each add their mean over dp.
+        local = torch.stack([x.detach().float() for x in losses]).mean() / dp if self.has_last else torch.zeros(())
+        local = local.to(inputs.device)
+        dist.all_reduce(local)
+        return local.item()
+
+    def clip_grad_norm(self, max_norm: float) -> "torch.Tensor":
+        """The L2 norm of every gradient of every stage (over dp by DTensor, over pp by an all-reduce of the
+        squares), and the clipping by it, the rule of torch.nn.utils.clip_grad_norm_ (0: no clipping)."""
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for stage in self.stages for p in stage.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        square = norm.square()
+        dist.all_reduce(square, group=self.mesh["pp"].get_group())
+        total = square.sqrt()
+        coef = max_norm / (total.item() + 1e-6)
+        if max_norm > 0 and coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    def optimizer_step(self, max_norm: float) -> float:
+        norm = self.clip_grad_norm(max_norm)
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        return norm.item()
+
+
+def build_pipeline(cfg: "RunConfig", settings: PipelineSettings, mesh: "DeviceMesh",
+                   device: "torch.device") -> PipelineEngine:
+    """This rank's stages (built on meta, FSDP2 over dp, materialized), their PipelineStages on the pp
+    group, the schedule, and one AdamW + LR schedule per stage (the project's, decay on matrices)."""
+    import torch.distributed.pipelining as pipelining
+
+    from fsdp_exp.models import matrix_parameter_names
+    from fsdp_exp.optim import build_optimizer, build_scheduler
+
+    local_batch = cfg.trainer.global_batch_size // mesh["dp"].size()
+    check(settings, cfg.model, local_batch)
+    blocks = stage_blocks(settings, cfg.model)
+    indices = stages_of_rank(settings, mesh["pp"].get_local_rank())
+    last = settings.num_stages - 1
+    stages, pipeline_stages, applied = [], [], {"stage_blocks": blocks, "stages": {}}
+    for index in indices:
+        stage = build_stage_module(cfg.model, blocks[index], first=index == 0, last=index == last)
+        applied["stages"][index] = shard_stage(stage, cfg, mesh["dp"], device)
+        stages.append(stage)
+        pipeline_stages.append(pipelining.PipelineStage(stage, index, settings.num_stages, device,
+                                                        group=mesh["pp"].get_group()))
+    schedule_class = getattr(pipelining, SCHEDULES[settings.schedule][0])
+    if settings.schedule in SINGLE_STAGE:
+        schedule = schedule_class(pipeline_stages[0], settings.n_microbatches, loss_fn=stage_loss)
+    else:
+        schedule = schedule_class(pipeline_stages, settings.n_microbatches, loss_fn=stage_loss)
+    applied.update(schedule=type(schedule).__name__, n_microbatches=settings.n_microbatches,
+                   mesh={"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names)})
+    optimizers = [build_optimizer(stage, cfg.optim, matrix_parameter_names(stage)) for stage in stages]
+    schedulers = [build_scheduler(o, cfg.optim, cfg.trainer.steps) for o in optimizers]
+    return PipelineEngine(settings=settings, stage_indices=indices, stages=stages, schedule=schedule, mesh=mesh,
+                          optimizers=optimizers, schedulers=schedulers, applied=applied)
