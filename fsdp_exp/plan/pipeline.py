@@ -1,0 +1,138 @@
+"""The planner's view of a pipeline-parallel run (fsdp_exp/parallel/pipeline.py): per pp rank, the model
+states of its stages (their blocks' parameters, plus the embeddings on the first stage and the final norm
+and output projection on the last, sharded over dp), the activations the schedule keeps alive, the peak
+over ranks and which rank holds it, and the schedule's bubble.
+
+Activations held at a rank's peak, in micro-batches of one stage each ("in flight": forwarded, not yet
+backwarded):
+
+    GPipe             all m micro-batches on every stage (every forward runs before the first backward)
+    1F1B              min(m, pp - i) on stage i (its warm-up forwards, then one forward per backward)
+    interleaved 1F1B  min(w_i + 1, m v) local stage micro-batches on rank i, w_i = (v - 1) m_r + 2 (pp - 1 - i)
+                      the warm-up of torch's ScheduleInterleaved1F1B (torch/distributed/pipelining/schedules.py,
+                      ``_get_warmup_ops``: m_r = m / max(1, m // pp) micro-batches a round, as Megatron-LM's
+                      interleaved schedule, Narayanan et al. 2021), plus the first steady-state forward
+    looped BFS        m v: every local stage forwards every micro-batch before any backward
+
+Bubble (the fraction of the step a stage waits): (pp - 1) / (m + pp - 1) for GPipe and 1F1B; interleaving
+(and looped BFS) makes each of the pp - 1 fill/drain slots one v-th as long: (pp - 1) / (v m + pp - 1).
+
+Under pipeline parallel FSDP2 keeps each stage unsharded for the whole step (reshard_after_forward=False)
+and torch's stages defer the gradient reduce-scatter to the last micro-batch, so with dp > 1 a rank also
+holds its stages' unsharded parameters and gradients (param dtype) through the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from fsdp_exp.errors import fail
+from fsdp_exp.parallel.pipeline import SINGLE_STAGE, PipelineSettings, stage_blocks, stages_of_rank
+from fsdp_exp.plan.states import DTYPE_BYTES
+
+if TYPE_CHECKING:
+    from fsdp_exp.config import RunConfig
+
+PLANNED = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
+
+
+def in_flight(schedule: str, pp: int, rank: int, microbatches: int, stages_per_rank: int = 1) -> int:
+    """Micro-batches (of one local stage each) whose activations pp rank ``rank`` holds at its peak."""
+    m, v = microbatches, stages_per_rank
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, pp - rank)
+    if schedule == "interleaved_1f1b":
+        per_round = m // max(1, m // pp)
+        warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+        return min(warmup + 1, m * v)
+    if schedule == "looped_bfs":
+        return m * v
+    fail(f"the planner has no activation model of parallel.pp_schedule={schedule} yet.",
+         f"plan with parallel.pp_schedule={'|'.join(PLANNED)}")
+
+
+def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The fraction of a step each stage idles waiting on its neighbours (equal stages, no comm time)."""
+    v = 1 if schedule in SINGLE_STAGE else stages_per_rank
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One pp rank's memory, per data-parallel rank, in bytes."""
+
+    rank: int
+    stages: tuple[int, ...]
+    blocks: tuple[int, ...]
+    params: int  # elements of its stages, unsharded
+    model_states: int  # parameters, gradients, AdamW moments (fp32), this dp rank's shards
+    unsharded: int  # the stages' unsharded parameters and gradients held through the step (dp > 1)
+    per_microbatch: int  # activations one micro-batch leaves on its heaviest local stage
+    in_flight: int
+    activations: int
+
+    @property
+    def peak(self) -> int:
+        return self.model_states + self.unsharded + self.activations
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    ranks: tuple[RankPlan, ...]
+    bubble: float
+
+    @property
+    def peak_rank(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.peak)  # the first of equal peaks
+
+    @property
+    def peak(self) -> int:
+        return self.peak_rank.peak
+
+
+def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_kind: str = "cpu") -> PipelinePlan:
+    """The plan of ``cfg`` cut as ``settings`` say, FSDP2 over ``dp`` ranks in each stage."""
+    from fsdp_exp.models import spec_for
+    from fsdp_exp.parallel.backend import backend_for
+    from fsdp_exp.plan.activations import profile_for
+    from fsdp_exp.plan.states import model_states, param_infos, unit_names
+
+    s = settings
+    spec = spec_for(cfg.model)
+    inventory = spec.inventory(cfg.model)
+    blocks = stage_blocks(s, cfg.model)
+    last = s.num_stages - 1
+    stage_of_block = {b: stage for stage, bs in enumerate(blocks) for b in bs}
+
+    def stage_of(info) -> int:
+        if info.block is not None:
+            return stage_of_block[info.block]
+        return 0 if info.name in inventory.input_params else last
+
+    infos = param_infos(inventory, unit_names(spec, cfg), backend_for(cfg).planner_rules(cfg), shard=dp, tp=1)
+    e = DTYPE_BYTES[cfg.precision.param_dtype]
+    micro_batch = cfg.trainer.global_batch_size // dp // s.n_microbatches
+    profile = profile_for(cfg.model, micro_batch, cfg.trainer.seq_len, tp=1, sequence_parallel=False)
+    block_bytes = profile.block_saved(e, False, profile.math_attention(device_kind, e))["total"]
+    # The last stage: the final norm's saved tensors and the loss's fp32 log-softmax of the logits.
+    head_bytes = profile.head_saved(e, False) + 4 * profile.logits
+
+    def per_microbatch(stage: int) -> int:
+        return block_bytes * len(blocks[stage]) + (head_bytes if stage == last else 0)
+
+    ranks = []
+    for rank in range(s.pp):
+        stages = stages_of_rank(s, rank)
+        mine = [i for i in infos if stage_of(i) in stages]
+        states = model_states(mine, offload=False, kind=device_kind).resident["total"]
+        unsharded = 2 * e * int(sum(i.gathered_numel for i in mine)) if dp > 1 else 0
+        held = in_flight(s.schedule, s.pp, rank, s.n_microbatches, s.stages_per_rank)
+        heaviest = max(per_microbatch(stage) for stage in stages)
+        ranks.append(RankPlan(rank=rank, stages=tuple(stages), blocks=tuple(b for st in stages for b in blocks[st]),
+                              params=sum(i.numel for i in mine), model_states=states, unsharded=unsharded,
+                              per_microbatch=heaviest, in_flight=held, activations=held * heaviest))
+    return PipelinePlan(ranks=tuple(ranks), bubble=bubble_fraction(s.schedule, s.pp, s.n_microbatches,
+                                                                   s.stages_per_rank))

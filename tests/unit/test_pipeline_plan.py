@@ -1,0 +1,114 @@
+"""The pipeline planner (fsdp_exp/plan/pipeline.py) and the stage cut (fsdp_exp/parallel/pipeline.py),
+against figures worked out by hand.
+
+The model: TINY_MODEL with 4 blocks (width 64, 4 query heads of 16, 2 key/value heads, SwiGLU width 192,
+vocabulary 256). Parameters by hand:
+    a block: wq 64*64 + wk 64*32 + wv 64*32 + wo 64*64 = 12288, SwiGLU 3*64*192 = 36864, two norms 128: 49280
+    embeddings 256*64 = 16384; final norm 64 + output projection 256*64 = 16448
+pp=2, balanced: stage 0 = blocks 0-1 + embeddings = 114944, stage 1 = blocks 2-3 + norm + output = 115008.
+Activations of one micro-batch of 2 sequences of 32 tokens (64 tokens), fp32, per block (see
+plan/activations/llama.py for which tensors): residual 2*4*64*64 = 32768, norms 2*(4*64 + 4*4096 + 4*4096)
+= 66048, attention 4*64*64*2 + 2*4*64*32 + 4*2*4*32 = 50176, SwiGLU 4*4*64*192 = 196608: 345600.
+The last stage adds the final norm (4*4096 + 4*64 + 2*4*4096 = 49408) and the loss's fp32 log-softmax
+(4*64*256 = 65536): 114944.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import TINY_BATCH, TINY_MODEL, run_config
+from fsdp_exp.errors import ConfigError
+from fsdp_exp.parallel.pipeline import PipelineSettings, balanced_split, check, stage_blocks, stages_of_rank
+from fsdp_exp.plan.pipeline import bubble_fraction, in_flight, pipeline_plan
+
+BLOCK, HEAD = 345600, 114944
+STATES_0, STATES_1 = 16 * 114944, 16 * 115008  # fp32 parameters, gradients and two AdamW moments
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return run_config([*TINY_MODEL, "model.n_layers=4", *TINY_BATCH])
+
+
+def test_one_f_one_b_holds_pp_minus_i_micro_batches_on_stage_i_and_gpipe_all_of_them():
+    assert [in_flight("1f1b", 4, i, 8) for i in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1f1b", 4, i, 2) for i in range(4)] == [2, 2, 2, 1]  # never more than there are
+    assert [in_flight("gpipe", 4, i, 8) for i in range(4)] == [8, 8, 8, 8]
+    assert in_flight("looped_bfs", 2, 0, 4, 2) == 8
+
+
+def test_interleaved_one_f_one_b_holds_torch_warm_up_plus_one():
+    # pp=2, m=4, v=2: 2 rounds of 2; rank 0 warms up (2-1)*2 + 2*(2-1-0) = 4 forwards, rank 1 2
+    assert [in_flight("interleaved_1f1b", 2, i, 4, 2) for i in range(2)] == [5, 3]
+    # pp=4, m=4, v=2: one round of 4; rank 0: 4 + 6 = 10, capped at m*v = 8
+    assert in_flight("interleaved_1f1b", 4, 0, 4, 2) == 8
+
+
+def test_bubble_is_pp_minus_one_over_m_plus_pp_minus_one_and_interleaving_divides_it():
+    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction("gpipe", 2, 4) == pytest.approx(1 / 5)
+    assert bubble_fraction("interleaved_1f1b", 4, 8, 2) == pytest.approx(3 / 19)
+
+
+def test_the_balanced_cut_gives_the_embeddings_stage_fewer_blocks():
+    assert balanced_split([1, 1, 1, 1], 2) == [2]
+    assert balanced_split([1, 1, 1, 1], 2, first_extra=3) == [1]  # stage 0: 1 + 3, stage 1: 3
+    assert balanced_split([5, 1, 1, 1, 1, 5], 3) == [1, 5]
+
+
+def test_stages_split_balanced_by_parameters_or_at_the_given_blocks(cfg):
+    assert stage_blocks(PipelineSettings(pp=2), cfg.model) == [[0, 1], [2, 3]]
+    assert stage_blocks(PipelineSettings(pp=2, split=(1,)), cfg.model) == [[0], [1, 2, 3]]
+    assert stage_blocks(PipelineSettings(pp=2, schedule="interleaved_1f1b", stages_per_rank=2),
+                        cfg.model) == [[0], [1], [2], [3]]
+    assert stages_of_rank(PipelineSettings(pp=2, schedule="interleaved_1f1b", stages_per_rank=2), 1) == [1, 3]
+    assert stages_of_rank(PipelineSettings(pp=2, schedule="zbv_zero_bubble", stages_per_rank=2), 0) == [0, 3]
+
+
+def test_one_f_one_b_peaks_on_the_first_stage_with_two_micro_batches_in_flight(cfg):
+    plan = pipeline_plan(cfg, PipelineSettings(pp=2, schedule="1f1b", microbatches=4), dp=1)
+    first, last = plan.ranks
+    assert (first.params, last.params) == (114944, 115008)
+    assert (first.model_states, last.model_states) == (STATES_0, STATES_1)
+    assert (first.per_microbatch, last.per_microbatch) == (2 * BLOCK, 2 * BLOCK + HEAD)
+    assert (first.activations, last.activations) == (2 * 2 * BLOCK, 2 * BLOCK + HEAD)
+    assert plan.peak_rank.rank == 0 and plan.peak == STATES_0 + 4 * BLOCK == 3221504
+    assert plan.bubble == pytest.approx(1 / 5)
+
+
+def test_gpipe_peaks_on_the_last_stage_holding_every_micro_batch_and_the_logits(cfg):
+    plan = pipeline_plan(cfg, PipelineSettings(pp=2, schedule="gpipe", microbatches=4), dp=1)
+    assert plan.peak_rank.rank == 1
+    assert plan.peak == STATES_1 + 4 * (2 * BLOCK + HEAD) == 5064704
+
+
+def test_interleaving_holds_more_but_smaller_micro_batches(cfg):
+    plan = pipeline_plan(cfg, PipelineSettings(pp=2, schedule="interleaved_1f1b", microbatches=4,
+                                               stages_per_rank=2), dp=1)
+    first, last = plan.ranks
+    assert (first.stages, last.stages) == ((0, 2), (1, 3))
+    assert (first.activations, last.activations) == (5 * BLOCK, 3 * (BLOCK + HEAD))
+    assert plan.peak_rank.rank == 0 and plan.bubble == pytest.approx(1 / 9)
+
+
+def test_fsdp2_over_dp_halves_the_states_and_keeps_the_stage_unsharded_through_the_step(cfg):
+    plan = pipeline_plan(cfg, PipelineSettings(pp=2, schedule="1f1b", microbatches=2), dp=2)
+    first = plan.ranks[0]
+    assert first.model_states == STATES_0 // 2
+    assert first.unsharded == 2 * 4 * 114944  # parameters and gradients, fp32, whole
+    assert first.per_microbatch == 2 * BLOCK  # still 2 sequences a micro-batch: 8 / dp 2 / 2 micro-batches
+
+
+@pytest.mark.parametrize("settings, fix", [
+    (PipelineSettings(pp=2, schedule="1f1b", stages_per_rank=2), "parallel.pp_stages_per_rank=1"),
+    (PipelineSettings(pp=2, schedule="zbv_zero_bubble"), "parallel.pp_stages_per_rank=2"),
+    (PipelineSettings(pp=2, microbatches=3), "parallel.pp_microbatches that divides"),
+    (PipelineSettings(pp=2, microbatches=1), "parallel.pp_microbatches>=2"),
+    (PipelineSettings(pp=8), "model.n_layers>=8"),
+    (PipelineSettings(pp=2, split=(4,)), "parallel.pp_split=null"),
+    (PipelineSettings(pp=2, schedule="chimera"), "parallel.pp_schedule=gpipe|1f1b"),
+])
+def test_a_pipeline_it_cannot_run_is_refused_naming_the_fix(cfg, settings, fix):
+    with pytest.raises(ConfigError, match="fix: .*" + fix.replace("|", r"\|")):
+        check(settings, cfg.model, local_batch=8)
