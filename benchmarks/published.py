@@ -14,8 +14,10 @@ and sequence also on disk (74 s for the 233 rows on a 2-core machine, 29 s with 
 ``--no-memory`` skips the planner; benchmarks/RESULTS.md). What it prints,
 per source and overall:
 
-- rows expressible, and why the others are not (pipeline or FP8 rows, an architecture the mapping does not
-  reproduce to the published parameter count);
+- rows expressible, and why the others are not (pipeline rows, formats fsdp_exp cannot train such as NVFP4 or
+  MXFP8, an architecture the mapping does not reproduce to the published parameter count); FP8 rows are
+  expressed as ``precision=float8`` with the recipe the row names (``fsdp_exp.tune.published``) and timed with
+  the device's FP8 peak;
 - tokens/s per GPU: the median of |predicted / published - 1|, the median ratio, the share within 15%;
 - Spearman of predicted against published tokens/s within each table (same source, model, device, with at
   least 3 rows that ran), averaged over the tables;

@@ -6,7 +6,7 @@ given machine). ``cpu_host`` is this machine's RAM, shared by all its ranks.
 
 Each GPU entry also carries what the step-time model of ``fsdp_exp.tune`` reads (``DevicePerf``): the
 peak dense FLOPS per dtype (the vendors' data sheets, as ``fsdp_exp.metrics.flops.PEAK_TFLOPS`` holds
-them), the device memory's bandwidth, and per link (between the GPUs of a node, between nodes, to the
+them; ``fp8`` only where the GPU has FP8 tensor cores), the device memory's bandwidth, and per link (between the GPUs of a node, between nodes, to the
 host) a bandwidth and a per-step latency, each with its source. ``cpu_host`` has none here: on a CPU
 they are measured (``fsdp_exp.tune.probe``) and cached.
 """
@@ -69,6 +69,9 @@ class DevicePerf:
     gemm_half_dim: float = 0.0
     unit_us: dict = field(default_factory=dict)  # param layout -> microseconds per unit and collective
     tdp_w: Optional[float] = None
+    # The share of ``peak_tflops["fp8"]`` a float8 matmul reaches (precision=float8), as ``efficiency`` is of the
+    # bf16 peak; 0 on a device without FP8 tensor cores (no "fp8" peak).
+    fp8_efficiency: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ class KernelPrior:
     gemm: float
     attention: float
     source: str
+    fp8_gemm: Optional[float] = None  # the best large FP8 GEMM's share of the FP8 peak (None: as ``gemm``, assumed)
 
 
 # Achievable shares of the data-sheet peak. GEMM: stas00/ml-engineering, compute/accelerator/README.md, "Maximum
@@ -160,11 +164,18 @@ FA2_A100, FA2_HOPPER = 0.60, 0.35
 A100_SXM = KernelPrior(0.859, FA2_A100, "GEMM: A100 SXM MAMF 267.9/312 (ml-engineering); attention: FA2 on A100")
 A100_PCIE_LIKE = KernelPrior(0.822, FA2_A100, "no published figure for this device: assumed as the A100 PCIe "
                                               "(MAMF 256.4/312, ml-engineering) and FA2 on A100")
-HOPPER = KernelPrior(0.801, FA2_HOPPER, "GEMM: H100 SXM MAMF 792.1/989 (ml-engineering; H200 794.5/989 likewise); "
-                                        "attention: FA2 on H100 (FA3 paper)")
+# FP8 GEMM (E4M3, cuBLASLt, what torch._scaled_mm calls): tile-lang's benchmark/matmul_fp8/README.md, M = N = 8192
+# on an H800 SXM (the H100 SXM's SMs and clocks, FP8 peak 1979): 1507 TFLOPS at K = 8192 (76.1%), 1541 at K = 16384
+# (77.9%); a public cuBLASLt E4M3 8192^3 cross-check on H100 SXM reached 1609 (81.3%). Taken: 0.76, the K = 8192 shape
+# (Llama's matmuls have K of 4096 to 14336). A Hopper's FP8 GEMMs reach a little less of their peak than its bf16 ones.
+HOPPER_FP8_GEMM = 0.76
+HOPPER = KernelPrior(0.801, FA2_HOPPER, "GEMM: H100 SXM MAMF 792.1/989 (ml-engineering; H200 794.5/989 likewise), "
+                                        "FP8 1507/1979 (tile-lang, H800 SXM, 8192^2 x 8192); attention: FA2 on H100 "
+                                        "(FA3 paper)", HOPPER_FP8_GEMM)
 HOPPER_PCIE = KernelPrior(0.801, FA2_HOPPER, "no published figure for the PCIe board: assumed as the H100 SXM's "
-                                             "(MAMF 792.1/989) and FA2 on H100")
-BLACKWELL = KernelPrior(0.776, 0.25, "GEMM: B200 SXM MAMF 1745/2250 (ml-engineering); attention assumed 0.25: "
+                                             "(MAMF 792.1/989, FP8 0.76) and FA2 on H100", HOPPER_FP8_GEMM)
+BLACKWELL = KernelPrior(0.776, 0.25, "GEMM: B200 SXM MAMF 1745/2250 (ml-engineering; FP8 assumed the same share of "
+                                     "its 4500, no published figure found); attention assumed 0.25: "
                                      "FA2 has no Blackwell kernels of its own (Ampere-style MMA on sm_100; "
                                      "ml-engineering calls it very slow there), no published share found")
 
@@ -184,10 +195,13 @@ SOFTWARE = {"gemm": FITTED_A100["efficiency"] / A100_SXM.gemm,
 FITTED_SHAPES = {"gemm_half_dim": 0.0, "memory_efficiency": 0.8, "unit_us": {"flat": 0.0, "dim0": 0.0}}
 
 
-def kernel_efficiencies(prior: KernelPrior) -> dict:
-    """``DevicePerf``'s efficiencies of a device: its kernels' prior times the software's fitted share."""
+def kernel_efficiencies(prior: KernelPrior, has_fp8: bool = False) -> dict:
+    """``DevicePerf``'s efficiencies of a device: its kernels' prior times the software's fitted share (the FP8
+    matmuls' the same share of theirs: the training step around them is the same software)."""
+    fp8 = prior.fp8_gemm if prior.fp8_gemm is not None else prior.gemm
     return {"efficiency": prior.gemm * SOFTWARE["gemm"],
-            "attention_efficiency": prior.attention * SOFTWARE["attention"]}
+            "attention_efficiency": prior.attention * SOFTWARE["attention"],
+            "fp8_efficiency": fp8 * SOFTWARE["gemm"] if has_fp8 else 0.0}
 
 
 def _gpu(description: str, memory_gbps: float, intra: Link, inter: Link, host: Link, host_memory_gbps: float,
@@ -195,7 +209,8 @@ def _gpu(description: str, memory_gbps: float, intra: Link, inter: Link, host: L
          power_w: Optional[float] = None) -> DevicePerf:
     from fsdp_exp.metrics.flops import PEAK_TFLOPS, lookup_peak_tflops
 
-    peaks = {dtype: lookup_peak_tflops(description, dtype) for dtype in ("fp32", "bf16", "fp16")}
+    # "fp8": the FP8 tensor cores' dense peak (Ada, Hopper, Blackwell); absent on an A100 or A10G, which have none
+    peaks = {dtype: lookup_peak_tflops(description, dtype) for dtype in ("fp32", "bf16", "fp16", "fp8")}
     perf = DevicePerf(
         peak_tflops={dtype: peak for dtype, peak in peaks.items() if peak}, memory_gbps=memory_gbps,
         intra=intra, inter=inter, host=host, host_memory_gbps=host_memory_gbps,
@@ -204,7 +219,7 @@ def _gpu(description: str, memory_gbps: float, intra: Link, inter: Link, host: L
                f"{len(PEAK_TFLOPS)} devices); memory: {memory_source}; kernel efficiencies: the device's achievable "
                f"share of the peak ({kernels.source}) x the software's share fitted on the published A100 record "
                f"(fsdp_exp/plan/devices.py SOFTWARE)",
-        kernels=True, tdp_w=tdp_w, **kernel_efficiencies(kernels), **FITTED_SHAPES)
+        kernels=True, tdp_w=tdp_w, **kernel_efficiencies(kernels, bool(peaks["fp8"])), **FITTED_SHAPES)
     return with_power(perf, power_w) if power_w else perf
 
 

@@ -113,6 +113,21 @@ class StepCosts:
     memory_bytes: float = 0.0  # the memory-bound operators' reads and writes, the loss's included
     recompute_share: float = 0.0  # of the forward's kernels, the share activation checkpointing runs again
     param_layout: str = ""  # the backend's (PlannerRules.param_layout): which per-unit software cost applies
+    # precision.float8_recipe (torchao): the converted linears' matmuls, taken out of ``gemms`` (same layout)
+    float8: Optional["Float8Costs"] = None
+
+
+@dataclass(frozen=True)
+class Float8Costs:
+    """What torchao's float8 training adds to and changes in a step of one rank (``float8_costs``)."""
+
+    recipe: str
+    emulate: bool  # torchao's emulated matmul: the casts, then a high-precision matmul
+    gemms: tuple[tuple[float, float, float, float], ...]  # (M, K, N, FLOPs) of the converted matmuls, forward
+    backward_fp8_matmuls: int  # of a converted layer's two backward matmuls, those in float8 (1 under _gw_hp)
+    cast_bytes_forward: float  # the memory-bound amax and cast kernels' reads and writes, the step's forwards
+    cast_bytes_backward: float
+    optimizer_bytes: float = 0.0  # float8 all-gather: the scales precomputed from the updated weights
 
 
 @dataclass
@@ -205,15 +220,18 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
     offload = bool(cfg.offload.params and rules.offloads)
     offload_f = offload_b = 0.0
     units = len(unit_numel)
+    regathered = 0
     if rules.gathers_units:
         regathered = units - 1 if rules.reshard_after_forward else 0  # the last block stays gathered
+        # precision.float8_all_gather: the converted weights travel in float8, 1 byte an element
+        gathered = e_p * full_numel - (e_p - 1) * float8_all_gathered_numel(cfg)
         if shard > 1:
             traffic.append(Traffic("forward all-gather", "all-gather", shard, shard_nodes, G * units,
-                                   G * e_p * full_numel, "forward", cfg.prefetch.forward > 0))
+                                   G * gathered, "forward", cfg.prefetch.forward > 0))
             if regathered:
                 share = regathered / units
                 traffic.append(Traffic("backward re-gather", "all-gather", shard, shard_nodes, G * regathered,
-                                       G * e_p * full_numel * share, "backward", cfg.prefetch.backward != 0))
+                                       G * gathered * share, "backward", cfg.prefetch.backward != 0))
             traffic.append(Traffic("gradient reduce-scatter", "reduce-scatter", shard, shard_nodes, R * units,
                                    R * e_r * full_numel, "backward", True))
         if replicas > 1:
@@ -234,8 +252,12 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
             traffic.append(Traffic(f"tensor-parallel all-reduce ({phase})", "all-reduce", tp, 1, G * 2 * blocks,
                                    G * 2 * blocks * stream, phase, False))
     kernels = _kernel_classes(w, cfg, tokens_rank / tp, topology.micro_batch_size * seq, tp, e_p)
+    float8 = None
+    if float8_on(cfg):
+        gathers = (G, G * regathered / units) if rules.gathers_units and units else (0.0, 0.0)
+        kernels["gemms"], float8 = float8_costs(cfg, kernels["gemms"], tokens_rank / tp, e_p, shard, gathers)
     return StepCosts(
-        **kernels, param_layout=rules.param_layout if rules.gathers_units else "",
+        **kernels, param_layout=rules.param_layout if rules.gathers_units else "", float8=float8,
         tokens_per_step=tokens, micro_batches=G, units=max(units, 1), dtype=cfg.precision.param_dtype,
         forward_flops=model_flops / 3, backward_flops=2 * model_flops / 3 + recompute,
         forward_ops=G * ops_f, backward_ops=G * ops_b, optimizer_ops=ADAMW_OPS_PER_TENSOR * tensors,
@@ -260,6 +282,85 @@ def _kernel_classes(w, cfg: "RunConfig", tokens: float, m: int, tp: int, e_p: in
             "recompute_share": w.recompute_flops_per_token(cfg) / counted}
 
 
+# ----------------------------------------------------------------------------------------------- float8
+# torchao's float8 training (fsdp_exp/parallel/float8.py) casts each operand of a converted matmul to float8 with a
+# dynamic scale: the amax (max |x|) of the high-precision tensor, then the scaled cast. A converted linear casts its
+# input and its weight in forward; in backward its output's gradient twice (once per backward matmul, each in its
+# own layout), its weight and its input (torchao 0.18's matmul_with_hp_or_float8_args). Under
+# ``rowwise_with_gw_hp`` the weight's gradient matmul stays high precision: no casts for it. Under float8
+# all-gather the gathered weight is float8 already: no weight casts, but each all-gather casts the rank's fp32
+# shard first (the scale precomputed: read 4, write 1 byte an element) and after each optimizer step the amax of
+# every shard is taken (read 4).
+FLOAT8_HP_TO_FP32 = 4  # the cast scales in fp32
+
+
+def cast_bytes_per_element(e: int, compiled: bool) -> float:
+    """Bytes one float8 cast of a tensor of ``e``-byte elements reads and writes, per element. Compiled
+    (``compile=true``, as torchao needs for speed): inductor fuses it into two memory-bound kernels, the amax
+    reduction (reads the tensor) and the scale-and-cast (reads it, writes 1 byte). Eager: every operator of
+    torchao's cast its own kernel: abs (read, write), max (read), the fp32 upcast (read, write 4; none from fp32),
+    the scale's multiply and the clamp (read 4, write 4 each) and the float8 cast (read 4, write 1)."""
+    if compiled:
+        return 2 * e + 1
+    upcast = 0 if e == FLOAT8_HP_TO_FP32 else e + 4
+    return 3 * e + upcast + 8 + 8 + 5
+
+
+def float8_on(cfg: "RunConfig") -> bool:
+    return cfg.precision.float8_recipe is not None
+
+
+def _converted_shapes(cfg: "RunConfig") -> dict[tuple[int, int], int]:
+    """(in, out) features -> how many linears of that shape torchao converts (fsdp_exp.parallel.float8's filter)."""
+    from fsdp_exp.models import spec_for
+    from fsdp_exp.parallel.float8 import planned_matmuls
+
+    shapes: dict[tuple[int, int], int] = {}
+    for block in planned_matmuls(cfg, spec_for(cfg.model).inventory(cfg.model).blocks):
+        for shape in block:
+            shapes[shape] = shapes.get(shape, 0) + 1
+    return shapes
+
+
+def float8_all_gathered_numel(cfg: "RunConfig") -> float:
+    """The converted weights' elements, which a float8 all-gather moves at 1 byte each (0 without it)."""
+    if not (float8_on(cfg) and cfg.precision.float8_all_gather):
+        return 0.0
+    return float(sum(k * n * count for (k, n), count in _converted_shapes(cfg).items()))
+
+
+def float8_costs(cfg: "RunConfig", gemms: tuple, tokens: float, e: int, shard: int,
+                 gathers: tuple[float, float]) -> tuple[tuple, Float8Costs]:
+    """(the matmuls left high precision, what float8 adds and changes): of each linear-layer matmul shape, the share
+    of its linears (per token, ``tokens`` of the step on this rank) that torchao converts; the casts' bytes over
+    the step. ``gathers``: how many times the step gathers all the weights in forward and in backward (a float8
+    all-gather casts the rank's shard of each converted weight first)."""
+    p = cfg.precision
+    converted = _converted_shapes(cfg)
+    cast = cast_bytes_per_element(e, cfg.compile)
+    weight_casts = 0 if p.float8_all_gather else 1
+    gw_hp = p.float8_recipe.endswith("_gw_hp")
+    kept, fp8 = [], []
+    forward = backward = 0.0
+    for m, k, n, flops in gemms:
+        share = min(1.0, converted.get((int(k), int(n)), 0) * 2 * k * n * tokens / flops) if flops else 0.0
+        if share < 1.0:
+            kept.append((m, k, n, flops * (1 - share)))
+        if share <= 0.0:
+            continue
+        fp8.append((m, k, n, flops * share))
+        calls = flops * share / (2 * m * k * n)  # converted matmuls of this shape in the step's forwards
+        forward += calls * cast * (m * k + weight_casts * k * n)  # input, weight
+        grads = 1 if gw_hp else 2  # the output's gradient, once per float8 backward matmul
+        backward += calls * cast * (grads * m * n + weight_casts * k * n + (0 if gw_hp else m * k))
+    gathered = float8_all_gathered_numel(cfg) / max(shard, 1)  # this rank's shard of the converted weights
+    shard_cast = FLOAT8_HP_TO_FP32 + 1
+    return tuple(kept), Float8Costs(
+        p.float8_recipe, p.float8_emulate, tuple(fp8), 1 if gw_hp else 2,
+        cast_bytes_forward=forward + gathers[0] * shard_cast * gathered,
+        cast_bytes_backward=backward + gathers[1] * shard_cast * gathered, optimizer_bytes=FLOAT8_HP_TO_FP32 * gathered)
+
+
 # ----------------------------------------------------------------------------------------------- timing
 def collective_seconds(kind: str, ranks: int, nbytes: float, count: int, latency_us: float, gbps: float) -> float:
     """The alpha-beta time of ``count`` ring collectives moving ``nbytes`` (full tensors) in all."""
@@ -282,30 +383,57 @@ def _phase(compute: float, overlappable: float, waiting: float, overlap: float, 
     return waiting + first + rest - hidden, hidden
 
 
-def _gemm_seconds(costs: StepCosts, perf: "DevicePerf", rate: float) -> float:
-    """The forward's linear-layer matmuls: each at the large-shape rate less its shape's penalty (a smallest
-    dimension of ``gemm_half_dim`` halves it: short matmuls fill fewer of the SMs' tiles), and never faster
-    than moving its operands once through the device's memory (the roofline)."""
-    e = DTYPE_BYTES[costs.dtype]
+def _gemm_seconds(gemms: tuple, perf: "DevicePerf", rate: float, operand_bytes: int, output_bytes: int) -> float:
+    """Linear-layer matmuls: each at the large-shape rate less its shape's penalty (a smallest dimension of
+    ``gemm_half_dim`` halves it: short matmuls fill fewer of the SMs' tiles), and never faster than moving its
+    operands once through the device's memory (the roofline)."""
     bandwidth = perf.memory_gbps * 1e9 * perf.memory_efficiency
     total = 0.0
-    for m, k, n, flops in costs.gemms:
+    for m, k, n, flops in gemms:
         calls = flops / (2 * m * k * n)
         compute = flops / rate * (1 + perf.gemm_half_dim / min(m, k, n))
-        total += max(compute, calls * e * (m * k + k * n + m * n) / bandwidth)
+        total += max(compute, calls * (operand_bytes * (m * k + k * n) + output_bytes * m * n) / bandwidth)
     return total
 
 
+def float8_refusal(costs: StepCosts, perf: "DevicePerf") -> Optional[str]:
+    """Why a float8 step cannot be timed on this device (None: it can). torch._scaled_mm's float8 matmuls need FP8
+    tensor cores (compute capability 8.9: Ada, Hopper, Blackwell); an A100 has none, so only torchao's emulation
+    runs there, and it is no faster than bf16. A CPU's is timed as its high-precision matmuls (the CPU kernel of
+    _scaled_mm is no faster)."""
+    if costs.float8 is None or costs.float8.emulate or not perf.kernels or perf.peak_tflops.get("fp8"):
+        return None
+    return (f"precision.float8_recipe={costs.float8.recipe}: this GPU has no FP8 tensor cores (no fp8 peak in "
+            "fsdp_exp/plan/devices.py; torch._scaled_mm needs compute capability 8.9 or more), so its float8 matmuls "
+            "cannot run; pass precision=bf16, or precision.float8_emulate=true (torchao's emulation: the casts "
+            "without the speed)")
+
+
+def _float8_seconds(f8: "Float8Costs", perf: "DevicePerf", rate: float, e: int) -> tuple[float, float]:
+    """(forward, backward) seconds of the converted matmuls and their casts: on FP8 tensor cores at the FP8 peak
+    (operands 1 byte, the output in the compute dtype); emulated, at the high-precision rate; the casts by their
+    bytes at the memory's rate."""
+    high = _gemm_seconds(f8.gemms, perf, rate, e, e)
+    fp8 = high if f8.emulate else _gemm_seconds(f8.gemms, perf, perf.peak_tflops["fp8"] * 1e12 * perf.fp8_efficiency,
+                                                1, e)
+    bandwidth = perf.memory_gbps * 1e9 * perf.memory_efficiency
+    backward = f8.backward_fp8_matmuls * fp8 + (2 - f8.backward_fp8_matmuls) * high
+    return fp8 + f8.cast_bytes_forward / bandwidth, backward + f8.cast_bytes_backward / bandwidth
+
+
 def kernel_seconds(costs: StepCosts, perf: "DevicePerf", peak: float) -> tuple[float, float]:
-    """(forward, backward) device seconds by kernel class (``DevicePerf.kernels``): matmuls by shape, attention
-    as a causal fused kernel, the memory-bound operators by their bytes; backward twice the matmuls and the
-    bytes, 2.5 x attention (a fused backward recomputes the scores), and what checkpointing recomputes."""
+    """(forward, backward) device seconds by kernel class (``DevicePerf.kernels``): matmuls by shape (float8 ones
+    at the FP8 peak, with their casts), attention as a causal fused kernel, the memory-bound operators by their
+    bytes; backward twice the matmuls and the bytes, 2.5 x attention (a fused backward recomputes the scores), and
+    what checkpointing recomputes."""
     rate = peak * 1e12 * perf.efficiency
-    gemm = _gemm_seconds(costs, perf, rate)
+    e = DTYPE_BYTES[costs.dtype]
+    gemm = _gemm_seconds(costs.gemms, perf, rate, e, e)
+    f8_f, f8_b = _float8_seconds(costs.float8, perf, rate, e) if costs.float8 else (0.0, 0.0)
     attention = costs.attention_flops / (peak * 1e12 * perf.attention_efficiency)
     memory = costs.memory_bytes / (perf.memory_gbps * 1e9 * perf.memory_efficiency)
-    forward = gemm + attention + memory
-    backward = 2 * gemm + FLASH_BACKWARD_PER_FORWARD * attention + BACKWARD_BYTES_PER_FORWARD * memory
+    forward = gemm + f8_f + attention + memory
+    backward = 2 * gemm + f8_b + FLASH_BACKWARD_PER_FORWARD * attention + BACKWARD_BYTES_PER_FORWARD * memory
     return forward, backward + costs.recompute_share * forward
 
 
@@ -342,6 +470,9 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
     peak = perf.peak_tflops.get(costs.dtype)
     if not peak:
         raise ValueError(f"no peak FLOPS for {costs.dtype} on this device")
+    refusal = float8_refusal(costs, perf)
+    if refusal:
+        raise ValueError(refusal)
     rate = peak * 1e12 * perf.efficiency
     dispatch = perf.dispatch_us * 1e-6
 
@@ -375,6 +506,8 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
         optimizer, offload_opt = 0.0, costs.optimizer_bytes / (perf.host_memory_gbps / costs.ranks_per_node * 1e9)
     else:
         optimizer, offload_opt = costs.optimizer_bytes / (perf.memory_gbps * 1e9), 0.0
+    if costs.float8 and perf.kernels:  # float8 all-gather: the next all-gathers' scales, from the updated weights
+        optimizer += costs.float8.optimizer_bytes / (perf.memory_gbps * 1e9 * perf.memory_efficiency)
     if not perf.async_dispatch:
         optimizer += costs.optimizer_ops * dispatch
     world_link = _link(perf, 2 if costs.world > costs.ranks_per_node else 1)

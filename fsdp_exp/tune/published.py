@@ -8,8 +8,11 @@ linear, a GELU MLP of ``ffn_dim``, full multi-head attention, tied embeddings, a
 (torchtitan) is the llama family with the row's width, depth, heads, vocabulary and SwiGLU rounding. FSDP1
 ``FULL_SHARD`` -> ``sharding=fsdp1``, FSDP2 -> ``sharding=full``, HSDP -> ``sharding=hybrid``; composer's
 ``amp_bf16`` (FSDP ``mixed_precision=DEFAULT``: fp32 reduction) -> ``precision=bf16``, ``PURE`` ->
-``precision=bf16_pure``; AC none / full / selective layer (every 2nd block, torchtitan's default) / per-op.
-Pipeline, context and expert parallel rows and FP8 are not expressible yet, and say so.
+``precision=bf16_pure``; FP8 -> ``precision=float8`` with the scaling recipe the row names (torchao's tensorwise,
+rowwise, rowwise_with_gw_hp; torchtitan's default, tensorwise, where a torchtitan row names none) and float8
+all-gathers where it says so; ``compile`` yes -> ``compile=true``; AC none / full / selective layer (every 2nd
+block, torchtitan's default) / per-op. Pipeline, context and expert parallel rows, and formats fsdp_exp cannot
+train (NVFP4, MXFP8, FP8 with delayed or blockwise scaling), are not expressible, and say why.
 
 Used by ``benchmarks/published.py`` (the figures) and ``tune.calibrate_from=<a table>`` (the fit).
 """
@@ -152,15 +155,50 @@ def ac_override(f: dict) -> str:
     return "ac=selective"  # layer-wise: torchtitan's default selective_ac_option is every 2nd block
 
 
-def precision_override(f: dict) -> str | None:
+# FP8 formats fsdp_exp cannot train, each with why (checked before the FP8 recipes: "mxfp8" holds "fp8").
+NOT_EXPRESSIBLE_FORMATS = {
+    "nvfp4": "NVFP4 (4-bit) training: fsdp_exp's float8 training (torchao) covers FP8 only",
+    "fp4": "FP4 training: fsdp_exp's float8 training (torchao) covers FP8 only",
+    "mxfp8": "MXFP8: precision.float8_recipe=mxfp8 is refused (fsdp_exp does not build torchao's MXFP8 training yet)",
+    "delayed": "FP8 with delayed scaling: torchao's float8 training (0.18) scales dynamically only",
+    "blockwise": "FP8 with blockwise scaling: not one of torchao's float8 recipes that fsdp_exp builds",
+    "block-wise": "FP8 with blockwise scaling: not one of torchao's float8 recipes that fsdp_exp builds",
+}
+# The scaling recipes as rows name them -> torchao's recipe names (precision.float8_recipe), most specific first.
+FLOAT8_RECIPES = (("rowwise_with_gw_hp", "rowwise_with_gw_hp"), ("gw_hp", "rowwise_with_gw_hp"),
+                  ("rowwise", "rowwise"), ("row-wise", "rowwise"), ("tensorwise", "tensorwise"),
+                  ("tensor-wise", "tensorwise"), ("per-tensor", "tensorwise"), ("current scaling", "tensorwise"))
+
+
+def precision_overrides(f: dict) -> list[str] | str:
+    """The row's precision as overrides, or why it cannot be expressed."""
     text = (f["precision"] + " " + f["precision_detail"]).lower()
-    if "fp8" in text:
-        return None
+    if "fp8" in text or "float8" in text or "fp4" in text:
+        return _float8_overrides(f, text)
     if "pure" in text:
-        return "precision=bf16_pure"  # FSDP mixed_precision=PURE: bf16 gradients reduced in bf16
+        return ["precision=bf16_pure"]  # FSDP mixed_precision=PURE: bf16 gradients reduced in bf16
     if "bf16" in text:
-        return "precision=bf16"  # bf16 compute, fp32 reduction
-    return None
+        return ["precision=bf16"]  # bf16 compute, fp32 reduction
+    return f"precision not mapped: {f['precision']} ({f['precision_detail']})"
+
+
+def _float8_overrides(f: dict, text: str) -> list[str] | str:
+    for name, why in NOT_EXPRESSIBLE_FORMATS.items():
+        if name in text:
+            return f"precision not expressible: {f['precision']} ({f['precision_detail']}): {why}"
+    recipe = next((recipe for said, recipe in FLOAT8_RECIPES if said in text), None)
+    if recipe is None and framework(f) == "torchtitan":
+        recipe = "tensorwise"  # torchtitan's float8 converter without a recipe name: tensorwise dynamic scaling
+    if recipe is None:
+        return (f"precision not expressible: {f['precision']} ({f['precision_detail']}): FP8 without a named scaling "
+                "recipe (fsdp_exp needs tensorwise or rowwise)")
+    gathers = "all-gather" in text or "all_gather" in text
+    return ["precision=float8", f"precision.float8_recipe={recipe}"] + \
+        (["precision.float8_all_gather=true"] if gathers else [])
+
+
+def compile_overrides(f: dict) -> list[str]:
+    return ["compile=true"] if (f.get("compile") or "").lower().startswith("yes") else []
 
 
 def network_of(f: dict, device: str) -> str:
@@ -182,20 +220,17 @@ def express(row: Row) -> None:
         return
     model = model_overrides(f)
     sharding = sharding_overrides(f)
-    precision = precision_override(f)
-    for problem in (model, sharding):
+    precision = precision_overrides(f)
+    for problem in (model, sharding, precision):
         if isinstance(problem, str):
             row.not_expressible = problem
             return
-    if precision is None:
-        row.not_expressible = f"precision not expressible yet: {f['precision']} ({f['precision_detail']})"
-        return
     n_gpus = int(f["n_gpus"])
     per_node = _int(f["gpus_per_node"]) or min(8, n_gpus)
     row.device, row.network = gpu, network_of(f, gpu)
     row.model_fields = _model_fields(model)
-    row.overrides = model + sharding + [
-        precision, ac_override(f), f"trainer.nproc_per_node={per_node}", f"trainer.nnodes={n_gpus // per_node}",
+    row.overrides = model + sharding + precision + compile_overrides(f) + [
+        ac_override(f), f"trainer.nproc_per_node={per_node}", f"trainer.nnodes={n_gpus // per_node}",
         f"trainer.global_batch_size={f['global_batch']}", f"trainer.micro_batch_size={f['micro_batch']}",
         f"trainer.seq_len={f['seq_len']}", "trainer.device=cuda"]
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional
 
 from fsdp_exp.errors import ConfigError, fail
 from fsdp_exp.plan.devices import GIB
-from fsdp_exp.tune.space import Candidate, Space, build_space, enumerate_candidates, group_nodes
+from fsdp_exp.tune.space import Candidate, Space, build_space, enumerate_candidates, group_nodes, leave_out_float8
 
 if TYPE_CHECKING:
     from fsdp_exp.config.schema import RunConfig
@@ -186,6 +186,7 @@ def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
     perf, perf_note = _cluster(perf, perf_note, opts)
     if "precision" in space.values and "precision" not in opts.space:
         leave_out_scaled_precisions(space, nodes, perf, device.name)
+        leave_out_float8(space, nodes, perf, device.name)
     probed = time.perf_counter()
 
     capacity = device.bytes // (nproc if device.kind == "cpu" else 1)

@@ -10,7 +10,8 @@ The dimensions (``tune.space.<name>=[...]`` narrows or widens each):
   fixed by ``sharding.shard_size`` / ``sharding.replicate_size``;
 - ``ac``, ``precision``, ``offload``, ``prefetch``: every option of the config group (yours in Hydra's
   search path too); fixed by ``<group>=..`` or ``<group>.<key>=..``. Precisions that need a loss scaler
-  (fp16) are left out by default where the device computes bf16 as fast (``search``);
+  (fp16) are left out by default where the device computes bf16 as fast (``search``), and float8 ones where
+  it has no FP8 tensor cores (``leave_out_float8``);
 - ``micro_batch_size``: the divisors of each rank's batch that are powers of two, and the batch itself;
   fixed by ``trainer.micro_batch_size=..``;
 - ``grad_sync``: when accumulated micro-batches reduce their gradients, every_micro_batch and
@@ -41,6 +42,7 @@ from fsdp_exp.tune.options import SPACE_DIMENSIONS
 
 if TYPE_CHECKING:
     from fsdp_exp.config.schema import RunConfig
+    from fsdp_exp.plan.devices import DevicePerf
 
 GROUPS = ("ac", "precision", "offload", "prefetch")
 HYBRID = "hybrid"  # the strategy whose mesh takes a shard group size (the config's vocabulary)
@@ -157,6 +159,19 @@ def build_space(base: "RunConfig", overrides: list[str], requested: dict[str, li
     if HYBRID not in searched_strategies:
         values.pop("shard_size", None)
     return Space(values={d: values[d] for d in SPACE_DIMENSIONS if d in values}, fixed=fixed, notes=notes, dp=dp)
+
+
+def leave_out_float8(space: Space, nodes: dict, perf: "DevicePerf", device: str) -> None:
+    """Leave the float8 precisions (``precision.float8_recipe`` set) out of the default space where the device has no
+    FP8 tensor cores (no fp8 peak: an A100, a CPU): their matmuls run no faster there (on an A100 only emulated), so
+    they would add casts for nothing. Where it has them (Ada, Hopper, Blackwell) they are searched."""
+    if perf.peak_tflops.get("fp8"):
+        return
+    dropped = [o for o in space.values["precision"] if nodes[("precision", o)].float8_recipe is not None]
+    if dropped and len(dropped) < len(space.values["precision"]):
+        space.values["precision"] = [o for o in space.values["precision"] if o not in dropped]
+        space.notes.append(f"precision={','.join(dropped)} left out: {device} has no FP8 tensor cores, so float8 "
+                           f"matmuls are no faster (tune.space.precision=[...,{dropped[0]}] searches it anyway)")
 
 
 # ------------------------------------------------------------------------------------------ the candidates

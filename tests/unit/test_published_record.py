@@ -144,3 +144,47 @@ def test_each_gpus_kernel_efficiency_is_its_achievable_share_of_the_peak_times_t
 def test_llm_foundrys_roce_at_3200_gbps_is_roce_not_efa():
     fields = {"interconnect": "3200 Gbps node-node interconnect (RoCE)"}
     assert published.network_of(fields, "h100_80gb") == "roce_8x400g"
+
+
+def _low_precision_row(precision: str, detail: str, **fields) -> published.Row:
+    """torchtitan's Llama 3 8B per-op SAC row (the record's) as an FP8-class run on 8 H100s would publish it."""
+    row = _rows({"torchtitan_a100_2024": [1]})[0]
+    row = published.Row(row.source, row.index, {**row.fields, "precision": precision, "precision_detail": detail,
+                                                "gpu": "H100_96GB", "n_gpus": "8", "global_batch": "16",
+                                                "micro_batch": "2", "compile": "yes", **fields})
+    published.express(row)
+    return row
+
+
+def test_fp8_rows_are_float8_runs_with_their_recipe_and_formats_fsdp_exp_cannot_train_say_why():
+    pytest.importorskip("torchao")
+    from fsdp_exp.preflight import validate
+    from fsdp_exp.tune.perf import predict
+
+    tensorwise = _low_precision_row("fp8", "Float8 tensorwise dynamic scaling (torchao), FSDP float8 all-gather")
+    assert tensorwise.not_expressible is None
+    assert {"precision=float8", "precision.float8_recipe=tensorwise", "precision.float8_all_gather=true",
+            "compile=true"} <= set(tensorwise.overrides)
+    rowwise = _low_precision_row("FP8", "torchao float8 rowwise")
+    assert "precision.float8_recipe=rowwise" in rowwise.overrides
+    assert "precision.float8_all_gather=true" not in rowwise.overrides
+    unnamed = _low_precision_row("fp8", "float8 linears (torchtitan converter)")  # torchtitan's default recipe
+    assert "precision.float8_recipe=tensorwise" in unnamed.overrides
+    for precision, detail, why in (("nvfp4", "NVFP4 weights and activations", "NVFP4"),
+                                   ("mxfp8", "MXFP8 (torchao, Blackwell)", "precision.float8_recipe=mxfp8 is refused"),
+                                   ("fp8", "Transformer Engine FP8, delayed scaling", "delayed scaling")):
+        row = _low_precision_row(precision, detail)
+        assert row.overrides == [] and why in row.not_expressible, row.not_expressible
+    elsewhere = _low_precision_row("fp8", "FP8", framework="llm-foundry (composer)")
+    assert "without a named scaling recipe" in elsewhere.not_expressible
+    # The expressed row composes (the fast path is Hydra's) and is timed with the H100's FP8 peak.
+    bf16 = _low_precision_row("bf16", "bf16 params / fp32 reduce")
+    perf = DEVICES["h100_96gb_500w"].perf
+    with hydra_session() as (compose, _):
+        fast = published.Configs(compose)
+        tokens = []
+        for row in (bf16, tensorwise):
+            cfg = fast(row)
+            assert cfg == compose(row.overrides)
+            tokens.append(predict(cfg, validate(cfg, cuda_devices=8), perf).tokens_per_s)
+    assert tokens[1] > 1.1 * tokens[0]
