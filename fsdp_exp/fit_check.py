@@ -25,18 +25,14 @@ for peers that left.
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from omegaconf import OmegaConf
-
 from fsdp_exp.preflight import validate
 from fsdp_exp.config.schema import RunConfig
 from fsdp_exp.config.topology import Topology
+from fsdp_exp.config.variants import apply_changes, group_options, variant_of
 from fsdp_exp.env import GIB, HostMemory, cuda_device_count, cuda_free_memory, host_memory
 from fsdp_exp.errors import fail
 
@@ -191,7 +187,7 @@ def _fitting_changes(cfg: RunConfig, node: NodeMemory, world_size: Optional[int]
     cuda_devices = cuda_device_count()
 
     def need_of(changes: tuple[str, ...]) -> Optional[tuple[int, int]]:
-        variant = _variant(cfg, changes)
+        variant = variant_of(cfg, changes)
         if variant is None:
             return None
         try:
@@ -223,8 +219,8 @@ def _fitting_changes(cfg: RunConfig, node: NodeMemory, world_size: Optional[int]
     if shallower is not None:
         found.append(shallower)
     models = []
-    for preset in _group_options("model"):
-        variant = _variant(cfg, (f"model={preset}",))
+    for preset in group_options("model"):
+        variant = variant_of(cfg, (f"model={preset}",))
         if variant is None:
             continue
         need = need_of((f"model={preset}",))
@@ -268,7 +264,7 @@ def _gpu_layouts(cfg: RunConfig) -> Optional[str]:
     gpus = sorted((d for d in device_table().values() if d.kind == "cuda"), key=lambda d: d.bytes)
     offers = []
     for per_node, nodes in GPU_LAYOUTS:
-        variant = _apply(cfg, (f"trainer.nproc_per_node={per_node}", f"trainer.nnodes={nodes}"))
+        variant = apply_changes(cfg, (f"trainer.nproc_per_node={per_node}", f"trainer.nnodes={nodes}"))
         try:
             per_rank = plan(variant, validate(variant, cuda_devices=per_node), device_kind="cuda").per_rank_bytes["total"]
         except Exception:  # noqa: BLE001 - a layout this config cannot take
@@ -284,70 +280,6 @@ def _gpu_layouts(cfg: RunConfig) -> Optional[str]:
     p, n, d, _ = chosen[-1]
     return (f"{text}: see python -m fsdp_exp.plan <these overrides> plan.device={d.name} "
             f"trainer.nproc_per_node={p}" + (f" trainer.nnodes={n}" if n > 1 else ""))
-
-
-# ------------------------------------------------------------------------------------------ variants
-def _apply(cfg: RunConfig, changes: tuple[str, ...]) -> RunConfig:
-    """``cfg`` with these overrides: ``group=option`` takes the option's whole node (the group's schema
-    defaults under the option's file), as a command line selecting it would; ``a.b=value`` sets one key."""
-    variant = copy.deepcopy(cfg)
-    for change in changes:
-        key, _, value = change.partition("=")
-        section, _, name = key.lstrip("+").partition(".")  # +key / ++key: set it whether or not it exists
-        current = getattr(variant, section)
-        node = OmegaConf.from_dotlist([f"{name}={value}"]) if name else _option(section, value)
-        base = OmegaConf.structured(current if name else type(current)())
-        variant = dataclasses.replace(variant, **{section: OmegaConf.to_object(OmegaConf.merge(base, node))})
-    return variant
-
-
-def _variant(cfg: RunConfig, changes: tuple[str, ...]) -> Optional[RunConfig]:
-    """``cfg`` with these changes; None where they change nothing or cannot be composed."""
-    from fsdp_exp.config import plain
-
-    try:
-        variant = _apply(cfg, changes)
-    except Exception:  # noqa: BLE001 - an option this config cannot take
-        return None
-    return None if plain(variant) == plain(cfg) else variant
-
-
-@contextlib.contextmanager
-def _hydra():
-    """Hydra's config sources: the running app's (a run, a sweep's callback), else fsdp_exp's own configs."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    if GlobalHydra.instance().is_initialized():
-        yield GlobalHydra.instance().config_loader()
-        return
-    from hydra import initialize_config_module
-
-    with initialize_config_module(config_module="fsdp_exp.conf", version_base="1.3"):
-        yield GlobalHydra.instance().config_loader()
-
-
-def _option(group: str, option: str):
-    """An option's own node, read from the first config source that has it (a file of the group's
-    package without a defaults list: the options fsdp_exp suggests); else composed in full."""
-    with _hydra() as loader:
-        path = f"{group}/{option}"
-        for source in loader.get_sources():
-            if source.is_config(path):
-                found = source.load_config(path)
-                if found.header.get("package") in (None, "_group_", group) and "defaults" not in found.config:
-                    return found.config
-                break
-        from hydra import compose
-
-        return compose(config_name="config", overrides=[f"{group}={option}"])[group]
-
-
-def _group_options(group: str) -> list[str]:
-    try:
-        with _hydra() as loader:
-            return sorted(loader.get_group_options(group))
-    except Exception:  # noqa: BLE001 - no config source to list: no preset to offer
-        return []
 
 
 def _gib(n: float) -> str:

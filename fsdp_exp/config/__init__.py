@@ -1,5 +1,6 @@
-"""The run configuration: the schema (``schema``), the resolved topology (``topology``) and the checks
-before launch (``preflight``, imported by whoever launches: it reaches into every owner's checks).
+"""The run configuration: the schema (``schema``), the resolved topology (``topology``) and a config's
+variants under a few overrides (``variants``). The checks before launch (``fsdp_exp.preflight``) stand
+above every owner they ask, outside this package.
 
 Importing this package registers the schema with Hydra's ConfigStore, which ``conf/config.yaml``
 names first in its defaults, and the ``run_stamp`` resolver of the run folder.

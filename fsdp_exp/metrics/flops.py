@@ -30,7 +30,7 @@ from __future__ import annotations
 import platform
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from fsdp_exp.cache import cache_file, read_entry, write_entry
 
@@ -108,31 +108,31 @@ def mfu(tflops_achieved: float, peak_tflops: Optional[float]) -> Optional[float]
 
 
 # -------------------------------------------------------------------------------------- recompute
-def counted_flops_per_token(cfg, seq_len: int, with_ac: bool) -> float:
+def counted_flops_per_token(cfg, seq_len: int, apply_ac: Optional[Callable] = None) -> float:
     """Matmul + attention FLOPs of one forward and backward per token, as torch's FlopCounterMode
-    counts them on a meta-device copy of the model (batch 1, ``seq_len`` tokens); ``with_ac``
-    applies the run's activation checkpointing first (``fsdp_exp.parallel.ac``, the same code the run
-    uses)."""
+    counts them on a meta-device copy of the model (batch 1, ``seq_len`` tokens). ``apply_ac``
+    (``fsdp_exp.parallel.ac.apply``, the same code the run uses; passed in, since metrics sit below
+    parallel) applies the run's activation checkpointing first; None counts the model without it."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from fsdp_exp.models import build_meta, spec_for
-    from fsdp_exp.parallel import ac
 
     model = build_meta(cfg.model)
-    if with_ac and cfg.ac.mode != "none":
-        ac.apply(model, cfg)
+    if apply_ac is not None and cfg.ac.mode != "none":
+        apply_ac(model, cfg)
     tokens = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
     with FlopCounterMode(display=False) as counter, spec_for(cfg.model).shapes_only():
         model(tokens).float().sum().backward()
     return counter.get_total_flops() / seq_len
 
 
-def recompute_flops_per_token(cfg, seq_len: int) -> float:
-    """FLOPs per token that activation checkpointing recomputes in backward (0 without it)."""
+def recompute_flops_per_token(cfg, seq_len: int, apply_ac: Callable) -> float:
+    """FLOPs per token that activation checkpointing (applied by ``apply_ac``: ``fsdp_exp.parallel.ac.apply``)
+    recomputes in backward (0 without it)."""
     if cfg.ac.mode == "none":
         return 0.0
-    return counted_flops_per_token(cfg, seq_len, True) - counted_flops_per_token(cfg, seq_len, False)
+    return counted_flops_per_token(cfg, seq_len, apply_ac) - counted_flops_per_token(cfg, seq_len)
 
 
 # ------------------------------------------------------------------------------------ CPU peak

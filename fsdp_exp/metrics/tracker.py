@@ -24,13 +24,17 @@ tracker's peak over the whole step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from fsdp_exp.parallel.backend import Backend
+
+class TrackerSource(Protocol):
+    """What the step's memory accounting asks of the backend (``fsdp_exp.parallel.backend.Backend``, which
+    stands above metrics and so is not imported here): the torch tracker that follows its parameters."""
+
+    def memory_tracker(self, model: nn.Module, optimizer: torch.optim.Optimizer): ...
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -74,7 +78,7 @@ class StepMemory:
     micro-batch resets the tracker's per-module statistics, which otherwise refuse a second forward
     of the root module (the running peak is kept: torch documents ``reset_mod_stats`` for this)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, backend: "Backend",
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, backend: TrackerSource,
                  device: torch.device):
         self.tracker = backend.memory_tracker(model, optimizer)
         self.device = device

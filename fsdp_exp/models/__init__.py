@@ -5,7 +5,8 @@ parameter names and the seeded initialization that gives the same values at any 
 Models are plain ``nn.Module``s; everything parallel is applied from outside by fsdp_exp.parallel,
 which reads what it needs (the block class, the tensor-parallel plan) from the family's spec.
 A new family is one module with a ``ModelSpec`` subclass and one line in ``REGISTRY``, plus its config
-schema in ``fsdp_exp.config.schema.MODEL_SCHEMAS`` (which its presets name: ``schema/<name>@_here_``).
+schema in ``fsdp_exp.config.schema.MODEL_SCHEMAS`` (which its presets name: ``schema/<name>@_here_``) and,
+for the planner, its activation model in ``fsdp_exp.plan.activations.PROFILES``.
 """
 
 from __future__ import annotations

@@ -448,14 +448,5 @@ class HfSpec(ModelSpec):
         config.dtype = "float32"
         return config.to_dict()
 
-    # -------------------------------------------------------------------------- planner
-    def activations(self, m, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool):
-        from fsdp_exp.plan.activations.hf import HfActivations
-
-        if sequence_parallel:
-            fail("parallel.sequence_parallel has no plan for a Hugging Face model (transformers' plans shard "
-                 "no norms).", "pass parallel.sequence_parallel=false")
-        return HfActivations(self, m, micro_batch, seq_len, tp)
-
 
 HF = HfSpec()

@@ -1,6 +1,6 @@
 """The Llama family's spec (``model.name=llama``, the tiny MoE variant included): its config checks,
-FLOPs, tensor-parallel plan, Hugging Face mapping and the planner's activation profile
-(``fsdp_exp.plan.activations.llama``). The modules themselves are in ``fsdp_exp.models.llama``.
+FLOPs, tensor-parallel plan and Hugging Face mapping (its activation profile is the planner's:
+``fsdp_exp.plan.activations.llama``). The modules themselves are in ``fsdp_exp.models.llama``.
 
 Hugging Face export: fsdp_exp rotates interleaved pairs (x[2i], x[2i+1]) like Meta's original
 Llama; HF's LlamaForCausalLM rotates halves (x[i], x[i + d/2]). The rows of wq and wk are permuted
@@ -17,7 +17,7 @@ import torch
 from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.config.topology import largest_divisor_at_most
 from fsdp_exp.errors import fail
-from fsdp_exp.models.llama import Llama, TransformerBlock, ffn_hidden_dim
+from fsdp_exp.models.llama import Llama, MoEFeedForward, TransformerBlock, ffn_hidden_dim
 from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan
 
 # fsdp_exp's names in a block -> Hugging Face's (model.layers.<i>.<name>), and at the root.
@@ -136,6 +136,10 @@ class LlamaSpec(ModelSpec):
     def depth_override(self, cfg: ModelConfig, n_layers: int) -> str:
         return f"model.n_layers={n_layers}"
 
+    def expert_modules(self, model: Llama) -> list[str]:
+        return [f"{name}.experts.{i}" for name, m in model.named_modules() if isinstance(m, MoEFeedForward)
+                for i in range(len(m.experts))]
+
     def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> int:
         """Training FLOPs per token: 6 N + 12 L d S (forward + backward, no recompute).
 
@@ -221,18 +225,6 @@ class LlamaSpec(ModelSpec):
             "torch_dtype": "float32",
             "dtype": "float32",
         }
-
-    # -------------------------------------------------------------------------- planner
-    def activations(self, cfg: ModelConfig, micro_batch: int, seq_len: int, tp: int,
-                    sequence_parallel: bool):
-        from fsdp_exp.plan.activations.llama import LlamaActivations
-
-        head_dim = cfg.dim // cfg.n_heads
-        return LlamaActivations(
-            b=micro_batch, s=seq_len, d=cfg.dim, dq=cfg.n_heads * head_dim // tp,
-            dkv=(cfg.n_kv_heads or cfg.n_heads) * head_dim // tp, heads=cfg.n_heads // tp,
-            ffn=ffn_hidden_dim(cfg) // tp, vocab=cfg.vocab_size, experts=cfg.n_experts,
-            sp=tp if sequence_parallel else 1, tp=tp)
 
 
 LLAMA = LlamaSpec()

@@ -10,15 +10,15 @@ A family is a ``ModelSpec`` subclass with one instance in ``fsdp_exp.models.REGI
 - **initialisation** (``init_std``, ``init_buffers``): ``fsdp_exp.models.init_weights`` draws every
   parameter from (seed, its name) alone, so any world size and any sharding get the same values.
 - **the block class** (``block_class``): the unit of wrapping, activation checkpointing, compile and
-  tensor parallel.
+  tensor parallel; and the experts (``expert_modules``), units of their own under ``wrap=experts``.
 - **tied weights** (``tied_weights``) and **FLOPs per token** (``flops_per_token``).
 - **the tensor-parallel plan** (``tensor_parallel_plan``): module -> colwise | rowwise, as data.
   ``fsdp_exp.parallel.tp`` turns it into torch's styles; the planner derives from the same plan which
   dim of each parameter tensor parallel shards (``Inventory``).
 - **the export mapping** (``to_hf``, ``hf_config``): its parameters under Hugging Face's names.
 - **the planner's inventory**: ``inventory`` (every parameter with its block and its tensor-parallel
-  dim, the input and output parameters, buffer bytes; cached per model config) and ``activations``
-  (an ``ActivationProfile``: what one block saves for backward, per rank and micro-batch).
+  dim, the input and output parameters, buffer bytes; cached per model config). What a block saves
+  for backward is the planner's own model of the family (``fsdp_exp.plan.activations``, keyed by ``name``).
 - **what the rest of the run reads of the config** (``vocab_size``, ``max_seq_len``, ``architecture``)
   and what the launcher fetches before preflight (``fetch``: a hub config into the local cache).
 """
@@ -29,7 +29,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     import torch
@@ -109,64 +109,6 @@ class Inventory:
     buffer_bytes: int  # module buffers (e.g. rotary tables), unsharded on every rank
 
 
-class TokenCounts:
-    """``tokens`` and ``logits`` of an activation profile from its ``b`` (micro-batch), ``s`` (sequence length)
-    and ``vocab``: the same arithmetic for every model family."""
-
-    b: int
-    s: int
-    vocab: int
-
-    @property
-    def tokens(self) -> int:
-        return self.b * self.s
-
-    @property
-    def logits(self) -> int:
-        return self.tokens * self.vocab
-
-
-class ActivationProfile(Protocol):
-    """Per-rank activation sizes of one micro-batch, as the planner's step walk uses them.
-
-    ``e`` is the compute dtype's size in bytes. Sizes are bytes unless the name says elements.
-    Under ``autocast`` (DDP's mixed precision) weights are cast per use and the residual stream
-    stays fp32.
-    """
-
-    tokens: int  # sequences x sequence length of one micro-batch
-    logits: int  # elements of the logits
-    peak_weight_grad: int  # elements of the weight gradient made at a block's backward peak
-    block_weight_grads: int  # elements of the weight gradients a block holds at that peak, unsharded
-
-    def residual(self, e: int) -> int:
-        """One tensor of the residual stream on this rank."""
-
-    def block_saved(self, e: int, autocast: bool, math_attention: bool) -> dict[str, int]:
-        """What one block keeps for backward, by piece, with ``total`` (its input included)."""
-
-    def op_level_saved(self, e: int, ops: str) -> int:
-        """What a block keeps under op-level selective checkpointing (``ac.ops``), beyond its input."""
-
-    def checkpointed_forward_peak(self, e: int) -> int:
-        """Alive at a checkpointed block's forward peak, beyond its input."""
-
-    def op_level_forward_peak(self, e: int, ops: str) -> int:
-        """Alive at an op-level checkpointed block's forward peak, beyond what it keeps and its output."""
-
-    def backward_peak(self, e: int) -> int:
-        """Activation gradients at a block's backward peak, beyond the one arriving from above."""
-
-    def head_saved(self, e: int, autocast: bool) -> int:
-        """What the layers between the last block and the logits keep for backward (the final norm)."""
-
-    def math_attention(self, device_kind: str, e: int) -> bool:
-        """Whether attention runs a kernel that saves the whole score matrix here."""
-
-    def notes(self, device_kind: str, e: int) -> list[str]:
-        """Assumptions the planner states for this model on this device."""
-
-
 class ModelSpec:
     """The interface a model family implements (see the module docstring). Defaults are generic."""
 
@@ -215,6 +157,11 @@ class ModelSpec:
 
     def output_modules_of(self, cfg) -> tuple[str, ...]:
         return self.output_modules
+
+    def expert_modules(self, model: "nn.Module") -> list[str]:
+        """Qualified names of a mixture-of-experts model's experts, each its own sharding unit under
+        ``wrap=experts``; none for a dense model (the default)."""
+        return []
 
     def init_name(self, model: "nn.Module", name: str) -> str:
         """The name a parameter is drawn under: a tied parameter has one value, under its first name."""
@@ -282,9 +229,6 @@ class ModelSpec:
         raise ValueError(self.why_no_hf_export(cfg))
 
     # -------------------------------------------------------------------------- planner
-    def activations(self, cfg, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> ActivationProfile:
-        raise NotImplementedError
-
     def meta_model(self, cfg) -> "nn.Module":
         """A meta-device model of ``cfg``, built once per config and shared: read it, never change it
         (``fsdp_exp.models.build_meta`` builds a fresh one to wrap)."""

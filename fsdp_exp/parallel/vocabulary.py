@@ -53,7 +53,7 @@ SHARDING_ROWS = [key for key in ROWS if key.startswith("sharding=")]
 POLICIES = """\
 ## Named policies
 
-**Op-level selective checkpointing** (`ac=selective_op`, `fsdp_exp/parallel/ac.py`: `OpSaver`). Every block is
+**Op-level selective checkpointing** (`ac=selective_op`, `fsdp_exp/parallel/ac.py`, by the rule `OpSaver` in `fsdp_exp/ops.py`). Every block is
 checkpointed, and torch's selective checkpoint API decides op by op what the block keeps for its backward;
 everything else is recomputed there.
 

@@ -11,7 +11,6 @@ from torch import nn
 
 from fsdp_exp.config import RunConfig
 from fsdp_exp.models import WRAPPER_COMPONENTS, spec_for
-from fsdp_exp.models.llama import MoEFeedForward
 
 
 def blocks(model: nn.Module, cfg: RunConfig) -> list[str]:
@@ -19,11 +18,6 @@ def blocks(model: nn.Module, cfg: RunConfig) -> list[str]:
     block_class = spec_for(cfg.model).block_class_of(cfg.model)
     return [name for name, m in model.named_modules()
             if _unwrap(m).__class__ is block_class and name.rpartition(".")[2] not in WRAPPER_COMPONENTS]
-
-
-def experts(model: nn.Module) -> list[str]:
-    return [f"{name}.experts.{i}" for name, m in model.named_modules() if isinstance(m, MoEFeedForward)
-            for i in range(len(m.experts))]
 
 
 def unit_names(model: nn.Module, cfg: RunConfig) -> list[str]:
@@ -34,7 +28,7 @@ def unit_names(model: nn.Module, cfg: RunConfig) -> list[str]:
     if policy == "block":
         return blocks(model, cfg)
     if policy == "experts":
-        expert_names = experts(model)
+        expert_names = spec_for(cfg.model).expert_modules(model)
         units = []
         for block in blocks(model, cfg):
             units += [e for e in expert_names if e.startswith(block + ".")] + [block]

@@ -114,12 +114,12 @@ def price_options(cfg: "RunConfig", result: Plan, cuda_devices: int, device_kind
     """What each memory option would change of the per-rank need (peak + margin), by planning the variant:
     [{"change", "saves_bytes" (negative: costs; 0: the peak lies elsewhere), "total_bytes", "peak_phase"}],
     the largest saving first."""
-    from fsdp_exp.fit_check import _variant
+    from fsdp_exp.config.variants import variant_of
     from fsdp_exp.preflight import validate
 
     priced = []
     for change in memory_options(cfg):
-        variant = _variant(cfg, (change,))
+        variant = variant_of(cfg, (change,))
         if variant is None:
             continue
         try:

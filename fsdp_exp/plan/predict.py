@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from fsdp_exp.models import spec_for
 from fsdp_exp.parallel import float8
 from fsdp_exp.parallel.backend import backend_for
+from fsdp_exp.plan.activations import profile_for
 from fsdp_exp.plan.devices import GIB, allocator_margin
 from fsdp_exp.plan.states import gathered, model_states, param_infos, unit_names, zero_model_states
 from fsdp_exp.plan.step import STAGES, StepSetting, StepWalk
@@ -58,8 +59,8 @@ def plan(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] =
                           topology.dp_size if rules.shards_optimizer else 1) if rules.zero_stage is None else \
         zero_model_states(infos, rules.zero_stage, shard, cfg.precision.param_dtype, cfg.offload.params,
                           cfg.offload.optimizer, kind)  # DeepSpeed's own layout
-    profile = spec.activations(cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, topology.tp_size,
-                               cfg.parallel.sequence_parallel)
+    profile = profile_for(cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, topology.tp_size,
+                          cfg.parallel.sequence_parallel)
     setting = StepSetting(
         kind=kind, param_dtype=cfg.precision.param_dtype, reduce_dtype=cfg.precision.reduce_dtype,
         grad_accum_steps=topology.grad_accum_steps, tp=topology.tp_size, shard=shard,

@@ -4,7 +4,7 @@ states, the gathered parameters, communication buffers and the activations.
 The phases: each block's forward at its peak, the output projection, the loss's forward and
 backward, each block's backward at its peak and its gradient reduction, the root's reduction, the
 optimizer step. Each belongs to one of the stages the run's memory tracker reports (``STAGES``).
-Activation sizes are the model family's (``ActivationProfile``); how parameters are sharded,
+Activation sizes are the planner's model of the family (``ActivationProfile``); how parameters are sharded,
 gathered and reduced is the backend's (``PlannerRules``). Under rules that gather no units (DDP)
 parameters are used in place: full replicas, gradient buckets, autocast's weight copies.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fsdp_exp.config.schema import LAST_MICRO_BATCH
-from fsdp_exp.models.spec import ActivationProfile
+from fsdp_exp.plan.activations import ActivationProfile
 from fsdp_exp.parallel.backend import PlannerRules
 from fsdp_exp.plan.states import DTYPE_BYTES, Gathered, ModelStates
 

@@ -10,7 +10,7 @@ how many operators the host dispatches.
   last matmul's input is saved before it runs (``fsdp_exp.metrics.flops``, which counts the same thing
   exactly by running the backward too, is the yardstick of the tests). ``ac.ops=every_matmul`` saves
   every matmul and attention output, so it recomputes no FLOPs that count; ``every_other_matmul``
-  (``ac=selective_op``) recomputes the matmuls its rule does not save (fsdp_exp.parallel.ac.OpSaver, run
+  (``ac=selective_op``) recomputes the matmuls its rule does not save (fsdp_exp.ops.OpSaver, run
   on the same forward).
 - **Operators**: the same forward counts the aten operators each block and the whole model dispatch
   (batch-independent). A backward dispatches about twice a forward's (an assumption: two gradients per
@@ -92,7 +92,7 @@ def _count(cfg: "RunConfig") -> Work:
     from torch.utils.flop_counter import FlopCounterMode
 
     from fsdp_exp.models import spec_for
-    from fsdp_exp.parallel.ac import LINEAR_MATMULS, OpSaver
+    from fsdp_exp.ops import LINEAR_MATMULS, OpSaver
 
     spec = spec_for(cfg.model)
     model = spec.meta_model(cfg.model)  # shared: hooks are removed again below

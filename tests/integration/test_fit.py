@@ -302,7 +302,7 @@ def test_a_model_too_deep_for_the_node_is_offered_shallower_in_its_familys_own_o
     """The fit check's "fewer blocks" suggestion is a command-line override each family understands:
     model.n_layers for Llama, num_hidden_layers in model.hf_overrides for transformers' models (GPT-2's
     n_layer through its alias), and applied to the config it gives the model that many blocks."""
-    from fsdp_exp.fit_check import _apply
+    from fsdp_exp.config.variants import apply_changes
     from fsdp_exp.models import spec_for
 
     for preset, blocks in (("llama7b", 32), ("hf_mistral_7b", 32), ("hf_gpt2_xl", 48)):
@@ -311,6 +311,6 @@ def test_a_model_too_deep_for_the_node_is_offered_shallower_in_its_familys_own_o
         assert len(spec.inventory(cfg.model).blocks) == blocks
         override = spec.depth_override(cfg.model, 3)
         assert override.endswith("=3")
-        assert len(spec.inventory(_apply(cfg, (override,)).model).blocks) == 3, override
+        assert len(spec.inventory(apply_changes(cfg, (override,)).model).blocks) == 3, override
         composed = run_config([f"model={preset}", override])  # as a user would type it
         assert len(spec.inventory(composed.model).blocks) == 3, override

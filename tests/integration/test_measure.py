@@ -16,6 +16,7 @@ from fsdp_exp.metrics.comm import comm_from_trace
 from fsdp_exp.metrics.flops import counted_flops_per_token, mfu, recompute_flops_per_token
 from fsdp_exp.metrics.tracker import BREAKDOWN, PHASES
 from fsdp_exp.models import count_params, flops_per_token
+from fsdp_exp.parallel import ac
 from fsdp_exp.tune.work import work
 
 from conftest import TINY_MODEL, read_metrics, run_config, run_experiment
@@ -40,21 +41,21 @@ def test_flops_per_token_and_recompute_by_hand():
     assert count_params(cfg.model, exclude_embeddings=True) == N
     assert flops_per_token(cfg.model, SEQ) == 6 * N + 12 * LAYERS * D * SEQ
     # torch's FlopCounterMode counts matmuls and attention only: 6N + 12LdS minus the norm weights.
-    assert counted_flops_per_token(cfg, SEQ, with_ac=False) == 6 * (N - NORMS) + 12 * LAYERS * D * SEQ
+    assert counted_flops_per_token(cfg, SEQ) == 6 * (N - NORMS) + 12 * LAYERS * D * SEQ
     per_block = 2 * (BLOCK_MATMULS - FFN * D) + 4 * D * SEQ
-    assert recompute_flops_per_token(cfg, SEQ) == LAYERS * per_block
+    assert recompute_flops_per_token(cfg, SEQ, ac.apply) == LAYERS * per_block
     # ac=selective checkpoints every 2nd block (block 0 of 2). Op-level AC: every_other_matmul (ac=selective_op)
     # saves the 1st, 3rd, 5th and 7th matmul (wq, wv, w1, w2) and attention, so it recomputes wk, wo and w3;
     # every_matmul recomputes no matmul. The planner's step-time model counts the same (tune/work.py).
-    assert recompute_flops_per_token(run_config([*SMALL, "ac=selective"]), SEQ) == per_block
+    assert recompute_flops_per_token(run_config([*SMALL, "ac=selective"]), SEQ, ac.apply) == per_block
     # On the meta device SDPA runs as math (batched matmuls, which the policy does not save), so the counter
     # also sees attention's two products recomputed; a real kernel's outputs are saved.
     unsaved = 2 * (D * KV + D * D + D * FFN)
     selective_op = run_config([*SMALL, "ac=selective_op"])
     assert work(selective_op).recompute_flops_per_token(selective_op) == LAYERS * unsaved
-    assert recompute_flops_per_token(selective_op, SEQ) == LAYERS * (unsaved + 4 * D * SEQ)
-    assert recompute_flops_per_token(run_config([*SMALL, "ac=selective_op", "ac.ops=every_matmul"]), SEQ) == 0
-    assert recompute_flops_per_token(run_config(SMALL), SEQ) == 0
+    assert recompute_flops_per_token(selective_op, SEQ, ac.apply) == LAYERS * (unsaved + 4 * D * SEQ)
+    assert recompute_flops_per_token(run_config([*SMALL, "ac=selective_op", "ac.ops=every_matmul"]), SEQ, ac.apply) == 0
+    assert recompute_flops_per_token(run_config(SMALL), SEQ, ac.apply) == 0
 
 
 def test_mfu_and_hfu_arithmetic_by_hand():

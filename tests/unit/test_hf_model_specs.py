@@ -20,6 +20,8 @@ from fsdp_exp.config import ConfigError  # noqa: E402
 from fsdp_exp.preflight import validate  # noqa: E402
 from fsdp_exp.metrics.flops import counted_flops_per_token  # noqa: E402
 from fsdp_exp.models import build_meta, count_params, flops_per_token, init_weights, spec_for  # noqa: E402
+from fsdp_exp.parallel.ac import apply as apply_checkpointing  # noqa: E402
+from fsdp_exp.plan.activations import profile_for  # noqa: E402
 
 from conftest import REPO, run_config  # noqa: E402
 
@@ -120,9 +122,9 @@ def test_flops_per_token_agree_with_torchs_flop_counter(preset):
     spec = spec_for(cfg.model)
     inventory = spec.inventory(cfg.model)
     not_matmuls = sum(p.numel for p in inventory.params if len(p.shape) < 2 and p.name not in inventory.input_params)
-    assert flops_per_token(cfg.model, 32) - counted_flops_per_token(cfg, 32, with_ac=False) == 6 * not_matmuls
-    assert counted_flops_per_token(shrunk(preset, "ac=full"), 32, with_ac=True) > \
-        counted_flops_per_token(cfg, 32, with_ac=False)
+    assert flops_per_token(cfg.model, 32) - counted_flops_per_token(cfg, 32) == 6 * not_matmuls
+    assert counted_flops_per_token(shrunk(preset, "ac=full"), 32, apply_checkpointing) > \
+        counted_flops_per_token(cfg, 32)
 
 
 @pytest.mark.parametrize("preset", ["hf_mistral_7b", "hf_gemma_7b", "hf_gpt2_xl", "mixtral"])
@@ -155,7 +157,7 @@ def test_the_planners_block_activations_are_what_a_real_forward_saves(preset, tm
         model(tokens)
     shared = set(saved[0]) & set(saved[1])  # the rotary tables every block saves
     real = sum(n for key, n in saved[1].items() if key not in shared)
-    measured = spec.activations(cfg.model, 4, 32, 1, False).block_saved(4)["total"]
+    measured = profile_for(cfg.model, 4, 32, 1, False).block_saved(4)["total"]
     assert measured == real
 
 
@@ -170,7 +172,7 @@ def test_mixture_of_experts_architectures_are_planned_in_every_precision(model_t
         cfg = tiny_moe(tmp_path, model_type, f"precision={precision}")
         plans[precision] = plan(cfg, validate(cfg, cuda_devices=0)).per_rank_bytes
     assert plans["fp16"] == plans["bf16"]
-    profile = spec_for(cfg.model).activations(cfg.model, 4, 32, 1, False)
+    profile = profile_for(cfg.model, 4, 32, 1, False)
     assert 0 < profile.block_saved(2)["total"] < profile.block_saved(4)["total"]
 
 
@@ -180,7 +182,7 @@ def test_a_config_whose_class_derives_its_layer_types_is_measured_on_two_blocks(
     folder = saved_config(tmp_path, "jamba", **TINY, num_experts=4, num_experts_per_tok=2, mamba_d_state=4,
                           mamba_dt_rank=8, pad_token_id=0, bos_token_id=0, eos_token_id=0)
     cfg = run_config(["model=hf", f"model.hf_config={folder}", "trainer.seq_len=8"])
-    assert spec_for(cfg.model).activations(cfg.model, 2, 8, 1, False).block_saved(4)["total"] > 0
+    assert profile_for(cfg.model, 2, 8, 1, False).block_saved(4)["total"] > 0
 
 
 def test_experts_sized_by_the_routed_tokens_are_refused_by_the_planner_naming_the_op_and_a_run_to_measure(tmp_path):
@@ -191,7 +193,7 @@ def test_experts_sized_by_the_routed_tokens_are_refused_by_the_planner_naming_th
                           vocab_size=256, bos_token_id=0, eos_token_id=0)
     cfg = run_config(["model=hf", f"model.hf_config={folder}", "trainer.seq_len=32"])
     with pytest.raises(ConfigError, match="JetMoeForCausalLM's activations on fake tensors") as err:
-        spec_for(cfg.model).activations(cfg.model, 4, 32, 1, False).block_saved(4)
+        profile_for(cfg.model, 4, 32, 1, False).block_saved(4)
     assert "_local_scalar_dense" in str(err.value) and "summary/tracked_peak_gib_max" in str(err.value)
 
 
@@ -366,13 +368,13 @@ def test_the_planners_measurement_is_kept_on_disk_under_everything_it_depends_on
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(hf_memory, "_CACHE", {})
     cfg = shrunk(next(iter(SHRUNK)))
-    profile = spec_for(cfg.model).activations(cfg.model, 4, 32, 1, False)
+    profile = profile_for(cfg.model, 4, 32, 1, False)
     measured = profile._measured(2)
     stored = json.loads(hf_memory.disk_cache_path().read_text())
     assert stored == {hf_memory._disk_key((*profile._key, 2, False)): asdict(measured)}
     hf_memory._CACHE.clear()
     assert profile._measured(2) == measured
-    other = spec_for(cfg.model).activations(cfg.model, 2, 32, 1, False)
+    other = profile_for(cfg.model, 2, 32, 1, False)
     assert hf_memory._disk_key((*other._key, 2, False)) not in stored
 
 

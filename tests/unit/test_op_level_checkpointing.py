@@ -11,9 +11,10 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from fsdp_exp.models import spec_for
+from fsdp_exp.plan.activations import profile_for
 from fsdp_exp.models.llama import TransformerBlock, rope_tables
-from fsdp_exp.parallel.ac import OpSaver, _op_level_context
+from fsdp_exp.ops import OpSaver
+from fsdp_exp.parallel.ac import _op_level_context
 
 from conftest import TINY_BATCH, TINY_MODEL, run_config
 
@@ -48,7 +49,7 @@ def test_op_level_checkpointing_saves_what_the_planner_counts(ops, precision, mo
     cfg = run_config([*TINY_MODEL, *TINY_BATCH, *extra, f"precision={precision}", "ac=selective_op",
                       f"ac.ops={ops}"])
     e = DTYPES[precision].itemsize
-    planned = spec_for(cfg.model).activations(cfg.model, BATCH, SEQ, 1, False).op_level_saved(e, ops)
+    planned = profile_for(cfg.model, BATCH, SEQ, 1, False).op_level_saved(e, ops)
     tracked = _tracked_saved(cfg, ops, DTYPES[precision])
     assert abs(planned / tracked - 1) < 0.03, (planned, tracked)
 

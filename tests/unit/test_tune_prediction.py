@@ -167,6 +167,7 @@ def test_tensor_parallel_all_reduces_the_stream_twice_per_block_each_way():
 
 def test_recompute_flops_match_the_flop_counter():
     from fsdp_exp.metrics.flops import recompute_flops_per_token
+    from fsdp_exp.parallel.ac import apply as apply_checkpointing
 
     for ac in ("none", "full", "selective", "selective_op"):
         cfg = run_config([f"ac={ac}"])
@@ -175,7 +176,7 @@ def test_recompute_flops_match_the_flop_counter():
         m = cfg.model
         meta_attention = 4 * m.dim * cfg.trainer.seq_len * m.n_layers if ac == "selective_op" else 0
         assert work(cfg).recompute_flops_per_token(cfg) + meta_attention == pytest.approx(
-            recompute_flops_per_token(cfg, cfg.trainer.seq_len)), ac
+            recompute_flops_per_token(cfg, cfg.trainer.seq_len, apply_checkpointing)), ac
 
 
 # ------------------------------------------------------------------------------------- the step-time model

@@ -1,5 +1,5 @@
 """What a Hugging Face model keeps for backward, measured on the model itself: the memory planner's
-activation profile of ``model=hf`` (``fsdp_exp.models.spec.ActivationProfile``).
+activation profile of ``model=hf`` (``fsdp_exp.plan.activations.ActivationProfile``).
 
 Nothing here knows an architecture. The model (two of its blocks, the rest of it as it is) is built
 under torch's ``FakeTensorMode``: tensors with shapes, dtypes and a CPU device but no memory, so the
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fsdp_exp.errors import fail
-from fsdp_exp.models.spec import TokenCounts
+from fsdp_exp.plan.activations.profile import TokenCounts
 
 DTYPES = {4: "float32", 2: "bfloat16"}
 MEASURED_BLOCKS = 2  # blocks built for the measurement: the second one's input comes from a block
@@ -43,7 +43,7 @@ MEASURED_BLOCKS = 2  # blocks built for the measurement: the second one's input 
 class Measurement:
     block_saved: int  # bytes one block keeps for backward (its input when it keeps it)
     root_saved: int  # bytes the layers outside the blocks keep (embeddings, final norm, position tables)
-    op_level_saved: dict  # ac.ops -> bytes of the op outputs one block saves under it (fsdp_exp.parallel.ac.OpSaver)
+    op_level_saved: dict  # ac.ops -> bytes of the op outputs one block saves under it (fsdp_exp.ops.OpSaver)
     forward_peak: int  # bytes a block holds at once in a forward without autograd, beyond its input
     backward_peak: int  # activation-gradient bytes at a block's backward peak, beyond the incoming one
     weight_grad_at_peak: int  # weight-gradient elements alive at that moment
@@ -205,7 +205,7 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
     from transformers import AutoModelForCausalLM
 
     from fsdp_exp.config.schema import AC_OPS
-    from fsdp_exp.parallel.ac import OpSaver
+    from fsdp_exp.ops import OpSaver
 
     compute = getattr(torch, DTYPES[e])
     config = _scaled_config(config, tp)
@@ -421,8 +421,8 @@ def disk_cache_path():
 def _disk_key(key: tuple) -> str:
     """A measurement's key between processes: the in-process key (the model's full transformers config, its block
     class, micro-batch, sequence, tensor parallel, attention implementation, dtype, autocast) with the versions of
-    torch and transformers and the source of the code that measures (this module, the family's shapes-only context
-    in models/hf.py, OpSaver in parallel/ac.py): any change to one of them measures again."""
+    torch and transformers and the source of the code that measures (this module, the family's spec with its
+    shapes-only context, the op-level checkpointing rule OpSaver): any change to one of them measures again."""
     import hashlib
     import json
     from pathlib import Path
@@ -430,8 +430,18 @@ def _disk_key(key: tuple) -> str:
     import torch
     import transformers
 
-    package = Path(__file__).resolve().parents[2]  # fsdp_exp/
-    sources = [Path(__file__).resolve(), package / "models" / "hf.py", package / "parallel" / "ac.py"]
+    from fsdp_exp import ops
+    from fsdp_exp.models import hf as hf_spec
+
+    sources = [Path(__file__).resolve(), Path(hf_spec.__file__).resolve(), Path(ops.__file__).resolve()]
     code = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()
     text = json.dumps([list(map(str, key)), torch.__version__, transformers.__version__, code])
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def profile(spec, m, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> HfActivations:
+    """A Hugging Face model's per-rank profile, measured on the model (sequence parallel has no plan here)."""
+    if sequence_parallel:
+        fail("parallel.sequence_parallel has no plan for a Hugging Face model (transformers' plans shard "
+             "no norms).", "pass parallel.sequence_parallel=false")
+    return HfActivations(spec, m, micro_batch, seq_len, tp)

@@ -1,5 +1,5 @@
 """What a Llama block (fsdp_exp/models/llama.py) keeps for backward, tensor by tensor: the memory
-planner's activation profile of the family (``fsdp_exp.models.spec.ActivationProfile``).
+planner's activation profile of the family (``fsdp_exp.plan.activations.ActivationProfile``).
 
 Sizes are per rank and per micro-batch: tensor parallel divides the heads and the SwiGLU width,
 sequence parallel divides the residual stream's sequence. ``e`` is the compute dtype's size in bytes.
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_exp.models.spec import TokenCounts
+from fsdp_exp.models.llama import ffn_hidden_dim
+from fsdp_exp.plan.activations.profile import TokenCounts
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class LlamaActivations(TokenCounts):
 
     def op_level_saved(self, e: int, ops: str) -> int:
         """What a block keeps under op-level selective AC beyond its input: the outputs ``ops`` saves
-        (fsdp_exp.parallel.ac.OpSaver's rule: every matmul's, or the 1st, 3rd, ... matmul's; always
+        (fsdp_exp.ops.OpSaver's rule: every matmul's, or the 1st, 3rd, ... matmul's; always
         attention's and the collectives')."""
         saved, matmuls = 0, 0
         for kind, nbytes in self._op_outputs(e):
@@ -146,3 +147,13 @@ class LlamaActivations(TokenCounts):
         return ["CUDA: calibrated on CPU runs; SDPA assumed to save q, k, v, out and the log-sum-exp "
                 "(flash / memory-efficient)" + (", math fallback here (fp32 with GQA)"
                                                if self.math_attention(device_kind, e) else "")]
+
+
+def profile(spec, cfg, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> LlamaActivations:
+    """A Llama model's per-rank profile: tensor parallel divides the heads and the SwiGLU width."""
+    head_dim = cfg.dim // cfg.n_heads
+    return LlamaActivations(
+        b=micro_batch, s=seq_len, d=cfg.dim, dq=cfg.n_heads * head_dim // tp,
+        dkv=(cfg.n_kv_heads or cfg.n_heads) * head_dim // tp, heads=cfg.n_heads // tp,
+        ffn=ffn_hidden_dim(cfg) // tp, vocab=cfg.vocab_size, experts=cfg.n_experts,
+        sp=tp if sequence_parallel else 1, tp=tp)
