@@ -30,8 +30,10 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
   bytes allow), attention as a causal fused kernel does it (half the counted square; 2.5 x in backward) at
   ``attention_efficiency``, the memory-bound operators and the loss's logits by their bytes at
   ``memory_efficiency`` of the memory's bandwidth, backward twice the matmuls and bytes, and the share of
-  the forward that activation checkpointing runs again. On a CPU: FLOPs / (peak of ``param_dtype`` x
-  efficiency). The operators cost ``dispatch_us`` each, hidden behind the device's work where dispatch is
+  the forward that activation checkpointing runs again. Under ``precision=float8`` the linears torchao
+  converts run at the FP8 peak x ``fp8_efficiency`` (operands 1 byte) and their casts add memory-bound bytes
+  (``float8_costs``; a GPU without an FP8 peak refuses, unless emulated). On a CPU: FLOPs / (peak of
+  ``param_dtype`` x efficiency). The operators cost ``dispatch_us`` each, hidden behind the device's work where dispatch is
   asynchronous (CUDA), added to it where it is not (eager CPU);
 - a collective over a ring of n ranks (the alpha-beta model): an all-gather or a reduce-scatter takes
   ``(n-1) x latency + (n-1)/n x bytes / bandwidth``, an all-reduce twice that; the link is the node's
@@ -48,7 +50,7 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
   tiny all-reduces.
 
 What it leaves out, knowingly: stragglers, congestion between jobs, NCCL's tree and NVLS algorithms,
-compile, FP8; on a CPU kernels' efficiency by shape and the backend's per-collective software cost (both in
+compile (but for float8's casts, fused under it), rowwise float8's slower kernels; on a CPU kernels' efficiency by shape and the backend's per-collective software cost (both in
 the probed and fitted figures). The GPU figures it fits on the published record: fsdp_exp/plan/devices.py.
 """
 
@@ -189,7 +191,7 @@ def local_parameters(cfg: "RunConfig", rules, shard: int, tp: int) -> int:
 
 
 def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
-    from fsdp_exp.models import spec_for
+    from fsdp_exp.plan.activations import profile_for
     from fsdp_exp.parallel.backend import backend_for
     from fsdp_exp.tune.work import work
 
@@ -246,7 +248,7 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
         traffic.append(Traffic("gradient all-reduce (buckets)", "all-reduce", dp, dp_nodes, R * units,
                                R * grad_bytes, "backward", True))
     if tp > 1:
-        stream = spec_for(cfg.model).activations(cfg.model, topology.micro_batch_size, seq, 1, False).residual(e_p)
+        stream = profile_for(cfg.model, topology.micro_batch_size, seq, 1, False).residual(e_p)
         blocks = len(w.block_forward_flops)
         for phase in ("forward", "backward"):
             traffic.append(Traffic(f"tensor-parallel all-reduce ({phase})", "all-reduce", tp, 1, G * 2 * blocks,
