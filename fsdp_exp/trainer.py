@@ -47,7 +47,7 @@ from fsdp_exp.models import (build_meta, canonical_name, count_params, matrix_pa
                              spec_for)
 from fsdp_exp.models.loss import mean_cross_entropy
 from fsdp_exp.optim import build_scheduler
-from fsdp_exp.parallel import parallelize
+from fsdp_exp.parallel import ac, parallelize
 from fsdp_exp.record import ConsoleSink, JsonlSink, RunRecord, WandbSink
 
 GIB = memory.GIB
@@ -119,7 +119,7 @@ class Trainer:
         # on the meta device gets no HFU (null, and the reason in run.json env), not a failed run.
         self.recompute_error = None
         try:
-            self.recompute_flops_per_token: Optional[float] = recompute_flops_per_token(cfg, cfg.trainer.seq_len)
+            self.recompute_flops_per_token: Optional[float] = recompute_flops_per_token(cfg, cfg.trainer.seq_len, ac.apply)
         except Exception as exc:  # noqa: BLE001 - a measurement aside must not stop training
             self.recompute_flops_per_token, self.recompute_error = None, f"{type(exc).__name__}: {exc}"
         self.peak_tflops, self.peak_source, self.peak_measurement = self._peak_tflops()
