@@ -278,11 +278,14 @@ class PipelineEngine:
         losses: list = []
         self.schedule.step(*((inputs,) if self.has_first else ()), target=targets if self.has_last else None,
                            losses=losses if self.has_last else None, return_outputs=False)
-        dp = self.mesh["dp"].size()
-        # One all-reduce over every rank: the dp ranks holding the last stage each add their mean over dp.
-        local = torch.stack([x.detach().float() for x in losses]).mean() / dp if self.has_last else torch.zeros(())
+        # The last stage's mean over its micro-batches, summed over the pp group (the other stages add 0),
+        # then averaged over dp: the mean over the global batch, on every rank of this mesh.
+        local = torch.stack([x.detach().float() for x in losses]).mean() if self.has_last else torch.zeros(())
         local = local.to(inputs.device)
-        dist.all_reduce(local)
+        dist.all_reduce(local, group=self.mesh["pp"].get_group())
+        if self.mesh["dp"].size() > 1:  # a sum, then divided: gloo has no AVG
+            dist.all_reduce(local, group=self.mesh["dp"].get_group())
+            local /= self.mesh["dp"].size()
         return local.item()
 
     def clip_grad_norm(self, max_norm: float) -> "torch.Tensor":

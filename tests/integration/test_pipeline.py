@@ -2,7 +2,7 @@
 Llama into stages, run torch's schedules over micro-batches, and after 5 steps the losses and every
 parameter match tests/reference.py's single-process run of the same model, data and seed.
 
-Every schedule of a rank count runs inside one spawned process group (a spawn costs seconds here).
+Every case runs inside one spawned group of 4 ranks (a spawn costs seconds here; see ROUNDS).
 Tolerance, fp32: the stages compute the same operations on the same values as the single process, but
 the loss is a mean of micro-batch means and the gradients a sum of micro-batch parts (and over dp, a
 reduce-scatter), so they differ by float rounding only (measured: see docs/pipeline.md); 1e-5 relative on
@@ -25,17 +25,32 @@ from reference import reference_run
 
 STEPS = 5
 # 4 blocks, so that 2 ranks can hold 2 stages each (interleaved 1F1B).
-OVERRIDES = [*QUIET, *TINY_MODEL, "model.n_layers=4", *TINY_BATCH, f"trainer.steps={STEPS}"]
+# grad_clip 0.5: below the gradient norm (~0.92 here), so the clipping by the norm over all stages acts.
+OVERRIDES = [*QUIET, *TINY_MODEL, "model.n_layers=4", *TINY_BATCH, f"trainer.steps={STEPS}", "trainer.grad_clip=0.5"]
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 
-# case -> (PipelineSettings fields, dp). 8 sequences a step: 4 micro-batches of 2 on pp=2 alone.
-TWO_RANKS = {
-    "gpipe": (dict(pp=2, schedule="gpipe", microbatches=4), 1),
-    "1f1b": (dict(pp=2, schedule="1f1b", microbatches=4), 1),
-    "interleaved_1f1b": (dict(pp=2, schedule="interleaved_1f1b", microbatches=4, stages_per_rank=2), 1),
+# case -> the PipelineSettings fields. 8 sequences a step: 4 micro-batches of 2 on pp=2 alone.
+PP2 = {
+    "gpipe": dict(pp=2, schedule="gpipe", microbatches=4),
+    "1f1b": dict(pp=2, schedule="1f1b", microbatches=4),
+    "interleaved_1f1b": dict(pp=2, schedule="interleaved_1f1b", microbatches=4, stages_per_rank=2),
+    "looped_bfs": dict(pp=2, schedule="looped_bfs", microbatches=4, stages_per_rank=2),
+    "zbv_zero_bubble": dict(pp=2, schedule="zbv_zero_bubble", microbatches=4, stages_per_rank=2),
+    "dualpipev": dict(pp=2, schedule="dualpipev", microbatches=4, stages_per_rank=2),
 }
-FOUR_RANKS = {"1f1b_dp2": (dict(pp=2, schedule="1f1b", microbatches=2), 2)}
+PP2_DP2 = {"1f1b_fsdp2_dp2": dict(pp=2, schedule="1f1b", microbatches=2)}  # 4 sequences per dp rank
+CASES = {**PP2, **PP2_DP2}
+# One spawned group of 4 ranks runs every case: a (replica, pp, dp) mesh whose two replicas are two
+# independent 2-rank pipelines (each round, replica 0 trains one case while replica 1 trains another),
+# then one pp=2 x dp=2 pipeline over all four.
+ROUNDS = [
+    ((2, 2, 1), ("gpipe", "1f1b")),
+    ((2, 2, 1), ("interleaved_1f1b", "looped_bfs")),
+    ((2, 2, 1), ("zbv_zero_bubble", "dualpipev")),
+    ((1, 2, 2), ("1f1b_fsdp2_dp2",)),
+]
+NPROCS = 4
 
 
 def _global_batches(cfg, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -48,41 +63,50 @@ def _global_batches(cfg, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(b.inputs, b.targets) for step in range(steps) for b in data.micro_batches(step)]
 
 
-def _rank(rank: int, world: int, port: int, config: dict, cases: dict, batches: list, out: str) -> None:
+def _rank(rank: int, world: int, port: int, config: dict, batches: list, out: str) -> None:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_exp.config import to_run_config
-    from fsdp_exp.parallel.pipeline import PipelineSettings, build_pipeline, pipeline_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     cfg = to_run_config(config)
-    results = {}
-    for name, (fields, dp) in cases.items():
-        mesh = pipeline_mesh("cpu", fields["pp"], dp)
-        engine = build_pipeline(cfg, PipelineSettings(**fields), mesh, torch.device("cpu"))
-        dp_rank = mesh["dp"].get_local_rank()
-        losses = []
-        for inputs, targets in batches:
-            share = inputs.shape[0] // dp
-            rows = slice(dp_rank * share, (dp_rank + 1) * share)
-            losses.append(engine.step(inputs[rows], targets[rows]))
-            engine.optimizer_step(cfg.trainer.grad_clip)
-        # Every parameter whole (a collective over dp), kept by the stage's first dp rank.
-        params = {n: p.full_tensor() for stage in engine.stages for n, p in stage.named_parameters()}
-        if dp_rank == 0:
-            torch.save(params, Path(out) / f"{name}-params-{rank}.pt")
-        results[name] = {"losses": losses, "stages": engine.stage_indices, "stage_blocks": engine.applied["stage_blocks"]}
+    meshes: dict = {}
+    for shape, names in ROUNDS:
+        if shape not in meshes:
+            meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("replica", "pp", "dp"))
+        mesh = meshes[shape]
+        name = names[mesh["replica"].get_local_rank()]
+        _train_case(cfg, name, mesh["pp", "dp"], batches, Path(out), rank)
         dist.barrier()
-    if rank == 0:
-        (Path(out) / "results.json").write_text(json.dumps(results))
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # as fsdp_exp's launcher does: no gloo teardown at interpreter exit
 
 
-def _train(cases: dict, nprocs: int, out: Path) -> dict:
+def _train_case(cfg, name: str, mesh, batches: list, out: Path, rank: int) -> None:
+    """Train case ``name`` on the (pp, dp) ``mesh``; write its parameters (each stage's first dp rank) and
+    its losses (the mesh's first rank)."""
+    from fsdp_exp.parallel.pipeline import PipelineSettings, build_pipeline
+
+    engine = build_pipeline(cfg, PipelineSettings(**CASES[name]), mesh, torch.device("cpu"))
+    dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    losses = []
+    for inputs, targets in batches:
+        rows = slice(dp_rank * inputs.shape[0] // dp, (dp_rank + 1) * inputs.shape[0] // dp)
+        losses.append(engine.step(inputs[rows], targets[rows]))
+        engine.optimizer_step(cfg.trainer.grad_clip)
+    params = {n: p.full_tensor() for stage in engine.stages for n, p in stage.named_parameters()}  # over dp
+    if dp_rank == 0:
+        torch.save(params, out / f"{name}-params-{rank}.pt")
+    if mesh["pp"].get_local_rank() == 0 and dp_rank == 0:
+        (out / f"{name}.json").write_text(json.dumps({"losses": losses, "stages": engine.stage_indices,
+                                                      "stage_blocks": engine.applied["stage_blocks"]}))
+
+
+def _train_all(out: Path) -> dict:
     import torch.multiprocessing as mp
 
     from fsdp_exp.config import plain
@@ -90,10 +114,11 @@ def _train(cases: dict, nprocs: int, out: Path) -> dict:
 
     cfg = run_config(OVERRIDES)
     batches = _global_batches(cfg, STEPS)
-    mp.start_processes(_rank, args=(nprocs, free_port(), plain(cfg), cases, batches, str(out)),
-                       nprocs=nprocs, start_method="spawn")
-    results = json.loads((out / "results.json").read_text())
-    for name in cases:
+    mp.start_processes(_rank, args=(NPROCS, free_port(), plain(cfg), batches, str(out)), nprocs=NPROCS,
+                       start_method="spawn")
+    results = {}
+    for name in CASES:
+        results[name] = json.loads((out / f"{name}.json").read_text())
         results[name]["params"] = {}
         for path in out.glob(f"{name}-params-*.pt"):
             results[name]["params"].update(torch.load(path))
@@ -106,13 +131,8 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
-    return _train(TWO_RANKS, 2, tmp_path_factory.mktemp("pipeline_2"))
-
-
-@pytest.fixture(scope="module")
-def four_rank_runs(tmp_path_factory):
-    return _train(FOUR_RANKS, 4, tmp_path_factory.mktemp("pipeline_4"))
+def runs(tmp_path_factory):
+    return _train_all(tmp_path_factory.mktemp("pipeline"))
 
 
 def _assert_matches_reference(run: dict, reference, case: str) -> None:
@@ -127,16 +147,16 @@ def _assert_matches_reference(run: dict, reference, case: str) -> None:
         assert gap < PARAM_ATOL, f"{case}: {name} differs from the single process by {gap}"
 
 
-@pytest.mark.parametrize("case", sorted(TWO_RANKS))
-def test_two_pipeline_stages_train_like_one_process(two_rank_runs, reference, case):
-    _assert_matches_reference(two_rank_runs[case], reference, case)
+@pytest.mark.parametrize("case", sorted(PP2))
+def test_two_pipeline_stages_train_like_one_process(runs, reference, case):
+    _assert_matches_reference(runs[case], reference, case)
 
 
-def test_interleaved_schedule_places_two_stages_on_each_rank(two_rank_runs):
-    run = two_rank_runs["interleaved_1f1b"]
-    assert run["stages"] == [0, 2]  # rank 0 (looped placement: stage s on rank s % pp)
-    assert run["stage_blocks"] == [[0], [1], [2], [3]]
+def test_interleaved_schedule_places_two_stages_on_each_rank(runs):
+    assert runs["interleaved_1f1b"]["stages"] == [0, 2]  # pp rank 0, looped: stage s on rank s % pp
+    assert runs["interleaved_1f1b"]["stage_blocks"] == [[0], [1], [2], [3]]
+    assert runs["zbv_zero_bubble"]["stages"] == [0, 3]  # a V: pp rank 0 holds the first and the last stage
 
 
-def test_two_stages_with_fsdp2_over_two_dp_ranks_train_like_one_process(four_rank_runs, reference):
-    _assert_matches_reference(four_rank_runs["1f1b_dp2"], reference, "1f1b_dp2")
+def test_two_stages_with_fsdp2_over_two_dp_ranks_train_like_one_process(runs, reference):
+    _assert_matches_reference(runs["1f1b_fsdp2_dp2"], reference, "1f1b_fsdp2_dp2")
