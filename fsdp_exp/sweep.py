@@ -32,7 +32,6 @@ the single source of truth.
 
 from __future__ import annotations
 
-import difflib
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from fsdp_exp.errors import closest, did_you_mean
 from fsdp_exp.identity import REPEAT_KEY
 
 EXIT_BAD_SWEEP = 2
@@ -81,8 +81,7 @@ def sweep_problems(overrides: list[str]) -> list[str]:
             problems.extend(_unknown_key(key.lstrip("+~").split("@")[0]))
         for value in chosen if options and not override.is_delete() else []:
             if value not in options and value != "null":
-                near = difflib.get_close_matches(value, options, n=1)
-                hint = f"did you mean {key}={near[0]}? " if near else ""
+                hint = did_you_mean(closest(value, options), f"{key}={{}}", after=" ")
                 problems.append(f"{key}={value}: no such option; {hint}options: {', '.join(options)}")
     return problems
 

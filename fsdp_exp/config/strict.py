@@ -12,12 +12,11 @@ expects a number.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import typing
 from typing import Any, Iterator
 
-from fsdp_exp.errors import fail
+from fsdp_exp.errors import closest, did_you_mean, fail
 
 IGNORED_TOP_LEVEL = frozenset({"hydra"})  # Hydra's own node, when a config carries it
 
@@ -138,9 +137,9 @@ def check_keys(cfg: Any, schema: type) -> None:
         # to any top-level key.
         group = key.rsplit(".", 1)[0] + "." if "." in key else ""
         candidates = [k for k in known if k.startswith(group) and k.count(".") == key.count(".")] or known
-        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-        problems.append(f"{key} is not a setting of fsdp_exp" + (f" (did you mean {close[0]}?)" if close else ""))
-        fixes.append(f"drop {key}" + (f", or write {close[0]}=..." if close else ""))
+        near = closest(key, candidates)
+        problems.append(f"{key} is not a setting of fsdp_exp" + did_you_mean(near, before=" (", after=")"))
+        fixes.append(f"drop {key}" + (f", or write {near}=..." if near else ""))
     fail("unknown key" + ("s" if len(unknown) > 1 else "") + ": " + "; ".join(problems) + ".",
          "; ".join(fixes) + " (python -m fsdp_exp --cfg job lists every key)")
 
@@ -217,9 +216,7 @@ def explain_composition_error(exc: BaseException, schema: type) -> str | None:
         message = str(exc).split("\nConfig search path")[0].strip()
         missing = (exc.missing_cfg_file or "").rsplit("/", 1)
         if len(missing) == 2 and exc.options:
-            close = difflib.get_close_matches(missing[1], exc.options, n=1)
-            if close:
-                message += f"\n  fix: did you mean {missing[0]}={close[0]}?"
+            message += did_you_mean(closest(missing[1], exc.options), f"{missing[0]}={{}}", before="\n  fix: ")
         return message
     if isinstance(exc, OverrideParseException):
         return str(exc).strip()
@@ -238,9 +235,9 @@ def explain_composition_error(exc: BaseException, schema: type) -> str | None:
         known = list(schema_keys(schema))
         group = key.rsplit(".", 1)[0] + "." if "." in key else ""
         candidates = [k for k in known if k.startswith(group) and k.count(".") == key.count(".")] or known
-        close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
-        return (f"{where}\n{key} is not a setting of fsdp_exp" + (f" (did you mean {close[0]}?)" if close else "")
-                + f".\n  fix: drop {key}" + (f", or write {close[0]}" if close else "")
+        near = closest(key, candidates)
+        return (f"{where}\n{key} is not a setting of fsdp_exp" + did_you_mean(near, before=" (", after=")")
+                + f".\n  fix: drop {key}" + (f", or write {near}" if near else "")
                 + " (python -m fsdp_exp --cfg job lists every key)").strip()
     details = f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else ""
     return f"{exc}{details}".strip()

@@ -11,11 +11,10 @@ for the planner, its activation model in ``fsdp_exp.plan.activations.PROFILES``.
 
 from __future__ import annotations
 
-import difflib
 import zlib
 from typing import TYPE_CHECKING
 
-from fsdp_exp.errors import fail
+from fsdp_exp.errors import closest, did_you_mean, fail
 from fsdp_exp.models.hf import HF
 from fsdp_exp.models.llama_spec import LLAMA
 from fsdp_exp.models.spec import ModelSpec
@@ -35,8 +34,7 @@ REGISTRY: dict[str, ModelSpec] = {
 def get_spec(name: str) -> ModelSpec:
     """The family ``model.name`` names; an unknown name is refused with a "did you mean"."""
     if name not in REGISTRY:
-        close = difflib.get_close_matches(name, REGISTRY, n=1)
-        hint = f"did you mean model.name={close[0]}? " if close else ""
+        hint = did_you_mean(closest(name, REGISTRY), "model.name={}", after=" ")
         fail(f"model.name={name!r} is not a known architecture ({', '.join(sorted(REGISTRY))}).",
              f"{hint}pick a preset with model=llama_tiny|llama7b|... or pass model.name=llama")
     return REGISTRY[name]

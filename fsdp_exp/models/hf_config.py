@@ -13,12 +13,11 @@ the network. ``transformers`` is an optional dependency: ``pip install "fsdp_exp
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 from pathlib import Path
 from typing import Any
 
-from fsdp_exp.errors import fail
+from fsdp_exp.errors import closest, did_you_mean, fail
 
 INSTALL = 'pip install "fsdp_exp[hf]" (in a checkout: pip install -c constraints.txt -e ".[hf]")'
 HUB_FILE = "config.json"
@@ -117,9 +116,8 @@ def config_class(fields: dict, where: str):
 
     model_type = fields.get("model_type")
     if model_type not in CONFIG_MAPPING:
-        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=1)
         fail(f"{where} has model_type={model_type!r}, which transformers {tf.__version__} does not know"
-             + (f" (did you mean {close[0]}?)" if close else "") + ".",
+             + did_you_mean(closest(model_type, CONFIG_MAPPING.keys()), before=" (", after=")") + ".",
              "pass a config.json with a model_type that transformers knows (e.g. mistral, qwen2, gpt2)")
     return CONFIG_MAPPING[model_type]
 
@@ -140,10 +138,10 @@ def load(m):
     overrides = dict(m.hf_overrides)
     for key in overrides:
         if key not in names or key in GENERIC_FIELDS:
-            close = difflib.get_close_matches(key, sorted(names - GENERIC_FIELDS), n=1)
+            near = closest(key, sorted(names - GENERIC_FIELDS))
             fail(f"model.hf_overrides.{key}: {cls.__name__} has no field {key!r}"
-                 + (f" (did you mean {close[0]}?)" if close else "") + ".",
-                 "drop it" + (f", or write +model.hf_overrides.{close[0]}=..." if close else ""))
+                 + did_you_mean(near, before=" (", after=")") + ".",
+                 "drop it" + (f", or write +model.hf_overrides.{near}=..." if near else ""))
     for key, value in overrides.items():
         fields.pop(key, None)
         fields[aliases.get(key, key)] = value

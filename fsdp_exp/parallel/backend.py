@@ -20,13 +20,12 @@ A new backend is one module under ``fsdp_exp/parallel/`` with a ``Backend`` subc
 from __future__ import annotations
 
 import contextlib
-import difflib
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
 from fsdp_exp.config.schema import EVERY_MICRO_BATCH
-from fsdp_exp.errors import fail
+from fsdp_exp.errors import closest, did_you_mean, fail
 
 if TYPE_CHECKING:  # the schema is a leaf; torch is imported by the backends themselves
     import torch
@@ -52,11 +51,10 @@ def check_backend_name(name: str) -> None:
     """Refuse an unknown ``sharding.backend`` with a "did you mean"."""
     if name in BACKEND_MODULES:
         return
-    close = difflib.get_close_matches(name, BACKEND_MODULES, n=1)
     presets = "(or a preset: sharding=full|grad_op|hybrid|no_shard|ddp|optimizer|zero1|zero2|zero3)"
     fail(f"sharding.backend={name!r} is not one of {', '.join(BACKEND_MODULES)}.",
-         f"did you mean sharding.backend={close[0]}? {presets}" if close
-         else f"pass sharding.backend=fsdp2 {presets}")
+         did_you_mean(closest(name, BACKEND_MODULES), "sharding.backend={}", after=f" {presets}")
+         or f"pass sharding.backend=fsdp2 {presets}")
 
 
 def get_backend(name: str) -> "Backend":

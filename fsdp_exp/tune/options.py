@@ -7,13 +7,12 @@ Every refusal is a ``ConfigError`` naming the option that fixes it (exit 2).
 
 from __future__ import annotations
 
-import difflib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from fsdp_exp.errors import fail
+from fsdp_exp.errors import closest, did_you_mean, fail
 
 # The search space's dimensions, in the order a candidate's overrides list them (fsdp_exp.tune.space).
 SPACE_DIMENSIONS = ("backend", "sharding", "shard_size", "ac", "precision", "offload", "prefetch", "micro_batch_size",
@@ -108,8 +107,7 @@ def split_argv(argv: list[str]) -> tuple[TuneOptions, list[str]]:
             overrides.append(arg)
             continue
         if key not in OPTIONS or not sep:
-            close = difflib.get_close_matches(key, OPTIONS, n=1)
-            hint = f"did you mean {close[0]}=...? " if close else ""
+            hint = did_you_mean(closest(key, OPTIONS), "{}=...", after=" ")
             fail(f"{arg!r} is not an option of the tuner.",
                  f"{hint}options: {', '.join(OPTIONS)} (python -m fsdp_exp.tune --help)")
         if key.startswith("tune.space."):

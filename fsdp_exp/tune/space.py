@@ -33,11 +33,10 @@ options once (a few compositions in all), and every candidate is the base with i
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Optional
 
-from fsdp_exp.errors import fail
+from fsdp_exp.errors import closest, did_you_mean, fail
 from fsdp_exp.tune.options import SPACE_DIMENSIONS
 
 if TYPE_CHECKING:
@@ -104,8 +103,7 @@ def micro_batches(per_rank: int) -> list[str]:
 def _check_values(dim: str, values: list[str], allowed: list[str]) -> None:
     for value in values:
         if value not in allowed:
-            close = difflib.get_close_matches(value, allowed, n=1)
-            hint = f"did you mean {close[0]}? " if close else ""
+            hint = did_you_mean(closest(value, allowed), after=" ")
             fail(f"tune.space.{dim} lists {value!r}, which is not one of {', '.join(allowed)}.",
                  f"{hint}pass tune.space.{dim}=[{','.join(allowed[:3])}]")
 
