@@ -47,6 +47,7 @@ def candidate_json(w: "Weighed", tuning: "Tuning") -> dict:
                       "peak_before_margin_gib": None if w.peak_bytes is None else w.peak_bytes / GIB,
                       "tokens_per_s": p.tokens_per_s if p else None,
                       "step_time_s": p.step_time_s if p else None, "mfu": p.mfu if p else None,
+                      "mfu_fp8": p.mfu_fp8 if p else None,  # precision=float8: against the FP8 peak
                       "breakdown_s": p.breakdown if p else None, "comm_s": p.comm if p else None,
                       "dominant": p.dominant if p else None, "explain": p.explain() if p else None},
         "measured": w.measured,

@@ -140,6 +140,9 @@ class StepPrediction:
     breakdown: dict  # seconds: compute, exposed_comm, offload, optimizer, overhead
     comm: dict  # seconds per collective purpose, before overlap
     dominant: str  # compute | exposed comm | offload | optimizer | overhead
+    # precision=float8 on a device with FP8 tensor cores: MFU against the FP8 peak (``mfu`` is against the compute
+    # dtype's), the two denominators a run reports (perf/mfu, perf/mfu_fp8)
+    mfu_fp8: Optional[float] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -522,8 +525,10 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
              "overhead": "overhead"}
     dominant = named[max(breakdown, key=breakdown.get)]
     mfu = costs.model_flops / step / (peak * 1e12)
+    fp8_peak = perf.peak_tflops.get("fp8") if costs.float8 else None
     return StepPrediction(step_time_s=step, tokens_per_s=costs.tokens_per_step / step, mfu=mfu,
-                          breakdown=breakdown, comm=comm, dominant=dominant)
+                          breakdown=breakdown, comm=comm, dominant=dominant,
+                          mfu_fp8=costs.model_flops / step / (fp8_peak * 1e12) if fp8_peak else None)
 
 
 def predict(cfg: "RunConfig", topology: "Topology", perf: "DevicePerf") -> StepPrediction:

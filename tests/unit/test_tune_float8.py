@@ -49,6 +49,14 @@ def test_float8_speeds_llama3_8b_on_eight_h100s_up_within_the_band_torchtitan_pu
     assert 1.1 < ratio < 1.5, ratio  # published x1.28 (above)
 
 
+def test_a_float8_prediction_gives_mfu_against_both_peaks():
+    cfg, topology, _ = _costs(FLOAT8)
+    predicted = predict(cfg, topology, DEVICES["h100_80gb"].perf)
+    assert predicted.mfu_fp8 == pytest.approx(predicted.mfu * 989.0 / 1979.0)  # H100 SXM: bf16 and FP8 peaks
+    bf16, bf16_topology, _ = _costs(BF16)
+    assert predict(bf16, bf16_topology, DEVICES["h100_80gb"].perf).mfu_fp8 is None
+
+
 def test_the_converted_matmuls_leave_the_bf16_ones_and_the_output_projection_stays_bf16():
     _, _, bf16 = _costs(BF16)
     _, _, f8 = _costs(FLOAT8)
