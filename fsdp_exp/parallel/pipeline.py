@@ -82,7 +82,12 @@ def check(settings: PipelineSettings, model_cfg: "ModelConfig", local_batch: int
     if SCHEDULES[s.schedule][1] == "v" and s.stages_per_rank != 2:
         fail(f"parallel.pp_schedule={s.schedule} places two stages on every rank (a V).",
              "pass parallel.pp_stages_per_rank=2")
-    n_blocks = len(spec_for(model_cfg).inventory(model_cfg).blocks)
+    spec = spec_for(model_cfg)
+    if spec.name != "llama":
+        fail(f"model.name={spec.name}: pipeline stages run the family's own forward on activations, which only "
+             "fsdp_exp's Llama takes so far (a transformers model takes token ids and returns an output object).",
+             "pass parallel.pp=1, or model=llama_tiny|llama7b|...")
+    n_blocks = len(spec.inventory(model_cfg).blocks)
     if s.num_stages > n_blocks:
         fail(f"{s.num_stages} pipeline stages (parallel.pp={s.pp} x parallel.pp_stages_per_rank={s.stages_per_rank}) "
              f"need at least as many blocks; the model has {n_blocks}.",
