@@ -287,9 +287,10 @@ def _nothing_ranked(weighed: list[Weighed], limit: int, limit_name: str, budget_
              f"{room}, or add ranks (trainer.nnodes / trainer.nproc_per_node), or a smaller "
              "trainer.global_batch_size")
     untimed = [w for w in weighed if w.no_prediction]
-    if untimed:
-        fail(f"no candidate that fits can be timed: {untimed[0].no_prediction}",
-             "pass a tune.space.precision the device has a peak for, or another plan.device")
+    if untimed:  # a reason that names its own fix (float8 on a GPU without FP8 tensor cores) gives that one
+        reason, _, fix = untimed[0].no_prediction.partition("; pass ")
+        fail(f"no candidate that fits can be timed: {reason}",
+             f"pass {fix}" if fix else "pass a tune.space.precision the device has a peak for, or another plan.device")
     reasons = Counter(w.refused for w in weighed if w.refused).most_common(1)
     if reasons[0][1] == len(weighed) and weighed[0].refused_fix:
         # One reason for every candidate: no dimension of the search changes it (a model the run cannot

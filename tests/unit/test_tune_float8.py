@@ -9,8 +9,9 @@ import dataclasses
 
 import pytest
 
-from fsdp_exp.parallel.float8 import planned_matmuls
+from fsdp_exp.errors import ConfigError
 from fsdp_exp.models import spec_for
+from fsdp_exp.parallel.float8 import planned_matmuls
 from fsdp_exp.plan.devices import DEVICES
 from fsdp_exp.preflight import validate
 from fsdp_exp.tune.options import split_argv
@@ -127,6 +128,7 @@ def test_tune_searches_float8_where_the_device_has_fp8_tensor_cores_and_leaves_i
     a100, on_a100 = _precisions(["plan.device=a100_80gb"])
     assert "float8" not in a100.space.values["precision"] and "tensorwise" not in on_a100
     assert any("float8 left out: a100_80gb has no FP8 tensor cores" in note for note in a100.space.notes)
-    # Asked for by name, it is weighed and not timed, with the reason and its fix.
-    _, asked = _precisions(["plan.device=a100_80gb", "tune.space.precision=[bf16,float8]"])
-    assert asked["tensorwise"].prediction is None and "precision=bf16" in asked["tensorwise"].no_prediction
+    # Fixed by the run, it is weighed and not timed: tune refuses with the reason and the override that fixes it.
+    with pytest.raises(ConfigError, match="no FP8 tensor cores") as refused:
+        _precisions(["plan.device=a100_80gb", "precision=float8"])
+    assert "fix: pass precision=bf16, or precision.float8_emulate=true" in str(refused.value)
