@@ -112,3 +112,38 @@ def test_fsdp2_over_dp_halves_the_states_and_keeps_the_stage_unsharded_through_t
 def test_a_pipeline_it_cannot_run_is_refused_naming_the_fix(cfg, settings, fix):
     with pytest.raises(ConfigError, match="fix: .*" + fix.replace("|", r"\|")):
         check(settings, cfg.model, local_batch=8)
+
+
+def _held_at_peak(actions) -> int:
+    """The most micro-batches a rank's action list has forwarded and not yet backwarded (the input-gradient
+    half of a split backward frees them too)."""
+    held = peak = 0
+    for action in actions:
+        kind = None if action is None else action.computation_type.value
+        held += 1 if kind == "F" else -1 if kind in ("B", "I") else 0
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_the_in_flight_rules_are_what_torch_schedules_do(pp):
+    """torch builds every rank's action list when a schedule is made: read them (on torch's in-process fake
+    process group: no ranks, no traffic) and count what each rank holds at its peak."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.pipelining as pipelining
+
+    from fsdp_exp.parallel.pipeline import SCHEDULES, SINGLE_STAGE
+
+    dist.init_process_group("fake", rank=0, world_size=pp, store=dist.HashStore())
+    try:
+        for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2)):
+            for m in (pp, 2 * pp):
+                stages = [pipelining.PipelineStage(torch.nn.Linear(2, 2), k * pp, pp * v, torch.device("cpu"))
+                          for k in range(v)]
+                cls = getattr(pipelining, SCHEDULES[schedule][0])
+                made = cls(stages[0] if schedule in SINGLE_STAGE else stages, m, loss_fn=lambda out, target: out.sum())
+                torch_held = [_held_at_peak(made.pipeline_order[rank]) for rank in range(pp)]
+                assert torch_held == [in_flight(schedule, pp, rank, m, v) for rank in range(pp)], (schedule, m)
+    finally:
+        dist.destroy_process_group()
