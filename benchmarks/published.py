@@ -66,7 +66,8 @@ def predict_all(rows: list[Row], memory: bool = True) -> dict:
     from fsdp_exp.metrics.flops import convention_flops_per_token
     from fsdp_exp.models import spec_for
     from fsdp_exp.plan import plan
-    from fsdp_exp.plan.devices import GIB, device_table, with_network
+    from fsdp_exp.plan.devices import device_table, with_network
+    from fsdp_exp.units import GIB
     from fsdp_exp.tune.perf import predict
     from fsdp_exp.tune.compose import hydra_session
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from fsdp_exp.errors import fail
+from fsdp_exp.units import GIB
 
 
 def _slurm_step_id() -> Optional[str]:
@@ -201,7 +202,6 @@ def local_rank() -> int:
 # What this process may really use, for the fit check before launch (fsdp_exp/fit_check.py) and for
 # telling an out-of-memory death from another SIGKILL (fsdp_exp/oom.py).
 
-GIB = 2**30
 # cgroup v1 writes "no limit" as 2**63 - 1 rounded down to a page; anything this large is no limit.
 NO_LIMIT = 2**62
 

@@ -33,8 +33,9 @@ from fsdp_exp.preflight import validate
 from fsdp_exp.config.schema import RunConfig
 from fsdp_exp.config.topology import Topology
 from fsdp_exp.config.variants import apply_changes, group_options, variant_of
-from fsdp_exp.env import GIB, HostMemory, cuda_device_count, cuda_free_memory, host_memory
+from fsdp_exp.env import HostMemory, cuda_device_count, cuda_free_memory, host_memory
 from fsdp_exp.errors import fail
+from fsdp_exp.units import GIB
 
 # Changes that lower one rank's memory, tried in this order (each only where it changes the config).
 CPU_CHANGES = ("precision=bf16", "ac=full", "trainer.micro_batch_size=1", "sharding=full", "trainer.nproc_per_node=1")

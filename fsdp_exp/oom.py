@@ -18,7 +18,8 @@ import re
 import time
 from typing import Optional
 
-from fsdp_exp.env import GIB, HostMemory, host_memory, memory_cgroup
+from fsdp_exp.env import HostMemory, host_memory, memory_cgroup
+from fsdp_exp.units import GIB
 
 
 def _machine_oom_kills() -> Optional[int]:

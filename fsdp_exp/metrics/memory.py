@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-GIB = 2**30
+from fsdp_exp.units import GIB  # noqa: F401 - the step metrics read memory.GIB
 
 
 def local_bytes(t: torch.Tensor) -> int:

@@ -13,7 +13,7 @@ and asks no backend its name.
 """
 
 from fsdp_exp.plan.cli import PlanOptionError, compose, main, plan_from_argv, split_argv  # noqa: F401
-from fsdp_exp.plan.devices import DEVICES, GIB, Device, allocator_margin, device_table, fits  # noqa: F401
+from fsdp_exp.plan.devices import DEVICES, Device, allocator_margin, device_table, fits  # noqa: F401
 from fsdp_exp.plan.predict import (PREDICTED_METRICS, PREDICTED_STAGE_METRICS, Plan, plan,  # noqa: F401
                                    plan_for_run)
 from fsdp_exp.plan.step import STAGES  # noqa: F401

@@ -45,7 +45,8 @@ import sys
 from typing import TYPE_CHECKING, Optional
 
 from fsdp_exp.errors import EXIT_BAD_CONFIG
-from fsdp_exp.plan.devices import GIB, device_table, fits, local_cuda_device
+from fsdp_exp.plan.devices import device_table, fits, local_cuda_device
+from fsdp_exp.units import GIB
 from fsdp_exp.plan.predict import Plan, plan
 
 if TYPE_CHECKING:

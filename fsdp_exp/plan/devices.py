@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-GIB = 2**30
+from fsdp_exp.units import GIB
 
 # Allocator margin on CUDA: the caching allocator reserves more than it hands out (fragmentation,
 # rounding to blocks), and the CUDA context, NCCL and cuBLAS workspaces sit outside the allocator.

@@ -15,9 +15,10 @@ from fsdp_exp.models import spec_for
 from fsdp_exp.parallel import float8
 from fsdp_exp.parallel.backend import backend_for
 from fsdp_exp.plan.activations import profile_for
-from fsdp_exp.plan.devices import GIB, allocator_margin
+from fsdp_exp.plan.devices import allocator_margin
 from fsdp_exp.plan.states import gathered, model_states, param_infos, unit_names, zero_model_states
 from fsdp_exp.plan.step import STAGES, StepSetting, StepWalk
+from fsdp_exp.units import GIB
 
 if TYPE_CHECKING:
     from fsdp_exp.config.schema import RunConfig

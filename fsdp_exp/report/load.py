@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from fsdp_exp.record import METRICS_FILE, RUN_RECORD, run_name
-
-GIB = 2**30
 # Folders inside a run (or next to runs) that never hold a run of their own; not descending into them
 # keeps discovery fast on sweeps with W&B files and checkpoints.
 _NOT_RUNS = {"wandb", "checkpoints", "export", "errors", ".hydra", ".submitit", "__pycache__"}

@@ -22,7 +22,8 @@ from fsdp_exp.metrics.peak import measured_peak as peak_of_run
 from fsdp_exp.record import run_name
 from fsdp_exp.report.duplicates import configuration_id, find_duplicates
 from fsdp_exp.report.intervals import CONFIDENCE, RESAMPLES, SEED, Estimate, estimate, overlap
-from fsdp_exp.report.load import GIB, Run
+from fsdp_exp.report.load import Run
+from fsdp_exp.units import GIB
 from fsdp_exp.report.repeats import group_repeats, is_repeat_override, measured_step_values, without_repeat
 
 

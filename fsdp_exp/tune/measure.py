@@ -236,7 +236,7 @@ def budget_check(tuning: "Tuning") -> Optional[dict]:
     a candidate predicted to fit must measure under the limit, one predicted over must measure over. Within
     5% a candidate is borderline (listed, not judged). Backends whose peak torch's tracker cannot measure
     are left out, named."""
-    from fsdp_exp.plan.devices import GIB
+    from fsdp_exp.units import GIB
 
     limit = tuning.limit_bytes / GIB
     held, broken, borderline, left_out = [], [], [], {}

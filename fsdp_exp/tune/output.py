@@ -10,8 +10,8 @@ from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from fsdp_exp.plan.devices import GIB
 from fsdp_exp.tune.space import label
+from fsdp_exp.units import GIB
 
 if TYPE_CHECKING:
     from fsdp_exp.tune.search import Tuning, Weighed

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from fsdp_exp.errors import ConfigError, fail
-from fsdp_exp.plan.devices import GIB
+from fsdp_exp.units import GIB
 from fsdp_exp.tune.space import Candidate, Space, build_space, enumerate_candidates, group_nodes, leave_out_float8
 
 if TYPE_CHECKING:

@@ -25,7 +25,8 @@ import pytest
 
 from conftest import MARKER, QUIET, REPO, leftover_processes, run_cli, run_config
 from fsdp_exp.config import ConfigError
-from fsdp_exp.env import GIB, host_memory, memory_cgroup
+from fsdp_exp.env import host_memory, memory_cgroup
+from fsdp_exp.units import GIB
 
 TINY = ["trainer.steps=4", "trainer.warmup_steps=1", "checkpoint.on_signal=false", "logger.wandb.mode=disabled"]
 HEADLINE = ["model=llama7b", "sharding=full"]
