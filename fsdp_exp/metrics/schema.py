@@ -53,6 +53,7 @@ _PHASES = {
     "backward": "backward (loss.backward() of every micro-batch, with FSDP's gathers and reductions)",
     "optimizer": "optimizer (unscale, gradient clipping, optimizer and LR scheduler steps)",
 }
+PHASES = tuple(_PHASES)  # the one tuple the tracker, the planner (its "stages") and the W&B workspace read
 
 STEP_METRICS: list[Metric] = [
     Metric("step", "count", "step", "rank0", "optimizer steps completed (1-based); W&B's x axis for every "

@@ -29,6 +29,8 @@ from typing import Optional, Protocol
 import torch
 from torch import nn
 
+from fsdp_exp.metrics.schema import PHASES
+
 
 class TrackerSource(Protocol):
     """What the step's memory accounting asks of the backend (``fsdp_exp.parallel.backend.Backend``, which
@@ -36,7 +38,6 @@ class TrackerSource(Protocol):
 
     def memory_tracker(self, model: nn.Module, optimizer: torch.optim.Optimizer): ...
 
-PHASES = ("forward", "backward", "optimizer")
 
 # Torch's reference types -> fsdp_exp's kinds (the metric names say these).
 KINDS = {

@@ -16,4 +16,3 @@ from fsdp_exp.plan.cli import PlanOptionError, compose, main, plan_from_argv, sp
 from fsdp_exp.plan.devices import DEVICES, Device, allocator_margin, device_table, fits  # noqa: F401
 from fsdp_exp.plan.predict import (PREDICTED_METRICS, PREDICTED_STAGE_METRICS, Plan, plan,  # noqa: F401
                                    plan_for_run)
-from fsdp_exp.plan.step import STAGES  # noqa: F401

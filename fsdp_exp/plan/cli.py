@@ -20,7 +20,7 @@ What it predicts, per rank (the largest rank: rank 0 holds the ``ceil`` chunk of
   feed-forward, the output projection, the loss's forward and backward, each block's backward at its
   feed-forward, each unit's gradient reduction, the root's, the optimizer step) and each phase's
   live bytes are added up from the pieces below; the peak is the largest phase. The phases are
-  grouped into the stages the run's tracker reports (``STAGES``: forward, backward, optimizer), and
+  grouped into the stages the run's tracker reports (its phases: forward, backward, optimizer), and
   each stage's largest phase is its prediction (``stage_peaks``). Pieces: model states (gradients
   only of the units whose backward has run), unsharded parameters in ``param_dtype`` (the root and
   the unit in flight; every unit under ``grad_op`` / ``no_shard``; DDP's autocast copies of the

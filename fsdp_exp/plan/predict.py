@@ -11,13 +11,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from fsdp_exp.metrics.schema import PHASES as STAGES  # the tracker's phases are the planner's stages
 from fsdp_exp.models import spec_for
 from fsdp_exp.parallel import float8
 from fsdp_exp.parallel.backend import backend_for
 from fsdp_exp.plan.activations import profile_for
 from fsdp_exp.plan.devices import allocator_margin
 from fsdp_exp.plan.states import gathered, model_states, param_infos, unit_names, zero_model_states
-from fsdp_exp.plan.step import STAGES, StepSetting, StepWalk
+from fsdp_exp.plan.step import StepSetting, StepWalk
 from fsdp_exp.units import GIB
 
 if TYPE_CHECKING:

@@ -3,7 +3,8 @@ states, the gathered parameters, communication buffers and the activations.
 
 The phases: each block's forward at its peak, the output projection, the loss's forward and
 backward, each block's backward at its peak and its gradient reduction, the root's reduction, the
-optimizer step. Each belongs to one of the stages the run's memory tracker reports (``STAGES``).
+optimizer step. Each belongs to one of the stages the run's memory tracker reports (its phases:
+``fsdp_exp.metrics.schema.PHASES``).
 Activation sizes are the planner's model of the family (``ActivationProfile``); how parameters are sharded,
 gathered and reduced is the backend's (``PlannerRules``). Under rules that gather no units (DDP)
 parameters are used in place: full replicas, gradient buckets, autocast's weight copies.
@@ -19,9 +20,6 @@ from fsdp_exp.plan.activations import ActivationProfile
 from fsdp_exp.parallel.backend import PlannerRules
 from fsdp_exp.plan.states import DTYPE_BYTES, Gathered, ModelStates
 
-# The step's stages as the run's memory tracker splits them (fsdp_exp.metrics.tracker.PHASES); each
-# planner phase belongs to one.
-STAGES = ("forward", "backward", "optimizer")
 PIECES = ("params", "grads", "optimizer", "unsharded", "comm", "module_buffers", "activations", "temporaries",
           "inputs")
 

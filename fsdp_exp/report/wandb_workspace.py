@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from fsdp_exp.errors import ConfigError, fail
-from fsdp_exp.metrics.schema import ALL_METRICS
+from fsdp_exp.metrics.schema import ALL_METRICS, PHASES
 from fsdp_exp.record import TAGGED_GROUPS
 from fsdp_exp.report.load import Run
 from fsdp_exp.report.table import option_values
@@ -36,7 +36,6 @@ SPEC_FILE = "wandb_workspace.json"
 # What the comparison plots against the varied choices: throughput, MFU and the peak the report ranks by.
 TOKENS, TOKENS_P10, TOKENS_P90 = "summary/tokens_per_s_median", "summary/tokens_per_s_p10", "summary/tokens_per_s_p90"
 COMPARED = (TOKENS, "summary/mfu_median", "summary/peak_gib")
-PHASES = ("forward", "backward", "optimizer")
 # The tracked kinds a phase's bar chart splits its peak into (the parts that add up; fsdp_exp.metrics.schema).
 PHASE_KINDS = ("params", "grads", "optim_state", "activations", "temp", "comm_buffers", "buffers", "inputs", "other")
 TABLE_SUMMARY = (TOKENS, TOKENS_P10, TOKENS_P90, "summary/mfu_median", "summary/step_time_s_median", "summary/peak_gib",
