@@ -31,7 +31,7 @@ says whether each fits.
 
 The inventory: ``cuda_places`` scans ``fsdp_exp/**/*.py`` (the syntax tree, so comments and docstrings
 never count) for the code that behaves differently on CUDA, and names each place by file and
-enclosing function (``fsdp_exp/trainer.py:Trainer._log``; ``<module>`` at top level), not by line,
+enclosing function (``fsdp_exp/metrics/step.py:StepMetrics.log``; ``<module>`` at top level), not by line,
 so unrelated edits keep the names. A place is code containing any of:
 
 - ``torch.cuda`` (any attribute or call; ``from torch import cuda`` and every use of that name) or an
@@ -768,7 +768,7 @@ class Check:
 EVERY_CUDA_RUN = ("fsdp_exp/env.py:cuda_device_count", "fsdp_exp/env.py:cuda_free_memory",
                   "fsdp_exp/fit_check.py:node_memory", "fsdp_exp/fit_check.py:_need",
                   "fsdp_exp/preflight.py:validate", "fsdp_exp/dist.py:init_distributed",
-                  "fsdp_exp/trainer.py:Trainer._device_name",
+                  "fsdp_exp/record/recorder.py:device_name",
                   "fsdp_exp/checkpoint/manager.py:Checkpointer._device_name")
 # The planner's CUDA rules, which every CUDA run's plan (run.json["plan"]) goes through.
 PLANNER_CUDA_RULES = ("fsdp_exp/plan/states.py:model_states", "fsdp_exp/plan/step.py:StepWalk.__init__",
@@ -777,14 +777,15 @@ PLANNER_CUDA_RULES = ("fsdp_exp/plan/states.py:model_states", "fsdp_exp/plan/ste
 
 CHECKS = (
     Check("fsdp2_bf16", "Llama-3 8B-shaped, 2 blocks, bf16, FSDP2: tokens/s and MFU against the data sheet",
-          ("main",), check_throughput, covers=(*EVERY_CUDA_RUN, "fsdp_exp/trainer.py:Trainer._peak_tflops")),
+          ("main",), check_throughput, covers=(*EVERY_CUDA_RUN, "fsdp_exp/metrics/device_peak.py:compute_peak_tflops")),
     Check("planner", "memory per phase (tracker), CUDA allocator peaks, against the planner's phases and margin",
           ("main",), functools.partial(check_planner, run_name="main"),
-          covers=(*PLANNER_CUDA_RULES, "fsdp_exp/trainer.py:Trainer._log", "fsdp_exp/trainer.py:Trainer._summary",
+          covers=(*PLANNER_CUDA_RULES, "fsdp_exp/metrics/step.py:StepMetrics.log",
+                  "fsdp_exp/metrics/step.py:StepMetrics.summary",
                   "fsdp_exp/metrics/memory.py:cuda_bytes", "fsdp_exp/metrics/memory.py:cuda_counts")),
     Check("memory_snapshot", "the CUDA allocator history of the sampled step: written, loads with pickle",
           ("main",), check_snapshot, needs="cuda",
-          covers=("fsdp_exp/trainer.py:Trainer.__init__", "fsdp_exp/trainer.py:Trainer._sampled_step")),
+          covers=("fsdp_exp/metrics/step.py:StepMetrics.__init__", "fsdp_exp/metrics/step.py:StepMetrics._sampled")),
     Check("profiler", "the profiled step's trace, CUDA kernels recorded, comm/* read from it",
           ("main",), check_profiler, covers=("fsdp_exp/metrics/comm.py:profiled",)),
     Check("comm", "collectives of the profiled step (NCCL kernels on CUDA): all-gather, reduce-scatter, exposed",
@@ -828,7 +829,7 @@ CHECKS = (
           ("compile",), check_compile),
     Check("float8", "the compiled run with precision=float8 (float8 all-gathers): tokens/s against compiled bf16, "
           "MFU against both peaks", ("float8", "compile"), check_float8, needs="cuda",
-          covers=("fsdp_exp/trainer.py:Trainer._fp8_peak_tflops",)),
+          covers=("fsdp_exp/metrics/device_peak.py:fp8_peak_tflops",)),
 )
 
 

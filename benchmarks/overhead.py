@@ -22,8 +22,8 @@ during each run: on a 2-core machine anything above ~0.1 makes that pair noisy (
 (memory accounting, the two metric all-reduces, metrics.jsonl, the offline W&B run) add to a step?
 Each rank builds the framework's own Trainer and runs its step loop with two step kinds, interleaved
 (F M M F F M ...: which kind goes first alternates, so drift and ordering hit both): "full" is the
-step as ``fit()`` runs it (train_step, the checkpoint flag poll, ``_log``); "minimal" replaces
-``_log`` with ``loss.item()``, what any loop that prints its loss pays. Both are timed on rank 0 with
+step as ``fit()`` runs it (train_step, the stop guard's flag poll, the step metrics' ``log``); "minimal"
+replaces ``log`` with ``loss.item()``, what any loop that prints its loss pays. Both are timed on rank 0 with
 time.perf_counter around the same region; the result is median(full) / median(minimal), for the
 default experiment's model and for the model above. The memory-tracked step is off (it is a warm-up
 step, sampled once, not a per-step cost), and so is the progress bar.
@@ -168,24 +168,25 @@ def metrics_rank(rank: int, port: int, overrides: list[str], steps: int, run_dir
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))  # as the framework does
     trainer = Trainer(cfg, topology, init_distributed(topology), Path(run_dir), {})
     trainer._start_record()
-    times: list[tuple[int, bool, float, float]] = []  # (step, full?, seconds, of which in _log)
+    times: list[tuple[int, bool, float, float]] = []  # (step, full?, seconds, of which in metrics.log)
     for step in range(steps):
         pair, second = divmod(step, 2)
         full = (pair % 2 == 0) != bool(second)  # F M, M F, F M, ...
         start = time.perf_counter()
         loss, grad_norm, lr = trainer.train_step(step)
-        flags = trainer.checkpointer.poll(step + 1, loss)
+        trainer.guard.poll(step + 1, loss, saves=trainer.checkpointer.saves_at(step + 1))
         logging = time.perf_counter()
         if full:
-            trainer._log(step + 1, start, loss, grad_norm, lr)
+            trainer.metrics.log(step + 1, start, loss, grad_norm, lr, trainer.evaluate)
         else:
             loss.item()
         logged = time.perf_counter()
-        trainer.checkpointer.after_step(step + 1, flags)
+        trainer.checkpointer.save_if_due(step + 1)
         times.append((step, full, time.perf_counter() - start, logged - logging))
+    trainer.guard.finish()
     trainer.checkpointer.finish()
+    trainer.recorder.close(status="completed")
     if rank == 0:
-        trainer._close_sinks(status="completed")
         Path(out).write_text(json.dumps(times))
     dist.barrier()
     dist.destroy_process_group()
@@ -218,8 +219,8 @@ def metrics_main(args) -> None:
     cases = {"default": [], "benchmark": [f"model.{k}={v}" for k, v in MODEL.items()] +
              [f"trainer.global_batch_size={BATCH}", f"trainer.seq_len={SEQ}"]}
     steps = {"default": args.metrics_steps * 4, "benchmark": args.metrics_steps}
-    # cost ms: median full - median minimal step; in _log ms: rank 0's median time inside _log (full steps).
-    print(f"{'model':<14} {'steps (F + M)':>13} {'minimal ms':>11} {'full ms':>11} {'cost ms':>9} {'in _log ms':>9} "
+    # cost ms: median full - median minimal step; in log ms: rank 0's median time inside metrics.log (full steps).
+    print(f"{'model':<14} {'steps (F + M)':>13} {'minimal ms':>11} {'full ms':>11} {'cost ms':>9} {'in log ms':>9} "
           f"{'ratio':>7} {'other cores':>12}", flush=True)
     ratios = {name: run_metrics_comparison(name, [*overrides, *args.set], steps[name], args.warmup, work)
               for name, overrides in cases.items()}

@@ -10,7 +10,8 @@ It is handed what it saves, as objects with ``state_dict()`` / ``load_state_dict
 - ``per_rank``: name -> object, each rank its own (its RNGs, fsdp_exp/checkpoint/rng.py).
 
 Plus its folder, the rank and topology, the run's config (recorded, hashed, compared on resume) and
-the checkpoint and debug groups. It knows nothing of the trainer; what it saved goes to ``on_saved``.
+the checkpoint and debug groups (a save fault, fsdp_exp.debug.faults). It knows nothing of the trainer
+and decides no stop (the loop's guard does, fsdp_exp.guard); what it saved goes to ``on_saved``.
 Every method with a collective is called by all ranks. What cannot be converted on resume (another
 architecture, other data, a layout torch refuses) is refused with a message that says what differs.
 """
@@ -27,15 +28,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from fsdp_exp.checkpoint.faults import storage_writer
 from fsdp_exp.checkpoint.layout import (FORMAT, TRAINER_STATE, CheckpointError, config_changes, config_hash,
                                         find_resume, folder_bytes, latest_checkpoint, per_rank_file, prune, publish,
                                         read_meta, remove_unfinished, step_dir, tmp_dir, write_meta)
-from fsdp_exp.checkpoint.signals import Flags, StepFlags
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or inf: the run stops; the last good checkpoint stays on disk."""
+from fsdp_exp.debug.faults import storage_writer
 
 
 class Checkpointer:
@@ -59,7 +55,6 @@ class Checkpointer:
         self._pending_thread: Optional[threading.Thread] = None
         self._async_error: Optional[tuple[int, BaseException]] = None
         self._async_group = None
-        self.flags = StepFlags(settings.on_signal, settings.nan_check, info.rank)
         names = [None] * info.world_size
         dist.all_gather_object(names, f"{socket.gethostname()}:{self._device_name()}")
         self.devices = names
@@ -154,6 +149,11 @@ class Checkpointer:
             self.last_saved = {"path": str(final), "step": step, "reason": meta["reason"],
                                "save_s": meta["save_s"], "bytes": meta["bytes"]}
         dist.barrier(group=group)  # nobody goes on (or exits) before the checkpoint is visible
+
+    def latest(self) -> Optional[Path]:
+        """The newest complete checkpoint (None if none), once a save in flight has completed."""
+        self.wait()
+        return latest_checkpoint(self.root)
 
     def wait(self) -> None:
         """Block until an async save in flight is complete (visible)."""
@@ -279,36 +279,17 @@ class Checkpointer:
                 obj.load_state_dict(torch.load(own, weights_only=True))
 
     # ------------------------------------------------------------------------------- each step
-    def poll(self, step: int, loss: torch.Tensor) -> Flags:
-        """What all ranks agree on after step ``step`` (fsdp_exp/checkpoint/signals.py): (the signal that
-        asks to stop, the highest rank whose loss was NaN/inf, the step it was). At a step that saves,
-        and at the last, the current flags are agreed at once, so a NaN/inf state is never saved."""
-        return self.flags.poll(step, loss, agree_now=self._saves_at(step) or step == self.total_steps)
-
-    def _saves_at(self, step: int) -> bool:
+    def saves_at(self, step: int) -> bool:
+        """Whether step ``step`` (1-based count of completed steps) is one ``checkpoint.every`` saves
+        (its multiples, and the last step)."""
         return self.cfg.every > 0 and (step % self.cfg.every == 0 or step == self.total_steps)
 
-    def after_step(self, step: int, flags: Flags) -> Optional[str]:
-        """After step ``step`` (1-based count of completed steps) is logged: raise on a NaN/inf loss, save
-        periodically, and on a signal save and return its name (the caller stops)."""
-        stop, bad_rank, bad_step = flags
-        if bad_rank is not None:
-            self.wait()  # an earlier save in flight is good: let it complete
-            last = latest_checkpoint(self.root)
-            where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
-            raise NonFiniteLoss(f"train/loss is not finite (NaN or inf) at step {bad_step} (seen on rank {bad_rank}); "
-                                f"stopping without saving this state: {where}. Lower optim.lr, raise "
-                                "trainer.grad_clip or change precision, then resume from that checkpoint")
-        if stop and step < self.total_steps:
-            self.save(step, f"signal:{stop}")
-            self.wait()
-            return stop
-        if self._saves_at(step):
+    def save_if_due(self, step: int) -> None:
+        """After step ``step`` is logged: the periodic save, or the final one at the last step."""
+        if self.saves_at(step):
             self.save(step, "periodic" if step % self.cfg.every == 0 else "final")
-        return None
 
     def finish(self) -> None:
-        self.flags.finish()
         self.wait()
         if self._async_group is not None:
             dist.destroy_process_group(self._async_group)

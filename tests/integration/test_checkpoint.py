@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.checkpoint import (META_FILE, TMP_SUFFIX, CheckpointError, compare_init_digests, complete_checkpoints,
-                                 read_meta, resolve_resume)
+from fsdp_exp.checkpoint import META_FILE, TMP_SUFFIX, CheckpointError, complete_checkpoints, read_meta, resolve_resume
 from fsdp_exp.config import ConfigError
+from fsdp_exp.debug import compare_init_digests
 from fsdp_exp.preflight import validate
 from fsdp_exp.launch import RunFailed
 
