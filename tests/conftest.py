@@ -132,6 +132,29 @@ def run_cli(overrides: list[str], run_dir: Path, timeout: float = 240, quiet: bo
 
 MARKER = "FSDP_EXP_TEST_RUN"
 
+# What the multi-node tests (torchrun, the 2-node SLURM cluster) train: the default experiment, 4 steps;
+# on 4 ranks of this machine (FOUR_LOCAL_RANKS), the losses their 2 x 2 ranks must reproduce.
+MULTI_NODE_TRAINING = ["trainer.steps=4", "trainer.warmup_steps=1"]
+FOUR_LOCAL_RANKS = [*MULTI_NODE_TRAINING, "trainer.nproc_per_node=4", "logger.wandb.mode=disabled"]
+
+
+@pytest.fixture(scope="session")
+def four_local_ranks(tmp_path_factory) -> list[float]:
+    """The losses of FOUR_LOCAL_RANKS, launched by fsdp_exp: one run for every test that compares a
+    multi-node job with it (test_torchrun.py, test_slurm_nodes.py). A session fixture starts before the
+    per-test environment, so it isolates its run itself."""
+    home = tmp_path_factory.mktemp("four_local_home")
+    run_dir = tmp_path_factory.mktemp("four_local") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in {**BASE_ENV, "HF_HOME": str(home / "hf"),
+                           "XDG_CACHE_HOME": str(tmp_path_factory.getbasetemp() / "xdg_cache")}.items():
+            patch.setenv(key, value)
+        result = run_cli(FOUR_LOCAL_RANKS, run_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = result.metrics
+    assert [row["step"] for row in rows] == [1, 2, 3, 4], "every step once, in order"
+    return [row["train/loss"] for row in rows]
+
 
 def leftover_processes(run_dir: Path) -> list[str]:
     """Processes started by ``run_cli(..., run_dir)`` that are still alive."""

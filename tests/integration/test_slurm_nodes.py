@@ -38,11 +38,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import MARKER, QUIET, REPO, leftover_processes, read_metrics, run_cli
+from conftest import MARKER, MULTI_NODE_TRAINING, QUIET, REPO, leftover_processes, read_metrics, run_cli
 from fsdp_exp.launch import free_port
 from slurm_cluster import Sweep, cluster, job_env
 
-TRAINING = ["trainer.steps=4", "trainer.warmup_steps=1"]  # the 2-node jobs' and their 4-local-rank reference's
+TRAINING = MULTI_NODE_TRAINING  # the 2-node jobs' and their 4-local-rank reference's (conftest's four_local_ranks)
 SHORT = [*TRAINING, "hydra.launcher.timeout_min=5"]
 TWO_BY_TWO = ["trainer.nnodes=2", "trainer.nproc_per_node=2"]
 # Long enough to act on mid-job, cheap while it lasts: most of a step is a sleep.
@@ -104,12 +104,6 @@ def sweeps(two_nodes, tmp_path_factory):
                 subprocess.run(["scancel", f"--name={TORCHRUN_JOB}"], capture_output=True, timeout=30, env=slurm_env)
             else:
                 sweep.stop()
-
-
-@pytest.fixture(scope="module")
-def four_local_ranks(tmp_path_factory) -> list[float]:
-    """The losses of the 2-node x 2-rank jobs' training on 4 ranks of this machine, launched by fsdp_exp."""
-    return _local_losses(["trainer.nproc_per_node=4", *TRAINING], tmp_path_factory.mktemp("four_local") / "run")
 
 
 TORCHRUN_JOB = f"fsdp_exp_torchrun_nodes_{os.getpid()}"

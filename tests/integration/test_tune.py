@@ -31,6 +31,18 @@ def tune_cli(args: list[str], timeout: float = 900) -> subprocess.CompletedProce
                           timeout=timeout, env=dict(os.environ))
 
 
+def tune_here(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """``python -m fsdp_exp.tune``'s entry point (its main) in this process: what the CLI prints and returns,
+    less an interpreter's start-up, for the calls that only predict (the CPU probe, if not cached yet, spawns
+    its ranks; nothing of it stays in this process)."""
+    from fsdp_exp.tune.cli import main
+
+    capsys.readouterr()
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["fsdp_exp.tune", *args], status, out, err)
+
+
 def test_the_cpu_probe_measures_once_then_reads_its_cache():
     from fsdp_exp.tune.probe import cache_path, cpu_perf
 
@@ -45,15 +57,19 @@ def test_the_cpu_probe_measures_once_then_reads_its_cache():
     assert entry["key"] in json.loads(cache_path().read_text())
 
 
-def test_a_measured_tune_on_this_cpu_keeps_its_budget_and_calibration_lowers_the_error(tmp_path):
+@pytest.mark.slow
+def test_a_measured_tune_on_this_cpu_keeps_its_budget_and_calibration_lowers_the_error(tmp_path, capsys):
+    """The predictions (steps 1, 2 and 3) go through the CLI's entry point in this process; the measured
+    tune, which launches its sweep, through ``python -m fsdp_exp.tune``."""
     # 1. Predict the space with no budget, and choose one that splits it.
-    dry = tune_cli([*RUN, *SPACE, f"tune.out={tmp_path / 'dry'}", "tune.format=json"])
+    dry = tune_here([*RUN, *SPACE, f"tune.out={tmp_path / 'dry'}", "tune.format=json"], capsys)
     assert dry.returncode == 0, dry.stderr
     needs = sorted(c["predicted"]["peak_gib"] for c in json.loads(dry.stdout)["candidates"] if c["fits"])
     budget = needs[len(needs) // 2]
 
     # 2. With the budget: the best fitting two, and one candidate predicted over it by 5% or more, measured anyway.
-    planned = tune_cli([*RUN, *SPACE, f"tune.budget_gib={budget}", f"tune.out={tmp_path / 'plan'}", "tune.format=json"])
+    planned = tune_here([*RUN, *SPACE, f"tune.budget_gib={budget}", f"tune.out={tmp_path / 'plan'}",
+                         "tune.format=json"], capsys)
     assert planned.returncode == 0, planned.stderr
     data = json.loads(planned.stdout)
     over = [c for c in data["candidates"] if not c["fits"] and c["headroom"] <= -0.05]
@@ -85,7 +101,8 @@ def test_a_measured_tune_on_this_cpu_keeps_its_budget_and_calibration_lowers_the
     assert len(sweep_runs) == 6 and all("+tune_candidate=" in name for name in sweep_runs)
 
     # 3. Calibrate from that sweep: the same space predicted again is closer to the same measurements.
-    calibrated = tune_cli([*args, f"tune.out={tmp_path / 'calibrated'}", f"tune.calibrate_from={out / 'sweep'}"])
+    calibrated = tune_here([*args, f"tune.out={tmp_path / 'calibrated'}", f"tune.calibrate_from={out / 'sweep'}"],
+                           capsys)
     assert calibrated.returncode == 0, calibrated.stderr
     again = json.loads((tmp_path / "calibrated" / "tune.json").read_text())
     assert again["device"]["calibration"]["runs"] == 6
@@ -114,6 +131,7 @@ def test_each_candidate_is_the_config_hydra_composes_from_its_overrides():
         assert composed == weighed.candidate.cfg, weighed.candidate.choices
 
 
+@pytest.mark.slow
 def test_the_70b_example_weighs_thousands_of_candidates_without_a_process_group(capsys, tmp_path):
     import psutil
     import torch.distributed as dist
