@@ -119,15 +119,19 @@ TINY = ["model=llama_tiny", "trainer.nproc_per_node=8", "trainer.global_batch_si
 def _precisions(argv: list[str]):
     opts, overrides = split_argv(TINY + argv)
     tuning = weigh(overrides, opts)
-    return tuning, {w.candidate.cfg.precision.float8_recipe: w for w in tuning.candidates}
+    return tuning, {(w.candidate.cfg.precision.float8_recipe, w.candidate.cfg.precision.float8_all_gather): w
+                    for w in tuning.candidates}
 
 
 def test_tune_searches_float8_where_the_device_has_fp8_tensor_cores_and_leaves_it_out_elsewhere():
     h100, on_h100 = _precisions(["plan.device=h100_80gb"])
-    assert "float8" in h100.space.values["precision"] and on_h100["tensorwise"].prediction is not None
+    assert {"float8", "float8_all_gather"} <= set(h100.space.values["precision"])
+    assert on_h100[("tensorwise", False)].prediction and on_h100[("tensorwise", True)].prediction  # both timed
     a100, on_a100 = _precisions(["plan.device=a100_80gb"])
-    assert "float8" not in a100.space.values["precision"] and "tensorwise" not in on_a100
-    assert any("float8 left out: a100_80gb has no FP8 tensor cores" in note for note in a100.space.notes)
+    assert {"float8", "float8_all_gather"}.isdisjoint(a100.space.values["precision"])
+    assert all(recipe is None for recipe, _ in on_a100)
+    assert any("float8,float8_all_gather left out: a100_80gb has no FP8 tensor cores" in note
+               for note in a100.space.notes)
     # Fixed by the run, it is weighed and not timed: tune refuses with the reason and the override that fixes it.
     with pytest.raises(ConfigError, match="no FP8 tensor cores") as refused:
         _precisions(["plan.device=a100_80gb", "precision=float8"])
