@@ -235,6 +235,7 @@ def test_vocabulary_docs_are_generated_from_the_backends():
         assert fsdp1.sharding_strategy(strategy).name in row[2]
 
 
+@pytest.mark.slow
 def test_model_states_by_strategy_match_theory(tmp_path):
     """P = parameter bytes (fp32), N = 2 ranks, AdamW keeps two moments.
 

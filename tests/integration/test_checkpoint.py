@@ -82,6 +82,7 @@ def test_periodic_checkpoints_are_complete_and_pruned(reference):
     assert sorted(losses) == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_resume_after_a_killed_rank_is_bit_identical(tmp_path, reference):
     """Rank 1 is SIGKILLed at step 8: the job fails naming it; the rerun in the same run directory resumes
     from step_6, continues the same W&B run, and its losses equal the uninterrupted run's bit for bit."""
@@ -116,6 +117,7 @@ def _wandb_history(folder: Path) -> list[dict]:
     return [r["history"]["item"] for r in map(json.loads, records) if r["type"] == "history"]
 
 
+@pytest.mark.slow
 def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference):
     """Rank 0 is SIGKILLed after writing its shards of step_6, before the checkpoint is complete: only
     step_6.tmp exists, resume ignores it and continues from step_3, bit-identically."""

@@ -274,6 +274,7 @@ def test_workers_overlap_loading_with_compute_and_data_time_shows_starvation(cac
 
 
 # ------------------------------------------------------------------------------- training for real
+@pytest.mark.slow
 def test_two_rank_run_on_the_corpus_learns_and_logs_val_loss(cache, tmp_path):
     overrides = ["data=text", f"data.cache_dir={cache}", "trainer.steps=200", "trainer.warmup_steps=5",
                  "trainer.eval_every=100", "optim.lr=3e-3", "data.num_workers=1", "logger.wandb.mode=disabled"]

@@ -123,6 +123,7 @@ def parity_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", sorted(n for n in CASES if n not in NOT_PARITY))
+@pytest.mark.slow
 def test_every_zero_stage_matches_the_single_process_reference(parity_runs, name):
     cfg = run_config(with_defaults(CASES[name]))
     tolerance = TOLERANCE[cfg.precision.param_dtype]
@@ -162,6 +163,7 @@ def adamw_parity_tolerance(cfg) -> tuple[float, float]:
     return 4 * steps * 2.0**-24, 2 * lr_sum * GRAD_ROUNDING / o.eps
 
 
+@pytest.mark.slow
 def test_zero_redundancy_optimizer_resumes_exactly_and_exports_match_across_backends(parity_runs):
     from safetensors.torch import load_file
 
@@ -183,6 +185,7 @@ def test_zero_redundancy_optimizer_resumes_exactly_and_exports_match_across_back
 
 
 @pytest.mark.parametrize("name", sorted(n for n in CASES if "ddp" not in n))
+@pytest.mark.slow
 def test_the_engine_holds_what_the_config_asked_for(parity_runs, name):
     cfg = run_config(with_defaults(CASES[name]))
     applied = _record(parity_runs[name])["applied"]
@@ -208,6 +211,7 @@ def test_the_engine_holds_what_the_config_asked_for(parity_runs, name):
         assert held["param_elements_local"] == held["param_elements_total"]
 
 
+@pytest.mark.slow
 def test_setup_and_first_step_times_are_measured(parity_runs):
     for name in ("zero3-fp32-identical-init", "ddp-zero_redundancy_optimizer-fp32"):
         record = _record(parity_runs[name])
@@ -221,6 +225,7 @@ def test_setup_and_first_step_times_are_measured(parity_runs):
 
 
 # ------------------------------------------------------------------------------ checkpoints
+@pytest.mark.slow
 def test_resume_after_a_killed_rank_is_bit_identical(parity_runs, tmp_path):
     """ZeRO-3 in DeepSpeed's own checkpoint format: save every 2 steps, SIGKILL a rank at step 3, resume; the
     losses equal the uninterrupted run's (trained in the shared group) bit for bit."""
@@ -303,7 +308,7 @@ def _paper(stage: int, precision: str, n: int) -> dict:
     return {"params": e / n if stage == 3 else e, "grads": e / n if stage >= 2 else e, "optim": k / n if stage else k}
 
 
-@pytest.mark.parametrize("nprocs", [1, 2, 4])
+@pytest.mark.parametrize("nprocs", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: 16 s in CI
 def test_model_states_fall_as_the_zero_papers_formulas(tmp_path, nprocs):
     """Measured per rank at 1, 2 and 4 ranks, by the tensors DeepSpeed holds, against the paper's formulas
     (within 3%) and the planner's DeepSpeed rules. Where DeepSpeed differs from the paper the test names it:

@@ -56,6 +56,7 @@ def test_hybrid_on_four_ranks_matches_single_process(tmp_path):
         assert abs(a - b) / abs(b) < 1e-5
 
 
+@pytest.mark.slow
 def test_model_states_per_rank_fall_as_one_over_n(tmp_path):
     per_rank = {}
     for n in (1, 2, 4):

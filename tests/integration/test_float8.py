@@ -39,6 +39,7 @@ def runs(tmp_path_factory):
     return folders, records
 
 
+@pytest.mark.slow
 def test_a_float8_run_trains_within_5_percent_of_bf16_and_records_its_converted_layers(runs):
     folders, records = runs
     bf16, float8 = _losses(folders["bf16"]), _losses(folders["float8"])
@@ -56,6 +57,7 @@ def test_a_float8_run_trains_within_5_percent_of_bf16_and_records_its_converted_
     assert summary["summary/mfu_fp8_median"] is None and summary["summary/mfu_median"] is not None
 
 
+@pytest.mark.slow
 def test_a_float8_all_gather_run_resumes_bit_identically(runs):
     folders, _ = runs
     uninterrupted, resumed = _losses(folders["float8"]), _losses(folders["resumed"])
@@ -63,6 +65,7 @@ def test_a_float8_all_gather_run_resumes_bit_identically(runs):
     assert {s: resumed[s] for s in resumed} == {s: uninterrupted[s] for s in resumed}
 
 
+@pytest.mark.slow
 def test_the_float8_export_holds_high_precision_weights_that_transformers_loads(runs, monkeypatch):
     """Its logits match the model in the final checkpoint (plain nn.Linear, fp32) within 1e-4."""
     import torch

@@ -41,6 +41,7 @@ def run_script(tmp_path: Path, *args: str, timeout: float = 600) -> tuple[subpro
     return proc, json.loads(out.read_text())["checks"]
 
 
+@pytest.mark.slow
 def test_cpu_mode_passes_every_check_that_exists_on_a_cpu(tmp_path, gpu_check):
     # Two runs at a time: a tiny run keeps about one of this machine's two cores busy.
     proc, results = run_script(tmp_path, "--jobs", "2")

@@ -81,6 +81,7 @@ def assert_export_loads_with_equal_logits(export: Path, checkpoint: Path) -> Non
         torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_multirun_of_shrunk_presets_matches_the_reference_the_planner_and_shards_states():
     """``-m model=hf_mistral_7b,hf_qwen2_7b`` shrunk with +model.hf_overrides.*: each job, 2 ranks, fp32,
     sharding=full, gives the single-process reference's losses (1e-5); the planner's peak is within 10% of
@@ -107,6 +108,7 @@ def test_a_multirun_of_shrunk_presets_matches_the_reference_the_planner_and_shar
         assert f"arch:{arch}" in run["tags"] and f"model:{preset}" in run["tags"]
 
 
+@pytest.mark.slow
 def test_gpt2_keeps_its_tie_through_sharding_resume_and_export(tmp_path):
     """GPT-2 ties its output projection to its token embedding. Sharded over 2 ranks it trains like the
     reference; its checkpoints hold one tensor under both names; a run resumed from step 3 repeats the
@@ -138,6 +140,7 @@ def test_gpt2_keeps_its_tie_through_sharding_resume_and_export(tmp_path):
     assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
 
 
+@pytest.mark.slow
 def test_tensor_parallel_from_the_models_own_plan_matches_the_reference(tmp_path):
     """Gemma's plan (transformers' base_model_tp_plan and its output projection): parallel.tp=2 on 4 ranks
     (2 x 2 mesh, FSDP2 over dp) gives the single-process reference's losses; the planner is within 10%."""
@@ -150,6 +153,7 @@ def test_tensor_parallel_from_the_models_own_plan_matches_the_reference(tmp_path
     assert abs(record["summary"]["summary/planner_peak_error"]) <= PLANNER_TOLERANCE
 
 
+@pytest.mark.slow
 def test_a_saved_config_of_an_unshipped_architecture_compiles_trains_exports_and_loads_back(tmp_path):
     """StarCoder2 (not shipped) from the config.json transformers' save_pretrained writes, with
     compile=true: it trains, and its export loads with from_pretrained with the trained model's logits."""

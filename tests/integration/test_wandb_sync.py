@@ -83,6 +83,7 @@ def test_the_sink_declares_every_schema_metric_with_its_rule(tmp_path, monkeypat
         assert defined[name].get("step_metric") == expected_step, name
 
 
+@pytest.mark.slow
 def test_each_offline_run_declares_every_metric_and_its_summary_equals_run_json(sweep):
     for job, record in _jobs(sweep).items():
         (folder,) = offline_folders(job)
@@ -97,6 +98,7 @@ def test_each_offline_run_declares_every_metric_and_its_summary_equals_run_json(
         assert logged["mem/tracked_total_gib_max"] == {"max": record["summary"]["summary/tracked_peak_gib_max"]}
 
 
+@pytest.mark.slow
 def test_the_sweeps_workspace_is_written_offline_and_names_only_what_its_runs_logged(sweep, tmp_path):
     out = tmp_path / "report"
     proc = subprocess.run([sys.executable, "-m", "fsdp_exp.report", str(sweep), "--out", str(out),
@@ -141,6 +143,7 @@ def _sync(paths: list[Path], env: dict, cwd: Path, *args: str) -> tuple[subproce
 
 
 @pytest.mark.parametrize("server", ["refused", "unresolvable"])
+@pytest.mark.slow
 def test_sync_without_a_w_and_b_server_fails_fast_naming_every_run(sweep, tmp_path, server):
     url = f"http://127.0.0.1:{_closed_port()}" if server == "refused" else "https://wandb-server.invalid"
     env = {**os.environ, "WANDB_BASE_URL": url}
@@ -165,6 +168,7 @@ class _NotWandb(BaseHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow
 def test_sync_skips_uploaded_runs_and_reports_why_wandb_sync_failed(sweep, tmp_path):
     """A server answers (not W&B's) and nobody is logged in: ``wandb sync`` itself refuses each run, and the
     table gives its reason; a run whose file W&B marked synced is not sent again."""
