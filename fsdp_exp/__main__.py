@@ -20,6 +20,7 @@ import hydra
 from omegaconf import DictConfig
 
 from fsdp_exp.config import to_run_config
+from fsdp_exp.context import Labels, Sweep
 from fsdp_exp.errors import EXIT_BAD_CONFIG, EXIT_RUN_FAILED, ConfigError
 
 
@@ -33,20 +34,19 @@ def hydra_entry(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN
     run_dir = Path(hc.runtime.output_dir)
-    meta = {"overrides": list(hc.overrides.task),
-            "choices": {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}}
-    if sweep:
-        meta["sweep"] = {"dir": hc.sweep.dir, "name": Path(hc.sweep.dir).name, "job": hc.job.num}
-        if cfg.logger.wandb.group is None:  # the runs of one sweep share a W&B group: the sweep's name
-            cfg.logger.wandb.group = meta["sweep"]["name"]
+    labels = Labels(overrides=tuple(hc.overrides.task),
+                    choices={k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")},
+                    sweep=Sweep(dir=hc.sweep.dir, name=Path(hc.sweep.dir).name, job=hc.job.num) if sweep else None)
+    if sweep and cfg.logger.wandb.group is None:  # the runs of one sweep share a W&B group: the sweep's name
+        cfg.logger.wandb.group = labels.sweep.name
     try:
-        return launch(to_run_config(cfg), run_dir, meta)
+        return launch(to_run_config(cfg), run_dir, labels)
     except ConfigError as err:
         message = f"invalid configuration: {err}"
         print(f"fsdp_exp: {message}", file=sys.stderr)
         if not sweep:
             sys.exit(EXIT_BAD_CONFIG)
-        return record_failure(run_dir, cfg, meta, None, message)
+        return record_failure(run_dir, cfg, labels, None, message)
     except RunFailed as failure:
         report_failure(failure)
         if not sweep:
@@ -56,7 +56,7 @@ def hydra_entry(cfg: DictConfig) -> dict:
         if not sweep:
             raise
         traceback.print_exc()
-        return record_failure(run_dir, cfg, meta, None, f"{type(exc).__name__}: {exc}")
+        return record_failure(run_dir, cfg, labels, None, f"{type(exc).__name__}: {exc}")
 
 
 def main() -> None:

@@ -10,6 +10,9 @@
   record failed and exits non-zero. SIGTERM / SIGUSR1 sent to the launcher (a scheduler's preemption or
   pre-timeout signal) are forwarded to every worker, which save a checkpoint and exit cleanly
   (fsdp_exp/checkpoint/). Workers die with the launcher (PR_SET_PDEATHSIG): no orphans.
+
+Either way the launcher's work (validate, plan, the labels) reaches the worker as one ``RunContext``
+(fsdp_exp/context.py), and run.json gets the run's config, topology, labels and plan once, from here.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from fsdp_exp.config import RunConfig, Topology, fail, plain
+from fsdp_exp.context import Labels, Prediction, RunContext
 from fsdp_exp.preflight import validate
 from fsdp_exp.env import cuda_device_count, export_slurm_rendezvous, external_world, local_rank, slurm_job
 from fsdp_exp.errors import RunFailed  # noqa: F401 - raised here, caught by __main__ and slurm
@@ -69,17 +73,26 @@ def prepare(cfg: RunConfig, world: Optional[tuple[int, int]] = None) -> Topology
     return topology
 
 
-def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
+def run_context(cfg: RunConfig, topology: Topology, run_dir: Path, labels: Labels = Labels()) -> RunContext:
+    """What every rank is handed, for a validated config: the planner's prediction made here, once."""
+    from fsdp_exp.plan import plan_for_run
+
+    # After the fit check this asks the planner again, from its cache (the model's inventory).
+    record, row, phases = plan_for_run(cfg, topology)
+    return RunContext(config=cfg, topology=topology, run_dir=Path(run_dir), labels=labels,
+                      prediction=Prediction(record=record, row=row, phases=phases))
+
+
+def launch(cfg: RunConfig, run_dir: Path, labels: Labels) -> dict:
     """Run one experiment to the end; return its run record. Raises RunFailed if a rank failed."""
     run_dir = Path(run_dir)
     world = external_world()
-    topology = prepare(cfg, world)
+    context = run_context(cfg, prepare(cfg, world), run_dir, labels)
     # Real data is tokenized and packed into its cache here, once, before any rank exists (under
     # torchrun every rank gets here: the first builds under a file lock, the others reuse it).
     from fsdp_exp.data import prepare_data
 
     data_info = prepare_data(cfg)
-    payload = {"config": plain(cfg), "topology": topology.as_dict(), "run_dir": str(run_dir), "meta": meta}
 
     if world is not None:  # torchrun / SLURM: this process is one rank of the job
         export_slurm_rendezvous()
@@ -90,24 +103,22 @@ def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
         # A rank's error file from an earlier attempt in this folder (a rerun, a requeue) must not be
         # taken for this one's: each rank clears its own before it joins the others.
         (errors / f"rank{rank}.txt").unlink(missing_ok=True)
-        if rank == 0 and "sweep" in meta:
-            RunRecord(run_dir).in_sweep(meta["sweep"])
+        if rank == 0:  # the folder every rank will write to: rank 0's (fsdp_exp.trainer.run_worker)
+            _record_start(context, data_info)
         if rank == 0 and (job := slurm_job()) is not None:
             RunRecord(run_dir).on_slurm(**job)  # a requeued job's next start says so (restarts)
         try:
-            run_worker(payload)
+            run_worker(context)
         except Exception:
-            raise _record_rank_failure(run_dir, cfg, meta, rank, world[0]) from None
+            raise _record_rank_failure(run_dir, cfg, labels, rank, world[0]) from None
         return RunRecord(run_dir).read()
 
-    record = RunRecord(run_dir)
-    record.starting(config=payload["config"], topology=payload["topology"], overrides=meta.get("overrides", []),
-                    choices=meta.get("choices", {}), sweep=meta.get("sweep"), data=data_info)
+    record = _record_start(context, data_info)
     forward = list(cfg.checkpoint.signals) if cfg.checkpoint.on_signal else ["SIGTERM"]
     try:
-        _spawn(payload, topology.nproc_per_node, forward)
+        _spawn(context, context.topology.nproc_per_node, forward)
     except RunFailed as failure:
-        record_failure(run_dir, cfg, meta, failure.rank, failure.summary)
+        record_failure(run_dir, cfg, labels, failure.rank, failure.summary)
         raise
     result = record.read()
     if result.get("status") == "interrupted":
@@ -119,7 +130,15 @@ def launch(cfg: RunConfig, run_dir: Path, meta: dict) -> dict:
     return result
 
 
-def _record_rank_failure(run_dir: Path, cfg: RunConfig, meta: dict, rank: int, world_size: int) -> RunFailed:
+def _record_start(context: RunContext, data_info: Optional[dict]) -> RunRecord:
+    """run.json before any rank trains: what will run (the only time the config and the plan are written)."""
+    record = RunRecord(context.run_dir)
+    record.starting(config=plain(context.config), topology=context.topology.as_dict(), plan=context.prediction.record,
+                    data=data_info, **context.labels.as_record())
+    return record
+
+
+def _record_rank_failure(run_dir: Path, cfg: RunConfig, labels: Labels, rank: int, world_size: int) -> RunFailed:
     """Under torchrun / SLURM, a rank whose run raised records the failure itself: no launcher process
     watches these ranks. Returns the RunFailed to raise.
 
@@ -151,7 +170,7 @@ def _record_rank_failure(run_dir: Path, cfg: RunConfig, meta: dict, rank: int, w
             failure = RunFailed(silent[0] if len(silent) == 1 else None, _silent_ranks(run_dir, silent, own))
     if rank == 0 or not _is_peer_error(run_dir, rank):
         with FileLock(str(errors / ".record.lock")):
-            record_failure(run_dir, cfg, meta, failure.rank, failure.summary, note_wandb=rank == 0)
+            record_failure(run_dir, cfg, labels, failure.rank, failure.summary, note_wandb=rank == 0)
     return failure
 
 
@@ -174,7 +193,7 @@ def _silent_ranks(run_dir: Path, silent: list[int], own: str) -> str:
             f"job's log); rank 0 then failed with: {own}")
 
 
-def record_failure(run_dir: Path, cfg, meta: dict, rank: Optional[int], message: str,
+def record_failure(run_dir: Path, cfg, labels: Labels, rank: Optional[int], message: str,
                    note_wandb: bool = True) -> dict:
     """Record a run that failed (before its ranks started, or because one of them failed): run.json gets
     status "failed" and the error; W&B (unless disabled) gets the same, in the run rank 0 opened if
@@ -184,16 +203,14 @@ def record_failure(run_dir: Path, cfg, meta: dict, rank: Optional[int], message:
     except Exception:  # noqa: BLE001 - an unresolvable config still deserves its failure record
         config = None
     record = RunRecord(run_dir)
-    sweep = {"sweep": meta["sweep"]} if "sweep" in meta else {}
-    result = record.failed(rank, message, config=config, overrides=meta.get("overrides", []),
-                           choices=meta.get("choices", {}), **sweep)
+    result = record.failed(rank, message, config=config, **labels.as_record())
     wandb_cfg = cfg.logger.wandb
     if note_wandb and wandb_cfg.mode != "disabled":
         from fsdp_exp.record import note_failure_in_wandb
 
         try:
-            run_id = note_failure_in_wandb(wandb_cfg, run_dir, result.get("config", {}), meta.get("overrides", []),
-                                           meta.get("choices", {}), (result.get("wandb") or {}).get("run_id"),
+            run_id = note_failure_in_wandb(wandb_cfg, run_dir, result.get("config", {}), list(labels.overrides),
+                                           dict(labels.choices), (result.get("wandb") or {}).get("run_id"),
                                            result["error"])
         except Exception as exc:  # noqa: BLE001 - W&B trouble must not hide the run's own error
             print(f"fsdp_exp: could not record the failure in W&B: {exc}", file=sys.stderr)
@@ -202,18 +219,18 @@ def record_failure(run_dir: Path, cfg, meta: dict, rank: Optional[int], message:
     return result
 
 
-def _spawn(payload: dict, nprocs: int, forward: list[str] = ("SIGTERM",)) -> None:
+def _spawn(context: RunContext, nprocs: int, forward: list[str] = ("SIGTERM",)) -> None:
     import torch.multiprocessing as mp
 
     from fsdp_exp.oom import OomWatch
 
     port = free_port()
     oom = OomWatch()  # the OOM killer's counters and the node's memory before the ranks start
-    ctx = mp.start_processes(_spawned_rank, args=(nprocs, port, payload), nprocs=nprocs, join=False,
+    ctx = mp.start_processes(_spawned_rank, args=(nprocs, port, context), nprocs=nprocs, join=False,
                              start_method="spawn")
     previous = _forward_signals(ctx.processes, forward)
     try:
-        failed = _wait_for_ranks(ctx.processes, Path(payload["run_dir"]))
+        failed = _wait_for_ranks(ctx.processes, context.run_dir)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -224,7 +241,7 @@ def _spawn(payload: dict, nprocs: int, forward: list[str] = ("SIGTERM",)) -> Non
                 pass
     if failed is not None:
         process = ctx.processes[failed]
-        raise _failure(Path(payload["run_dir"]), failed, process.exitcode, oom, process.pid)
+        raise _failure(context.run_dir, failed, process.exitcode, oom, process.pid)
 
 
 def _forward_signals(processes, names) -> dict:
@@ -326,7 +343,7 @@ def _die_with_launcher() -> None:
         return
 
 
-def _spawned_rank(local_rank: int, nprocs: int, port: int, payload: dict) -> None:
+def _spawned_rank(local_rank: int, nprocs: int, port: int, context: RunContext) -> None:
     """A worker process started by ``_spawn``: set the torch.distributed environment, then run."""
     _die_with_launcher()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
@@ -334,10 +351,10 @@ def _spawned_rank(local_rank: int, nprocs: int, port: int, payload: dict) -> Non
     try:
         from fsdp_exp.trainer import run_worker
 
-        run_worker(payload)
+        run_worker(context)
     except BaseException:
         # Keep the whole traceback in the run folder; the launcher prints only its last line.
-        errors = Path(payload["run_dir"]) / ERRORS_DIR
+        errors = context.run_dir / ERRORS_DIR
         errors.mkdir(parents=True, exist_ok=True)
         (errors / f"rank{local_rank}.txt").write_text(traceback.format_exc())
         # Leave at once, as below: interpreter teardown with collectives still queued (a non-blocking

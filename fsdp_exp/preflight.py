@@ -12,6 +12,7 @@ from typing import Optional
 from fsdp_exp.config.schema import AC_OPS, DTYPES, GRAD_SYNC, ModelConfig, OptimConfig, RunConfig
 from fsdp_exp.config.topology import Topology, largest_divisor_at_most as _largest_divisor_at_most, resolve_nproc
 from fsdp_exp.checkpoint.checks import check_checkpoint
+from fsdp_exp.context import sampled_steps
 from fsdp_exp.errors import fail
 from fsdp_exp.parallel.backend import backend_for, check_backend_name
 
@@ -58,10 +59,7 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
         fail(f"trainer.track_memory_step={t.track_memory_step} is not a warm-up step (0 to "
               f"{t.warmup_steps - 1}); the tracked step is slow and must stay out of the summary.",
               f"pass trainer.warmup_steps={t.track_memory_step + 1} or more, or trainer.track_memory_step=null")
-    # The memory-sampled step (the trainer's): the tracked one, else the CUDA snapshot's (last warm-up step).
-    sampled = (t.track_memory_step if t.track_memory_step is not None else t.warmup_steps - 1) \
-        if t.track_memory and t.warmup_steps > 0 and backend_for(cfg).tracks_memory else \
-        (t.warmup_steps - 1 if t.memory_snapshot else None)
+    sampled = sampled_steps(t, backend_for(cfg).tracks_memory, device_type).memory_sampled  # the trainer's rule
     for step in t.profile_steps:
         if not 0 <= step < t.steps:
             fail(f"trainer.profile_steps has {step}, not a step of this run (0 to {t.steps - 1}).",

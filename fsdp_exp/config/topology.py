@@ -26,6 +26,11 @@ class Topology:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, fields: dict) -> Topology:
+        """The topology ``as_dict`` wrote (run.json["topology"]: JSON turned its tuples into lists)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
 
 def resolve_nproc(value: str, cuda_devices: int) -> int:
     if value == "auto":

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Optional
 from fsdp_exp.config.topology import largest_divisor_at_most
 from fsdp_exp.errors import fail
 from fsdp_exp.models import hf_config
-from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan, config_key
+from fsdp_exp.models.spec import (COLWISE, ROWWISE, ModelSpec, TensorParallelPlan, config_key,
+                                  no_values_drawn_on_meta)
 
 if TYPE_CHECKING:
     import torch
@@ -128,30 +129,6 @@ def _is_routed_expert(name: str) -> bool:
 
 class _NoTransformers:
     """Stands for transformers' model class where transformers is not installed (nothing is one)."""
-
-
-def _no_values_drawn_on_meta():
-    """While a model is built, torch's initializers (``nn.Linear``'s ``kaiming_uniform_``, GPT-2's ``Conv1D``
-    ``normal_``, ...) called on a meta tensor return it untouched: it has no values to draw, and each call costs
-    about a millisecond through torch's reference decompositions (most of the planner's time on the published
-    record). A torch function mode, so nothing is patched: shapes, dtypes, tying and buffers are built as they
-    are, and a tensor with storage is initialized as before. transformers' own ``_init_weights`` already skips
-    the meta device; fsdp_exp draws the values later (``hf_init``)."""
-    import torch
-    from torch.overrides import TorchFunctionMode
-
-    initializers = {getattr(torch.nn.init, name) for name in dir(torch.nn.init)
-                    if name.endswith("_") and not name.startswith("_")}
-
-    class NoValuesOnMeta(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            tensor = args[0] if args else kwargs.get("tensor")
-            if func in initializers and isinstance(tensor, torch.Tensor) and tensor.is_meta:
-                return tensor
-            return func(*args, **kwargs)
-
-    return NoValuesOnMeta()
 
 
 class HfSpec(ModelSpec):
@@ -266,7 +243,7 @@ class HfSpec(ModelSpec):
 
         config = copy.deepcopy(self.config(m))
         config.use_cache = False  # training: no key/value cache
-        with _no_values_drawn_on_meta():
+        with no_values_drawn_on_meta():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                                      attn_implementation=m.attn_implementation)
         model.forward = types.MethodType(_forward, model)  # the chunked loss when targets are passed
@@ -375,7 +352,7 @@ class HfSpec(ModelSpec):
         cache = self.__dict__.setdefault("_recipes", {})
         key = config.to_json_string(use_diff=False)
         if key not in cache:
-            with torch.device("meta"), _no_values_drawn_on_meta():
+            with torch.device("meta"), no_values_drawn_on_meta():
                 fresh = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
             first: dict[int, str] = {}
             aliases = {name: first.setdefault(id(p), name) for name, p in fresh.named_parameters(remove_duplicate=False)}

@@ -239,7 +239,7 @@ class ModelSpec:
 
             if len(cache) >= CACHE_SIZE:
                 cache.clear()
-            with torch.device("meta"):
+            with torch.device("meta"), no_values_drawn_on_meta():
                 cache[key] = self.build(cfg)
         return cache[key]
 
@@ -280,3 +280,28 @@ def config_key(cfg) -> str:
     """A hashable key of a model config (a dataclass or a mapping)."""
     fields = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
     return json.dumps(fields, sort_keys=True, default=str)
+
+
+def no_values_drawn_on_meta():
+    """While a model is built, torch's initializers (``nn.Linear``'s ``kaiming_uniform_``, GPT-2's ``Conv1D``
+    ``normal_``, ...) called on a meta tensor return it untouched: it has no values to draw, and each call costs
+    about a millisecond through torch's reference decompositions (most of the planner's time on the published
+    record), the first of them also an import of torch's compiler stack (torch._dynamo, sympy: about a second
+    of the launcher's, which needs it for nothing else). A torch function mode, so nothing is patched: shapes,
+    dtypes, tying and buffers are built as they are, and a tensor with storage is initialized as before. The
+    family draws the values later (``init_std``, ``init_buffers``; transformers' ``_init_weights`` skips meta)."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    initializers = {getattr(torch.nn.init, name) for name in dir(torch.nn.init)
+                    if name.endswith("_") and not name.startswith("_")}
+
+    class NoValuesOnMeta(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            tensor = args[0] if args else kwargs.get("tensor")
+            if func in initializers and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+            return func(*args, **kwargs)
+
+    return NoValuesOnMeta()

@@ -39,19 +39,18 @@ class RunRecord:
 
     # ------------------------------------------------------------------------- the launcher's
     def starting(self, *, config: dict, topology: dict, overrides: list, choices: dict,
-                 sweep: Optional[dict] = None, data: Optional[dict] = None) -> dict:
-        """Before any rank starts: what will run (``data``: what preparing the data found)."""
+                 sweep: Optional[dict] = None, plan: Optional[dict] = None, data: Optional[dict] = None) -> dict:
+        """Before any rank starts: what will run, the only time it is written (``plan``: the planner's
+        prediction; ``data``: what preparing the data found)."""
         fields = {"status": "starting", "config": config, "topology": topology, "overrides": overrides,
                   "choices": choices}
+        if plan is not None:
+            fields["plan"] = plan
         if sweep is not None:
             fields["sweep"] = sweep
         if data is not None:
             fields["data"] = data
         return self._write(fields)
-
-    def in_sweep(self, sweep: dict) -> dict:
-        """This run is a job of a sweep (under torchrun, where no launcher process writes ``starting``)."""
-        return self._write({"sweep": sweep})
 
     def on_slurm(self, **facts: Any) -> dict:
         """Facts about the SLURM job this run is (fsdp_exp/slurm.py, fsdp_exp/env.py ``slurm_job``), merged
@@ -79,10 +78,10 @@ class RunRecord:
         return self._write({"wandb": {**(self.read().get("wandb") or {}), "mode": mode, "run_id": run_id}})
 
     # --------------------------------------------------------------------------- rank 0's, in a run
-    def running(self, *, config: dict, choices: dict, overrides: list, topology: dict, applied: dict, env: dict,
-                wandb: dict, plan: dict, resumed_from: Optional[dict] = None,
+    def running(self, *, applied: dict, env: dict, wandb: dict, resumed_from: Optional[dict] = None,
                 init_check: Optional[dict] = None) -> dict:
-        """The ranks are up and about to train. A run resumed from a checkpoint (``resumed_from``) is no
+        """The ranks are up and about to train: what they learnt (the config, topology and plan are the
+        launcher's, written by ``starting``). A run resumed from a checkpoint (``resumed_from``) is no
         longer failed or interrupted; what the earlier attempt left is kept as its ``previous_attempt``."""
         fields: dict[str, Any] = {}
         if resumed_from:
@@ -93,8 +92,7 @@ class RunRecord:
             fields.update(resumed_from=resumed_from, error=None, interrupted=None)
         if init_check is not None:
             fields["init_check"] = init_check
-        fields.update(status="running", config=config, choices=choices, overrides=overrides, topology=topology,
-                      applied=applied, env=env, wandb=wandb, plan=plan)
+        fields.update(status="running", applied=applied, env=env, wandb=wandb)
         return self._write(fields)
 
     def checkpoint_saved(self, saved: dict) -> dict:

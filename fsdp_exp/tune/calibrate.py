@@ -178,7 +178,7 @@ def run_samples(sweep_dir: Path) -> dict[str, dict]:
         run = runs[members[0]]
         tokens = statistics.median(runs[i].summary["summary/tokens_per_s_median"] for i in members)
         cfg = to_run_config(run.config)
-        topology = Topology(**{k: tuple(v) if isinstance(v, list) else v for k, v in run.topology.items()})
+        topology = Topology.from_dict(run.topology)
         if run.env.get("device_type") == "cuda":
             device = table_device(" ".join(run.env.get("devices") or []))
             if device is None:

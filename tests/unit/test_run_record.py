@@ -15,13 +15,14 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fsdp_exp"
 
 def test_a_runs_life_merges_into_one_record_written_atomically(tmp_path):
     record = RunRecord(tmp_path)
-    record.starting(config={"a": 1}, topology={"world_size": 2}, overrides=["x=1"], choices={}, sweep={"n": 0})
-    record.running(config={"a": 1}, choices={}, overrides=["x=1"], topology={"world_size": 2}, applied={},
-                   env={}, wandb={"mode": "disabled", "run_id": None}, plan={"peak": 1.0})
+    record.starting(config={"a": 1}, topology={"world_size": 2}, overrides=["x=1"], choices={}, sweep={"n": 0},
+                    plan={"peak": 1.0})
+    record.running(applied={}, env={}, wandb={"mode": "disabled", "run_id": None})
     record.checkpoint_saved({"path": "p", "step": 3})
     record.ended("completed", summary={"summary/final_loss": math.nan})
     written = json.loads((tmp_path / RUN_RECORD).read_text())
     assert written["status"] == "completed" and written["sweep"] == {"n": 0} and written["checkpoint"]["step"] == 3
+    assert written["config"] == {"a": 1} and written["plan"] == {"peak": 1.0}  # the launcher's, kept
     assert written["summary"]["summary/final_loss"] is None  # JSON has no NaN: null
     assert "schema_version" in written and not list(tmp_path.glob("*.tmp"))
 
@@ -29,8 +30,7 @@ def test_a_runs_life_merges_into_one_record_written_atomically(tmp_path):
 def test_a_resumed_run_keeps_what_the_earlier_attempt_left(tmp_path):
     record = RunRecord(tmp_path)
     record.failed(1, "rank 1 was killed", config={"a": 1}, overrides=[])
-    after = record.running(config={"a": 1}, choices={}, overrides=[], topology={}, applied={}, env={}, wandb={},
-                           plan={}, resumed_from={"step": 6})
+    after = record.running(applied={}, env={}, wandb={}, resumed_from={"step": 6})
     assert after["resumed_from"]["previous_attempt"]["error"] == {"rank": 1, "message": "rank 1 was killed"}
     assert after["error"] is None and after["interrupted"] is None and after["status"] == "running"
 

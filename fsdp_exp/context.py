@@ -1,0 +1,100 @@
+"""The run context: what the launcher settles about a run before any rank starts, as one typed object.
+
+The launcher composes the config, validates it (the topology), asks the planner (the prediction) and
+knows how the run was asked for (the labels: overrides, Hydra's choices, the sweep). Each rank gets
+all of it as one ``RunContext``: pickled to a rank the launcher spawns, handed over in-process where
+every rank is its own launcher (torchrun, a SLURM step). Nothing is computed twice, turned back into a
+dict or read through ``.get``; run.json records it once, when the launcher writes it.
+
+Also here, because the launcher's checks and the trainer's step metrics both need it: which steps are
+sampled for a closer look (``sampled_steps``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from fsdp_exp.config.schema import RunConfig, TrainerConfig
+from fsdp_exp.config.topology import Topology
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """The sweep (a Hydra multirun) a run is one job of."""
+
+    dir: str
+    name: str  # the sweep folder's name: the runs' shared W&B group
+    job: int
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Labels:
+    """How the run was asked for: the command line's overrides, Hydra's option per config group, the sweep."""
+
+    overrides: tuple[str, ...] = ()
+    choices: dict[str, str] = field(default_factory=dict)
+    sweep: Optional[Sweep] = None
+
+    def as_record(self) -> dict:
+        """The fields of run.json (and of a failure's W&B run) that these labels fill."""
+        fields = {"overrides": list(self.overrides), "choices": dict(self.choices)}
+        if self.sweep is not None:
+            fields["sweep"] = self.sweep.as_dict()
+        return fields
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The memory planner's prediction for this run (``fsdp_exp.plan.plan_for_run``), made once by the launcher."""
+
+    record: dict  # run.json["plan"]: the whole plan, or why there is none
+    row: dict  # mem/predicted_peak_gib and mem/predicted_model_states_gib, in every logged row
+    phases: dict  # mem/predicted_<phase>_peak_gib, beside the sampled step's breakdown
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Everything a rank is handed. ``config`` and ``topology`` are final: a rank reads them, never changes them."""
+
+    config: RunConfig
+    topology: Topology
+    run_dir: Path
+    labels: Labels
+    prediction: Prediction
+
+    def in_folder(self, run_dir: Path) -> RunContext:
+        """The same run in another folder (under torchrun every rank may compose its own; rank 0's wins)."""
+        return dataclasses.replace(self, run_dir=Path(run_dir))
+
+
+@dataclass(frozen=True)
+class SampledSteps:
+    """The steps (0-based) measured more closely than the others, all warm-up steps; None where there is none."""
+
+    memory: Optional[int]  # under torch's memory tracker (trainer.track_memory)
+    snapshot: Optional[int]  # with the CUDA allocator's history (trainer.memory_snapshot; CUDA only)
+
+    @property
+    def memory_sampled(self) -> Optional[int]:
+        """The one step whose memory is sampled: the tracked one, else the snapshot's."""
+        return self.memory if self.memory is not None else self.snapshot
+
+
+def sampled_steps(t: TrainerConfig, tracks_memory: bool, device_type: str) -> SampledSteps:
+    """Which warm-up step is tracked and which is snapshot. ``tracks_memory``: the backend's parameters can be
+    followed by torch's memory trackers (``Backend.tracks_memory``); no breakdown otherwise. The snapshot is
+    taken on the tracked step, or on the last warm-up step when nothing is tracked. ``device_type``: where the
+    run trains; a snapshot is of the CUDA allocator only (preflight refuses one on a CPU)."""
+    memory = None
+    if t.track_memory and t.warmup_steps > 0 and tracks_memory:
+        memory = t.track_memory_step if t.track_memory_step is not None else t.warmup_steps - 1
+    snapshot = None
+    if t.memory_snapshot and device_type == "cuda":
+        snapshot = memory if memory is not None else t.warmup_steps - 1
+    return SampledSteps(memory=memory, snapshot=snapshot)
