@@ -158,6 +158,7 @@ def metrics_rank(rank: int, port: int, overrides: list[str], steps: int, run_dir
     """One rank of the in-run comparison: the real Trainer, full and minimal steps interleaved."""
     from fsdp_exp.preflight import validate
     from fsdp_exp.dist import init_distributed
+    from fsdp_exp.launch import run_context
     from fsdp_exp.plan import compose
     from fsdp_exp.trainer import Trainer
 
@@ -166,7 +167,7 @@ def metrics_rank(rank: int, port: int, overrides: list[str], steps: int, run_dir
     cfg = compose(overrides)
     topology = validate(cfg, cuda_devices=0)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))  # as the framework does
-    trainer = Trainer(cfg, topology, init_distributed(topology), Path(run_dir), {})
+    trainer = Trainer(run_context(cfg, topology, Path(run_dir)), init_distributed(topology))
     trainer._start_record()
     times: list[tuple[int, bool, float, float]] = []  # (step, full?, seconds, of which in metrics.log)
     for step in range(steps):

@@ -10,7 +10,7 @@ and lets the checkpointer save when due. What is written goes through the record
 (fsdp_exp.record.recorder: run.json, metrics.jsonl, W&B, the console).
 
 ``run_worker`` is the entry point of every rank, however it was started (fsdp_exp's local spawner,
-torchrun, SLURM); it receives plain data only: the resolved config, the topology and the run meta.
+torchrun, SLURM); it receives the launcher's ``RunContext``: config, topology, run folder, labels, plan.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from __future__ import annotations
 import faulthandler
 import hashlib
 import time
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -31,7 +30,8 @@ from fsdp_exp.checkpoint.manager import Checkpointer
 from fsdp_exp.checkpoint.rng import RngState
 from fsdp_exp.checkpoint.signals import handle_stop_signals
 from fsdp_exp.checkpoint.states import sharded_state
-from fsdp_exp.config import RunConfig, Topology, plain, to_run_config
+from fsdp_exp.config import plain
+from fsdp_exp.context import RunContext
 from fsdp_exp.data import build_data
 from fsdp_exp.debug.faults import inject_step_fault
 from fsdp_exp.debug.init_check import check_identical_init
@@ -46,22 +46,21 @@ from fsdp_exp.parallel import ac, parallelize
 from fsdp_exp.record.recorder import Recorder
 
 
-def run_worker(payload: dict) -> None:
-    """Entry point of one rank. ``payload``: {"config", "topology", "run_dir", "meta"} as plain data."""
+def run_worker(context: RunContext) -> None:
+    """Entry point of one rank: the launcher's ``RunContext`` (fsdp_exp/context.py), typed and final."""
     # A rank killed by a fatal signal (abort, segfault) still says where it was.
     faulthandler.enable()
-    cfg = to_run_config(payload["config"])
+    cfg, topology = context.config, context.topology
     # From now on checkpoint.signals (none with on_signal=false) ask every rank to save and stop cleanly;
     # any other signal a launcher handled until now acts as the system defines again.
     handle_stop_signals(list(cfg.checkpoint.signals) if cfg.checkpoint.on_signal else [])
-    topology = Topology(**{k: tuple(v) if isinstance(v, list) else v for k, v in payload["topology"].items()})
     threads = cfg.trainer.threads_per_rank or default_threads(topology.nproc_per_node)
     torch.set_num_threads(threads)
     info = init_distributed(topology, timeout_s=cfg.trainer.collective_timeout_s)
     # Under torchrun every rank composed its own config and may have picked its own time-stamped
     # output folder: rank 0's choice wins.
-    run_dir = Path(broadcast_object(payload["run_dir"]))
-    Trainer(cfg, topology, info, run_dir, payload.get("meta", {})).fit()
+    context = context.in_folder(broadcast_object(str(context.run_dir)))
+    Trainer(context, info).fit()
     # Tear down together: a rank that destroys its gloo group while a peer is still finishing
     # (rank 0 closes the sinks) can abort at exit.
     dist.barrier()
@@ -69,8 +68,9 @@ def run_worker(payload: dict) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, topology: Topology, info: RankInfo, run_dir: Path, meta: dict):
-        self.cfg, self.topology, self.info, self.run_dir, self.meta = cfg, topology, info, run_dir, meta
+    def __init__(self, context: RunContext, info: RankInfo):
+        cfg, topology, run_dir = context.config, context.topology, context.run_dir
+        self.context, self.cfg, self.topology, self.info, self.run_dir = context, cfg, topology, info, run_dir
         self.device = info.device
         torch.manual_seed(cfg.trainer.seed)
 
@@ -103,21 +103,17 @@ class Trainer:
         self.start_step = self.checkpointer.resume()
         self.guard = StopGuard(cfg.checkpoint, info.rank, cfg.trainer.steps)  # signal stop, NaN/inf stop
 
-        from fsdp_exp.plan import plan_for_run
-
-        # The memory planner's prediction (fsdp_exp/plan.py): run.json["plan"], the peak and model states
-        # in every row beside the measurements, each phase's peak beside the sampled step's breakdown.
-        self.plan, predicted, predicted_phases = plan_for_run(cfg, topology)
         kept = self.recorder.open_sinks(cfg, keep_through_step=self.checkpointer.metrics_keep_through)
         self.metrics = StepMetrics(cfg, topology, info, run_dir, model=self.model, optimizer=self.optimizer,
                                    backend=self.backend, data=self.data, recorder=self.recorder, apply_ac=ac.apply,
-                                   predicted=predicted, predicted_phases=predicted_phases, history=kept,
+                                   predicted=context.prediction.row, predicted_phases=context.prediction.phases,
+                                   history=kept,
                                    setup_s=setup_s, start_step=self.start_step)
 
     def _start_record(self) -> None:
         """The ranks are up: run.json says running, with the environment; W&B opens (rank 0)."""
         self.checkpointer.wandb_run_id = self.recorder.start(  # the W&B run its checkpoints name from now on
-            self.cfg, self.topology, self.info, applied=self.applied, meta=self.meta, plan=self.plan,
+            self.cfg, self.topology, self.info, applied=self.applied, labels=self.context.labels,
             facts=self.metrics.facts(), resumed_from=self.checkpointer.resumed, init_check=self.init_check,
             wandb_run_id=self.checkpointer.wandb_run_id)  # a resumed run continues its W&B run
 

@@ -172,9 +172,10 @@ def leftover_processes(run_dir: Path) -> list[str]:
 
 def run_experiment(overrides: list[str], run_dir: Path) -> dict:
     """Compose, validate and launch in this process (workers are fresh spawned processes)."""
+    from fsdp_exp.context import Labels
     from fsdp_exp.launch import launch
 
     overrides = [*overrides, *QUIET]
     cfg = compose_config(overrides, return_hydra_config=True)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
-    return launch(run_config(overrides), Path(run_dir), {"overrides": overrides, "choices": choices})
+    return launch(run_config(overrides), Path(run_dir), Labels(overrides=tuple(overrides), choices=choices))

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from fsdp_exp.context import sampled_steps
 from fsdp_exp.dist import gather_over_ranks, reduce_over_ranks
 from fsdp_exp.metrics import memory
 from fsdp_exp.metrics.device_peak import device_peak
@@ -68,13 +69,9 @@ class StepMetrics:
         self.peak = device_peak(cfg, self.device, topology.nproc_per_node, info.world_size, info.is_main)
         self.pending: dict = {}  # metrics of a measured step, added to the next logged row
         self.pending["perf/setup_time_s"] = reduce_over_ranks([setup_s], self.device)[0][0]  # slowest rank
-        # Not every backend's parameters can be followed by torch's memory trackers: no breakdown there.
-        trackable = t.track_memory and t.warmup_steps > 0 and backend.tracks_memory
-        self.track_step = (t.track_memory_step if t.track_memory_step is not None else t.warmup_steps - 1) \
-            if trackable else None
-        # CUDA allocator history on the same sampled step (the last warm-up step when nothing is tracked).
-        self.snapshot_step = (self.track_step if self.track_step is not None else t.warmup_steps - 1) \
-            if t.memory_snapshot and self.device.type == "cuda" else None
+        # The memory tracker's step and the CUDA allocator history's (the rule preflight checks against).
+        sampled = sampled_steps(t, backend.tracks_memory, self.device.type)
+        self.track_step, self.snapshot_step = sampled.memory, sampled.snapshot
         self.profile_steps = set(t.profile_steps)  # torch.profiler traces and comm/* (fsdp_exp.metrics.comm)
         self.comm_record: list[dict] = []
 

@@ -13,7 +13,7 @@ import platform
 import socket
 import subprocess
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from fsdp_exp.record.console import ConsoleSink
 from fsdp_exp.record.metrics_file import JsonlSink
 from fsdp_exp.record.run_record import RunRecord
 from fsdp_exp.record.wandb_sink import WandbSink
+
+if TYPE_CHECKING:
+    from fsdp_exp.context import Labels
 
 
 class Recorder:
@@ -48,28 +51,25 @@ class Recorder:
         self.open = True
         return list(self.jsonl.kept)
 
-    def start(self, cfg, topology, info, *, applied: dict, meta: dict, plan: dict, facts: dict,
+    def start(self, cfg, topology, info, *, applied: dict, labels: "Labels", facts: dict,
               resumed_from: Optional[dict], init_check: Optional[dict], wandb_run_id: Optional[str]) -> Optional[str]:
         """The ranks are up: gather the environment (a collective: every rank calls it), open W&B and
-        record the run as running (rank 0). ``facts``: the step metrics' FLOPs and peaks, in the env.
+        record the run as running (rank 0; the launcher recorded the config, ``labels`` and plan before).
+        ``facts``: the step metrics' FLOPs and peaks, in the env.
         ``wandb_run_id``: the W&B run a resumed run continues. Returns the W&B run its checkpoints
         name from now on."""
         env = {**environment(cfg, info), **facts}
         if not self.is_main:
             return wandb_run_id
-        config = plain(cfg)
         if cfg.logger.wandb.mode != "disabled":
+            overrides, choices = list(labels.overrides), dict(labels.choices)
             self.wandb = WandbSink(cfg.logger.wandb, self.run_dir,
-                                   {**config, "applied": applied, "topology": topology.as_dict(),
-                                    "env": env, "choices": meta.get("choices", {}),
-                                    "overrides": meta.get("overrides", [])},
-                                   meta.get("overrides", []), meta.get("choices", {}),
-                                   run_id=wandb_run_id)  # a resumed run continues its W&B run
+                                   {**plain(cfg), "applied": applied, "topology": topology.as_dict(),
+                                    "env": env, "choices": choices, "overrides": overrides},
+                                   overrides, choices, run_id=wandb_run_id)  # a resumed run continues its W&B run
         wandb_run_id = self.wandb.run_id if self.wandb else None
-        self.record.running(config=config, choices=meta.get("choices", {}),
-                            overrides=meta.get("overrides", []), topology=topology.as_dict(),
-                            applied=applied, env=env, wandb={"mode": cfg.logger.wandb.mode, "run_id": wandb_run_id},
-                            plan=plan, resumed_from=resumed_from, init_check=init_check)
+        self.record.running(applied=applied, env=env, wandb={"mode": cfg.logger.wandb.mode, "run_id": wandb_run_id},
+                            resumed_from=resumed_from, init_check=init_check)
         return wandb_run_id
 
     # ------------------------------------------------------------------- during the run (rank 0)

@@ -69,22 +69,20 @@ def with_defaults(overrides: list[str]) -> list[str]:
 
 
 # ------------------------------------------------------------------------ one group, many runs
-def _rank(local_rank: int, nprocs: int, port: int, payloads: list[dict]) -> None:
-    """One rank: join the group once, then train every payload with fsdp_exp's Trainer."""
+def _rank(local_rank: int, nprocs: int, port: int, contexts: list) -> None:
+    """One rank: join the group once, then train every run context with fsdp_exp's Trainer."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
     import torch.distributed as dist
 
-    from fsdp_exp.config import Topology, to_run_config
     from fsdp_exp.dist import init_distributed
     from fsdp_exp.trainer import Trainer
 
     torch.set_num_threads(1)
     info = None
-    for payload in payloads:
-        topology = Topology(**{k: tuple(v) if isinstance(v, list) else v for k, v in payload["topology"].items()})
-        info = info or init_distributed(topology)
-        Trainer(to_run_config(payload["config"]), topology, info, Path(payload["run_dir"]), {}).fit()
+    for context in contexts:
+        info = info or init_distributed(context.topology)
+        Trainer(context, info).fit()
         dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -97,21 +95,24 @@ def run_cases(cases: dict[str, list[str]], root: Path, nprocs: int = 2) -> dict[
 
     from fsdp_exp.config import plain
     from fsdp_exp.preflight import validate
-    from fsdp_exp.launch import free_port
+    from fsdp_exp.context import Labels
+    from fsdp_exp.launch import free_port, run_context
     from fsdp_exp.record import RunRecord
 
-    payloads, dirs = [], {}
+    contexts, dirs = [], {}
     for name, overrides in cases.items():
         overrides = [o.replace("{root}", str(root)) for o in overrides]
         cfg = run_config([*QUIET, *with_defaults(overrides), f"trainer.nproc_per_node={nprocs}"])
         topology = validate(cfg, cuda_devices=0)
         run_dir = dirs[name] = root / name
-        RunRecord(run_dir).starting(config=plain(cfg), topology=topology.as_dict(), overrides=overrides, choices={})
-        payloads.append({"config": plain(cfg), "topology": topology.as_dict(), "run_dir": str(run_dir)})
+        context = run_context(cfg, topology, run_dir, Labels(overrides=tuple(overrides)))
+        RunRecord(run_dir).starting(config=plain(cfg), topology=topology.as_dict(), plan=context.prediction.record,
+                                    **context.labels.as_record())
+        contexts.append(context)
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor-cache")  # compile=true: never the user's cache
     try:
-        mp.start_processes(_rank, args=(nprocs, free_port(), payloads), nprocs=nprocs, start_method="spawn")
+        mp.start_processes(_rank, args=(nprocs, free_port(), contexts), nprocs=nprocs, start_method="spawn")
     finally:
         os.environ.pop("TORCHINDUCTOR_CACHE_DIR") if cache is None else os.environ.update(TORCHINDUCTOR_CACHE_DIR=cache)
     return dirs
