@@ -9,8 +9,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_exp.units import GIB  # noqa: F401 - the step metrics read memory.GIB
-
 
 def local_bytes(t: torch.Tensor) -> int:
     """Bytes of the part of ``t`` that lives on this rank (a DTensor's local shard)."""

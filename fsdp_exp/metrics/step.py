@@ -23,9 +23,10 @@ from fsdp_exp.metrics import memory
 from fsdp_exp.metrics.device_peak import device_peak
 from fsdp_exp.metrics.flops import convention_flops_per_token, mfu, recompute_flops_per_token
 from fsdp_exp.metrics.summary import summarize
-from fsdp_exp.metrics.tracker import BREAKDOWN, PHASES, StepMemory
+from fsdp_exp.metrics.schema import PHASES
+from fsdp_exp.metrics.tracker import BREAKDOWN, StepMemory
+from fsdp_exp.units import GIB
 
-GIB = memory.GIB
 # One optimizer step, told where it is by ``phase`` on measured steps: (loss tensor, grad norm, lr).
 StepFn = Callable[..., tuple[torch.Tensor, float, float]]
 

@@ -14,7 +14,8 @@ from fsdp_exp.config import ConfigError
 from fsdp_exp.preflight import validate
 from fsdp_exp.metrics.comm import comm_from_trace
 from fsdp_exp.metrics.flops import counted_flops_per_token, mfu, recompute_flops_per_token
-from fsdp_exp.metrics.tracker import BREAKDOWN, PHASES
+from fsdp_exp.metrics.schema import PHASES
+from fsdp_exp.metrics.tracker import BREAKDOWN
 from fsdp_exp.models import count_params, flops_per_token
 from fsdp_exp.parallel import ac
 from fsdp_exp.tune.work import work
