@@ -785,7 +785,7 @@ CHECKS = (
                   "fsdp_exp/metrics/memory.py:cuda_bytes", "fsdp_exp/metrics/memory.py:cuda_counts")),
     Check("memory_snapshot", "the CUDA allocator history of the sampled step: written, loads with pickle",
           ("main",), check_snapshot, needs="cuda",
-          covers=("fsdp_exp/metrics/step.py:StepMetrics.__init__", "fsdp_exp/metrics/step.py:StepMetrics._sampled")),
+          covers=("fsdp_exp/context.py:sampled_steps", "fsdp_exp/metrics/step.py:StepMetrics._sampled")),
     Check("profiler", "the profiled step's trace, CUDA kernels recorded, comm/* read from it",
           ("main",), check_profiler, covers=("fsdp_exp/metrics/comm.py:profiled",)),
     Check("comm", "collectives of the profiled step (NCCL kernels on CUDA): all-gather, reduce-scatter, exposed",
