@@ -23,6 +23,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -57,10 +58,15 @@ def sweep(tmp_path_factory) -> Path:
     sweep_dir, env = root / "sweep", _env(root / "home")
     multirun = _fsdp_exp(["-m", "prefetch=default,deep", f"hydra.sweep.dir={sweep_dir}"], env, root)
     assert multirun.returncode == 0, multirun.stderr[-3000:]
-    # Quoted: an unquoted '=' inside an override's value is a Hydra grammar error.
-    single = _fsdp_exp(["sharding=grad_op", f"hydra.run.dir='{sweep_dir}/2_sharding=grad_op'"], env, root)
+    # The two single runs side by side (a tiny run leaves a core idle through its start-up and gloo waits),
+    # after the multirun: its end-of-sweep check counts every run in its folder that started since it did.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        # Quoted: an unquoted '=' inside an override's value is a Hydra grammar error.
+        single = pool.submit(_fsdp_exp, ["sharding=grad_op", f"hydra.run.dir='{sweep_dir}/2_sharding=grad_op'"],
+                             env, root)
+        failed = pool.submit(_fsdp_exp, ["debug=fail_rank", f"hydra.run.dir={sweep_dir}/3_failed"], env, root)
+        single, failed = single.result(), failed.result()
     assert single.returncode == 0, single.stderr[-3000:]
-    failed = _fsdp_exp(["debug=fail_rank", f"hydra.run.dir={sweep_dir}/3_failed"], env, root)
     assert failed.returncode == 1, failed.stderr[-3000:]
     return sweep_dir
 
@@ -87,6 +93,7 @@ def _report_json(sweep: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------ ranking and table
+@pytest.mark.slow
 def test_table_ranks_completed_runs_by_tokens_per_s(sweep, cli):
     report = _report_json(sweep)
     ranked = report["ranked"]
@@ -120,6 +127,7 @@ def test_table_ranks_completed_runs_by_tokens_per_s(sweep, cli):
     assert len(lines) == 1 + 4
 
 
+@pytest.mark.slow
 def test_pareto_front_and_option_means(sweep, cli):
     report = _report_json(sweep)
     ranked = report["ranked"]
@@ -137,6 +145,7 @@ def test_pareto_front_and_option_means(sweep, cli):
 
 
 # ------------------------------------------------------------------------------------ plots and HTML
+@pytest.mark.slow
 def test_png_plots_one_point_per_completed_run(sweep, cli):
     png = (sweep / "report.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 30_000
@@ -179,6 +188,7 @@ class _Tables(HTMLParser):
             self._row[-1] += data
 
 
+@pytest.mark.slow
 def test_html_is_self_contained_and_shows_the_same_rows(sweep, cli):
     page = (sweep / "report.html").read_text()
     parsed = _Tables()
@@ -203,6 +213,7 @@ def test_html_is_self_contained_and_shows_the_same_rows(sweep, cli):
 
 
 # ------------------------------------------------------------------------------------ duplicates, failures
+@pytest.mark.slow
 def test_runs_with_the_same_applied_settings_are_counted_once(sweep, cli):
     records = _records(sweep)
     default, deep = records[_folder(sweep, "0_")], records[_folder(sweep, "1_")]
@@ -220,6 +231,7 @@ def test_runs_with_the_same_applied_settings_are_counted_once(sweep, cli):
     assert "Same applied settings as a ranked run" in cli.stdout and "(+1 same)" in cli.stdout
 
 
+@pytest.mark.slow
 def test_failed_run_is_listed_with_its_error(sweep, cli):
     record = _records(sweep)["3_failed"]
     assert record["status"] == "failed" and record["error"]["rank"] == 1
@@ -232,6 +244,7 @@ def test_failed_run_is_listed_with_its_error(sweep, cli):
 
 
 # ------------------------------------------------------------------------------------ options, exit codes
+@pytest.mark.slow
 def test_metric_option_and_out_dir(sweep, tmp_path, capsys):
     assert report_main([str(sweep), "--metric", "tokens_per_s_per_rank", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
@@ -255,6 +268,7 @@ def test_a_path_without_runs_exits_2(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------ damaged records
+@pytest.mark.slow
 def test_damaged_runs_are_listed_not_fatal(sweep, tmp_path):
     """Copies of the real grad_op run, each damaged as a crash or a partial copy would leave it."""
     source = sweep / _folder(sweep, "2_")
@@ -296,6 +310,7 @@ def test_damaged_runs_are_listed_not_fatal(sweep, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ the notebook
+@pytest.mark.slow
 def test_notebook_executes_on_the_sweep(sweep, monkeypatch, tmp_path):
     import nbclient
     import nbformat
@@ -346,6 +361,7 @@ def _job_order(sweep: Path) -> list[tuple[str, int]]:
     return [(r["choices"]["sharding"], r["config"]["trainer"]["repeat"]) for r in records]
 
 
+@pytest.mark.slow
 def test_a_multirun_orders_repeats_interleaved(repeated):
     """Hydra's basic sweeper would run full/0, full/1, grad_op/0, grad_op/1; fsdp_exp's sweeper runs every
     configuration's repeat 0 first."""
@@ -356,6 +372,7 @@ def test_a_multirun_orders_repeats_interleaved(repeated):
         ["0_sharding=full", "1_sharding=grad_op", "2_sharding=full", "3_sharding=grad_op"]
 
 
+@pytest.mark.slow
 def test_the_report_groups_repeats_with_an_interval_over_them(repeated):
     sweep, cli = repeated
     report = _report_json(sweep)
@@ -396,6 +413,7 @@ def test_the_report_groups_repeats_with_an_interval_over_them(repeated):
     assert len(parsed.tables["repeats"]) == 1 + 4
 
 
+@pytest.mark.slow
 def test_the_pngs_error_bars_match_the_table(repeated):
     sweep, _ = repeated
     report = _report_json(sweep)
@@ -417,6 +435,7 @@ def _wandb_run(run_dir: Path) -> dict:
     return next(r["run"] for r in map(json.loads, lines) if r["type"] == "run")
 
 
+@pytest.mark.slow
 def test_repeats_share_a_wandb_job_type(repeated):
     """W&B groups runs by job type: the repeats of one configuration share one, the report's config_id."""
     sweep, _ = repeated
