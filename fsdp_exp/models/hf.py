@@ -170,7 +170,7 @@ class HfSpec(ModelSpec):
                  "pass model.attn_implementation=eager" if "attn_implementation" in message
                  else "fix the field it names (model.hf_overrides.<field>=...)")
         self.block_class_of(m)
-        recipes, unknown = self.recipes(model.config)
+        recipes, unknown = self._init_recipes(model.config)
         names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
         missing = [n for n in names if n not in recipes or n in unknown]
         if missing:
@@ -333,16 +333,16 @@ class HfSpec(ModelSpec):
         tied = self.tied_weights(m)
         n += sum(model.get_parameter(name).numel() for name in tied
                  if name.startswith(tuple(o + "." for o in self.output_modules_of(m))))
-        return round(6 * n) + 12 * len(inventory.blocks) * self.attention_width(m) * seq_len
+        return round(6 * n) + 12 * len(inventory.blocks) * self._attention_width(m) * seq_len
 
-    def attention_width(self, m) -> int:
+    def _attention_width(self, m) -> int:
         config = self.config(m).get_text_config()
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return heads * head_dim
 
     # ---------------------------------------------------------------------- initialization
-    def recipes(self, config) -> tuple[dict, set]:
+    def _init_recipes(self, config) -> tuple[dict, set]:
         """The architecture's initialization, recorded once per transformers config (hf_init.record)."""
         import torch
         from transformers import AutoModelForCausalLM
@@ -363,12 +363,12 @@ class HfSpec(ModelSpec):
     def full_param(self, model: "nn.Module", name: str, shape, seed: int, device: "torch.device") -> "torch.Tensor":
         from fsdp_exp.models import hf_init
 
-        recipes, _ = self.recipes(model.config)
+        recipes, _ = self._init_recipes(model.config)
         return hf_init.full_value(recipes[name], shape, seed, device)
 
     def init_name(self, model: "nn.Module", name: str) -> str:
         """A tied parameter under its second name (FSDP1 names it so) is drawn under its first."""
-        self.recipes(model.config)
+        self._init_recipes(model.config)
         return self._aliases[model.config.to_json_string(use_diff=False)].get(name, name)
 
     def init_buffers(self, model: "nn.Module", device: "torch.device") -> None:
@@ -376,7 +376,7 @@ class HfSpec(ModelSpec):
 
         from fsdp_exp.models import canonical_name, hf_init
 
-        recipes, _ = self.recipes(model.config)
+        recipes, _ = self._init_recipes(model.config)
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 value = hf_init.full_value(recipes[canonical_name(name)], buffer.shape, 0, device)

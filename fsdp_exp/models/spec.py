@@ -1,26 +1,22 @@
 """What a model family supplies, so that no code outside ``fsdp_exp.models`` knows a parameter's name.
 
 A family is a ``ModelSpec`` subclass with one instance in ``fsdp_exp.models.REGISTRY``, under the
-``model.name`` it answers to. It supplies:
+``model.name`` it answers to. ``ModelSpec`` combines five roles, each a small class here that the callers
+of one concern need:
 
-- **build** (``build``): the plain ``nn.Module`` from its config; ``fsdp_exp.models.build_meta`` builds
-  it on the meta device. The module has no parallel code: ``fsdp_exp.parallel`` wraps it.
-- **its config checks** (``check``, ``check_tensor_parallel``): called by preflight; every refusal is
-  ``fail(problem, fix)`` naming the override that fixes it.
-- **initialisation** (``init_std``, ``init_buffers``): ``fsdp_exp.models.init_weights`` draws every
-  parameter from (seed, its name) alone, so any world size and any sharding get the same values.
-- **the block class** (``block_class``): the unit of wrapping, activation checkpointing, compile and
-  tensor parallel; and the experts (``expert_modules``), units of their own under ``wrap=experts``.
-- **tied weights** (``tied_weights``) and **FLOPs per token** (``flops_per_token``).
-- **the tensor-parallel plan** (``tensor_parallel_plan``): module -> colwise | rowwise, as data.
-  ``fsdp_exp.parallel.tp`` turns it into torch's styles; the planner derives from the same plan which
-  dim of each parameter tensor parallel shards (``Inventory``).
-- **the export mapping** (``to_hf``, ``hf_config``): its parameters under Hugging Face's names.
-- **the planner's inventory**: ``inventory`` (every parameter with its block and its tensor-parallel
-  dim, the input and output parameters, buffer bytes; cached per model config). What a block saves
-  for backward is the planner's own model of the family (``fsdp_exp.plan.activations``, keyed by ``name``).
-- **what the rest of the run reads of the config** (``vocab_size``, ``max_seq_len``, ``architecture``)
-  and what the launcher fetches before preflight (``fetch``: a hub config into the local cache).
+- ``SpecChecks``: its config checks (``check``, ``check_tensor_parallel``), the hub fetch before preflight
+  and the depth override the fit check offers; every refusal is ``fail(problem, fix)``.
+- ``SpecFacts``: what the rest of the run reads of the config: vocabulary, sequence length, tokenizer,
+  architecture name, FLOPs per token.
+- ``SpecBuild``: the plain ``nn.Module`` (no parallel code), the shared meta model, and the seeded
+  initial values (``init_std``, ``full_param``, ``init_buffers``), drawn from (seed, name) alone so any
+  world size and any sharding get the same values.
+- ``SpecLayout``: the block class (the unit of wrapping, activation checkpointing, compile and tensor
+  parallel), the two ends of the residual stream, the experts, tied weights, the tensor-parallel plan
+  as data (``fsdp_exp.parallel.tp`` turns it into torch's styles) and the planner's ``Inventory``.
+- ``SpecExport``: the parameters under Hugging Face's names and its config.json.
+
+What a block saves for backward is the planner's own model of the family (``fsdp_exp.plan.activations``).
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -109,16 +106,12 @@ class Inventory:
     buffer_bytes: int  # module buffers (e.g. rotary tables), unsharded on every rank
 
 
-class ModelSpec:
-    """The interface a model family implements (see the module docstring). Defaults are generic."""
+class SpecChecks(ABC):
+    """Role: the family's config checks, asked by the launcher and preflight before any rank starts; every
+    refusal is ``fail(problem, fix)`` naming the override that fixes it."""
 
-    name: str = ""
-    model_class: type = object  # the class ``build`` returns (``spec_of(model)`` finds the family by it)
-    block_class: type = object
-    input_modules: tuple[str, ...] = ()  # root modules before the blocks (embeddings)
-    output_modules: tuple[str, ...] = ()  # root modules that make the logits
+    name: str = ""  # the model.name it answers to
 
-    # ----------------------------------------------------------------------------- config
     def check(self, cfg) -> None:
         """Refuse (``fail``) a model config this family cannot build."""
 
@@ -129,10 +122,21 @@ class ModelSpec:
         """Called by the launcher before preflight: bring what the config names from afar (a hub name)
         into a local cache, so that preflight and the ranks read local files only."""
 
+    def depth_override(self, cfg, n_layers: int) -> Optional[str]:
+        """The command-line override that keeps this model's width with ``n_layers`` blocks (what the
+        fit check offers for a model too deep for the node), or None where the family has none."""
+        return None
+
+
+class SpecFacts(ABC):
+    """Role: what the rest of the run reads of a model config (the data, the record, the FLOPs count)."""
+
     def vocab_size(self, cfg) -> int:
+        """The vocabulary the data's token ids must stay under."""
         return cfg.vocab_size
 
     def max_seq_len(self, cfg) -> int:
+        """The longest sequence the model takes."""
         return cfg.max_seq_len
 
     def tokenizer_file(self, cfg):
@@ -144,24 +148,45 @@ class ModelSpec:
         """The architecture's name, as the record and the W&B tags show it."""
         return self.name
 
-    # ------------------------------------------------------------------------------ build
+    @abstractmethod
+    def flops_per_token(self, cfg, seq_len: int) -> int:
+        """Training FLOPs (forward and backward) per token at ``seq_len``."""
+
+
+class SpecBuild(ABC):
+    """Role: the plain ``nn.Module`` and its seeded initial values: ``fsdp_exp.models.init_weights`` draws
+    every parameter from (seed, its name) alone, so any world size and any sharding get the same values."""
+
+    model_class: type = object  # the class ``build`` returns (``spec_of(model)`` finds the family by it)
+
+    @abstractmethod
     def build(self, cfg) -> "nn.Module":
-        raise NotImplementedError
+        """The plain model of ``cfg`` (no parallel code: ``fsdp_exp.parallel`` wraps it)."""
 
-    def block_class_of(self, cfg) -> type:
-        """The block class of a model of ``cfg`` (a family whose block class depends on the config overrides it)."""
-        return self.block_class
+    def meta_model(self, cfg) -> "nn.Module":
+        """A meta-device model of ``cfg``, built once per config and shared: read it, never change it
+        (``fsdp_exp.models.build_meta`` builds a fresh one to wrap)."""
+        key = config_key(cfg)
+        cache = self.__dict__.setdefault("_meta_models", {})
+        if key not in cache:
+            import torch
 
-    def input_modules_of(self, cfg) -> tuple[str, ...]:
-        return self.input_modules
+            if len(cache) >= CACHE_SIZE:
+                cache.clear()
+            with torch.device("meta"), no_values_drawn_on_meta():
+                cache[key] = self.build(cfg)
+        return cache[key]
 
-    def output_modules_of(self, cfg) -> tuple[str, ...]:
-        return self.output_modules
+    def shapes_only(self):
+        """A context in which the model runs on meta or fake tensors (FLOP counting, the planner's
+        measurements) as it runs on real ones: a family whose forward reads tensor values overrides it."""
+        import contextlib
 
-    def expert_modules(self, model: "nn.Module") -> list[str]:
-        """Qualified names of a mixture-of-experts model's experts, each its own sharding unit under
-        ``wrap=experts``; none for a dense model (the default)."""
-        return []
+        return contextlib.nullcontext()
+
+    def retie(self, model: "nn.Module") -> None:
+        """Make tied parameters one tensor again where ``to_empty`` made them two (it materializes each
+        module's parameters on its own); called before the initialization fills them."""
 
     def init_name(self, model: "nn.Module", name: str) -> str:
         """The name a parameter is drawn under: a tied parameter has one value, under its first name."""
@@ -188,60 +213,41 @@ class ModelSpec:
         """Fill the (non-persistent, derived) buffers on ``device``."""
         model.init_buffers(device)
 
+
+class SpecLayout(ABC):
+    """Role: where things are in the model, for wrapping, activation checkpointing, compile, tensor parallel
+    and the planner: the blocks, the two ends of the residual stream, the experts, the ties, the
+    tensor-parallel plan and the planner's inventory (which reads the meta model: ``SpecBuild``)."""
+
+    block_class: type = object  # the unit of wrapping, activation checkpointing, compile and tensor parallel
+    input_modules: tuple[str, ...] = ()  # root modules before the blocks (embeddings)
+    output_modules: tuple[str, ...] = ()  # root modules that make the logits
+
+    def block_class_of(self, cfg) -> type:
+        """The block class of a model of ``cfg`` (a family whose block class depends on the config overrides it)."""
+        return self.block_class
+
+    def input_modules_of(self, cfg) -> tuple[str, ...]:
+        """``input_modules`` of a model of ``cfg``."""
+        return self.input_modules
+
+    def output_modules_of(self, cfg) -> tuple[str, ...]:
+        """``output_modules`` of a model of ``cfg``."""
+        return self.output_modules
+
+    def expert_modules(self, model: "nn.Module") -> list[str]:
+        """Qualified names of a mixture-of-experts model's experts, each its own sharding unit under
+        ``wrap=experts``; none for a dense model (the default)."""
+        return []
+
     def tied_weights(self, cfg) -> dict[str, str]:
         """Parameter name -> the parameter it is tied to (the same tensor)."""
         return {}
 
-    def shapes_only(self):
-        """A context in which the model runs on meta or fake tensors (FLOP counting, the planner's
-        measurements) as it runs on real ones: a family whose forward reads tensor values overrides it."""
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def retie(self, model: "nn.Module") -> None:
-        """Make tied parameters one tensor again where ``to_empty`` made them two (it materializes each
-        module's parameters on its own); called before the initialization fills them."""
-
-    def depth_override(self, cfg, n_layers: int) -> Optional[str]:
-        """The command-line override that keeps this model's width with ``n_layers`` blocks (what the
-        fit check offers for a model too deep for the node), or None where the family has none."""
-        return None
-
-    def flops_per_token(self, cfg, seq_len: int) -> int:
-        raise NotImplementedError
-
-    # ---------------------------------------------------------------------- parallelism
+    @abstractmethod
     def tensor_parallel_plan(self, cfg) -> TensorParallelPlan:
-        raise NotImplementedError
-
-    # --------------------------------------------------------------------------- export
-    def why_no_hf_export(self, cfg) -> Optional[str]:
-        """Why this model cannot be written as a Hugging Face model, or None when it can."""
-        return f"model.name={cfg.name} has no Hugging Face mapping"
-
-    def to_hf(self, state: dict, cfg) -> dict:
-        """A full state dict (canonical names) under Hugging Face's names."""
-        raise ValueError(self.why_no_hf_export(cfg))
-
-    def hf_config(self, cfg) -> dict:
-        """Hugging Face's config.json for this model."""
-        raise ValueError(self.why_no_hf_export(cfg))
-
-    # -------------------------------------------------------------------------- planner
-    def meta_model(self, cfg) -> "nn.Module":
-        """A meta-device model of ``cfg``, built once per config and shared: read it, never change it
-        (``fsdp_exp.models.build_meta`` builds a fresh one to wrap)."""
-        key = config_key(cfg)
-        cache = self.__dict__.setdefault("_meta_models", {})
-        if key not in cache:
-            import torch
-
-            if len(cache) >= CACHE_SIZE:
-                cache.clear()
-            with torch.device("meta"), no_values_drawn_on_meta():
-                cache[key] = self.build(cfg)
-        return cache[key]
+        """Module -> colwise | rowwise, as data (``TensorParallelPlan``): ``fsdp_exp.parallel.tp`` turns it
+        into torch's styles, the planner derives from it which dim of each parameter tensor parallel shards."""
 
     def inventory(self, cfg) -> Inventory:
         """The planner's view of the parameters (cached per model config)."""
@@ -271,6 +277,31 @@ class ModelSpec:
         buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         return Inventory(tuple(params), blocks, under(self.input_modules_of(cfg)), under(self.output_modules_of(cfg)),
                          buffer_bytes)
+
+
+class SpecExport(ABC):
+    """Role: the model under Hugging Face's names and config (``checkpoint.export=hf``)."""
+
+    def why_no_hf_export(self, cfg) -> Optional[str]:
+        """Why this model cannot be written as a Hugging Face model, or None when it can."""
+        return f"model.name={cfg.name} has no Hugging Face mapping"
+
+    def to_hf(self, state: dict, cfg) -> dict:
+        """A full state dict (canonical names) under Hugging Face's names."""
+        raise ValueError(self.why_no_hf_export(cfg))
+
+    def hf_config(self, cfg) -> dict:
+        """Hugging Face's config.json for this model."""
+        raise ValueError(self.why_no_hf_export(cfg))
+
+
+class ModelSpec(SpecChecks, SpecFacts, SpecBuild, SpecLayout, SpecExport):
+    """A model family: every role above (see the module docstring); a subclass implements each role's
+    abstract methods. Defaults are generic."""
+
+
+# The roles in the order a run meets them; tests/unit/test_model_spec.py keeps each one small.
+SPEC_ROLES: tuple[type, ...] = ModelSpec.__bases__
 
 
 CACHE_SIZE = 16  # model configs whose meta model and inventory are kept

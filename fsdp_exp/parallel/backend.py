@@ -1,26 +1,27 @@
 """The interface every data-parallel backend implements, and the registry that names them.
 
-A backend owns everything about itself: which config knobs it honours (and the fix to suggest when it
-cannot), how the data-parallel mesh is laid out for a strategy, how it applies the config to a model
-built on the meta device, what it reads back from torch, whether torch's memory tracker can follow
-it, how its shards are hashed, its checkpoint state-dict options, the planner's rules for its memory
-layout and its column of docs/vocabulary.md. Outside ``fsdp_exp.parallel`` no code compares a
-backend's name: it asks ``backend_for(cfg)``.
+A backend owns everything about itself, in seven roles, each a small class here that ``Backend``
+combines and each caller needs one of: ``BackendChecks`` (what it is and refuses: preflight),
+``BackendBuild`` (the mesh, the wrapped model, the optimizer: ``fsdp_exp.parallel.parallelize``),
+``BackendStep`` (gradient sync, autocast, backward, clipping, the loss scaler, the optimizer step: the
+training loop, through ``Parallelized``), ``BackendInspection`` (what torch holds, memory tracking, init
+digests: the record and the metrics), ``BackendCheckpointing`` (checkpoint I/O and the export),
+``BackendPlanning`` (the planner's rules) and ``BackendDocs`` (its column of docs/vocabulary.md).
+Outside ``fsdp_exp.parallel`` no code compares a backend's name: it asks ``backend_for(cfg)``.
 
-The training step's pieces (optimizer creation, gradient sync, autocast, clipping, the loss scaler)
-are the backend's too; ``fsdp_exp.parallel.parallelize`` binds them to one run's model, config and
-device, so the trainer calls them without arguments that name a backend. The defaults below are the
-torch-optimizer path that FSDP2, FSDP1 and DDP share; a backend whose engine owns the whole step
-(DeepSpeed: backward, optimizer step, accumulation) overrides them and adds those pieces here.
+The step's defaults are the torch-optimizer path that FSDP2, FSDP1 and DDP share; a backend whose engine
+owns the whole step (DeepSpeed: backward, optimizer step, accumulation) overrides them.
 
-A new backend is one module under ``fsdp_exp/parallel/`` with a ``Backend`` subclass, one line in
-``BACKEND_MODULES`` and (optionally) a preset in ``conf/sharding/``.
+A new backend is one module under ``fsdp_exp/parallel/`` with a ``Backend`` subclass (it must implement
+each role's abstract methods), one line in ``BACKEND_MODULES`` and (optionally) a preset in
+``conf/sharding/``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -98,13 +99,12 @@ class PlannerRules:
     shards_optimizer: bool = False  # the optimizer state is split over the data-parallel ranks (ZeRO-1 on DDP)
 
 
-class Backend:
-    """The default implementation is shared by the torch-optimizer backends; see the module docstring."""
+class BackendChecks(ABC):
+    """Role: what the backend is and what it refuses, asked by preflight before any rank starts."""
 
     name: str = ""
     api: str = ""  # what users see torch call it, e.g. torch.distributed.fsdp.fully_shard
     strategies: tuple[str, ...] = ()  # the sharding strategies it can run
-    tracks_memory: bool = True  # torch's memory trackers can follow this backend's parameters
     # compile=true: the backend compiles the wrapped model itself (DeepSpeed's engine.compile), instead of
     # the recipe compiling each block before it (fsdp_exp/parallel/compile.py)
     compiles_itself: bool = False
@@ -112,6 +112,10 @@ class Backend:
     # linear layers (None: it can), and whether it all-gathers float8 weights (precision.float8_all_gather)
     float8_refusal: Optional[str] = "fsdp_exp has not checked torchao's float8 training with it."
     float8_all_gather: bool = False
+    # trainer.grad_sync=auto: when this backend reduces accumulated micro-batches' gradients by nature. A
+    # sharding backend reduces every micro-batch into the sharded gradient, so that no unsharded gradient
+    # outlives its unit's backward.
+    natural_grad_sync: str = EVERY_MICRO_BATCH
 
     def missing_dependency(self) -> Optional[str]:
         """What to install for this backend when a package it needs is missing (None: nothing)."""
@@ -121,9 +125,19 @@ class Backend:
         """Refuse a knob this backend cannot honour (the one message shape every backend uses)."""
         fail(f"{knob} cannot be honoured by sharding.backend={self.name}: {why}", fix)
 
-    # ------------------------------------------------------------------------------- preflight
     def check(self, cfg: "RunConfig", device_type: str) -> None:
         """Refuse (``fail``) every knob this backend cannot honour, naming the equivalent."""
+
+    def grad_sync(self, cfg: "RunConfig") -> str:
+        """``trainer.grad_sync`` resolved for this backend: every_micro_batch | last_micro_batch (``check``
+        refuses a value the backend cannot honour)."""
+        value = cfg.trainer.grad_sync
+        return self.natural_grad_sync if value == "auto" else value
+
+
+class BackendBuild(ABC):
+    """Role: the data-parallel mesh, and the wrapped, materialized model and its optimizer
+    (``fsdp_exp.parallel.parallelize``)."""
 
     def data_parallel_mesh(self, strategy: str, dp: int, replicate: int, shard: int) -> tuple[tuple, tuple]:
         """(shape, dim names) of the data-parallel mesh for a strategy; ``replicate`` x ``shard`` is
@@ -134,19 +148,78 @@ class Backend:
             return (dp, 1), ("replicate", "shard")
         return (dp,), ("shard",)
 
-    # ----------------------------------------------------------------------------------- build
+    @abstractmethod
     def apply(self, model: "nn.Module", cfg: "RunConfig", mesh, device: "torch.device") -> tuple["nn.Module", dict]:
         """Shard / wrap ``model`` (on meta), materialize this rank's part and initialize it from the
         seed. Returns the model to train and the applied settings (JSON-ready)."""
-        raise NotImplementedError
-
-    def inspect(self, model: "nn.Module") -> list[dict]:
-        """What torch holds, read back from the wrapped model: one entry per sharding unit."""
-        raise NotImplementedError
 
     def unwrap(self, model: "nn.Module") -> "nn.Module":
         """The plain model inside the wrapper (itself for in-place backends)."""
         return getattr(model, "module", model)
+
+    def build_optimizer(self, model: "nn.Module", cfg: "RunConfig", decay_names: set[str]):
+        """The run's optimizer over the wrapped model (``decay_names``: the parameters weight decay applies to)."""
+        from fsdp_exp.optim import build_optimizer
+
+        return build_optimizer(model, cfg.optim, decay_names)
+
+
+class BackendStep(ABC):
+    """Role: the training step's pieces, bound to one run by ``fsdp_exp.parallel.Parallelized``. The defaults
+    are the torch-optimizer path FSDP2, FSDP1 and DDP share; an engine that owns the step overrides them."""
+
+    def zero_grad(self, model: "nn.Module", optimizer) -> None:
+        """At the start of a step: drop the previous step's gradients."""
+        optimizer.zero_grad(set_to_none=True)
+
+    def gradient_sync(self, model: "nn.Module", reduce: bool, last: bool):
+        """A context for one micro-batch's backward: reduce its gradients when ``reduce`` (every micro-batch
+        under grad_sync=every_micro_batch, else only the last), accumulate them locally otherwise; ``last``:
+        the step's last micro-batch."""
+        return contextlib.nullcontext() if reduce else model.no_sync()
+
+    def autocast(self, cfg: "RunConfig", device: "torch.device"):
+        """A context for the forward: how compute runs in ``precision.param_dtype`` (nothing to do when
+        the backend casts the parameters themselves)."""
+        return contextlib.nullcontext()
+
+    def backward(self, model: "nn.Module", loss: "torch.Tensor", scaler) -> None:
+        """Backpropagate one micro-batch's loss (scaled when a loss scaler is in use)."""
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+
+    @abstractmethod
+    def clip_grad_norm(self, model: "nn.Module", max_norm: float) -> "torch.Tensor":
+        """Clip the gradients to a global norm of ``max_norm`` (inf: never); returns the norm before clipping."""
+
+    def grad_scaler(self, device: "torch.device"):
+        """The loss scaler for ``precision.loss_scaler=dynamic``."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device=device.type)  # all-reduces inf checks over the shards
+
+    def optimizer_step(self, model: "nn.Module", optimizer, scaler, max_norm: float) -> "torch.Tensor":
+        """After the last micro-batch: unscale, clip to ``max_norm`` (inf = never), step the optimizer
+        (skipped by the scaler on inf/NaN gradients). Returns the global gradient norm before clipping."""
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        grad_norm = self.clip_grad_norm(model, max_norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        return grad_norm
+
+
+class BackendInspection(ABC):
+    """Role: what torch holds and how it changes, read back for the record, the memory metrics and the
+    identical-init check."""
+
+    tracks_memory: bool = True  # torch's memory trackers can follow this backend's parameters
+
+    @abstractmethod
+    def inspect(self, model: "nn.Module") -> list[dict]:
+        """What torch holds, read back from the wrapped model: one entry per sharding unit."""
 
     def model_state_counter(self, model: "nn.Module", optimizer):
         """A callable returning this rank's model-state bytes now ({params, grads, optim_state,
@@ -164,64 +237,19 @@ class Backend:
         tracker.track_external(model, optimizer)
         return tracker
 
-    # ------------------------------------------------------------------------- training step
-    def build_optimizer(self, model: "nn.Module", cfg: "RunConfig", decay_names: set[str]):
-        from fsdp_exp.optim import build_optimizer
+    def init_digests(self, model: "nn.Module", seed: int) -> list[dict]:
+        """This rank's view of its initial parameters, for the identical-init check
+        (``debug.check_identical_init``): per tensor its name, which slice this rank holds, the hash of
+        that slice and the hash the seeded initialization says it must have. The default reads each
+        parameter as the module holds it: whole, or this rank's DTensor shard."""
+        from fsdp_exp.parallel.digests import parameter_digests
 
-        return build_optimizer(model, cfg.optim, decay_names)
+        return parameter_digests(self.unwrap(model), seed)
 
-    def zero_grad(self, model: "nn.Module", optimizer) -> None:
-        """At the start of a step: drop the previous step's gradients."""
-        optimizer.zero_grad(set_to_none=True)
 
-    # trainer.grad_sync=auto: when this backend reduces accumulated micro-batches' gradients by nature. A
-    # sharding backend reduces every micro-batch into the sharded gradient, so that no unsharded gradient
-    # outlives its unit's backward.
-    natural_grad_sync: str = EVERY_MICRO_BATCH
+class BackendCheckpointing(ABC):
+    """Role: checkpoint I/O (fsdp_exp/checkpoint) and the consolidated export."""
 
-    def grad_sync(self, cfg: "RunConfig") -> str:
-        """``trainer.grad_sync`` resolved for this backend: every_micro_batch | last_micro_batch (``check``
-        refuses a value the backend cannot honour)."""
-        value = cfg.trainer.grad_sync
-        return self.natural_grad_sync if value == "auto" else value
-
-    def gradient_sync(self, model: "nn.Module", reduce: bool, last: bool):
-        """A context for one micro-batch's backward: reduce its gradients when ``reduce`` (every micro-batch
-        under grad_sync=every_micro_batch, else only the last), accumulate them locally otherwise; ``last``:
-        the step's last micro-batch."""
-        return contextlib.nullcontext() if reduce else model.no_sync()
-
-    def autocast(self, cfg: "RunConfig", device: "torch.device"):
-        """A context for the forward: how compute runs in ``precision.param_dtype`` (nothing to do when
-        the backend casts the parameters themselves)."""
-        return contextlib.nullcontext()
-
-    def clip_grad_norm(self, model: "nn.Module", max_norm: float) -> "torch.Tensor":
-        raise NotImplementedError
-
-    def grad_scaler(self, device: "torch.device"):
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(device=device.type)  # all-reduces inf checks over the shards
-
-    def backward(self, model: "nn.Module", loss: "torch.Tensor", scaler) -> None:
-        """Backpropagate one micro-batch's loss (scaled when a loss scaler is in use)."""
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-
-    def optimizer_step(self, model: "nn.Module", optimizer, scaler, max_norm: float) -> "torch.Tensor":
-        """After the last micro-batch: unscale, clip to ``max_norm`` (inf = never), step the optimizer
-        (skipped by the scaler on inf/NaN gradients). Returns the global gradient norm before clipping."""
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        grad_norm = self.clip_grad_norm(model, max_norm)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        return grad_norm
-
-    # ------------------------------------------------------------------------------ checkpoint
     # What a checkpoint's shards are written in (recorded in its fsdp_exp_checkpoint.json; resume refuses
     # another format).
     checkpoint_format: str = "torch.distributed.checkpoint"
@@ -261,25 +289,23 @@ class Backend:
     def quiet_checkpoint_warnings(self) -> None:
         """Silence warnings torch raises on every tensor of this backend's state dicts (if any)."""
 
-    def init_digests(self, model: "nn.Module", seed: int) -> list[dict]:
-        """This rank's view of its initial parameters, for the identical-init check
-        (``debug.check_identical_init``): per tensor its name, which slice this rank holds, the hash of
-        that slice and the hash the seeded initialization says it must have. The default reads each
-        parameter as the module holds it: whole, or this rank's DTensor shard."""
-        from fsdp_exp.parallel.digests import parameter_digests
 
-        return parameter_digests(self.unwrap(model), seed)
+class BackendPlanning(ABC):
+    """Role: the planner's rules (fsdp_exp/plan, fsdp_exp/tune): how this backend lays out memory."""
 
-    # --------------------------------------------------------------------------------- planner
+    @abstractmethod
     def planner_rules(self, cfg: "RunConfig") -> PlannerRules:
-        raise NotImplementedError
+        """How this backend lays out the states and runs a step under ``cfg`` (``PlannerRules``)."""
 
     def shard_group(self, topology: "Topology") -> int:
         """Ranks one parameter is sharded over (1 when it is replicated)."""
         names = list(topology.mesh_dim_names)
         return topology.mesh_shape[names.index("shard")] if "shard" in names else 1
 
-    # ------------------------------------------------------------------------------------ docs
+
+class BackendDocs(ABC):
+    """Role: this backend's column of docs/vocabulary.md (fsdp_exp/parallel/vocabulary.py writes it)."""
+
     column_title: str = ""  # the heading of this backend's column in docs/vocabulary.md
 
     def vocabulary(self) -> dict[str, str]:
@@ -288,3 +314,12 @@ class Backend:
         validation", and ``check`` must refuse them (tests/unit/test_backend_interface.py tries each)."""
         return {}
 
+
+class Backend(BackendChecks, BackendBuild, BackendStep, BackendInspection, BackendCheckpointing, BackendPlanning,
+              BackendDocs):
+    """A data-parallel backend: every role above. The defaults are shared by the torch-optimizer backends
+    (see the module docstring); a subclass implements each role's abstract methods."""
+
+
+# The roles in the order a run meets them; tests/unit/test_backend_interface.py keeps each one small.
+BACKEND_ROLES: tuple[type, ...] = Backend.__bases__

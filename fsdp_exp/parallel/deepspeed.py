@@ -368,7 +368,8 @@ class DeepSpeed(Backend):
             raise CheckpointError(f"cannot resume {folder}: DeepSpeed found no checkpoint under {CHECKPOINT_TAG}/")
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model on rank 0 (empty elsewhere), canonical names, for the export."""
+        """The engine's 16-bit weights, cast back to fp32: gathered to rank 0 under ZeRO-3, rank 0's whole
+        module below it."""
         import torch.distributed as dist
 
         engine = model

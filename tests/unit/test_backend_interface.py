@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 
 import pytest
 
 from fsdp_exp.config import ConfigError
 from fsdp_exp.preflight import STRATEGIES, validate
-from fsdp_exp.parallel.backend import Backend, PlannerRules, backend_for, backend_names, get_backend
+from fsdp_exp.parallel.backend import BACKEND_ROLES, Backend, PlannerRules, backend_for, backend_names, get_backend
 from fsdp_exp.parallel.vocabulary import ROWS
 
 from conftest import run_config
 
-# What the base class leaves to each backend (it raises NotImplementedError there).
-REQUIRED = ("apply", "inspect", "clip_grad_norm", "planner_rules")
+# A role is what one kind of caller needs of a backend; more than this and it is two roles.
+MAX_ROLE_METHODS = 10
 
 # Per vocabulary row, the config values that set that knob away from its default (as its override or
 # preset would: ``wrap=experts`` is ``wrap.policy=experts`` on a model with experts).
@@ -85,8 +86,6 @@ def test_every_registered_backend_implements_the_interface(name):
     backend = get_backend(name)
     assert isinstance(backend, Backend) and backend.name == name
     assert backend.api and backend.column_title and isinstance(backend.tracks_memory, bool)
-    for method in REQUIRED:
-        assert getattr(type(backend), method) is not getattr(Backend, method), f"{name} lacks {method}"
     assert backend.strategies and set(backend.strategies) <= set(STRATEGIES)
 
     cfg = default_config(name)
@@ -101,6 +100,32 @@ def test_every_registered_backend_implements_the_interface(name):
         shape, names = backend.data_parallel_mesh(strategy, dp=4, replicate=2, shard=2)
         assert len(shape) == len(names) and _product(shape) == 4, (strategy, shape, names)
     assert set(backend.vocabulary()) <= set(ROWS), "a vocabulary row that docs/vocabulary.md does not list"
+
+
+def public_methods(cls) -> set[str]:
+    """The public methods a class defines itself (not those it inherits)."""
+    return {name for name, value in vars(cls).items() if inspect.isfunction(value) and not name.startswith("_")}
+
+
+@pytest.mark.parametrize("role", BACKEND_ROLES, ids=lambda role: role.__name__)
+def test_each_backend_role_is_small(role):
+    assert 1 <= len(public_methods(role)) <= MAX_ROLE_METHODS, sorted(public_methods(role))
+
+
+def test_every_backend_method_belongs_to_exactly_one_role():
+    """The interface is its roles: Backend adds no method of its own, and no method is in two roles."""
+    assert not public_methods(Backend)
+    per_role = [public_methods(role) for role in BACKEND_ROLES]
+    assert sum(map(len, per_role)) == len(set().union(*per_role))
+    every_method = {name for name, value in inspect.getmembers(Backend, inspect.isfunction) if not name.startswith("_")}
+    assert every_method == set().union(*per_role)
+
+
+@pytest.mark.parametrize("name", backend_names())
+def test_every_registered_backend_implements_each_role_fully(name):
+    backend = get_backend(name)
+    assert all(isinstance(backend, role) for role in BACKEND_ROLES)
+    assert not type(backend).__abstractmethods__, f"{name} lacks {sorted(type(backend).__abstractmethods__)}"
 
 
 def _product(shape) -> int:

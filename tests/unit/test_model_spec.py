@@ -5,13 +5,15 @@ planner reads says where each parameter belongs without the planner knowing a na
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 from fsdp_exp.config import ConfigError
 from fsdp_exp.preflight import validate
 from fsdp_exp.models import REGISTRY, build_meta, count_params, get_spec, spec_for
-from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec
+from fsdp_exp.models.spec import COLWISE, ROWWISE, SPEC_ROLES, ModelSpec
 
 from conftest import run_config
 
@@ -99,3 +101,34 @@ def test_the_hugging_face_mapping_names_every_parameter_and_refuses_experts():
     assert "mixture-of-experts" in spec.why_no_hf_export(moe)
     with pytest.raises(ValueError, match="mixture-of-experts"):
         spec.to_hf({}, moe)
+
+
+# A role is what one kind of caller needs of a model family; more than this and it is two roles.
+MAX_ROLE_METHODS = 10
+
+
+def public_methods(cls) -> set[str]:
+    """The public methods a class defines itself (not those it inherits)."""
+    return {name for name, value in vars(cls).items() if inspect.isfunction(value) and not name.startswith("_")}
+
+
+@pytest.mark.parametrize("role", SPEC_ROLES, ids=lambda role: role.__name__)
+def test_each_model_spec_role_is_small(role):
+    assert 1 <= len(public_methods(role)) <= MAX_ROLE_METHODS, sorted(public_methods(role))
+
+
+def test_every_model_spec_method_belongs_to_exactly_one_role():
+    """The interface is its roles: ModelSpec adds no method of its own, and no method is in two roles."""
+    assert not public_methods(ModelSpec)
+    per_role = [public_methods(role) for role in SPEC_ROLES]
+    assert sum(map(len, per_role)) == len(set().union(*per_role))
+    every_method = {name for name, value in inspect.getmembers(ModelSpec, inspect.isfunction)
+                    if not name.startswith("_")}
+    assert every_method == set().union(*per_role)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_registered_family_implements_each_role_fully(name):
+    spec = REGISTRY[name]
+    assert all(isinstance(spec, role) for role in SPEC_ROLES)
+    assert not type(spec).__abstractmethods__, f"{name} lacks {sorted(type(spec).__abstractmethods__)}"
