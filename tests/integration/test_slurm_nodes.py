@@ -106,6 +106,13 @@ def sweeps(two_nodes, tmp_path_factory):
                 sweep.stop()
 
 
+@pytest.fixture(scope="module")
+def four_local(sweeps, request) -> list[float]:
+    """conftest's four_local_ranks (the 4-local-rank reference losses), trained while the sweeps run: named
+    as a test's argument, a session fixture would be set up before the module's sweeps, not beside them."""
+    return request.getfixturevalue("four_local_ranks")
+
+
 TORCHRUN_JOB = f"fsdp_exp_torchrun_nodes_{os.getpid()}"
 
 
@@ -217,7 +224,7 @@ def _local_losses(overrides: list[str], run_dir: Path) -> list[float]:
 
 
 @pytest.mark.slow
-def test_a_two_node_job_is_one_run_on_two_hosts_that_trains_like_four_local_ranks(sweeps, four_local_ranks):
+def test_a_two_node_job_is_one_run_on_two_hosts_that_trains_like_four_local_ranks(sweeps, four_local):
     sweep = sweeps[0]["two_by_two"]
     code, stderr = sweep.wait()
     assert code == 0, stderr[-3000:]
@@ -236,7 +243,7 @@ def test_a_two_node_job_is_one_run_on_two_hosts_that_trains_like_four_local_rank
         assert record["slurm"]["nodes"] == "node[1-2]" and record["slurm"]["restarts"] == 0
         # One record, one W&B run, every step once (written by rank 0 only).
         assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
-        assert _losses(run_dir) == pytest.approx(four_local_ranks, rel=1e-6)
+        assert _losses(run_dir) == pytest.approx(four_local, rel=1e-6)
     (script,) = {p.read_text() for p in (sweep.dir / ".submitit").glob("*/*_submission.sh")}
     assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=2" in script
     assert _no_leftovers(sweep.dir) == []
@@ -368,7 +375,7 @@ def test_sweeps_that_could_never_run_are_refused_before_submission(two_nodes, tm
 
 
 @pytest.mark.slow
-def test_torchrun_on_two_hosts_is_one_run_that_trains_like_four_local_ranks(sweeps, four_local_ranks):
+def test_torchrun_on_two_hosts_is_one_run_that_trains_like_four_local_ranks(sweeps, four_local):
     proc = sweeps[0]["torchrun"]
     try:
         output, _ = proc.communicate(timeout=240)
@@ -385,5 +392,5 @@ def test_torchrun_on_two_hosts_is_one_run_that_trains_like_four_local_ranks(swee
     assert [r["host"] for r in ranks] == ["node1", "node1", "node2", "node2"], ranks
     addresses = [r["address"] for r in ranks]
     assert addresses[0] == addresses[1] == proc.master != addresses[2] == addresses[3], ranks
-    assert _losses(proc.run_dir) == pytest.approx(four_local_ranks, rel=1e-6)  # one writer, every step once
+    assert _losses(proc.run_dir) == pytest.approx(four_local, rel=1e-6)  # one writer, every step once
     assert _no_leftovers(proc.run_dir) == []
