@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_exp.errors import fail
 from fsdp_exp.models import canonical_name
+
+if TYPE_CHECKING:
+    from fsdp_exp.parallel.backend import BackendChecks
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -43,7 +47,7 @@ def unit_label(name: str) -> str:
     return canonical_name(name) or "<root>"
 
 
-def refuse_fsdp2_only_knobs(backend, cfg) -> None:
+def refuse_fsdp2_only_knobs(backend: "BackendChecks", cfg) -> None:
     """FSDP1 and DDP: refuse tensor parallel, per-unit resharding and the root's output dtype (FSDP2's)."""
     s, tp = cfg.sharding, cfg.parallel.tp
     if tp > 1:
@@ -61,7 +65,7 @@ def refuse_fsdp2_only_knobs(backend, cfg) -> None:
                        "drop precision.output_dtype")
 
 
-def refuse_zero_only_knobs(backend, cfg) -> None:
+def refuse_zero_only_knobs(backend: "BackendChecks", cfg) -> None:
     """FSDP2 and FSDP1: refuse ZeRO-1 (sharding=optimizer) and an optimizer-only offload, naming who has them."""
     if cfg.sharding.strategy == "optimizer":
         backend.refuse("sharding=optimizer (ZeRO-1: optimizer state sharded only)", "FSDP shards the parameters "
