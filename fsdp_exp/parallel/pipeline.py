@@ -346,8 +346,10 @@ def build_pipeline(cfg: "RunConfig", settings: PipelineSettings, mesh: "DeviceMe
         schedule = schedule_class(pipeline_stages[0], settings.n_microbatches, loss_fn=stage_loss)
     else:
         schedule = schedule_class(pipeline_stages, settings.n_microbatches, loss_fn=stage_loss)
-    applied.update(schedule=type(schedule).__name__, n_microbatches=settings.n_microbatches,
-                   mesh={"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names)})
+    applied.update(schedule=type(schedule).__name__, n_microbatches=settings.n_microbatches, local_stages=indices,
+                   mesh={"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names)},
+                   loss="mean cross-entropy of each micro-batch's logits on the last stage (trainer.loss_chunks "
+                        "not applied)")
     optimizers = [build_optimizer(stage, cfg.optim, matrix_parameter_names(stage)) for stage in stages]
     schedulers = [build_scheduler(o, cfg.optim, cfg.trainer.steps) for o in optimizers]
     return PipelineEngine(settings=settings, stage_indices=indices, stages=stages, schedule=schedule, mesh=mesh,
