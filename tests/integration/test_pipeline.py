@@ -23,6 +23,9 @@ import torch
 from conftest import QUIET, TINY_BATCH, TINY_MODEL, run_config
 from reference import reference_run
 
+# Every test here shares the spawned group's fixture (~20 s on 2 idle cores, 30 s under load).
+pytestmark = pytest.mark.slow
+
 STEPS = 5
 # 4 blocks, so that 2 ranks can hold 2 stages each (interleaved 1F1B).
 # grad_clip 0.5: below the gradient norm (~0.92 here), so the clipping by the norm over all stages acts.
