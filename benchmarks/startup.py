@@ -16,6 +16,7 @@ and wall time differ when ranks and the launcher compute at once, or when others
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import resource
@@ -120,11 +121,14 @@ def traced_launcher(overrides: list[str]) -> None:
     stages.wrap(launch, "_spawn", "ranks ended")
     launch._spawned_rank = traced_rank
     sys.argv = ["fsdp_exp", *overrides]
-    try:
-        entry.main()
-    finally:
+
+    @atexit.register  # run by the launcher's own way out (fsdp_exp.__main__.leave_when_done), as any exit's
+    def save() -> None:
         stages.mark("launcher done")
         stages.save()
+
+    leave = getattr(entry, "leave_when_done", None)
+    leave(entry.main) if leave else entry.main()
 
 
 def run_once(overrides: list[str], run_dir: Path, env: dict) -> float:

@@ -78,5 +78,37 @@ def main() -> None:
         sys.exit(EXIT_BAD_CONFIG)
 
 
+def leave_when_done(entry) -> None:
+    """Run ``entry`` and end the process as soon as it returns, with the exit status it asked for. What
+    Python would do next is tearing down torch's modules (about a second of interpreter finalization on 2
+    busy cores, after the run is already complete): skip that, as the ranks do, once the launcher's threads
+    ended, its exit handlers ran (logging's files, multiprocessing's finalizers) and its streams are flushed.
+    A KeyboardInterrupt leaves as Python's default does."""
+    import atexit
+    import os
+    import threading
+
+    try:
+        entry()
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    except Exception:  # noqa: BLE001 - reported as Python would, then the same exit status
+        traceback.print_exc()
+        code = 1
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    leave_when_done(main)
