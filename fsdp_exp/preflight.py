@@ -155,7 +155,10 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
 
     return Topology(device_type=device_type, nproc_per_node=nproc, nnodes=t.nnodes, world_size=world,
                     dp_size=dp, tp_size=cfg.parallel.tp, mesh_shape=mesh_shape, mesh_dim_names=mesh_names,
-                    micro_batch_size=micro, grad_accum_steps=per_rank // micro)
+                    # Under pipeline parallel the trainer feeds each dp rank's whole batch to the schedule,
+                    # which cuts it into parallel.pp_microbatches (trainer.micro_batch_size is that cut).
+                    micro_batch_size=micro if cfg.parallel.pp == 1 else per_rank,
+                    grad_accum_steps=per_rank // micro if cfg.parallel.pp == 1 else 1)
 
 
 STRATEGIES = ("full", "grad_op", "hybrid", "no_shard", "optimizer")
@@ -174,6 +177,8 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
               f"pass parallel.tp={_largest_divisor_at_most(world, max(tp, 1))} (a divisor of {world})")
     if tp > 1:
         _validate_tp(cfg, tp)
+    if cfg.parallel.pp != 1:
+        return _validate_pipeline(cfg, world)
     dp = world // tp
     replicate, shard = 1, dp
     if s.strategy == "hybrid":
@@ -194,6 +199,57 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
     if tp > 1:
         shape, names = (*shape, tp), (*names, "tp")
     return shape, names, dp
+
+
+def _validate_pipeline(cfg: RunConfig, world: int):
+    """parallel.pp > 1: the (pp, dp) mesh, FSDP2 (or DDP's replicas as one shard group) inside each stage;
+    what the pipeline does not compose with yet is refused by name. Returns (shape, names, dp)."""
+    from fsdp_exp.parallel import pipeline
+
+    pp, s, c = cfg.parallel.pp, cfg.sharding, cfg.checkpoint
+    if pp < 1 or world % pp:
+        fail(f"parallel.pp={pp} does not divide the world size {world}.",
+             f"pass parallel.pp={_largest_divisor_at_most(world, max(pp, 1))} (a divisor of {world})")
+    if s.backend != "fsdp2" or s.strategy != "full":
+        fail(f"parallel.pp={pp} runs FSDP2 fully sharded inside each stage; sharding.backend={s.backend} "
+             f"sharding.strategy={s.strategy} is not composed with pipeline stages yet.",
+             "pass sharding=full (FSDP2), or parallel.pp=1")
+    if cfg.parallel.tp > 1:
+        fail(f"parallel.pp={pp} with parallel.tp={cfg.parallel.tp}: tensor parallel inside pipeline stages is "
+             "not composed yet.", "pass parallel.tp=1, or parallel.pp=1")
+    refused = [("checkpoint.every", c.every > 0, "checkpoint.every=0"),
+               ("checkpoint.resume", c.resume not in ("none", "auto"), "checkpoint.resume=none"),
+               ("checkpoint.export", c.export != "none", "checkpoint.export=none"),
+               ("ac.mode", cfg.ac.mode != "none", "ac=none"), ("compile", bool(cfg.compile), "compile=false"),
+               ("debug.check_identical_init", cfg.debug.check_identical_init, "debug.check_identical_init=false"),
+               ("trainer.eval_every", cfg.trainer.eval_every > 0, "trainer.eval_every=0"),
+               ("precision.loss_scaler", cfg.precision.loss_scaler != "none", "precision=fp32|bf16")]
+    for key, bad, fix in refused:
+        if bad:
+            fail(f"{key}={_value(cfg, key)} is not "
+                 f"supported with parallel.pp={pp} yet (per-stage checkpoints, the export, activation "
+                 "checkpointing, compile, evaluation and loss scaling under stages are not built; docs/pipeline.md).",
+                 f"pass {fix}, or parallel.pp=1")
+    dp = world // pp
+    t = cfg.trainer
+    local_batch = t.global_batch_size // dp
+    settings = pipeline.settings_from(cfg, local_batch)
+    if t.micro_batch_size is not None and cfg.parallel.pp_microbatches and \
+            t.micro_batch_size * cfg.parallel.pp_microbatches != local_batch:
+        fail(f"trainer.micro_batch_size={t.micro_batch_size} x parallel.pp_microbatches="
+             f"{cfg.parallel.pp_microbatches} is not the {local_batch} sequences each data-parallel rank trains "
+             "on per step (under pipeline parallel the micro-batch is the pipeline's).",
+             "pass one of them only (the other follows), or trainer.micro_batch_size=null")
+    if t.global_batch_size % dp == 0:  # otherwise the batch check after this one names the fix
+        pipeline.check(settings, cfg.model, local_batch)
+    return (pp, dp), ("pp", "dp"), dp
+
+
+def _value(cfg: RunConfig, key: str):
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def _validate_tp(cfg: RunConfig, tp: int) -> None:

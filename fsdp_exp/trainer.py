@@ -87,7 +87,8 @@ class Trainer:
         setup_s = time.perf_counter() - setup_start
         # fp16: a loss scaler that agrees over ranks on skipped steps (sharded for FSDP).
         self.scaler = self.parallel.grad_scaler() if cfg.precision.loss_scaler == "dynamic" else None
-        self.data = build_data(cfg, topology, dp_rank=info.rank // topology.tp_size, device=self.device)
+        self.data = build_data(cfg, topology, dp_rank=info.rank // topology.tp_size % topology.dp_size,
+                                device=self.device)  # rank = (pp_index, dp_index, tp_index), pp outermost
         self.loss_chunks = cfg.trainer.loss_chunks  # the output projection and loss per slice of the sequence
 
         # Diagnostics, then resume: everything a checkpoint restores exists now (fsdp_exp/checkpoint/).
@@ -140,10 +141,11 @@ class Trainer:
         """The step loop, from the resumed step on; returns the stop signal after which it saved and
         stopped, or None when every step ran."""
         stopped = None
+        step_fn = self.pipeline_step if self.parallel.owns_step else self.train_step
         for step in range(self.start_step, self.cfg.trainer.steps):
             started = time.perf_counter()  # the step's time: from here until its row is gathered
             inject_step_fault(self.cfg.debug, step, self.info.rank, self.model)  # debug.fail_at_step etc.
-            loss, grad_norm, lr = self.metrics.run(step, self.train_step, started)  # tracked or profiled if sampled
+            loss, grad_norm, lr = self.metrics.run(step, step_fn, started)  # tracked or profiled if sampled
             done = step + 1  # steps completed: the row's, the checkpoint's step
             flags = self.guard.poll(done, loss, saves=self.checkpointer.saves_at(done))  # a signal? NaN/inf?
             self.metrics.log(done, started, loss, grad_norm, lr, self.evaluate)  # on logged steps only
@@ -199,6 +201,21 @@ class Trainer:
         grad_norm = self.parallel.optimizer_step(self.optimizer, self.scaler, self.cfg.trainer.grad_clip or float("inf"))
         self.scheduler.step()
         return loss_sum, grad_norm.item(), lr
+
+    def pipeline_step(self, step: int, phase=None) -> tuple[torch.Tensor, float, float]:
+        """``train_step`` under parallel.pp > 1: the engine's schedule runs forward and backward over the
+        micro-batches of this dp rank's batch (one batch a step), then its optimizer step clips over every
+        stage (parallel/pipeline.py). The loss is the global batch's mean, the same on every rank."""
+        if phase:
+            phase("forward")
+        (batch,) = self.data.micro_batches(step)
+        engine, lr = self.parallel.engine, self.scheduler.get_last_lr()[0]
+        loss = engine.step(batch.inputs, batch.targets)
+        if phase:
+            phase("optimizer")
+        grad_norm = engine.optimizer_step(self.cfg.trainer.grad_clip)
+        self.scheduler.step()
+        return torch.tensor(loss, device=self.device), grad_norm, lr
 
     def evaluate(self) -> float:
         """Mean cross-entropy per token on ``data.val_batches`` global batches of the validation data

@@ -159,6 +159,12 @@ class ParallelConfig:
     # Keep the logits sharded over the vocabulary on the TP group and take the loss there (torch's
     # loss_parallel); false: gather them to every TP rank first.
     loss_parallel: bool = True
+    # Pipeline parallel (fsdp_exp/parallel/pipeline.py, docs/pipeline.md): the mesh becomes (pp, dp), pp outermost
+    pp: int = 1  # pipeline ranks; the model is cut by blocks into pp x pp_stages_per_rank stages
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv_zero_bubble | dualpipev
+    pp_microbatches: int = 0  # micro-batches per step of each dp rank's batch; 0 = from trainer.micro_batch_size, else pp
+    pp_stages_per_rank: int = 1  # stages each pp rank holds (interleaved_1f1b, looped_bfs: any; the V schedules: 2)
+    pp_split: Optional[list[int]] = None  # first block of every stage but the first; null = balanced by parameters
 
 
 @dataclass

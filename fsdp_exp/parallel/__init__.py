@@ -34,6 +34,7 @@ class Parallelized:
     cfg: "RunConfig"
     device: "torch.device"
     grad_sync: str  # trainer.grad_sync as the backend resolved it: every_micro_batch | last_micro_batch
+    owns_step = False  # a pipeline's engine runs the whole step (parallel/pipeline.py: PipelineParallelized)
 
     def gradient_sync(self, last: bool):
         """A context for one micro-batch's backward (``last``: the step's last one): its gradients are
@@ -82,9 +83,14 @@ def _without_tp(mesh: "DeviceMesh") -> "DeviceMesh":
 
 
 def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.device") -> Parallelized:
-    """``model`` is on the meta device; the result is sharded, materialized and initialized."""
+    """``model`` is on the meta device; the result is sharded, materialized and initialized. Under
+    parallel.pp > 1 the stages are built from the config instead (parallel/pipeline.py)."""
     from fsdp_exp.parallel import ac, compile, float8, tp
 
+    if cfg.parallel.pp > 1:
+        from fsdp_exp.parallel.pipeline import parallelize_pipeline
+
+        return parallelize_pipeline(cfg, mesh, device)
     applied: dict = {}
     if cfg.parallel.tp > 1:
         applied["tp"] = tp.apply(model, cfg, mesh["tp"])

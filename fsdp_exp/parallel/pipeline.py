@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from fsdp_exp.errors import fail
+from fsdp_exp.parallel import Parallelized
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +66,16 @@ class PipelineSettings:
     @property
     def n_microbatches(self) -> int:
         return self.microbatches or self.pp
+
+
+def settings_from(cfg: "RunConfig", local_batch: int) -> PipelineSettings:
+    """The run's ``parallel.pp*`` keys; ``local_batch``: the sequences each dp rank trains on per step.
+    ``parallel.pp_microbatches=0`` follows ``trainer.micro_batch_size`` (the pipeline's micro-batch), else pp."""
+    p, micro = cfg.parallel, cfg.trainer.micro_batch_size
+    microbatches = p.pp_microbatches or (local_batch // micro if micro else 0)
+    return PipelineSettings(pp=p.pp, schedule=p.pp_schedule, microbatches=microbatches,
+                            stages_per_rank=p.pp_stages_per_rank,
+                            split=tuple(p.pp_split) if p.pp_split is not None else None)
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -313,17 +324,19 @@ class PipelineEngine:
 
     def optimizer_step(self, max_norm: float) -> float:
         norm = self.clip_grad_norm(max_norm)
-        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+        for optimizer in self.optimizers:
             optimizer.step()
-            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+        for scheduler in self.schedulers:  # none when the trainer steps its own (PipelineParallelized)
+            scheduler.step()
         return norm.item()
 
 
 def build_pipeline(cfg: "RunConfig", settings: PipelineSettings, mesh: "DeviceMesh",
-                   device: "torch.device") -> PipelineEngine:
+                   device: "torch.device", optimizers: bool = True) -> PipelineEngine:
     """This rank's stages (built on meta, FSDP2 over dp, materialized), their PipelineStages on the pp
-    group, the schedule, and one AdamW + LR schedule per stage (the project's, decay on matrices)."""
+    group, the schedule, and one AdamW + LR schedule per stage (the project's, decay on matrices; with
+    ``optimizers=False`` none: the trainer hands the engine its own, see ``PipelineParallelized``)."""
     import torch.distributed.pipelining as pipelining
 
     from fsdp_exp.models import matrix_parameter_names
@@ -350,7 +363,69 @@ def build_pipeline(cfg: "RunConfig", settings: PipelineSettings, mesh: "DeviceMe
                    mesh={"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names)},
                    loss="mean cross-entropy of each micro-batch's logits on the last stage (trainer.loss_chunks "
                         "not applied)")
-    optimizers = [build_optimizer(stage, cfg.optim, matrix_parameter_names(stage)) for stage in stages]
-    schedulers = [build_scheduler(o, cfg.optim, cfg.trainer.steps) for o in optimizers]
+    stage_optimizers = [build_optimizer(stage, cfg.optim, matrix_parameter_names(stage))
+                        for stage in stages] if optimizers else []
+    schedulers = [build_scheduler(o, cfg.optim, cfg.trainer.steps) for o in stage_optimizers]
     return PipelineEngine(settings=settings, stage_indices=indices, stages=stages, schedule=schedule, mesh=mesh,
-                          optimizers=optimizers, schedulers=schedulers, applied=applied)
+                          optimizers=stage_optimizers, schedulers=schedulers, applied=applied)
+
+
+# ------------------------------------------------------------------------------------------ the trainer's view
+@dataclass
+class PipelineParallelized(Parallelized):
+    """What ``parallelize`` returns when parallel.pp > 1: this rank's stages as the trainer's model (an
+    ``nn.ModuleList``; every parameter keeps its full-model name below the stage's index), one optimizer over
+    them, and the engine whose ``step`` / ``optimizer_step`` replace the trainer's micro-batch loop
+    (``owns_step``). The learning-rate schedule stays the trainer's, stepped after the engine's optimizer step."""
+
+    engine: Optional[PipelineEngine] = None
+    owns_step = True
+
+    def build_optimizer(self, decay_names: set[str]):
+        """One AdamW over every local stage (per-parameter, so the same updates as one per stage), made by
+        the project's ``build_optimizer`` per stage (decay on the stage's matrices), handed to the engine."""
+        import torch
+
+        from fsdp_exp.models import matrix_parameter_names
+        from fsdp_exp.optim import build_optimizer
+
+        groups = [group for stage in self.engine.stages
+                  for group in build_optimizer(stage, self.cfg.optim, matrix_parameter_names(stage)).param_groups]
+        optimizer = torch.optim.AdamW(groups)
+        self.engine.optimizers, self.engine.schedulers = [optimizer], []
+        return optimizer
+
+
+class StagesBackend:
+    """The stages' own backend (FSDP2), asked through this rank's list of stages. No memory breakdown: torch's
+    FSDP tracker follows one FSDP root, and its generic ``MemTracker`` refuses a module called more than once
+    a step (every micro-batch calls each stage); per-stage peaks are the planner's (plan/pipeline.py)."""
+
+    tracks_memory = False
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def parallelize_pipeline(cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.device") -> PipelineParallelized:
+    """``parallelize`` under parallel.pp > 1: the stages of this pp rank, FSDP2 inside each over the dp dim of
+    the run's (pp, dp) mesh, and their schedule. ``applied["pipeline"]`` records the schedule, the micro-batch
+    count and every stage's blocks (the cut), ``applied["pipeline"]["stages"]`` the FSDP2 settings per stage."""
+    from torch import nn
+
+    from fsdp_exp.parallel.backend import backend_for
+
+    settings = settings_from(cfg, cfg.trainer.global_batch_size // mesh["dp"].size())
+    engine = build_pipeline(cfg, settings, mesh, device, optimizers=False)
+    applied = {"pipeline": {"parallel.pp": settings.pp, "parallel.pp_schedule": settings.schedule,
+                            "parallel.pp_stages_per_rank": settings.stages_per_rank,
+                            "parallel.pp_split": list(settings.split) if settings.split else None,
+                            "bubble": (settings.pp - 1) / (settings.stages_per_rank * settings.n_microbatches
+                                                           + settings.pp - 1),
+                            **engine.applied}}
+    return PipelineParallelized(model=nn.ModuleList(engine.stages), applied=applied,
+                                backend=StagesBackend(backend_for(cfg)),
+                                cfg=cfg, device=device, grad_sync="last_micro_batch", engine=engine)
