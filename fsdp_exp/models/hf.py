@@ -134,15 +134,7 @@ class _NoTransformers:
 class HfSpec(ModelSpec):
     name = "hf"
 
-    @property
-    def model_class(self) -> type:  # noqa: D401 - what spec_of matches a built model against
-        try:
-            from transformers import PreTrainedModel
-        except ImportError:
-            return _NoTransformers
-        return PreTrainedModel
-
-    # ----------------------------------------------------------------------------- config
+    # ----------------------------------------------------------------------------- the family's own
     def config(self, m):
         """The transformers config of ``m`` (cached per model config; treat it as read-only)."""
         cache = self.__dict__.setdefault("_configs", {})
@@ -151,6 +143,7 @@ class HfSpec(ModelSpec):
             cache[key] = hf_config.load(m)
         return cache[key]
 
+    # ----------------------------------------------------------------------------------- SpecChecks
     def fetch(self, m) -> None:
         hf_config.fetch(m)
 
@@ -212,6 +205,12 @@ class HfSpec(ModelSpec):
                     fail(f"parallel.tp={tp} does not divide the {style} width {width} of {name}.",
                          "pick parallel.tp that divides it")
 
+    def depth_override(self, m, n_layers: int) -> str:
+        # transformers' common name for the block count (an alias where a config names it otherwise: GPT-2's
+        # n_layer); ++ sets it whether or not the command line already did.
+        return f"++model.hf_overrides.num_hidden_layers={n_layers}"
+
+    # ------------------------------------------------------------------------------------ SpecFacts
     def vocab_size(self, m) -> int:
         return self.config(m).get_text_config().vocab_size
 
@@ -235,84 +234,6 @@ class HfSpec(ModelSpec):
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config(m))].__name__
-
-    # ------------------------------------------------------------------------------ build
-    def build(self, m) -> "nn.Module":
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        config = copy.deepcopy(self.config(m))
-        config.use_cache = False  # training: no key/value cache
-        with no_values_drawn_on_meta():
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                     attn_implementation=m.attn_implementation)
-        model.forward = types.MethodType(_forward, model)  # the chunked loss when targets are passed
-        model.register_forward_hook(_logits_only)
-        return model
-
-    def _blocks(self, model: "nn.Module") -> list[str]:
-        block_class = self._block_class(model)
-        return [name for name, module in model.named_modules() if isinstance(module, block_class)]
-
-    def _block_class(self, model: "nn.Module") -> type:
-        named = set(getattr(model, "_no_split_modules", None) or ())
-        counts: dict[type, int] = {}
-        for module in model.modules():
-            if type(module).__name__ in named:
-                counts[type(module)] = counts.get(type(module), 0) + 1
-        if not counts:
-            fail(f"{type(model).__name__} names no decoder layer class (transformers' _no_split_modules), so "
-                 "fsdp_exp cannot tell its blocks.", "pick an architecture whose model class names one")
-        return max(counts, key=counts.get)
-
-    def block_class_of(self, m) -> type:
-        return self._block_class(self.meta_model(m))
-
-    def input_modules_of(self, m) -> tuple[str, ...]:
-        """The embeddings used before the first block: lookups, not matmuls (token and position)."""
-        from torch import nn
-
-        model = self.meta_model(m)
-        blocks = tuple(b + "." for b in self._blocks(model))
-        output = self.output_modules_of(m)
-        return tuple(name for name, module in model.named_modules()
-                     if isinstance(module, nn.Embedding) and not name.startswith(blocks) and name not in output)
-
-    def output_modules_of(self, m) -> tuple[str, ...]:
-        model = self.meta_model(m)
-        head = model.get_output_embeddings()
-        return tuple(name for name, module in model.named_modules() if module is head)
-
-    def depth_override(self, m, n_layers: int) -> str:
-        # transformers' common name for the block count (an alias where a config names it otherwise: GPT-2's
-        # n_layer); ++ sets it whether or not the command line already did.
-        return f"++model.hf_overrides.num_hidden_layers={n_layers}"
-
-    def tied_weights(self, m) -> dict[str, str]:
-        first: dict[int, str] = {}
-        tied = {}
-        for name, param in self.meta_model(m).named_parameters(remove_duplicate=False):
-            if id(param) in first:
-                tied[name] = first[id(param)]
-            else:
-                first[id(param)] = name
-        return tied
-
-    def shapes_only(self):
-        """transformers reads the position ids to find sequences packed into one row, which meta and fake
-        tensors cannot give, and would then build an explicit attention mask (repeating the key / value
-        heads) that a real run does not: fsdp_exp passes no position ids, so each row is one sequence."""
-        from unittest import mock
-
-        from transformers import masking_utils
-
-        return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
-
-    def retie(self, model: "nn.Module") -> None:
-        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-        if getattr(model.config.get_text_config(), "tie_word_embeddings", False) and head is not None \
-                and head.weight is not embedding.weight:
-            model.tie_weights()
 
     def flops_per_token(self, m, seq_len: int) -> int:
         """Training FLOPs per token: 6 N + 12 L w S (forward + backward, no recompute).
@@ -341,7 +262,44 @@ class HfSpec(ModelSpec):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return heads * head_dim
 
-    # ---------------------------------------------------------------------- initialization
+    # ------------------------------------------------------------------------------------ SpecBuild
+    @property
+    def model_class(self) -> type:  # noqa: D401 - what spec_of matches a built model against
+        try:
+            from transformers import PreTrainedModel
+        except ImportError:
+            return _NoTransformers
+        return PreTrainedModel
+
+    def build(self, m) -> "nn.Module":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        config = copy.deepcopy(self.config(m))
+        config.use_cache = False  # training: no key/value cache
+        with no_values_drawn_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                     attn_implementation=m.attn_implementation)
+        model.forward = types.MethodType(_forward, model)  # the chunked loss when targets are passed
+        model.register_forward_hook(_logits_only)
+        return model
+
+    def shapes_only(self):
+        """transformers reads the position ids to find sequences packed into one row, which meta and fake
+        tensors cannot give, and would then build an explicit attention mask (repeating the key / value
+        heads) that a real run does not: fsdp_exp passes no position ids, so each row is one sequence."""
+        from unittest import mock
+
+        from transformers import masking_utils
+
+        return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+
+    def retie(self, model: "nn.Module") -> None:
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        if getattr(model.config.get_text_config(), "tie_word_embeddings", False) and head is not None \
+                and head.weight is not embedding.weight:
+            model.tie_weights()
+
     def _init_recipes(self, config) -> tuple[dict, set]:
         """The architecture's initialization, recorded once per transformers config (hf_init.record)."""
         import torch
@@ -382,7 +340,50 @@ class HfSpec(ModelSpec):
                 value = hf_init.full_value(recipes[canonical_name(name)], buffer.shape, 0, device)
                 buffer.copy_(value.to(buffer.dtype))
 
-    # ---------------------------------------------------------------------- parallelism
+    # ----------------------------------------------------------------------------------- SpecLayout
+    def _blocks(self, model: "nn.Module") -> list[str]:
+        block_class = self._block_class(model)
+        return [name for name, module in model.named_modules() if isinstance(module, block_class)]
+
+    def _block_class(self, model: "nn.Module") -> type:
+        named = set(getattr(model, "_no_split_modules", None) or ())
+        counts: dict[type, int] = {}
+        for module in model.modules():
+            if type(module).__name__ in named:
+                counts[type(module)] = counts.get(type(module), 0) + 1
+        if not counts:
+            fail(f"{type(model).__name__} names no decoder layer class (transformers' _no_split_modules), so "
+                 "fsdp_exp cannot tell its blocks.", "pick an architecture whose model class names one")
+        return max(counts, key=counts.get)
+
+    def block_class_of(self, m) -> type:
+        return self._block_class(self.meta_model(m))
+
+    def input_modules_of(self, m) -> tuple[str, ...]:
+        """The embeddings used before the first block: lookups, not matmuls (token and position)."""
+        from torch import nn
+
+        model = self.meta_model(m)
+        blocks = tuple(b + "." for b in self._blocks(model))
+        output = self.output_modules_of(m)
+        return tuple(name for name, module in model.named_modules()
+                     if isinstance(module, nn.Embedding) and not name.startswith(blocks) and name not in output)
+
+    def output_modules_of(self, m) -> tuple[str, ...]:
+        model = self.meta_model(m)
+        head = model.get_output_embeddings()
+        return tuple(name for name, module in model.named_modules() if module is head)
+
+    def tied_weights(self, m) -> dict[str, str]:
+        first: dict[int, str] = {}
+        tied = {}
+        for name, param in self.meta_model(m).named_parameters(remove_duplicate=False):
+            if id(param) in first:
+                tied[name] = first[id(param)]
+            else:
+                first[id(param)] = name
+        return tied
+
     def tensor_parallel_plan(self, m) -> TensorParallelPlan:
         """The model's ``_tp_plan`` (module pattern -> style), block entries by their names in a block;
         empty for a model without one (``check_tensor_parallel`` refuses ``parallel.tp > 1`` then)."""
@@ -410,7 +411,7 @@ class HfSpec(ModelSpec):
                 root[key] = TP_STYLES[style]
         return TensorParallelPlan(root=root, block=block), problem
 
-    # --------------------------------------------------------------------------- export
+    # ----------------------------------------------------------------------------------- SpecExport
     def why_no_hf_export(self, m) -> Optional[str]:
         return None
 

@@ -50,7 +50,7 @@ class LlamaSpec(ModelSpec):
     input_modules = ("tok_embeddings",)
     output_modules = ("output",)
 
-    # ----------------------------------------------------------------------------- config
+    # ----------------------------------------------------------------------------------- SpecChecks
     def check(self, m: ModelConfig) -> None:
         """Every value the model would otherwise meet only in the ranks (a shape that does not build, a
         routing that cannot pick, a NaN from the first norm) is refused here, before any rank starts."""
@@ -122,24 +122,10 @@ class LlamaSpec(ModelSpec):
                  f"pass model.multiple_of={tp * m.multiple_of // math.gcd(tp, m.multiple_of)} (a multiple of "
                  f"parallel.tp), or parallel.tp={largest_divisor_at_most(width, tp)}")
 
-    # ------------------------------------------------------------------------------ build
-    def build(self, cfg: ModelConfig) -> Llama:
-        return Llama(cfg)
-
-    def tied_weights(self, cfg: ModelConfig) -> dict[str, str]:
-        return {"output.weight": "tok_embeddings.weight"} if cfg.tie_embeddings else {}
-
-    def retie(self, model: Llama) -> None:
-        if model.cfg.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
-            model.output.weight = model.tok_embeddings.weight
-
     def depth_override(self, cfg: ModelConfig, n_layers: int) -> str:
         return f"model.n_layers={n_layers}"
 
-    def expert_modules(self, model: Llama) -> list[str]:
-        return [f"{name}.experts.{i}" for name, m in model.named_modules() if isinstance(m, MoEFeedForward)
-                for i in range(len(m.experts))]
-
+    # ------------------------------------------------------------------------------------ SpecFacts
     def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> int:
         """Training FLOPs per token: 6 N + 12 L d S (forward + backward, no recompute).
 
@@ -150,7 +136,22 @@ class LlamaSpec(ModelSpec):
         n = sum(p.numel for p in inventory.params if p.name not in inventory.input_params)
         return 6 * n + 12 * cfg.n_layers * cfg.dim * seq_len
 
-    # ---------------------------------------------------------------------- parallelism
+    # ------------------------------------------------------------------------------------ SpecBuild
+    def build(self, cfg: ModelConfig) -> Llama:
+        return Llama(cfg)
+
+    def retie(self, model: Llama) -> None:
+        if model.cfg.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
+            model.output.weight = model.tok_embeddings.weight
+
+    # ----------------------------------------------------------------------------------- SpecLayout
+    def tied_weights(self, cfg: ModelConfig) -> dict[str, str]:
+        return {"output.weight": "tok_embeddings.weight"} if cfg.tie_embeddings else {}
+
+    def expert_modules(self, model: Llama) -> list[str]:
+        return [f"{name}.experts.{i}" for name, m in model.named_modules() if isinstance(m, MoEFeedForward)
+                for i in range(len(m.experts))]
+
     def tensor_parallel_plan(self, cfg: ModelConfig) -> TensorParallelPlan:
         """Attention: wq/wk/wv colwise (each rank holds n_heads/tp heads), wo rowwise. SwiGLU: w1/w3
         colwise, w2 rowwise. Embedding rowwise, output colwise with replicated logits. Under sequence
@@ -166,7 +167,7 @@ class LlamaSpec(ModelSpec):
             gathered_inputs={"attention": 3, "feed_forward": 1},  # attention also takes cos and sin
         )
 
-    # --------------------------------------------------------------------------- export
+    # ----------------------------------------------------------------------------------- SpecExport
     def why_no_hf_export(self, cfg: ModelConfig) -> Optional[str]:
         if cfg.n_experts > 0:
             return "HF export writes LlamaForCausalLM; a mixture-of-experts model has no such layout"

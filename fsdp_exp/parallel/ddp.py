@@ -41,6 +41,7 @@ class DDP(Backend):
     # earlier all-reduces and costs no memory.
     natural_grad_sync = LAST_MICRO_BATCH
 
+    # -------------------------------------------------------------------------------- BackendChecks
     def check(self, cfg: RunConfig, device_type: str) -> None:
         s, p, pf, w = cfg.sharding, cfg.precision, cfg.prefetch, cfg.wrap
         if s.strategy not in self.strategies:
@@ -74,6 +75,7 @@ class DDP(Backend):
             self.refuse("precision.buffer_dtype / cast_forward_inputs", "DDP runs mixed precision by autocast.",
                         "drop them")
 
+    # --------------------------------------------------------------------------------- BackendBuild
     def data_parallel_mesh(self, strategy: str, dp: int, replicate: int, shard: int) -> tuple[tuple, tuple]:
         return (dp,), ("replicate",)  # one group of whole replicas
 
@@ -98,17 +100,6 @@ class DDP(Backend):
             "autocast": None if cfg.precision.param_dtype == "fp32" else describe(dtype_of(cfg.precision.param_dtype)),
         }
 
-    def inspect(self, model: nn.Module) -> list[dict]:
-        hooks = [hook.__name__ for hook, _state in getattr(model, "_comm_hooks", [])]
-        return [{"module": "<root>", "class": type(model).__name__, "comm_hooks": hooks,
-                 "process_group_size": model.process_group.size(), "num_params": len(list(model.parameters()))}]
-
-    def model_state_counter(self, model: nn.Module, optimizer):
-        from fsdp_exp.metrics.memory import ModelStateBytes
-
-        return ModelStateBytes(model, getattr(optimizer, "optim", optimizer))  # ZeRO-1: this rank's AdamW
-
-    # ------------------------------------------------------------------------- training step
     def build_optimizer(self, model: nn.Module, cfg: RunConfig, decay_names: set[str]):
         """AdamW; under sharding=optimizer wrapped by ``ZeroRedundancyOptimizer`` (same groups, same steps)."""
         from fsdp_exp.optim import build_optimizer
@@ -124,6 +115,7 @@ class DDP(Backend):
             **{k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps")})
         return zero
 
+    # ---------------------------------------------------------------------------------- BackendStep
     def autocast(self, cfg: RunConfig, device: torch.device):
         if cfg.precision.param_dtype == "fp32":
             return contextlib.nullcontext()
@@ -135,17 +127,18 @@ class DDP(Backend):
     def grad_scaler(self, device: torch.device):
         return torch.amp.GradScaler(device.type)  # every rank sees the same all-reduced gradients
 
-    # --------------------------------------------------------------------------------- planner
-    def planner_rules(self, cfg: RunConfig) -> PlannerRules:
-        return PlannerRules(param_layout="replicated", gathers_units=False,
-                            autocast=cfg.precision.param_dtype != "fp32", root_output_dtype=None,
-                            reshard_after_forward=False, gradient_buckets=True, offloads=False,
-                            shards_optimizer=cfg.sharding.strategy == "optimizer")
+    # ---------------------------------------------------------------------------- BackendInspection
+    def inspect(self, model: nn.Module) -> list[dict]:
+        hooks = [hook.__name__ for hook, _state in getattr(model, "_comm_hooks", [])]
+        return [{"module": "<root>", "class": type(model).__name__, "comm_hooks": hooks,
+                 "process_group_size": model.process_group.size(), "num_params": len(list(model.parameters()))}]
 
-    def shard_group(self, topology: Topology) -> int:
-        return 1  # every rank holds whole parameters
+    def model_state_counter(self, model: nn.Module, optimizer):
+        from fsdp_exp.metrics.memory import ModelStateBytes
 
-    # ------------------------------------------------------------------------------ checkpoint
+        return ModelStateBytes(model, getattr(optimizer, "optim", optimizer))  # ZeRO-1: this rank's AdamW
+
+    # ------------------------------------------------------------------------- BackendCheckpointing
     def save_checkpoint(self, sharded, folder, *, writer, step: int, rank: int, debug, process_group=None,
                         async_save: bool = False):
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -179,7 +172,17 @@ class DDP(Backend):
         set_model_state_dict(sharded.model, state["model"])
         sharded.optimizer.load_state_dict(torch.load(file, weights_only=True))  # each rank keeps its share
 
-    # ------------------------------------------------------------------------------------ docs
+    # ------------------------------------------------------------------------------ BackendPlanning
+    def planner_rules(self, cfg: RunConfig) -> PlannerRules:
+        return PlannerRules(param_layout="replicated", gathers_units=False,
+                            autocast=cfg.precision.param_dtype != "fp32", root_output_dtype=None,
+                            reshard_after_forward=False, gradient_buckets=True, offloads=False,
+                            shards_optimizer=cfg.sharding.strategy == "optimizer")
+
+    def shard_group(self, topology: Topology) -> int:
+        return 1  # every rank holds whole parameters
+
+    # ---------------------------------------------------------------------------------- BackendDocs
     def vocabulary(self) -> dict[str, str]:
         return {
             "sharding=no_shard": "`DistributedDataParallel` (`sharding=ddp`)",

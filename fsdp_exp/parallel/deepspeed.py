@@ -136,7 +136,7 @@ class DeepSpeed(Backend):
     compiles_itself = True  # compile=true: engine.compile() (torch.compile of the module, ZeRO's hooks kept)
     column_title = "DeepSpeed (`deepspeed.initialize`)"
 
-    # ------------------------------------------------------------------------------- preflight
+    # -------------------------------------------------------------------------------- BackendChecks
     def missing_dependency(self) -> Optional[str]:
         return None if installed() else "pip install 'fsdp_exp[deepspeed]' (pinned: pip install -c constraints.txt " \
                                         "deepspeed)"
@@ -205,12 +205,17 @@ class DeepSpeed(Backend):
             self.refuse("checkpoint.async_save=true", "DeepSpeed's save_checkpoint writes synchronously.",
                         "pass checkpoint.async_save=false")
 
+    def grad_sync(self, cfg: RunConfig) -> str:
+        """The engine's own rule, the only one it honours (``check``): ZeRO-2 and -3 reduce every micro-batch
+        into the gradient partitions; stages 0 and 1 reduce at the accumulation boundary."""
+        return EVERY_MICRO_BATCH if stage_of(cfg) >= 2 else LAST_MICRO_BATCH
+
+    # --------------------------------------------------------------------------------- BackendBuild
     def data_parallel_mesh(self, strategy: str, dp: int, replicate: int, shard: int) -> tuple[tuple, tuple]:
         if strategy == "no_shard":
             return (dp,), ("replicate",)
         return (dp,), ("shard",)  # every stage partitions over all data-parallel ranks
 
-    # ----------------------------------------------------------------------------------- build
     def apply(self, model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torch.device):
         """Materialize and seed ``model`` (partitioned at once under ZeRO-3), build the project's AdamW,
         and hand both to ``deepspeed.initialize``. Returns the engine."""
@@ -252,6 +257,48 @@ class DeepSpeed(Backend):
             else "to_empty + seeded by name on every rank",
         }
 
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module
+
+    def build_optimizer(self, model: nn.Module, cfg: RunConfig, decay_names: set[str]):
+        """The AdamW built in ``apply`` (the engine steps it): the trainer's LR schedule drives its groups."""
+        return model.basic_optimizer
+
+    # ---------------------------------------------------------------------------------- BackendStep
+    def zero_grad(self, model: nn.Module, optimizer) -> None:
+        """Nothing: the engine clears the gradients after each step, and the optimizer's own partitions
+        (with their host buffers under offload) are not the trainer's to touch."""
+
+    def gradient_sync(self, model: nn.Module, reduce: bool, last: bool):
+        model.set_gradient_accumulation_boundary(last)  # the engine decides what it reduces; it steps at the last
+        return contextlib.nullcontext()
+
+    def backward(self, model: nn.Module, loss: torch.Tensor, scaler) -> None:
+        model.backward(loss, scale_wrt_gas=False)  # the trainer already divides by the accumulation steps
+
+    def grad_scaler(self, device: torch.device):
+        return None  # fp16: the engine's dynamic loss scaler
+
+    def optimizer_step(self, model: nn.Module, optimizer, scaler, max_norm: float) -> torch.Tensor:
+        """``engine.step()``: unscale, clip to ``gradient_clipping``, step (skipped on fp16 overflow)."""
+        engine = model
+        counter = getattr(engine, "fsdp_exp_state_counter", None)
+        if counter is not None:
+            counter.before_step()  # gradients as the step holds them (the engine frees them after it)
+        norm = None
+        if engine.optimizer is engine.basic_optimizer:  # stage 0 fp32: DeepSpeed clips but keeps no norm
+            norm = self.clip_grad_norm(engine, float("inf"))
+        engine.step()
+        if norm is None:
+            norm = engine.get_global_grad_norm()
+        return torch.as_tensor(float(norm) if norm is not None else float("nan"))
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """The global gradient norm; gradients are whole and reduced on every rank at stage 0 (the only
+        stage where the engine does not report it), so this clips only when ``max_norm`` is finite."""
+        return torch.nn.utils.clip_grad_norm_(model.module.parameters(), max_norm)
+
+    # ---------------------------------------------------------------------------- BackendInspection
     def inspect(self, model: nn.Module) -> list[dict]:
         """What the engine holds: stage, offload devices, dtypes, partitioned parameter sizes, optimizer."""
         engine = model
@@ -288,58 +335,32 @@ class DeepSpeed(Backend):
             unit["loss_scale"] = float(engine.optimizer.cur_scale) if hasattr(engine.optimizer, "cur_scale") else None
         return [unit]
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module
-
     def model_state_counter(self, model: nn.Module, optimizer):
         from fsdp_exp.parallel.deepspeed_memory import ZeroStateBytes
 
         return ZeroStateBytes(model)
 
-    # ------------------------------------------------------------------------- training step
-    def build_optimizer(self, model: nn.Module, cfg: RunConfig, decay_names: set[str]):
-        """The AdamW built in ``apply`` (the engine steps it): the trainer's LR schedule drives its groups."""
-        return model.basic_optimizer
+    def init_digests(self, model: nn.Module, seed: int) -> list[dict]:
+        """Stages 0-2: whole parameters. Stage 3: each parameter's flat partition ``[start, end)`` of the
+        flattened tensor (the last rank's padded with zeros, as DeepSpeed pads it)."""
+        from fsdp_exp.parallel.digests import parameter_digests, tensor_hash
 
-    def zero_grad(self, model: nn.Module, optimizer) -> None:
-        """Nothing: the engine clears the gradients after each step, and the optimizer's own partitions
-        (with their host buffers under offload) are not the trainer's to touch."""
+        root = model.module
+        if model.zero_optimization_stage() != 3:
+            return parameter_digests(root, seed)
+        rows = []
+        for name, param in root.named_parameters():
+            part = param.ds_tensor
+            start = param.partition_numel() * _partition_rank(param)
+            full = full_param_init(root, name, param.ds_shape, seed, part.device).flatten()
+            expected = torch.zeros(part.numel(), dtype=full.dtype, device=full.device)
+            piece = full[start:start + part.numel()]
+            expected[:piece.numel()] = piece
+            rows.append({"name": canonical_name(name), "slice": f"flat [{start}, {start + part.numel()})",
+                         "hash": tensor_hash(part), "expected": tensor_hash(expected.to(part.dtype))})
+        return rows
 
-    def grad_sync(self, cfg: RunConfig) -> str:
-        """The engine's own rule, the only one it honours (``check``): ZeRO-2 and -3 reduce every micro-batch
-        into the gradient partitions; stages 0 and 1 reduce at the accumulation boundary."""
-        return EVERY_MICRO_BATCH if stage_of(cfg) >= 2 else LAST_MICRO_BATCH
-
-    def gradient_sync(self, model: nn.Module, reduce: bool, last: bool):
-        model.set_gradient_accumulation_boundary(last)  # the engine decides what it reduces; it steps at the last
-        return contextlib.nullcontext()
-
-    def backward(self, model: nn.Module, loss: torch.Tensor, scaler) -> None:
-        model.backward(loss, scale_wrt_gas=False)  # the trainer already divides by the accumulation steps
-
-    def grad_scaler(self, device: torch.device):
-        return None  # fp16: the engine's dynamic loss scaler
-
-    def optimizer_step(self, model: nn.Module, optimizer, scaler, max_norm: float) -> torch.Tensor:
-        """``engine.step()``: unscale, clip to ``gradient_clipping``, step (skipped on fp16 overflow)."""
-        engine = model
-        counter = getattr(engine, "fsdp_exp_state_counter", None)
-        if counter is not None:
-            counter.before_step()  # gradients as the step holds them (the engine frees them after it)
-        norm = None
-        if engine.optimizer is engine.basic_optimizer:  # stage 0 fp32: DeepSpeed clips but keeps no norm
-            norm = self.clip_grad_norm(engine, float("inf"))
-        engine.step()
-        if norm is None:
-            norm = engine.get_global_grad_norm()
-        return torch.as_tensor(float(norm) if norm is not None else float("nan"))
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        """The global gradient norm; gradients are whole and reduced on every rank at stage 0 (the only
-        stage where the engine does not report it), so this clips only when ``max_norm`` is finite."""
-        return torch.nn.utils.clip_grad_norm_(model.module.parameters(), max_norm)
-
-    # ------------------------------------------------------------------------------ checkpoint
+    # ------------------------------------------------------------------------- BackendCheckpointing
     checkpoint_format = "deepspeed"
 
     def save_checkpoint(self, sharded, folder: Path, *, writer, step: int, rank: int, debug, process_group=None,
@@ -381,27 +402,7 @@ class DeepSpeed(Backend):
         return {canonical_name(k): v.detach().float().cpu() for k, v in (state or {}).items()
                 if canonical_name(k) in params}
 
-    def init_digests(self, model: nn.Module, seed: int) -> list[dict]:
-        """Stages 0-2: whole parameters. Stage 3: each parameter's flat partition ``[start, end)`` of the
-        flattened tensor (the last rank's padded with zeros, as DeepSpeed pads it)."""
-        from fsdp_exp.parallel.digests import parameter_digests, tensor_hash
-
-        root = model.module
-        if model.zero_optimization_stage() != 3:
-            return parameter_digests(root, seed)
-        rows = []
-        for name, param in root.named_parameters():
-            part = param.ds_tensor
-            start = param.partition_numel() * _partition_rank(param)
-            full = full_param_init(root, name, param.ds_shape, seed, part.device).flatten()
-            expected = torch.zeros(part.numel(), dtype=full.dtype, device=full.device)
-            piece = full[start:start + part.numel()]
-            expected[:piece.numel()] = piece
-            rows.append({"name": canonical_name(name), "slice": f"flat [{start}, {start + part.numel()})",
-                         "hash": tensor_hash(part), "expected": tensor_hash(expected.to(part.dtype))})
-        return rows
-
-    # --------------------------------------------------------------------------------- planner
+    # ------------------------------------------------------------------------------ BackendPlanning
     def planner_rules(self, cfg: RunConfig) -> PlannerRules:
         stage = stage_of(cfg)
         notes = (f"DeepSpeed ZeRO-{stage}: its layout (low-precision parameters, fp32 master partitions, "
@@ -418,7 +419,7 @@ class DeepSpeed(Backend):
     def shard_group(self, topology) -> int:
         return topology.dp_size  # the states ZeRO partitions are split over every data-parallel rank
 
-    # ------------------------------------------------------------------------------------ docs
+    # ---------------------------------------------------------------------------------- BackendDocs
     def vocabulary(self) -> dict[str, str]:
         rows = {f"sharding={strategy}": f"`zero_optimization.stage={stage}`" for strategy, stage in STAGES.items()}
         return {

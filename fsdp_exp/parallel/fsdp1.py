@@ -91,6 +91,7 @@ class FSDP1(Backend):
     tracks_memory = False  # torch's MemTracker cannot hook FSDP1's parameters (views into flat parameters)
     column_title = "FSDP1 (`FullyShardedDataParallel`)"
 
+    # -------------------------------------------------------------------------------- BackendChecks
     def check(self, cfg: RunConfig, device_type: str) -> None:
         refuse_fsdp2_only_knobs(self, cfg)
         refuse_zero_only_knobs(self, cfg)
@@ -113,6 +114,7 @@ class FSDP1(Backend):
             self.refuse("compile=true with sharding.use_orig_params=false", "torch.compile needs the original "
                         "parameters.", "drop sharding.use_orig_params=false")
 
+    # --------------------------------------------------------------------------------- BackendBuild
     def apply(self, model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torch.device):
         """Wrap ``model`` (on meta); ``param_init_fn`` materializes and seeds each module as FSDP1 reaches it."""
         from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel
@@ -163,6 +165,11 @@ class FSDP1(Backend):
             "FullyShardedDataParallel": describe({**kwargs, "param_init_fn": "materialize + seed-by-name init"}),
         }
 
+    # ---------------------------------------------------------------------------------- BackendStep
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        return model.clip_grad_norm_(max_norm)  # reduces the norm over the shards
+
+    # ---------------------------------------------------------------------------- BackendInspection
     def inspect(self, model: nn.Module) -> list[dict]:
         """Per wrapped unit: the FullyShardedDataParallel settings it holds and its flat parameter's size."""
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -185,22 +192,6 @@ class FSDP1(Backend):
                 "num_params": len(handle.flat_param._fqns) if handle is not None else 0,
             })
         return units
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        return model.clip_grad_norm_(max_norm)  # reduces the norm over the shards
-
-    # ------------------------------------------------------------------------------ checkpoint
-    def quiet_checkpoint_warnings(self) -> None:
-        # FSDP1's sharded state dicts go through ShardedTensor, which warns on every tensor at save/load.
-        warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor")
-
-    def full_state_dict(self, model: nn.Module) -> dict:
-        """On a CPU device FSDP1's offload of each gathered tensor "to the CPU" frees it under the
-        state-dict hook, which then crashes (SIGSEGV) cloning it: there every rank gathers without
-        offload, and only rank 0 keeps the result. Elsewhere as every backend (rank 0 only, on the CPU)."""
-        from fsdp_exp.export import full_state_dict
-
-        return full_state_dict(model, cpu_offload=model.compute_device.type != "cpu")
 
     def init_digests(self, model: nn.Module, seed: int) -> list[dict]:
         """FSDP1 keeps each unit's parameters in one flat parameter; this rank holds a contiguous piece of
@@ -225,14 +216,27 @@ class FSDP1(Backend):
                              "expected": tensor_hash(full.to(local.dtype))})
         return rows
 
-    # --------------------------------------------------------------------------------- planner
+    # ------------------------------------------------------------------------- BackendCheckpointing
+    def quiet_checkpoint_warnings(self) -> None:
+        # FSDP1's sharded state dicts go through ShardedTensor, which warns on every tensor at save/load.
+        warnings.filterwarnings("ignore", message="Please use DTensor instead and we are deprecating ShardedTensor")
+
+    def full_state_dict(self, model: nn.Module) -> dict:
+        """On a CPU device FSDP1's offload of each gathered tensor "to the CPU" frees it under the
+        state-dict hook, which then crashes (SIGSEGV) cloning it: there every rank gathers without
+        offload, and only rank 0 keeps the result. Elsewhere as every backend (rank 0 only, on the CPU)."""
+        from fsdp_exp.export import full_state_dict
+
+        return full_state_dict(model, cpu_offload=model.compute_device.type != "cpu")
+
+    # ------------------------------------------------------------------------------ BackendPlanning
     def planner_rules(self, cfg: RunConfig) -> PlannerRules:
         return PlannerRules(param_layout="flat", gathers_units=True, autocast=False, root_output_dtype=None,
                             reshard_after_forward=cfg.sharding.strategy in ("full", "hybrid"),
                             gradient_buckets=False, offloads=True,
                             notes=("FSDP1's peak follows FSDP2's schedule (torch's tracker cannot measure FSDP1)",))
 
-    # ------------------------------------------------------------------------------------ docs
+    # ---------------------------------------------------------------------------------- BackendDocs
     def vocabulary(self) -> dict[str, str]:
         rows = {f"sharding={strategy}": f"`ShardingStrategy.{name}`"
                 + (" with the 2-D `device_mesh`" if strategy == "hybrid" else "")

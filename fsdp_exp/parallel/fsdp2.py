@@ -96,6 +96,7 @@ class FSDP2(Backend):
     strategies = tuple(RESHARD_AFTER_FORWARD)
     column_title = "FSDP2 (`fully_shard`)"
 
+    # -------------------------------------------------------------------------------- BackendChecks
     def check(self, cfg: RunConfig, device_type: str) -> None:
         s, p, pf = cfg.sharding, cfg.precision, cfg.prefetch
         refuse_zero_only_knobs(self, cfg)
@@ -121,6 +122,7 @@ class FSDP2(Backend):
             self.refuse("an integer sharding.reshard_after_forward", "no_shard has nothing to reshard.",
                         "pass sharding.reshard_after_forward=auto")
 
+    # --------------------------------------------------------------------------------- BackendBuild
     def apply(self, model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torch.device):
         """Shard ``model`` (on meta) in place, materialize this rank's shards, initialize them."""
         from torch.distributed.fsdp import fully_shard
@@ -156,43 +158,7 @@ class FSDP2(Backend):
             "units": applied_units,
         }
 
-    def inspect(self, model: nn.Module) -> list[dict]:
-        """Per unit: its prefetch lists, mesh, resharding, mixed-precision and offload policies, read from
-        FSDP2's own state (torch internals, on purpose and only here)."""
-        from torch.distributed.fsdp import FSDPModule
-
-        states = {}
-        for name, module in model.named_modules():
-            if isinstance(module, FSDPModule):
-                states[id(module._get_fsdp_state())] = unit_label(name)
-        units = []
-        for name, module in model.named_modules():
-            if not isinstance(module, FSDPModule):
-                continue
-            state = module._get_fsdp_state()
-            group = state._fsdp_param_groups[0] if state._fsdp_param_groups else None
-            unit = {"module": unit_label(name),
-                    "forward_prefetch": [states[id(s)] for s in state._states_to_forward_prefetch],
-                    "backward_prefetch": [states[id(s)] for s in state._states_to_backward_prefetch]}
-            if group is not None:
-                post = group.post_forward_mesh_info
-                unit.update(
-                    num_params=len(group.fsdp_params),
-                    mesh_shape=list(group.mesh_info.mesh.mesh.shape),
-                    reshard_after_forward=False if post is None else (
-                        True if post.shard_mesh_size == group.mesh_info.shard_mesh_size else post.shard_mesh_size),
-                    mp_policy=describe(group.mp_policy),
-                    offload=type(group.offload_policy).__name__,
-                )
-            units.append(unit)
-        return units
-
-    def memory_tracker(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
-        return FSDPMemTracker(model, optimizer)  # tells sharded from unsharded, and the comm buffers
-
-    # ------------------------------------------------------------------------- training step
+    # ---------------------------------------------------------------------------------- BackendStep
     def gradient_sync(self, model: nn.Module, reduce: bool, last: bool):
         # True: the post-backward reduce-scatters the unit's gradient and adds it to the sharded one, then
         # frees the unsharded one (parameters reshard after backward: FSDP2's default, never changed here).
@@ -229,7 +195,44 @@ class FSDP2(Backend):
         warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
         return super().grad_scaler(device)
 
-    # --------------------------------------------------------------------------------- planner
+    # ---------------------------------------------------------------------------- BackendInspection
+    def inspect(self, model: nn.Module) -> list[dict]:
+        """Per unit: its prefetch lists, mesh, resharding, mixed-precision and offload policies, read from
+        FSDP2's own state (torch internals, on purpose and only here)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        states = {}
+        for name, module in model.named_modules():
+            if isinstance(module, FSDPModule):
+                states[id(module._get_fsdp_state())] = unit_label(name)
+        units = []
+        for name, module in model.named_modules():
+            if not isinstance(module, FSDPModule):
+                continue
+            state = module._get_fsdp_state()
+            group = state._fsdp_param_groups[0] if state._fsdp_param_groups else None
+            unit = {"module": unit_label(name),
+                    "forward_prefetch": [states[id(s)] for s in state._states_to_forward_prefetch],
+                    "backward_prefetch": [states[id(s)] for s in state._states_to_backward_prefetch]}
+            if group is not None:
+                post = group.post_forward_mesh_info
+                unit.update(
+                    num_params=len(group.fsdp_params),
+                    mesh_shape=list(group.mesh_info.mesh.mesh.shape),
+                    reshard_after_forward=False if post is None else (
+                        True if post.shard_mesh_size == group.mesh_info.shard_mesh_size else post.shard_mesh_size),
+                    mp_policy=describe(group.mp_policy),
+                    offload=type(group.offload_policy).__name__,
+                )
+            units.append(unit)
+        return units
+
+    def memory_tracker(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        return FSDPMemTracker(model, optimizer)  # tells sharded from unsharded, and the comm buffers
+
+    # ------------------------------------------------------------------------------ BackendPlanning
     def planner_rules(self, cfg: RunConfig) -> PlannerRules:
         return PlannerRules(param_layout="dim0", gathers_units=True, autocast=False,
                             root_output_dtype=cfg.precision.output_dtype,
@@ -237,7 +240,7 @@ class FSDP2(Backend):
                             reshard_after_forward=reshard_after_forward(cfg) is not False,
                             gradient_buckets=False, offloads=True)
 
-    # ------------------------------------------------------------------------------------ docs
+    # ---------------------------------------------------------------------------------- BackendDocs
     def vocabulary(self) -> dict[str, str]:
         rows = {f"sharding={strategy}": f"`reshard_after_forward={reshard}`, {MESH[strategy]}"
                 for strategy, reshard in RESHARD_AFTER_FORWARD.items()}
