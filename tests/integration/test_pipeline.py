@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUIET, TINY_BATCH, TINY_MODEL, run_config
+from conftest import QUIET, TINY_BATCH, TINY_MODEL, run_cli, run_config
 from reference import reference_run
 
 # Every test here shares the spawned group's fixture (~20 s on 2 idle cores, 30 s under load).
@@ -163,3 +163,23 @@ def test_interleaved_schedule_places_two_stages_on_each_rank(runs):
 
 def test_two_stages_with_fsdp2_over_two_dp_ranks_train_like_one_process(runs, reference):
     _assert_matches_reference(runs["1f1b_fsdp2_dp2"], reference, "1f1b_fsdp2_dp2")
+
+
+# The command line's pipeline run (fsdp_exp's launcher, trainer and preflight: parallel.pp*), checked against
+# the same single-process reference: interleaved 1F1B, so each rank trains two stages under one optimizer.
+CLI_PP = ["trainer.nproc_per_node=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+          "parallel.pp_stages_per_rank=2", "parallel.pp_microbatches=4", "logger.wandb.mode=disabled"]
+
+
+def test_the_command_line_pipeline_run_trains_like_one_process_and_records_its_cut(reference, tmp_path):
+    result = run_cli([*OVERRIDES, *CLI_PP], tmp_path / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [row["train/loss"] for row in result.metrics]
+    expected_losses, _ = reference
+    assert len(losses) == STEPS
+    for step, (got, want) in enumerate(zip(losses, expected_losses), 1):
+        assert abs(got - want) / abs(want) < LOSS_RTOL, f"step {step}: loss {got} vs single process {want}"
+    pipeline = result.record["applied"]["pipeline"]
+    assert (pipeline["schedule"], pipeline["n_microbatches"]) == ("ScheduleInterleaved1F1B", 4)
+    assert pipeline["stage_blocks"] == [[0], [1], [2], [3]] and pipeline["local_stages"] == [0, 2]
+    assert result.record["topology"]["mesh_dim_names"] == ["pp", "dp"]
