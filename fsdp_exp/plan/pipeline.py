@@ -24,7 +24,7 @@ holds its stages' unsharded parameters and gradients (param dtype) through the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fsdp_exp.errors import fail
@@ -73,6 +73,7 @@ class RankPlan:
     per_microbatch: int  # activations one micro-batch leaves on its heaviest local stage
     in_flight: int
     activations: int
+    state_pieces: dict = field(default_factory=dict)  # model_states by piece: params, grads, optimizer, total
 
     @property
     def peak(self) -> int:
@@ -127,12 +128,51 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     for rank in range(s.pp):
         stages = stages_of_rank(s, rank)
         mine = [i for i in infos if stage_of(i) in stages]
-        states = model_states(mine, offload=False, kind=device_kind).resident["total"]
+        pieces = model_states(mine, offload=False, kind=device_kind).resident
+        states = pieces["total"]
         unsharded = 2 * e * int(sum(i.gathered_numel for i in mine)) if dp > 1 else 0
         held = in_flight(s.schedule, s.pp, rank, s.n_microbatches, s.stages_per_rank)
         heaviest = max(per_microbatch(stage) for stage in stages)
         ranks.append(RankPlan(rank=rank, stages=tuple(stages), blocks=tuple(b for st in stages for b in blocks[st]),
                               params=sum(i.numel for i in mine), model_states=states, unsharded=unsharded,
-                              per_microbatch=heaviest, in_flight=held, activations=held * heaviest))
+                              per_microbatch=heaviest, in_flight=held, activations=held * heaviest,
+                              state_pieces=dict(pieces)))
     return PipelinePlan(ranks=tuple(ranks), bubble=bubble_fraction(s.schedule, s.pp, s.n_microbatches,
                                                                    s.stages_per_rank))
+
+
+def with_worst_stage(result, cfg: "RunConfig", topology, margin=None):
+    """``plan``'s result for a pipeline run (parallel.pp > 1), its per-rank figures (what the fit check and tune
+    read: ``per_rank_bytes``, ``peak["total"]``, the model states) replaced by the worst pp rank's of
+    ``pipeline_plan``. The phase walk (``phases``, ``stage_peaks``, the peak's phase) stays the whole model's on
+    one rank, which the notes say."""
+    import dataclasses
+
+    from fsdp_exp.parallel.pipeline import settings_from
+    from fsdp_exp.plan.devices import allocator_margin
+
+    from fsdp_exp.errors import ConfigError
+
+    settings = settings_from(cfg, cfg.trainer.global_batch_size // topology.dp_size)
+    try:
+        pipeline = pipeline_plan(cfg, settings, topology.dp_size, result.device_kind)
+    except ConfigError as exc:  # a schedule without an activation model: the whole model, an upper bound
+        return dataclasses.replace(result, assumptions=[
+            *result.assumptions, f"parallel.pp={settings.pp}: approximate, the whole model on one rank (an upper "
+            f"bound): {exc}"])
+    worst = pipeline.peak_rank
+    margin_bytes, margin_rule = allocator_margin(result.device_kind, worst.peak, margin)
+    pieces = {k: worst.state_pieces[k] for k in ("params", "grads", "optimizer", "total")}
+    no_host = {k: 0 for k in pieces}
+    per_rank = {**{k: pieces[k] for k in ("params", "grads", "optimizer")}, "activations": worst.activations,
+                "buffers": worst.unsharded, "total": worst.peak + margin_bytes}
+    peak = {**result.peak, "total": worst.peak, "activations": worst.activations, "unsharded": worst.unsharded,
+            "comm": 0, "module_buffers": 0, "grads": pieces["grads"]}
+    note = (f"parallel.pp={settings.pp}: the per-rank figures are pp rank {worst.rank}'s, the worst of {settings.pp} "
+            f"(stages {list(worst.stages)}, blocks {list(worst.blocks)}; {worst.in_flight} micro-batches of "
+            f"activations in flight under {settings.schedule}, bubble {pipeline.bubble:.0%}; "
+            "fsdp_exp.plan.pipeline); the phases and per-phase peaks are still the whole model's on one rank")
+    return dataclasses.replace(
+        result, model_states={**result.model_states, "device": pieces, "host": no_host, "total": pieces["total"]},
+        per_rank_bytes=per_rank, peak=peak, margin_bytes=margin_bytes, margin_rule=margin_rule,
+        assumptions=[*result.assumptions, note])

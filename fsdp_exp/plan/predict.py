@@ -85,7 +85,7 @@ def plan(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] =
                 "activations": peak.activations + peak.temporaries + peak.inputs,
                 "buffers": peak.unsharded + peak.comm + peak.module_buffers,
                 "total": peak.total + margin_bytes}
-    return Plan(
+    result = Plan(
         num_params=sum(i.numel for i in infos), world_size=topology.world_size, device_kind=kind,
         model_states={"device": on_device, "host": states.host, "total": states.at_rest["total"],
                       "described": states.described},
@@ -94,6 +94,11 @@ def plan(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] =
         margin_bytes=margin_bytes, margin_rule=margin_rule,
         phases=[{"name": ph.name, "stage": ph.stage, "total": ph.total} for ph in phases],
         assumptions=assumptions(cfg, rules.notes, profile.notes(kind, walk.e)))
+    if cfg.parallel.pp > 1:  # the worst pipeline rank's figures (fsdp_exp/plan/pipeline.py)
+        from fsdp_exp.plan.pipeline import with_worst_stage
+
+        result = with_worst_stage(result, cfg, topology, margin)
+    return result
 
 
 def assumptions(cfg: "RunConfig", backend_notes: tuple[str, ...], model_notes: list[str]) -> list[str]:

@@ -56,3 +56,16 @@ def test_the_cli_exits_2_naming_parallel_pp_before_any_rank_starts(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "parallel.pp=3" in result.stderr and "pass parallel.pp=2" in result.stderr
     assert not (tmp_path / "run" / "run.json").exists()
+
+
+def test_the_planner_sizes_a_pipeline_run_by_its_worst_stage_and_says_so():
+    from fsdp_exp.plan import plan
+    from fsdp_exp.plan.pipeline import pipeline_plan
+
+    cfg = run_config(["parallel.pp=2"])
+    result = plan(cfg, validate(cfg, cuda_devices=0))  # what the fit check reads
+    worst = pipeline_plan(cfg, settings_from(cfg, cfg.trainer.global_batch_size), dp=1).peak_rank
+    assert result.peak["total"] == worst.peak
+    assert result.per_rank_bytes["total"] == worst.peak + result.margin_bytes
+    assert result.model_states["device"]["total"] == worst.model_states
+    assert f"pp rank {worst.rank}'s, the worst of 2" in result.assumptions[-1]
