@@ -241,7 +241,7 @@ class BackendInspection(ABC):
         """This rank's view of its initial parameters, for the identical-init check
         (``debug.check_identical_init``): per tensor its name, which slice this rank holds, the hash of
         that slice and the hash the seeded initialization says it must have. The default reads each
-        parameter as the module holds it: whole, or this rank's DTensor shard."""
+        parameter as the module ``unwrap`` gives holds it: whole, or this rank's DTensor shard."""
         from fsdp_exp.parallel.digests import parameter_digests
 
         return parameter_digests(self.unwrap(model), seed)
