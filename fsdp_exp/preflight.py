@@ -206,7 +206,7 @@ def _validate_pipeline(cfg: RunConfig, world: int):
     what the pipeline does not compose with yet is refused by name. Returns (shape, names, dp)."""
     from fsdp_exp.parallel import pipeline
 
-    pp, s, c = cfg.parallel.pp, cfg.sharding, cfg.checkpoint
+    pp, s, c = cfg.parallel.pp, cfg.sharding, cfg.checkpoint  # checkpoints: per stage, see checkpoint/manager
     if pp < 1 or world % pp:
         fail(f"parallel.pp={pp} does not divide the world size {world}.",
              f"pass parallel.pp={_largest_divisor_at_most(world, max(pp, 1))} (a divisor of {world})")
@@ -217,9 +217,7 @@ def _validate_pipeline(cfg: RunConfig, world: int):
     if cfg.parallel.tp > 1:
         fail(f"parallel.pp={pp} with parallel.tp={cfg.parallel.tp}: tensor parallel inside pipeline stages is "
              "not composed yet.", "pass parallel.tp=1, or parallel.pp=1")
-    refused = [("checkpoint.every", c.every > 0, "checkpoint.every=0"),
-               ("checkpoint.resume", c.resume not in ("none", "auto"), "checkpoint.resume=none"),
-               ("checkpoint.export", c.export != "none", "checkpoint.export=none"),
+    refused = [("checkpoint.export", c.export != "none", "checkpoint.export=none"),
                ("ac.mode", cfg.ac.mode != "none", "ac=none"), ("compile", bool(cfg.compile), "compile=false"),
                ("debug.check_identical_init", cfg.debug.check_identical_init, "debug.check_identical_init=false"),
                ("trainer.eval_every", cfg.trainer.eval_every > 0, "trainer.eval_every=0"),
@@ -227,8 +225,8 @@ def _validate_pipeline(cfg: RunConfig, world: int):
     for key, bad, fix in refused:
         if bad:
             fail(f"{key}={_value(cfg, key)} is not "
-                 f"supported with parallel.pp={pp} yet (per-stage checkpoints, the export, activation "
-                 "checkpointing, compile, evaluation and loss scaling under stages are not built; docs/pipeline.md).",
+                 f"supported with parallel.pp={pp} yet (the export gathering the stages, activation checkpointing, "
+                 "compile, evaluation and loss scaling under stages are not built; docs/pipeline.md).",
                  f"pass {fix}, or parallel.pp=1")
     dp = world // pp
     t = cfg.trainer

@@ -34,6 +34,20 @@ from fsdp_exp.checkpoint.layout import (FORMAT, TRAINER_STATE, CheckpointError, 
 from fsdp_exp.debug.faults import storage_writer
 
 
+# What places the parameters on pipeline stages; checkpoints saved before parallel.pp existed had one stage.
+STAGE_CUT_KEYS = ("parallel.pp", "parallel.pp_stages_per_rank", "parallel.pp_split", "parallel.pp_schedule")
+
+
+def _stage_cut(config: dict) -> dict:
+    """The pipeline cut of a plain config (the schedule only matters under pp > 1: it places the stages)."""
+    parallel = config.get("parallel", {})
+    cut = {"parallel.pp": parallel.get("pp", 1), "parallel.pp_stages_per_rank": parallel.get("pp_stages_per_rank", 1),
+           "parallel.pp_split": parallel.get("pp_split")}
+    if cut["parallel.pp"] > 1:
+        cut["parallel.pp_schedule"] = parallel.get("pp_schedule")
+    return cut
+
+
 class Checkpointer:
     def __init__(self, *, root: Path, info, topology, config: dict, sharded, replicated: dict,
                  per_rank: dict, settings, faults, total_steps: int,
@@ -244,6 +258,12 @@ class Checkpointer:
             raise CheckpointError(f"cannot resume from {path}: it holds another architecture ({listed}); no "
                                   "resharding converts that. Pass the checkpoint's model settings, or "
                                   "checkpoint.resume=none to start afresh")
+        saved_cut, cut = _stage_cut(meta["config"]), _stage_cut(self.config)
+        if saved_cut != cut:
+            raise CheckpointError(f"cannot resume from {path}: its model was cut into pipeline stages as {saved_cut}, "
+                                  f"this run as {cut} ({', '.join(STAGE_CUT_KEYS)}); each rank saved its own stages' "
+                                  "parameters, and no resharding across stage cuts is wired. Pass the checkpoint's "
+                                  "parallel.pp* settings, or checkpoint.resume=none")
         if self.replicated.get("data") is None:
             return
         saved_data, data = meta.get("data", {}), self.replicated["data"].state_dict()

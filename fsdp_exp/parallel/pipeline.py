@@ -409,6 +409,12 @@ class StagesBackend:
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
+    def state_dict_options(self) -> dict:
+        """Checkpoints: each pp rank's optimizer holds other parameters, so its param groups are saved per
+        parameter name (flattened, as torchtitan saves under PP) instead of as one list that DCP would keep
+        from a single rank."""
+        return {**self._inner.state_dict_options(), "flatten_optimizer_state_dict": True}
+
 
 def parallelize_pipeline(cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.device") -> PipelineParallelized:
     """``parallelize`` under parallel.pp > 1: the stages of this pp rank, FSDP2 inside each over the dp dim of

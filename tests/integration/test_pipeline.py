@@ -171,8 +171,25 @@ CLI_PP = ["trainer.nproc_per_node=2", "parallel.pp=2", "parallel.pp_schedule=int
           "parallel.pp_stages_per_rank=2", "parallel.pp_microbatches=4", "logger.wandb.mode=disabled"]
 
 
-def test_the_command_line_pipeline_run_trains_like_one_process_and_records_its_cut(reference, tmp_path):
-    result = run_cli([*OVERRIDES, *CLI_PP], tmp_path / "run")
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """The CLI pipeline run, saving each rank's stages at step 4 (and the last, 5) through DCP."""
+    result = run_cli([*OVERRIDES, *CLI_PP, "checkpoint.every=4"], tmp_path_factory.mktemp("cli_pp") / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_a_pipeline_run_resumed_from_its_step_4_checkpoint_trains_step_5_bit_identically(cli_run, tmp_path):
+    step_4 = cli_run.run_dir / "checkpoints" / "step_4"
+    resumed = run_cli([*OVERRIDES, *CLI_PP, f"checkpoint.resume={step_4}"], tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.record["resumed_from"]["step"] == 4
+    assert [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in resumed.metrics] == \
+        [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in cli_run.metrics if r["step"] == STEPS]
+
+
+def test_the_command_line_pipeline_run_trains_like_one_process_and_records_its_cut(reference, cli_run):
+    result = cli_run
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [row["train/loss"] for row in result.metrics]
     expected_losses, _ = reference
