@@ -1,6 +1,6 @@
 """Pipeline parallel: the model cut into stages by blocks, FSDP2 inside each stage, a schedule of
-torch.distributed.pipelining driving the micro-batches (the first stage of issue #26; the trainer does
-not call it yet, see docs/pipeline.md).
+torch.distributed.pipelining driving the micro-batches (issue #26; ``parallelize`` calls
+``parallelize_pipeline`` when parallel.pp > 1, see docs/pipeline.md).
 
 The mesh is 2-D, (pp, dp), pp outermost as torchtitan orders its dims: rank = pp_index * dp + dp_index,
 so the ranks of one stage are neighbours (one node) and the stage-to-stage sends cross the nodes.
@@ -51,7 +51,7 @@ SINGLE_STAGE = ("gpipe", "1f1b")  # PipelineScheduleSingle: one stage per rank
 
 @dataclass(frozen=True)
 class PipelineSettings:
-    """The proposed ``parallel.pp*`` keys, as plain values (config/schema.py does not have them yet)."""
+    """The ``parallel.pp*`` keys, as plain values (``settings_from`` reads them from a run's config)."""
 
     pp: int  # parallel.pp: pipeline ranks (the mesh's pp dim)
     schedule: str = "1f1b"  # parallel.pp_schedule: a key of SCHEDULES
