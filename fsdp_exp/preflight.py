@@ -206,14 +206,11 @@ def _validate_pipeline(cfg: RunConfig, world: int):
     what the pipeline does not compose with yet is refused by name. Returns (shape, names, dp)."""
     from fsdp_exp.parallel import pipeline
 
-    pp, s, c = cfg.parallel.pp, cfg.sharding, cfg.checkpoint  # checkpoints: per stage, see checkpoint/manager
+    pp, c = cfg.parallel.pp, cfg.checkpoint  # checkpoints: per stage, see checkpoint/manager
     if pp < 1 or world % pp:
         fail(f"parallel.pp={pp} does not divide the world size {world}.",
              f"pass parallel.pp={_largest_divisor_at_most(world, max(pp, 1))} (a divisor of {world})")
-    if s.backend != "fsdp2" or s.strategy != "full":
-        fail(f"parallel.pp={pp} runs FSDP2 fully sharded inside each stage; sharding.backend={s.backend} "
-             f"sharding.strategy={s.strategy} is not composed with pipeline stages yet.",
-             "pass sharding=full (FSDP2), or parallel.pp=1")
+    pipeline.check_sharding(cfg)
     if cfg.parallel.tp > 1:
         fail(f"parallel.pp={pp} with parallel.tp={cfg.parallel.tp}: tensor parallel inside pipeline stages is "
              "not composed yet.", "pass parallel.tp=1, or parallel.pp=1")

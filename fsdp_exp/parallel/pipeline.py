@@ -117,6 +117,16 @@ def check(settings: PipelineSettings, model_cfg: "ModelConfig", local_batch: int
              "projection; stages on different ranks cannot share a tensor.", "pass model.tie_embeddings=false")
 
 
+def check_sharding(cfg: "RunConfig") -> None:
+    """The stages are sharded by FSDP2 (``fully_shard`` over the dp dim, ``shard_stage``); refuse, naming the
+    override, the data-parallel settings not composed with stages yet (FSDP1, DDP, DeepSpeed, hybrid)."""
+    s = cfg.sharding
+    if s.backend != "fsdp2" or s.strategy != "full":
+        fail(f"parallel.pp={cfg.parallel.pp} runs FSDP2 fully sharded inside each stage; sharding.backend={s.backend} "
+             f"sharding.strategy={s.strategy} is not composed with pipeline stages yet.",
+             "pass sharding=full (FSDP2), or parallel.pp=1")
+
+
 def _check_split(split: tuple[int, ...], num_stages: int, n_blocks: int) -> None:
     cuts = list(split)
     if len(cuts) != num_stages - 1 or cuts != sorted(set(cuts)) or not all(0 < c < n_blocks for c in cuts):
