@@ -158,6 +158,7 @@ FOUR_RANKS = {
 
 
 @pytest.mark.parametrize("name", sorted(FOUR_RANKS))
+@pytest.mark.slow
 def test_four_rank_meshes(tmp_path, name):
     overrides = [*SMALL, "trainer.nproc_per_node=4", *FOUR_RANKS[name]]
     record = run_experiment(overrides, tmp_path)

@@ -64,6 +64,7 @@ def reference(tmp_path_factory):
     return run_dir, _losses(run_dir)
 
 
+@pytest.mark.slow
 def test_periodic_checkpoints_are_complete_and_pruned(reference):
     run_dir, losses = reference
     root = run_dir / "checkpoints"
@@ -138,6 +139,7 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference):
 
 
 @pytest.mark.parametrize("nproc", [1, 4])
+@pytest.mark.slow
 def test_two_rank_checkpoint_resumes_at_another_world_size(tmp_path, reference, nproc):
     ref_dir, expected = reference
     record = run_experiment([*BASE, f"trainer.nproc_per_node={nproc}",
@@ -152,6 +154,7 @@ def test_two_rank_checkpoint_resumes_at_another_world_size(tmp_path, reference, 
 
 
 @pytest.mark.parametrize("backend", ["sharding.backend=fsdp1", "sharding=ddp"])
+@pytest.mark.slow
 def test_fsdp2_checkpoint_resumes_under_another_backend(tmp_path, reference, backend):
     ref_dir, expected = reference
     record = run_experiment([*BASE, backend, f"checkpoint.resume={ref_dir / 'checkpoints' / 'step_21'}"], tmp_path)
@@ -165,6 +168,7 @@ def test_fsdp2_checkpoint_resumes_under_another_backend(tmp_path, reference, bac
     (["sharding.backend=fsdp1", "sharding.use_orig_params=false", "optim.weight_decay=0"],
      "cannot convert checkpoint"),
 ])
+@pytest.mark.slow
 def test_what_cannot_be_converted_is_refused(tmp_path, reference, overrides, needle):
     ref_dir, _ = reference
     failure = _fails([*BASE, *overrides, f"checkpoint.resume={ref_dir / 'checkpoints' / 'step_21'}"], tmp_path)
@@ -197,6 +201,7 @@ def _wait_for_rows(run_dir: Path, proc: subprocess.Popen, rows: int, timeout: fl
     raise AssertionError("the run logged too few steps in time")
 
 
+@pytest.mark.slow
 def test_sigkill_of_a_rank_ends_the_job_naming_it(tmp_path):
     """A rank killed from outside: the job ends well within 60 s, exit 1, naming the rank; no process of
     it (ranks, the W&B service) is left."""
@@ -219,6 +224,7 @@ def test_sigkill_of_a_rank_ends_the_job_naming_it(tmp_path):
     print(f"SIGKILL of rank 1 -> job ended in {took:.2f}s")
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_the_requeued_run_continues_bit_identically(tmp_path, reference):
     """SIGTERM to the launcher (a scheduler's preemption): it forwards the signal, every rank saves at the
     same step and exits cleanly (exit 0, status interrupted); the rerun continues bit-identically."""

@@ -44,6 +44,7 @@ def test_two_rank_losses_match_single_process(tmp_path, sharding, extra):
     assert expected[-1] < expected[0]  # it trains
 
 
+@pytest.mark.slow
 def test_hybrid_on_four_ranks_matches_single_process(tmp_path):
     overrides = [*SMALL, "sharding=hybrid", "trainer.nproc_per_node=4", "sharding.replicate_size=2",
                  "sharding.shard_size=2"]
@@ -137,6 +138,7 @@ def _read_wandb(run_dir: Path) -> tuple[dict, list[dict]]:
     return summary, history
 
 
+@pytest.mark.slow
 def test_default_experiment_from_the_command_line(tmp_path):
     """`python -m fsdp_exp` as the README says: record, metrics and W&B run, all complete."""
     result = run_cli([], tmp_path / "run", quiet=False)

@@ -128,6 +128,7 @@ def test_no_memory_cgroup_means_the_ram_alone(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------- the gate
+@pytest.mark.slow
 def test_the_headline_command_is_refused_with_what_it_needs_what_the_machine_has_and_what_would_fit(tmp_path):
     per_rank, ranks = planned_total(HEADLINE)
     result = run_cli(HEADLINE, tmp_path / "run", timeout=120)

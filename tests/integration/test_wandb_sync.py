@@ -231,6 +231,7 @@ def test_sync_finds_every_folder_of_a_run_started_several_times_within_one_secon
     assert run.run_id in listed.stdout and "3 of 3 file(s)" in listed.stdout
 
 
+@pytest.mark.slow
 def test_a_resumed_run_is_one_wandb_run_and_its_summary_equals_run_json(tmp_path):
     """Rank 1 is SIGKILLed at step 6; the rerun resumes exactly from step_3. Three offline folders carry one
     id (the first attempt, the launcher's note of the failure, the resumed attempt): sync sends them
