@@ -20,8 +20,9 @@ from setuptools import find_namespace_packages, setup
 
 setup(
     # hydra_plugins: where Hydra finds the launcher class of hydra/launcher=slurm (a namespace package)
-    packages=[*find_namespace_packages(include=["fsdp_exp*", "hydra_plugins*"],
-                                       exclude=["fsdp_exp.conf", "fsdp_exp.conf.*"]),
-              "fsdp_exp.conf"],
+    packages=[
+        *find_namespace_packages(include=["fsdp_exp*", "hydra_plugins*"], exclude=["fsdp_exp.conf", "fsdp_exp.conf.*"]),
+        "fsdp_exp.conf",
+    ],
     package_dir={"fsdp_exp.conf": "conf"},
 )

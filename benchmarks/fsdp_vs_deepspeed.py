@@ -34,20 +34,48 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-ORDER = [("fsdp2", "full"), ("fsdp1", "full"), ("deepspeed", "optimizer"), ("deepspeed", "grad_op"),
-         ("deepspeed", "full"), ("ddp", "no_shard"), ("ddp", "optimizer")]
-NAMES = {("fsdp2", "full"): "FSDP2 full", ("fsdp1", "full"): "FSDP1 FULL_SHARD",
-         ("deepspeed", "optimizer"): "DeepSpeed ZeRO-1", ("deepspeed", "grad_op"): "DeepSpeed ZeRO-2",
-         ("deepspeed", "full"): "DeepSpeed ZeRO-3", ("ddp", "no_shard"): "DDP",
-         ("ddp", "optimizer"): "DDP + ZeroRedundancyOptimizer"}
-PRESETS = {("fsdp2", "full"): "full", ("fsdp1", "full"): "fsdp1", ("deepspeed", "optimizer"): "zero1",
-           ("deepspeed", "grad_op"): "zero2", ("deepspeed", "full"): "zero3", ("ddp", "no_shard"): "ddp",
-           ("ddp", "optimizer"): "optimizer"}
+ORDER = [
+    ("fsdp2", "full"),
+    ("fsdp1", "full"),
+    ("deepspeed", "optimizer"),
+    ("deepspeed", "grad_op"),
+    ("deepspeed", "full"),
+    ("ddp", "no_shard"),
+    ("ddp", "optimizer"),
+]
+NAMES = {
+    ("fsdp2", "full"): "FSDP2 full",
+    ("fsdp1", "full"): "FSDP1 FULL_SHARD",
+    ("deepspeed", "optimizer"): "DeepSpeed ZeRO-1",
+    ("deepspeed", "grad_op"): "DeepSpeed ZeRO-2",
+    ("deepspeed", "full"): "DeepSpeed ZeRO-3",
+    ("ddp", "no_shard"): "DDP",
+    ("ddp", "optimizer"): "DDP + ZeroRedundancyOptimizer",
+}
+PRESETS = {
+    ("fsdp2", "full"): "full",
+    ("fsdp1", "full"): "fsdp1",
+    ("deepspeed", "optimizer"): "zero1",
+    ("deepspeed", "grad_op"): "zero2",
+    ("deepspeed", "full"): "zero3",
+    ("ddp", "no_shard"): "ddp",
+    ("ddp", "optimizer"): "optimizer",
+}
 
 
 def run_sweep(sweep_dir: Path, extra: list[str]) -> None:
-    cmd = [sys.executable, "-m", "fsdp_exp", "-m", "experiment=fsdp_vs_deepspeed", "logger.wandb.mode=disabled",
-           "logger.progress=false", "logger.summary_table=false", f"hydra.sweep.dir={sweep_dir}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fsdp_exp",
+        "-m",
+        "experiment=fsdp_vs_deepspeed",
+        "logger.wandb.mode=disabled",
+        "logger.progress=false",
+        "logger.summary_table=false",
+        f"hydra.sweep.dir={sweep_dir}",
+        *extra,
+    ]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
 
@@ -62,9 +90,14 @@ def load(sweep_dir: Path) -> dict[tuple, list[dict]]:
             continue
         rows = [json.loads(line) for line in (record_file.parent / "metrics.jsonl").read_text().splitlines()]
         key = (record["config"]["sharding"]["backend"], record["config"]["sharding"]["strategy"])
-        runs.setdefault(key, []).append({"summary": record["summary"], "first": rows[0],
-                                         "comm": next((r for r in rows if "comm/total_s" in r), {}),
-                                         "env": record["env"]})
+        runs.setdefault(key, []).append(
+            {
+                "summary": record["summary"],
+                "first": rows[0],
+                "comm": next((r for r in rows if "comm/total_s" in r), {}),
+                "env": record["env"],
+            }
+        )
     return runs
 
 
@@ -82,9 +115,11 @@ def table(runs: dict[tuple, list[dict]]) -> str:
         return f"{text} [{format(e.low * scale, spec)}, {format(e.high * scale, spec)}]" if e.has_interval else text
 
     mib = 1024.0
-    lines = ["| configuration | `sharding=` | runs | tok/s (median [95% interval]) | setup s | 1st step s | "
-             "peak RSS MiB/rank | model states MiB/rank | comm ms (exposed) | final loss |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| configuration | `sharding=` | runs | tok/s (median [95% interval]) | setup s | 1st step s | "
+        "peak RSS MiB/rank | model states MiB/rank | comm ms (exposed) | final loss |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for key in ORDER:
         if key not in runs:
             continue
@@ -97,11 +132,12 @@ def table(runs: dict[tuple, list[dict]]) -> str:
         states = statistics.median(x["summary/model_states_gib_max"] for x in s) * mib
         comm = [r["comm"].get("comm/total_s") for r in rs if r["comm"]]
         exposed = [r["comm"].get("comm/exposed_s") for r in rs if r["comm"]]
-        comm_cell = (f"{statistics.median(comm) * 1e3:.1f} ({statistics.median(exposed) * 1e3:.1f})"
-                     if comm else "n/a")
+        comm_cell = f"{statistics.median(comm) * 1e3:.1f} ({statistics.median(exposed) * 1e3:.1f})" if comm else "n/a"
         loss = statistics.median(x["summary/final_loss"] for x in s)
-        lines.append(f"| {NAMES[key]} | `{PRESETS[key]}` | {len(rs)} | {cell(tok, '.0f')} | {cell(setup, '.2f')} | "
-                     f"{cell(first, '.2f')} | {cell(peak, '.0f', mib)} | {states:.1f} | {comm_cell} | {loss:.5f} |")
+        lines.append(
+            f"| {NAMES[key]} | `{PRESETS[key]}` | {len(rs)} | {cell(tok, '.0f')} | {cell(setup, '.2f')} | "
+            f"{cell(first, '.2f')} | {cell(peak, '.0f', mib)} | {states:.1f} | {comm_cell} | {loss:.5f} |"
+        )
     return "\n".join(lines)
 
 
@@ -110,7 +146,9 @@ def main() -> None:
     ap.add_argument("--sweep-dir", type=Path, help="tabulate this sweep folder (run it first when it has no runs)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for every run")
     args = ap.parse_args()
-    sweep_dir = args.sweep_dir or REPO / "outputs" / "sweeps" / f"fsdp_vs_deepspeed_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+    sweep_dir = (
+        args.sweep_dir or REPO / "outputs" / "sweeps" / f"fsdp_vs_deepspeed_{time.strftime('%Y-%m-%d_%H-%M-%S')}"
+    )
     if not list(sweep_dir.glob("*/run.json")):
         started = time.perf_counter()
         run_sweep(sweep_dir, args.set)
@@ -118,8 +156,10 @@ def main() -> None:
     runs = load(sweep_dir)
     print(table(runs))
     env = next(iter(runs.values()))[0]["env"] if runs else {}
-    print(f"\n{env.get('world_size')} ranks, {env.get('threads_per_rank')} thread(s) per rank, "
-          f"{env.get('device_type')}, torch {env.get('torch_version')}; {env.get('num_params')} parameters")
+    print(
+        f"\n{env.get('world_size')} ranks, {env.get('threads_per_rank')} thread(s) per rank, "
+        f"{env.get('device_type')}, torch {env.get('torch_version')}; {env.get('num_params')} parameters"
+    )
 
 
 if __name__ == "__main__":

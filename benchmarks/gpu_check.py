@@ -99,13 +99,15 @@ def _cuda_aliases(tree: ast.AST) -> set[str]:
 def _marks_cuda(node: ast.AST, aliases: set[str]) -> bool:
     """One node of the pattern in the module docstring."""
     if isinstance(node, ast.Attribute):
-        return node.attr == "CUDA" or (node.attr == "cuda" and isinstance(node.value, ast.Name)
-                                       and node.value.id == "torch")
+        return node.attr == "CUDA" or (
+            node.attr == "cuda" and isinstance(node.value, ast.Name) and node.value.id == "torch"
+        )
     if isinstance(node, ast.Name):
         return node.id in aliases
     if isinstance(node, ast.ImportFrom):
-        return (node.module or "").startswith("torch.cuda") or \
-            (node.module == "torch" and any(a.name == "cuda" for a in node.names))
+        return (node.module or "").startswith("torch.cuda") or (
+            node.module == "torch" and any(a.name == "cuda" for a in node.names)
+        )
     if isinstance(node, ast.Import):
         return any(a.name.startswith("torch.cuda") for a in node.names)
     if isinstance(node, ast.Compare):
@@ -139,11 +141,11 @@ def cuda_places(package: Path) -> dict[str, list[int]]:
 # Places the pattern finds that read a config string and never touch CUDA: tested on a CPU, where named.
 RUN_ELSEWHERE = {
     "fsdp_exp/plan/activations/hf.py:HfActivations.notes": "the planner's note text by device kind; no CUDA call "
-                                                        "(tests/unit/test_hf_model_specs.py)",
+    "(tests/unit/test_hf_model_specs.py)",
     "fsdp_exp/tune/calibrate.py:run_samples": "reads a measured run's recorded device type to pick its table "
-                                              "entry; no CUDA call (tests/unit/test_tune_prediction.py)",
+    "entry; no CUDA call (tests/unit/test_tune_prediction.py)",
     "fsdp_exp/slurm.py:job_resources": "sizes a SLURM job from trainer.device (GPUs per node); no CUDA call "
-                                       "(tests/integration/test_slurm.py)",
+    "(tests/integration/test_slurm.py)",
 }
 
 
@@ -152,13 +154,20 @@ def machine() -> dict:
     import torch
 
     cuda = torch.cuda.is_available()
-    info = {"host": os.uname().nodename, "python": sys.version.split()[0], "torch": torch.__version__,
-            "cuda": torch.version.cuda, "gpus": torch.cuda.device_count() if cuda else 0, "cpus": os.cpu_count(),
-            "deepspeed": importlib.util.find_spec("deepspeed") is not None}
+    info = {
+        "host": os.uname().nodename,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": torch.cuda.device_count() if cuda else 0,
+        "cpus": os.cpu_count(),
+        "deepspeed": importlib.util.find_spec("deepspeed") is not None,
+    }
     if cuda:
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 1),
-                    capability=f"{props.major}.{props.minor}")
+        info.update(
+            gpu=props.name, gpu_memory_gib=round(props.total_memory / GIB, 1), capability=f"{props.major}.{props.minor}"
+        )
         try:
             version = torch.cuda.nccl.version()
             info["nccl"] = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
@@ -202,8 +211,9 @@ class Run:
         # fsdp_exp's own verdict ("fsdp_exp: invalid configuration: ...", its fix), else the last line.
         own = [i for i, line in enumerate(lines) if line.startswith("fsdp_exp:")]
         if own:
-            said = " ".join(line.strip() for line in lines[own[-1]:own[-1] + 2]
-                            if line.startswith(("fsdp_exp:", "  fix:")))
+            said = " ".join(
+                line.strip() for line in lines[own[-1] : own[-1] + 2] if line.startswith(("fsdp_exp:", "  fix:"))
+            )
             return f"exit {self.rc}: {said[:400]}"
         return f"exit {self.rc}: {lines[-1][:300] if lines else 'no output'}"
 
@@ -261,8 +271,9 @@ class Context:
             if self.stopped:
                 return
             # Its own session: on a timeout the launcher and every rank go together.
-            proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+            )
             self.running.add(proc)
         try:
             spec.stdout, spec.stderr = proc.communicate(timeout=max(1.0, min(spec.timeout_s, left)))
@@ -343,7 +354,8 @@ class Context:
         spec.wall_s = time.monotonic() - start
         spec.stdout, spec.stderr = out.getvalue(), err.getvalue()
         (self.work / f"{spec.name}.log").write_text(
-            f"$ python -m {spec.module} {' '.join(spec.argv)}  (in process)\n{spec.stdout}\n{spec.stderr}")
+            f"$ python -m {spec.module} {' '.join(spec.argv)}  (in process)\n{spec.stdout}\n{spec.stderr}"
+        )
         return spec
 
     def completed(self, name: str) -> Run:
@@ -366,12 +378,29 @@ def define_runs(ctx: Context, extra: list[str]) -> dict[str, Run]:
         big = ["model=llama3_8b", "model.n_layers=2", "trainer.seq_len=2048", f"trainer.global_batch_size={8 * n}"]
         # The paths whose numbers matter less than that they run: 320M parameters (a CPU AdamW step
         # under offload takes about a second); checkpoints of 90M (1 GiB a save).
-        small = ["model.dim=2048", "model.n_layers=4", "model.n_heads=16", "model.n_kv_heads=8",
-                 "model.vocab_size=32000", "model.multiple_of=256", "model.max_seq_len=2048", "trainer.seq_len=1024"]
-        saved = ["model.dim=1024", "model.n_layers=2", "model.n_heads=8", "model.n_kv_heads=4",
-                 "model.vocab_size=32000", "model.multiple_of=256"]
-        batch, steps, short = 4, ["trainer.steps=10", "trainer.warmup_steps=3"], \
-            ["trainer.steps=6", "trainer.warmup_steps=2"]
+        small = [
+            "model.dim=2048",
+            "model.n_layers=4",
+            "model.n_heads=16",
+            "model.n_kv_heads=8",
+            "model.vocab_size=32000",
+            "model.multiple_of=256",
+            "model.max_seq_len=2048",
+            "trainer.seq_len=1024",
+        ]
+        saved = [
+            "model.dim=1024",
+            "model.n_layers=2",
+            "model.n_heads=8",
+            "model.n_kv_heads=4",
+            "model.vocab_size=32000",
+            "model.multiple_of=256",
+        ]
+        batch, steps, short = (
+            4,
+            ["trainer.steps=10", "trainer.warmup_steps=3"],
+            ["trainer.steps=6", "trainer.warmup_steps=2"],
+        )
     else:  # the default llama_tiny; as few steps as each check needs (start-up is most of a run on a CPU)
         big, small, saved, batch = [], [], [], 2
         steps, short = ["trainer.steps=5", "trainer.warmup_steps=2"], ["trainer.steps=4", "trainer.warmup_steps=2"]
@@ -381,48 +410,101 @@ def define_runs(ctx: Context, extra: list[str]) -> dict[str, Run]:
     where = [f"trainer.device={ctx.device}", *extra]
     # Step 1 (0-based) is sampled: tracked, and on CUDA the allocator's history; step 2 is profiled.
     # Both stay out of the medians (a warm-up step; profiled steps are left out).
-    main = [*where, *big, f"trainer.nproc_per_node={n}", "sharding=full", "precision=bf16", *steps,
-            "trainer.track_memory_step=1", "trainer.profile_steps=[2]", "trainer.digest_shards=false",
-            *(["trainer.memory_snapshot=true"] if gpu else [])]
+    main = [
+        *where,
+        *big,
+        f"trainer.nproc_per_node={n}",
+        "sharding=full",
+        "precision=bf16",
+        *steps,
+        "trainer.track_memory_step=1",
+        "trainer.profile_steps=[2]",
+        "trainer.digest_shards=false",
+        *(["trainer.memory_snapshot=true"] if gpu else []),
+    ]
     # main's model and knobs, compiled, without the sampled steps (a tracker under compile measures
     # itself). On a CPU one rank: a cold inductor cache costs each rank about 40 s there.
-    compiled = [*where, *big, f"trainer.nproc_per_node={n if gpu else 1}", "sharding=full", "precision=bf16",
-                *steps, "trainer.track_memory=false", "trainer.digest_shards=false", "compile=true"]
+    compiled = [
+        *where,
+        *big,
+        f"trainer.nproc_per_node={n if gpu else 1}",
+        "sharding=full",
+        "precision=bf16",
+        *steps,
+        "trainer.track_memory=false",
+        "trainer.digest_shards=false",
+        "compile=true",
+    ]
     # The same compiled run with torchao's float8 matmuls (tensorwise, float8 all-gathers): tokens/s against
     # the compiled bf16 run on the same shapes. CUDA only: on a CPU tests/integration/test_float8.py runs it.
-    float8 = [*[o for o in compiled if o != "precision=bf16"], "precision=float8",
-              "precision.float8_all_gather=true"]
+    float8 = [*[o for o in compiled if o != "precision=bf16"], "precision=float8", "precision.float8_all_gather=true"]
     functional = [*where, *small, *ranks]
-    ckpt = [*where, *saved, *ranks, "precision=bf16", "trainer.seq_len=256", "data=text",
-            f"data.num_workers={2 if gpu else 1}", f"data.cache_dir={ctx.work / 'data_cache'}",
-            "checkpoint=periodic", "checkpoint.every=2", "trainer.warmup_steps=1"]
+    ckpt = [
+        *where,
+        *saved,
+        *ranks,
+        "precision=bf16",
+        "trainer.seq_len=256",
+        "data=text",
+        f"data.num_workers={2 if gpu else 1}",
+        f"data.cache_dir={ctx.work / 'data_cache'}",
+        "checkpoint=periodic",
+        "checkpoint.every=2",
+        "trainer.warmup_steps=1",
+    ]
     big_timeout = 240 if ctx.size == "full" else 150
     runs = [
         Run("main", main, big_timeout),
         Run("plan", [*main, "plan.format=json"], 90, module="fsdp_exp.plan"),
         # Predict only (tune.run is off): the search on this machine's device, its own tune.json.
         Run("tune", [*main, "tune.show=5", f"tune.out={ctx.work / 'tune'}"], 180, module="fsdp_exp.tune"),
-        Run("fp32", [*functional, "precision=fp32", *short, "trainer.track_memory_step=1",
-                     "trainer.digest_shards=false"], 150),
+        Run(
+            "fp32",
+            [*functional, "precision=fp32", *short, "trainer.track_memory_step=1", "trainer.digest_shards=false"],
+            150,
+        ),
         Run("offload", [*functional, "precision=bf16", "offload=params", *short], 180),
-        Run("fsdp1_sync", [*functional, "precision=bf16", "sharding.backend=fsdp1",
-                           "sharding.sync_module_states=true", "checkpoint.export=safetensors", *short], 150),
-        Run("fsdp1_offload", [*functional, "precision=bf16", "sharding.backend=fsdp1", "offload=params", *short],
-            180),
-        Run("ddp_bf16", [*functional, "sharding=ddp", "precision=bf16_pure", *short, "trainer.profile_steps=[2]"],
-            150),
+        Run(
+            "fsdp1_sync",
+            [
+                *functional,
+                "precision=bf16",
+                "sharding.backend=fsdp1",
+                "sharding.sync_module_states=true",
+                "checkpoint.export=safetensors",
+                *short,
+            ],
+            150,
+        ),
+        Run("fsdp1_offload", [*functional, "precision=bf16", "sharding.backend=fsdp1", "offload=params", *short], 180),
+        Run("ddp_bf16", [*functional, "sharding=ddp", "precision=bf16_pure", *short, "trainer.profile_steps=[2]"], 150),
         # Saves at steps 2 and 4; the second call continues in the same folder from step 4 to 6.
         Run("ckpt_save", [*ckpt, "trainer.steps=4"], 150),
         Run("ckpt_resume", [*ckpt, "trainer.steps=6"], 150, folder="ckpt_save"),
         # Llama 70B does not fit one rank of any machine (1 TiB on a CPU host; 140 GiB on each of 8 GPUs):
         # refused before any rank starts, with the free memory of the GPU and changes that would fit.
-        Run("fit_refused", [*where, "model=llama70b", "trainer.seq_len=4096", "precision=bf16",
-                            f"trainer.nproc_per_node={m}", f"trainer.global_batch_size={m}", "trainer.check_fit=true"],
-            120, fits=False, feature="check_fit"),
-        Run("deepspeed_probe", [*where, "sharding.backend=deepspeed", "plan.format=json"], 60,
-            module="fsdp_exp.plan"),
-        Run("deepspeed", [*functional, "precision=bf16", "sharding.backend=deepspeed", *short], 240,
-            feature="sharding.backend"),
+        Run(
+            "fit_refused",
+            [
+                *where,
+                "model=llama70b",
+                "trainer.seq_len=4096",
+                "precision=bf16",
+                f"trainer.nproc_per_node={m}",
+                f"trainer.global_batch_size={m}",
+                "trainer.check_fit=true",
+            ],
+            120,
+            fits=False,
+            feature="check_fit",
+        ),
+        Run("deepspeed_probe", [*where, "sharding.backend=deepspeed", "plan.format=json"], 60, module="fsdp_exp.plan"),
+        Run(
+            "deepspeed",
+            [*functional, "precision=bf16", "sharding.backend=deepspeed", *short],
+            240,
+            feature="sharding.backend",
+        ),
         Run("compile", compiled, 300 if ctx.size == "full" else 200),
         Run("float8", float8, 300 if ctx.size == "full" else 200),
     ]
@@ -476,24 +558,34 @@ def pct(x: Optional[float]) -> str:
 
 def perf(run: Run) -> dict:
     s = run.record["summary"]
-    return {"tokens/s": round(s["summary/tokens_per_s_median"] or 0),
-            "step ms": round((s["summary/step_time_s_median"] or 0) * 1e3, 1)}
+    return {
+        "tokens/s": round(s["summary/tokens_per_s_median"] or 0),
+        "step ms": round((s["summary/step_time_s_median"] or 0) * 1e3, 1),
+    }
 
 
 def check_throughput(ctx: Context) -> dict:
     run = ctx.completed("main")
     s, env, rows = run.record["summary"], run.record["env"], run.rows
     mfu = s["summary/mfu_median"]
-    out = {**perf(run), "MFU": mfu and sig(mfu), "TFLOPS/rank": sig(s["summary/tflops_per_rank_median"] or 0),
-           "peak TFLOPS": s["summary/peak_tflops"] and sig(s["summary/peak_tflops"]),
-           "params": env["num_params"], "ranks": env["world_size"],
-           "loss": f"{rows[0]['train/loss']:.3f} -> {rows[-1]['train/loss']:.3f}"}
+    out = {
+        **perf(run),
+        "MFU": mfu and sig(mfu),
+        "TFLOPS/rank": sig(s["summary/tflops_per_rank_median"] or 0),
+        "peak TFLOPS": s["summary/peak_tflops"] and sig(s["summary/peak_tflops"]),
+        "params": env["num_params"],
+        "ranks": env["world_size"],
+        "loss": f"{rows[0]['train/loss']:.3f} -> {rows[-1]['train/loss']:.3f}",
+    }
     expect(out["tokens/s"] > 0, "no tokens/s", out)
     expect(mfu is not None and mfu > 0, f"MFU {mfu}", out)
     if ctx.device == "cuda":
         # The data-sheet peak of this GPU: an unknown device name gives no MFU at all.
-        expect(str(s["summary/peak_tflops_source"]).startswith("table:"),
-               f"peak TFLOPS not from the table: {s['summary/peak_tflops_source']}", out)
+        expect(
+            str(s["summary/peak_tflops_source"]).startswith("table:"),
+            f"peak TFLOPS not from the table: {s['summary/peak_tflops_source']}",
+            out,
+        )
         expect(mfu < 1, f"MFU {mfu:.3f} above 1: the peak or the FLOPs are wrong", out)
         expect(any("nvidia" in str(d).lower() for d in env["devices"]), f"devices {env['devices']}", out)
     return out
@@ -503,8 +595,7 @@ def check_compile(ctx: Context) -> dict:
     run = ctx.completed("compile")
     expect(find_key(run.record["applied"], "compile"), "no compile entry in run.json applied")
     s, rows = run.record["summary"], run.rows
-    out = {**perf(run), "MFU": sig(s["summary/mfu_median"] or 0),
-           "first step s": round(rows[0]["perf/step_time_s"], 1)}
+    out = {**perf(run), "MFU": sig(s["summary/mfu_median"] or 0), "first step s": round(rows[0]["perf/step_time_s"], 1)}
     eager = ctx.runs["main"]
     if eager.rc == 0 and eager.record["env"]["world_size"] == run.record["env"]["world_size"]:
         ratio = s["summary/tokens_per_s_median"] / eager.record["summary"]["summary/tokens_per_s_median"]
@@ -517,16 +608,24 @@ def check_float8(ctx: Context) -> dict:
     run = ctx.completed("float8")
     s, applied = run.record["summary"], run.record["applied"]
     converted = (find_key(applied, "converted") or [[]])[0]
-    out = {**perf(run), "MFU (bf16 peak)": sig(s["summary/mfu_median"] or 0),
-           "MFU (fp8 peak)": s["summary/mfu_fp8_median"] and sig(s["summary/mfu_fp8_median"]),
-           "fp8 peak TFLOPS": s["summary/peak_tflops_fp8"], "converted layers": len(converted)}
+    out = {
+        **perf(run),
+        "MFU (bf16 peak)": sig(s["summary/mfu_median"] or 0),
+        "MFU (fp8 peak)": s["summary/mfu_fp8_median"] and sig(s["summary/mfu_fp8_median"]),
+        "fp8 peak TFLOPS": s["summary/peak_tflops_fp8"],
+        "converted layers": len(converted),
+    }
     expect(len(converted) > 0, "no layer converted to float8 (run.json applied.float8)", out)
-    expect(s["summary/peak_tflops_fp8"], f"no FP8 peak for this GPU: {run.record['env'].get('peak_tflops_fp8_source')}",
-           out)
+    expect(
+        s["summary/peak_tflops_fp8"],
+        f"no FP8 peak for this GPU: {run.record['env'].get('peak_tflops_fp8_source')}",
+        out,
+    )
     bf16 = ctx.runs["compile"]
     if bf16.rc == 0 and bf16.record["env"]["world_size"] == run.record["env"]["world_size"]:
-        out["x bf16 compiled"] = round(s["summary/tokens_per_s_median"] /
-                                       bf16.record["summary"]["summary/tokens_per_s_median"], 3)
+        out["x bf16 compiled"] = round(
+            s["summary/tokens_per_s_median"] / bf16.record["summary"]["summary/tokens_per_s_median"], 3
+        )
     return out
 
 
@@ -571,15 +670,21 @@ def check_snapshot(ctx: Context) -> dict:
     expect(files, "no memory/rank0_step* file")
     with open(files[0], "rb") as f:
         snapshot = pickle.load(f)
-    expect(isinstance(snapshot, dict) and {"segments", "device_traces"} <= set(snapshot),
-           f"not an allocator snapshot: keys {list(snapshot)[:5] if isinstance(snapshot, dict) else type(snapshot)}")
+    expect(
+        isinstance(snapshot, dict) and {"segments", "device_traces"} <= set(snapshot),
+        f"not an allocator snapshot: keys {list(snapshot)[:5] if isinstance(snapshot, dict) else type(snapshot)}",
+    )
     events = sum(len(t) for t in snapshot["device_traces"])
     expect(events > 0, "the snapshot recorded no allocator event")
     artifacts = run.record.get("artifacts") or []
     expect(any(a.startswith("memory/") for a in artifacts), "run.json artifacts does not list the snapshot")
-    return {"file": files[0].name, "MiB": round(files[0].stat().st_size / 2**20, 1), "events": events,
-            "segments": len(snapshot["segments"]),
-            "reserved GiB": gib(sum(seg.get("total_size", 0) for seg in snapshot["segments"]) / GIB)}
+    return {
+        "file": files[0].name,
+        "MiB": round(files[0].stat().st_size / 2**20, 1),
+        "events": events,
+        "segments": len(snapshot["segments"]),
+        "reserved GiB": gib(sum(seg.get("total_size", 0) for seg in snapshot["segments"]) / GIB),
+    }
 
 
 def _comm_entry(run: Run) -> dict:
@@ -598,9 +703,13 @@ def check_profiler(ctx: Context) -> dict:
         expect(kernels > 0, "the trace has no CUDA kernel: ProfilerActivity.CUDA recorded nothing")
     rank0 = _comm_entry(run)["per_rank"][0]
     expect(rank0["compute_s"] > 0, "no compute in the profiled step")
-    return {"trace MiB": round(traces[0].stat().st_size / 2**20, 1), "kernels": kernels,
-            "comm device": _comm_entry(run)["device"], "compute ms": round(rank0["compute_s"] * 1e3, 1),
-            "step ms": round(rank0["step_s"] * 1e3, 1)}
+    return {
+        "trace MiB": round(traces[0].stat().st_size / 2**20, 1),
+        "kernels": kernels,
+        "comm device": _comm_entry(run)["device"],
+        "compute ms": round(rank0["compute_s"] * 1e3, 1),
+        "step ms": round(rank0["step_s"] * 1e3, 1),
+    }
 
 
 def check_comm(ctx: Context) -> dict:
@@ -611,9 +720,14 @@ def check_comm(ctx: Context) -> dict:
     for kind in ("all_gather_s", "reduce_scatter_s"):
         expect(all(r[kind] > 0 for r in per_rank), f"a rank shows no {kind[:-2]}")
     worst = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
-    return {"AG ms": round(worst["all_gather_s"] * 1e3, 2), "RS ms": round(worst["reduce_scatter_s"] * 1e3, 2),
-            "AR ms": round(worst["all_reduce_s"] * 1e3, 2), "exposed ms": round(worst["exposed_s"] * 1e3, 2),
-            "exposed": round(worst["exposed_fraction"], 3), "collectives": entry["collectives_rank0"]}
+    return {
+        "AG ms": round(worst["all_gather_s"] * 1e3, 2),
+        "RS ms": round(worst["reduce_scatter_s"] * 1e3, 2),
+        "AR ms": round(worst["all_reduce_s"] * 1e3, 2),
+        "exposed ms": round(worst["exposed_s"] * 1e3, 2),
+        "exposed": round(worst["exposed_fraction"], 3),
+        "collectives": entry["collectives_rank0"],
+    }
 
 
 def check_offload(ctx: Context) -> dict:
@@ -627,9 +741,13 @@ def check_offload(ctx: Context) -> dict:
     if ctx.device == "cuda":
         expect(record["plan"]["model_states"]["device"]["total"] == 0, "the planner keeps model states on the GPU")
     s = record["summary"]
-    return {**perf(run), "pinned": ctx.device == "cuda", "planned host GiB": gib(host),
-            "host peak RSS GiB": gib(s["summary/host_peak_rss_gib_max"]),
-            **({"GPU peak GiB": gib(s["summary/peak_allocated_gib_max"])} if ctx.device == "cuda" else {})}
+    return {
+        **perf(run),
+        "pinned": ctx.device == "cuda",
+        "planned host GiB": gib(host),
+        "host peak RSS GiB": gib(s["summary/host_peak_rss_gib_max"]),
+        **({"GPU peak GiB": gib(s["summary/peak_allocated_gib_max"])} if ctx.device == "cuda" else {}),
+    }
 
 
 def check_fsdp1_sync(ctx: Context) -> dict:
@@ -637,10 +755,15 @@ def check_fsdp1_sync(ctx: Context) -> dict:
     expect(find_key(run.record["applied"], "sync_module_states") == [True], "sync_module_states not applied")
     # The export gathers FSDP1's full state dict offloaded to the CPU (on a CPU device it cannot offload).
     export = run.record.get("export") or {}
-    expect(export.get("format") == "safetensors" and Path(export.get("file", "")).is_file(),
-           f"the FSDP1 export was not written: {export}")
-    return {**perf(run), "final loss": round(run.record["summary"]["summary/final_loss"], 4),
-            "export MB": round(export["bytes"] / 1e6, 1)}
+    expect(
+        export.get("format") == "safetensors" and Path(export.get("file", "")).is_file(),
+        f"the FSDP1 export was not written: {export}",
+    )
+    return {
+        **perf(run),
+        "final loss": round(run.record["summary"]["summary/final_loss"], 4),
+        "export MB": round(export["bytes"] / 1e6, 1),
+    }
 
 
 def check_fsdp1_offload(ctx: Context) -> dict:
@@ -648,8 +771,11 @@ def check_fsdp1_offload(ctx: Context) -> dict:
     offload = find_key(run.record["applied"], "offload_params")
     expect(offload == [True], f"CPUOffload(offload_params=True) not applied: {offload}")
     s = run.record["summary"]
-    return {**perf(run), "GPU peak GiB": gib(s.get("summary/peak_allocated_gib_max")),
-            "final loss": round(s["summary/final_loss"], 4)}
+    return {
+        **perf(run),
+        "GPU peak GiB": gib(s.get("summary/peak_allocated_gib_max")),
+        "final loss": round(s["summary/final_loss"], 4),
+    }
 
 
 def check_ddp_bf16(ctx: Context) -> dict:
@@ -659,8 +785,10 @@ def check_ddp_bf16(ctx: Context) -> dict:
     out = {**perf(run), "hook": hooks[0]}
     if ctx.gpus >= 2:
         entry = _comm_entry(run)
-        expect(entry["device"] == "cuda" and all(r["all_reduce_s"] > 0 for r in entry["per_rank"]),
-               "no NCCL all-reduce in the profiled step")
+        expect(
+            entry["device"] == "cuda" and all(r["all_reduce_s"] > 0 for r in entry["per_rank"]),
+            "no NCCL all-reduce in the profiled step",
+        )
         out["AR ms"] = round(max(r["all_reduce_s"] for r in entry["per_rank"]) * 1e3, 2)
     return out
 
@@ -691,8 +819,12 @@ def check_data_workers(ctx: Context) -> dict:
     expect(workers > 0, "data.num_workers did not reach the run")
     waits = [r["perf/data_time_s"] * 1e3 for r in run.rows]
     # The first step waits for the workers to start; later ones for what they had not read ahead.
-    return {"workers": workers, "pinned": ctx.device == "cuda", "first wait ms": round(waits[0], 1),
-            "later max wait ms": round(max(waits[1:] or [0]), 2)}
+    return {
+        "workers": workers,
+        "pinned": ctx.device == "cuda",
+        "first wait ms": round(waits[0], 1),
+        "later max wait ms": round(max(waits[1:] or [0]), 2),
+    }
 
 
 def check_plan_cli(ctx: Context) -> dict:
@@ -706,8 +838,11 @@ def check_plan_cli(ctx: Context) -> dict:
         expect(device.get("fits") is True, f"does not fit: needs {device.get('needed_bytes')}")
     else:
         expect(device.get("name") == "cpu_host", f"device {device.get('name')}")
-    out = {"device": device.get("description") or device.get("name"),
-           "needs GiB": gib(device.get("needed_bytes", 0) / GIB), "peak phase": planned["peak"]["phase"]}
+    out = {
+        "device": device.get("description") or device.get("name"),
+        "needs GiB": gib(device.get("needed_bytes", 0) / GIB),
+        "peak phase": planned["peak"]["phase"],
+    }
     main = ctx.runs["main"]
     if main.rc == 0:  # the run's own plan (computed at start-up) must be the command's
         expect(main.record["plan"]["peak"]["total"] == planned["peak"]["total"], "the run planned another peak")
@@ -722,8 +857,11 @@ def check_tune_cli(ctx: Context) -> dict:
     result = json.loads((ctx.work / "tune" / "tune.json").read_text())
     fitting = [c for c in result["candidates"] if c.get("fits")]
     expect(bool(fitting), "no candidate fits this machine's device")
-    return {"candidates": len(result["candidates"]), "fit": len(fitting),
-            "best predicted tok/s": round(fitting[0]["predicted"]["tokens_per_s"] or 0)}
+    return {
+        "candidates": len(result["candidates"]),
+        "fit": len(fitting),
+        "best predicted tok/s": round(fitting[0]["predicted"]["tokens_per_s"] or 0),
+    }
 
 
 def check_fit(ctx: Context) -> dict:
@@ -731,7 +869,7 @@ def check_fit(ctx: Context) -> dict:
     if run.rc != 0 and "does not fit" not in run.stderr and run.feature in run.stderr:
         raise Skip("trainer.check_fit not available yet")
     expect(run.rc == 2, f"expected a refusal (exit 2), got {run.error() if run.rc else 'a run'}")
-    message = run.stderr[run.stderr.find("does not fit"):]
+    message = run.stderr[run.stderr.find("does not fit") :]
     expect("does not fit" in run.stderr and "fix:" in message, f"refused, but not for memory: {run.error()}")
     if ctx.device == "cuda":  # what the GPU has free, asked from a child process of the launcher
         expect("cuda:" in message, "the refusal does not name the GPU's free memory")
@@ -765,71 +903,184 @@ class Check:
 # move (tests/integration/test_gpu_check.py lists what is missing and what is stale; --inventory prints the map).
 # Every run on CUDA goes through these: the launcher's GPU count and fit check (a child process asks each
 # GPU's free memory), preflight's device choice, NCCL, the device names in the record and the checkpointer.
-EVERY_CUDA_RUN = ("fsdp_exp/env.py:cuda_device_count", "fsdp_exp/env.py:cuda_free_memory",
-                  "fsdp_exp/fit_check.py:node_memory", "fsdp_exp/fit_check.py:_need",
-                  "fsdp_exp/preflight.py:validate", "fsdp_exp/dist.py:init_distributed",
-                  "fsdp_exp/record/recorder.py:device_name",
-                  "fsdp_exp/checkpoint/manager.py:Checkpointer._device_name")
+EVERY_CUDA_RUN = (
+    "fsdp_exp/env.py:cuda_device_count",
+    "fsdp_exp/env.py:cuda_free_memory",
+    "fsdp_exp/fit_check.py:node_memory",
+    "fsdp_exp/fit_check.py:_need",
+    "fsdp_exp/preflight.py:validate",
+    "fsdp_exp/dist.py:init_distributed",
+    "fsdp_exp/record/recorder.py:device_name",
+    "fsdp_exp/checkpoint/manager.py:Checkpointer._device_name",
+)
 # The planner's CUDA rules, which every CUDA run's plan (run.json["plan"]) goes through.
-PLANNER_CUDA_RULES = ("fsdp_exp/plan/states.py:model_states", "fsdp_exp/plan/step.py:StepWalk.__init__",
-                      "fsdp_exp/plan/step.py:StepWalk.optimizer_step", "fsdp_exp/plan/devices.py:allocator_margin",
-                      "fsdp_exp/plan/activations/llama.py:LlamaActivations.notes")
+PLANNER_CUDA_RULES = (
+    "fsdp_exp/plan/states.py:model_states",
+    "fsdp_exp/plan/step.py:StepWalk.__init__",
+    "fsdp_exp/plan/step.py:StepWalk.optimizer_step",
+    "fsdp_exp/plan/devices.py:allocator_margin",
+    "fsdp_exp/plan/activations/llama.py:LlamaActivations.notes",
+)
 
 CHECKS = (
-    Check("fsdp2_bf16", "Llama-3 8B-shaped, 2 blocks, bf16, FSDP2: tokens/s and MFU against the data sheet",
-          ("main",), check_throughput, covers=(*EVERY_CUDA_RUN, "fsdp_exp/metrics/device_peak.py:compute_peak_tflops")),
-    Check("planner", "memory per phase (tracker), CUDA allocator peaks, against the planner's phases and margin",
-          ("main",), functools.partial(check_planner, run_name="main"),
-          covers=(*PLANNER_CUDA_RULES, "fsdp_exp/metrics/step.py:StepMetrics.log",
-                  "fsdp_exp/metrics/step.py:StepMetrics.summary",
-                  "fsdp_exp/metrics/memory.py:cuda_bytes", "fsdp_exp/metrics/memory.py:cuda_counts")),
-    Check("memory_snapshot", "the CUDA allocator history of the sampled step: written, loads with pickle",
-          ("main",), check_snapshot, needs="cuda",
-          covers=("fsdp_exp/context.py:sampled_steps", "fsdp_exp/metrics/step.py:StepMetrics._sampled")),
-    Check("profiler", "the profiled step's trace, CUDA kernels recorded, comm/* read from it",
-          ("main",), check_profiler, covers=("fsdp_exp/metrics/comm.py:profiled",)),
-    Check("comm", "collectives of the profiled step (NCCL kernels on CUDA): all-gather, reduce-scatter, exposed",
-          ("main",), check_comm, needs="2 ranks", covers=("fsdp_exp/metrics/comm.py:comm_from_trace",)),
-    Check("planner_fp32_gqa", "fp32 with grouped-query attention: the planner assumes SDPA's math fallback on CUDA",
-          ("fp32",), functools.partial(check_planner, run_name="fp32"), needs="cuda",
-          covers=("fsdp_exp/plan/activations/llama.py:LlamaActivations.math_attention",)),
-    Check("plan_cli", "python -m fsdp_exp.plan on this machine's device, the run's own plan equal to it",
-          ("plan",), check_plan_cli,
-          covers=("fsdp_exp/plan/cli.py:plan_from_argv", "fsdp_exp/plan/devices.py:local_cuda_device",
-                  "fsdp_exp/plan/devices.py:fits")),
-    Check("fit_refusal", "a run too big for this node (Llama 70B) refused before any rank, by the GPU's free memory",
-          ("fit_refused",), check_fit,
-          covers=("fsdp_exp/fit_check.py:check_fit", "fsdp_exp/fit_check.py:_problem", "fsdp_exp/fit_check.py:_fixes",
-                  "fsdp_exp/fit_check.py:_fitting_changes", "fsdp_exp/fit_check.py:_gpu_layouts")),
-    Check("offload_pinned", "FSDP2 offload=params: pinned host memory on CUDA (unpinned on a CPU)",
-          ("offload",), check_offload,
-          covers=("fsdp_exp/parallel/fsdp2.py:offload_policy", "fsdp_exp/plan/states.py:model_states")),
-    Check("fsdp1_sync_module_states", "FSDP1 sharding.sync_module_states=true (broadcast from rank 0), and "
-          "its export (the full state dict, offloaded to the CPU)", ("fsdp1_sync",), check_fsdp1_sync, needs="cuda",
-          covers=("fsdp_exp/parallel/fsdp1.py:FSDP1.check", "fsdp_exp/parallel/fsdp1.py:FSDP1.full_state_dict")),
-    Check("fsdp1_cpu_offload", "FSDP1 offload=params: CPUOffload(offload_params=True)",
-          ("fsdp1_offload",), check_fsdp1_offload, needs="cuda", covers=("fsdp_exp/parallel/fsdp1.py:FSDP1.check",)),
-    Check("ddp_bf16_hook", "DDP precision=bf16_pure: bf16_compress_hook (needs NCCL)",
-          ("ddp_bf16",), check_ddp_bf16, needs="cuda",
-          covers=("fsdp_exp/parallel/ddp.py:DDP.check", "fsdp_exp/parallel/ddp.py:DDP.apply")),
-    Check("checkpoint_resume", "periodic save, resume in the same folder (CUDA RNG state saved and restored)",
-          ("ckpt_save", "ckpt_resume"), check_checkpoint,
-          covers=("fsdp_exp/checkpoint/rng.py:rng_state", "fsdp_exp/checkpoint/rng.py:set_rng_state")),
-    Check("data_workers", "data=text through DataLoader workers (pinned batches on CUDA)",
-          ("ckpt_save",), check_data_workers, covers=("fsdp_exp/data/loader.py:StepData._start",)),
-    Check("deepspeed", "DeepSpeed (sharding.backend=deepspeed) if installed and available",
-          ("deepspeed_probe", "deepspeed"), check_deepspeed,
-          covers=("fsdp_exp/parallel/deepspeed.py:ds_config", "fsdp_exp/parallel/deepspeed.py:DeepSpeed.check",
-                  "fsdp_exp/plan/states.py:zero_model_states")),
-    Check("tune_cli", "python -m fsdp_exp.tune predicts for this machine's device (no runs)",
-          ("tune",), check_tune_cli,
-          covers=("fsdp_exp/tune/search.py:resolve_device", "fsdp_exp/tune/search.py:weigh",
-                  "fsdp_exp/tune/search.py:parameter_floor")),
-    Check("compile", "the same as fsdp2_bf16 with compile=true: tokens/s, MFU, speed-up, first step",
-          ("compile",), check_compile),
-    Check("float8", "the compiled run with precision=float8 (float8 all-gathers): tokens/s against compiled bf16, "
-          "MFU against both peaks", ("float8", "compile"), check_float8, needs="cuda",
-          covers=("fsdp_exp/metrics/device_peak.py:fp8_peak_tflops",)),
+    Check(
+        "fsdp2_bf16",
+        "Llama-3 8B-shaped, 2 blocks, bf16, FSDP2: tokens/s and MFU against the data sheet",
+        ("main",),
+        check_throughput,
+        covers=(*EVERY_CUDA_RUN, "fsdp_exp/metrics/device_peak.py:compute_peak_tflops"),
+    ),
+    Check(
+        "planner",
+        "memory per phase (tracker), CUDA allocator peaks, against the planner's phases and margin",
+        ("main",),
+        functools.partial(check_planner, run_name="main"),
+        covers=(
+            *PLANNER_CUDA_RULES,
+            "fsdp_exp/metrics/step.py:StepMetrics.log",
+            "fsdp_exp/metrics/step.py:StepMetrics.summary",
+            "fsdp_exp/metrics/memory.py:cuda_bytes",
+            "fsdp_exp/metrics/memory.py:cuda_counts",
+        ),
+    ),
+    Check(
+        "memory_snapshot",
+        "the CUDA allocator history of the sampled step: written, loads with pickle",
+        ("main",),
+        check_snapshot,
+        needs="cuda",
+        covers=("fsdp_exp/context.py:sampled_steps", "fsdp_exp/metrics/step.py:StepMetrics._sampled"),
+    ),
+    Check(
+        "profiler",
+        "the profiled step's trace, CUDA kernels recorded, comm/* read from it",
+        ("main",),
+        check_profiler,
+        covers=("fsdp_exp/metrics/comm.py:profiled",),
+    ),
+    Check(
+        "comm",
+        "collectives of the profiled step (NCCL kernels on CUDA): all-gather, reduce-scatter, exposed",
+        ("main",),
+        check_comm,
+        needs="2 ranks",
+        covers=("fsdp_exp/metrics/comm.py:comm_from_trace",),
+    ),
+    Check(
+        "planner_fp32_gqa",
+        "fp32 with grouped-query attention: the planner assumes SDPA's math fallback on CUDA",
+        ("fp32",),
+        functools.partial(check_planner, run_name="fp32"),
+        needs="cuda",
+        covers=("fsdp_exp/plan/activations/llama.py:LlamaActivations.math_attention",),
+    ),
+    Check(
+        "plan_cli",
+        "python -m fsdp_exp.plan on this machine's device, the run's own plan equal to it",
+        ("plan",),
+        check_plan_cli,
+        covers=(
+            "fsdp_exp/plan/cli.py:plan_from_argv",
+            "fsdp_exp/plan/devices.py:local_cuda_device",
+            "fsdp_exp/plan/devices.py:fits",
+        ),
+    ),
+    Check(
+        "fit_refusal",
+        "a run too big for this node (Llama 70B) refused before any rank, by the GPU's free memory",
+        ("fit_refused",),
+        check_fit,
+        covers=(
+            "fsdp_exp/fit_check.py:check_fit",
+            "fsdp_exp/fit_check.py:_problem",
+            "fsdp_exp/fit_check.py:_fixes",
+            "fsdp_exp/fit_check.py:_fitting_changes",
+            "fsdp_exp/fit_check.py:_gpu_layouts",
+        ),
+    ),
+    Check(
+        "offload_pinned",
+        "FSDP2 offload=params: pinned host memory on CUDA (unpinned on a CPU)",
+        ("offload",),
+        check_offload,
+        covers=("fsdp_exp/parallel/fsdp2.py:offload_policy", "fsdp_exp/plan/states.py:model_states"),
+    ),
+    Check(
+        "fsdp1_sync_module_states",
+        "FSDP1 sharding.sync_module_states=true (broadcast from rank 0), and "
+        "its export (the full state dict, offloaded to the CPU)",
+        ("fsdp1_sync",),
+        check_fsdp1_sync,
+        needs="cuda",
+        covers=("fsdp_exp/parallel/fsdp1.py:FSDP1.check", "fsdp_exp/parallel/fsdp1.py:FSDP1.full_state_dict"),
+    ),
+    Check(
+        "fsdp1_cpu_offload",
+        "FSDP1 offload=params: CPUOffload(offload_params=True)",
+        ("fsdp1_offload",),
+        check_fsdp1_offload,
+        needs="cuda",
+        covers=("fsdp_exp/parallel/fsdp1.py:FSDP1.check",),
+    ),
+    Check(
+        "ddp_bf16_hook",
+        "DDP precision=bf16_pure: bf16_compress_hook (needs NCCL)",
+        ("ddp_bf16",),
+        check_ddp_bf16,
+        needs="cuda",
+        covers=("fsdp_exp/parallel/ddp.py:DDP.check", "fsdp_exp/parallel/ddp.py:DDP.apply"),
+    ),
+    Check(
+        "checkpoint_resume",
+        "periodic save, resume in the same folder (CUDA RNG state saved and restored)",
+        ("ckpt_save", "ckpt_resume"),
+        check_checkpoint,
+        covers=("fsdp_exp/checkpoint/rng.py:rng_state", "fsdp_exp/checkpoint/rng.py:set_rng_state"),
+    ),
+    Check(
+        "data_workers",
+        "data=text through DataLoader workers (pinned batches on CUDA)",
+        ("ckpt_save",),
+        check_data_workers,
+        covers=("fsdp_exp/data/loader.py:StepData._start",),
+    ),
+    Check(
+        "deepspeed",
+        "DeepSpeed (sharding.backend=deepspeed) if installed and available",
+        ("deepspeed_probe", "deepspeed"),
+        check_deepspeed,
+        covers=(
+            "fsdp_exp/parallel/deepspeed.py:ds_config",
+            "fsdp_exp/parallel/deepspeed.py:DeepSpeed.check",
+            "fsdp_exp/plan/states.py:zero_model_states",
+        ),
+    ),
+    Check(
+        "tune_cli",
+        "python -m fsdp_exp.tune predicts for this machine's device (no runs)",
+        ("tune",),
+        check_tune_cli,
+        covers=(
+            "fsdp_exp/tune/search.py:resolve_device",
+            "fsdp_exp/tune/search.py:weigh",
+            "fsdp_exp/tune/search.py:parameter_floor",
+        ),
+    ),
+    Check(
+        "compile",
+        "the same as fsdp2_bf16 with compile=true: tokens/s, MFU, speed-up, first step",
+        ("compile",),
+        check_compile,
+    ),
+    Check(
+        "float8",
+        "the compiled run with precision=float8 (float8 all-gathers): tokens/s against compiled bf16, "
+        "MFU against both peaks",
+        ("float8", "compile"),
+        check_float8,
+        needs="cuda",
+        covers=("fsdp_exp/metrics/device_peak.py:fp8_peak_tflops",),
+    ),
 )
 
 
@@ -853,16 +1104,20 @@ def save_runs(ctx: Context, names: tuple[str, ...], save: Path) -> None:
         target.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ctx.work / f"{name}.log", target / "command.log")
         if run.module == "fsdp_exp" and run.run_dir and run.run_dir.exists():
-            for path in [run.run_dir / "run.json", run.run_dir / "metrics.jsonl",
-                         *(run.run_dir / "errors").glob("*.txt")]:
+            for path in [
+                run.run_dir / "run.json",
+                run.run_dir / "metrics.jsonl",
+                *(run.run_dir / "errors").glob("*.txt"),
+            ]:
                 if path.exists():
                     copy = target / path.relative_to(run.run_dir)
                     copy.parent.mkdir(exist_ok=True)
                     shutil.copy2(path, copy)
 
 
-def run_checks(ctx: Context, checks: list[Check], out: Optional[Path], header: dict,
-               save: Optional[Path] = None, jobs: int = 1) -> list[dict]:
+def run_checks(
+    ctx: Context, checks: list[Check], out: Optional[Path], header: dict, save: Optional[Path] = None, jobs: int = 1
+) -> list[dict]:
     if jobs > 1:  # the runs of every check that will not be skipped, started ahead in check order
         ctx.prefetch([r for c in checks if skip_reason(c, ctx) is None for r in c.runs], jobs)
     try:
@@ -871,16 +1126,24 @@ def run_checks(ctx: Context, checks: list[Check], out: Optional[Path], header: d
         ctx.stop()
 
 
-def _run_checks(ctx: Context, checks: list[Check], out: Optional[Path], header: dict,
-                save: Optional[Path]) -> list[dict]:
+def _run_checks(
+    ctx: Context, checks: list[Check], out: Optional[Path], header: dict, save: Optional[Path]
+) -> list[dict]:
     results: list[dict] = []
     started, interrupted = time.monotonic(), False
     for check in checks:
         if interrupted:
             break
         t0 = time.monotonic()
-        result = {"check": check.name, "what": check.what, "needs": check.needs or "any",
-                  "cpu": check.needs != "cuda", "covers": list(check.covers), "figures": {}, "note": ""}
+        result = {
+            "check": check.name,
+            "what": check.what,
+            "needs": check.needs or "any",
+            "cpu": check.needs != "cuda",
+            "covers": list(check.covers),
+            "figures": {},
+            "note": "",
+        }
         reason = skip_reason(check, ctx)
         pending = [r for r in check.runs if ctx.runs[r].rc is None]
         if reason is None and pending and ctx.deadline - time.monotonic() < 20:
@@ -901,11 +1164,17 @@ def _run_checks(ctx: Context, checks: list[Check], out: Optional[Path], header: 
             except Exception as exc:  # noqa: BLE001 - a record that changed shape is this check's failure
                 result["status"], result["note"] = "fail", f"{type(exc).__name__}: {exc}"
         result["wall_s"] = round(time.monotonic() - t0, 1)
-        result["runs"] = [{"name": r, "dir": str(ctx.runs[r].run_dir), "rc": ctx.runs[r].rc,
-                           "wall_s": round(ctx.runs[r].wall_s, 1)} for r in check.runs if ctx.runs[r].rc is not None]
+        result["runs"] = [
+            {"name": r, "dir": str(ctx.runs[r].run_dir), "rc": ctx.runs[r].rc, "wall_s": round(ctx.runs[r].wall_s, 1)}
+            for r in check.runs
+            if ctx.runs[r].rc is not None
+        ]
         results.append(result)
-        print(f"[{time.monotonic() - started:6.1f} s] {check.name:<26} {result['status']:<30} "
-              f"{result['wall_s']:6.1f} s  {describe(result)}", flush=True)
+        print(
+            f"[{time.monotonic() - started:6.1f} s] {check.name:<26} {result['status']:<30} "
+            f"{result['wall_s']:6.1f} s  {describe(result)}",
+            flush=True,
+        )
         if out:
             write_json(out, header, results)
         if save:
@@ -930,16 +1199,19 @@ def print_table(header: dict, results: list[dict]) -> None:
 
     m = header["machine"]
     where = f"{m['gpus']} x {m['gpu']}" if m.get("gpu") and header["device"] == "cuda" else f"{m['cpus']} CPUs"
-    table = Table(title=f"fsdp_exp GPU paths: {where}, torch {m['torch']}, CUDA {m['cuda']}, size {header['size']}",
-                  caption=f"{header['total_s']:.0f} s in all; run folders and logs: {header['work']}")
+    table = Table(
+        title=f"fsdp_exp GPU paths: {where}, torch {m['torch']}, CUDA {m['cuda']}, size {header['size']}",
+        caption=f"{header['total_s']:.0f} s in all; run folders and logs: {header['work']}",
+    )
     table.add_column("check")
     table.add_column("result")
     table.add_column("s", justify="right")
     table.add_column("figures (failed: why)")
     styles = {"pass": "green", "fail": "bold red"}
     for r in results:
-        table.add_row(r["check"], f"[{styles.get(r['status'], 'yellow')}]{r['status']}[/]", f"{r['wall_s']:.1f}",
-                      describe(r))
+        table.add_row(
+            r["check"], f"[{styles.get(r['status'], 'yellow')}]{r['status']}[/]", f"{r['wall_s']:.1f}", describe(r)
+        )
     Console(width=max(160, Console().width)).print(table)
 
 
@@ -951,8 +1223,9 @@ def inventory_report() -> int:
         for place in check.covers:
             named.setdefault(place, []).append(check.name)
     for place, lines in places.items():
-        by = ", ".join(named.get(place, [])) or \
-            (f"(run elsewhere) {RUN_ELSEWHERE[place]}" if place in RUN_ELSEWHERE else "MISSING: no check names it")
+        by = ", ".join(named.get(place, [])) or (
+            f"(run elsewhere) {RUN_ELSEWHERE[place]}" if place in RUN_ELSEWHERE else "MISSING: no check names it"
+        )
         print(f"{place:<64} lines {','.join(map(str, lines)):<14} {by}")
     stale = sorted((set(named) | set(RUN_ELSEWHERE)) - set(places))
     for place in stale:
@@ -972,8 +1245,9 @@ def dry_run(ctx: Context, checks: list[Check], plan_device: str) -> int:
         spec = ctx.runs[name]
         if spec.module != "fsdp_exp":
             continue
-        probe = Run(f"dry_{name}", [*spec.argv, f"plan.device={plan_device}", "plan.format=json"], 120,
-                    module="fsdp_exp.plan")
+        probe = Run(
+            f"dry_{name}", [*spec.argv, f"plan.device={plan_device}", "plan.format=json"], 120, module="fsdp_exp.plan"
+        )
         ctx.runs[probe.name] = probe
         ctx.plan_here(probe.name)
         if probe.rc != 0:
@@ -984,9 +1258,11 @@ def dry_run(ctx: Context, checks: list[Check], plan_device: str) -> int:
         device = json.loads(probe.stdout)["device"]
         bad += device["fits"] != spec.fits
         verdict = "fits" if device["fits"] else "does not fit" + (" (as meant)" if not spec.fits else "")
-        print(f"{name:<14} {verdict if device['fits'] == spec.fits else verdict.upper()}: needs "
-              f"{device['needed_bytes'] / GIB:.1f} of {device['bytes'] / GIB:.1f} GiB per rank  "
-              f"({' '.join(spec.argv)})")
+        print(
+            f"{name:<14} {verdict if device['fits'] == spec.fits else verdict.upper()}: needs "
+            f"{device['needed_bytes'] / GIB:.1f} of {device['bytes'] / GIB:.1f} GiB per rank  "
+            f"({' '.join(spec.argv)})"
+        )
     return 1 if bad else 0
 
 
@@ -997,21 +1273,34 @@ def _interrupted(signum, frame) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda when there is a GPU")
-    ap.add_argument("--size", choices=["auto", "full", "tiny"], default="auto",
-                    help="full: the 8B-shaped model (GPU); tiny: the default llama_tiny (auto: full on CUDA)")
+    ap.add_argument(
+        "--size",
+        choices=["auto", "full", "tiny"],
+        default="auto",
+        help="full: the 8B-shaped model (GPU); tiny: the default llama_tiny (auto: full on CUDA)",
+    )
     ap.add_argument("--out", type=Path, help="write the results as JSON here (after every check)")
     ap.add_argument("--save", type=Path, help="copy each run's log, run.json, metrics.jsonl and errors here")
     ap.add_argument("--work", type=Path, help="the folder for run folders and logs (default: a new temp folder)")
     ap.add_argument("--budget", type=float, default=450, help="seconds for everything (default 450)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="an override for every run (e.g. one renamed since this script was written)")
-    ap.add_argument("--jobs", type=int, default=1,
-                    help="runs at a time (--device cpu only: each GPU run uses every GPU; default 1)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override for every run (e.g. one renamed since this script was written)",
+    )
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="runs at a time (--device cpu only: each GPU run uses every GPU; default 1)"
+    )
     ap.add_argument("--only", default="", help="comma-separated check names to run")
     ap.add_argument("--skip", default="", help="comma-separated check names to leave out")
     ap.add_argument("--list", action="store_true", help="print the checks and exit")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="no GPU needed: validate and plan every GPU run with python -m fsdp_exp.plan, then exit")
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="no GPU needed: validate and plan every GPU run with python -m fsdp_exp.plan, then exit",
+    )
     ap.add_argument("--gpus", type=int, default=1, help="--dry-run: the GPUs to plan for (default 1)")
     ap.add_argument("--plan-device", default="h200_141gb", help="--dry-run: the planner's device (default h200_141gb)")
     ap.add_argument("--inventory", action="store_true", help="print fsdp_exp's CUDA-only places and exit")
@@ -1035,8 +1324,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         work = args.work or Path(tempfile.mkdtemp(prefix="fsdp_exp_gpu_check_dry_"))
         work.mkdir(parents=True, exist_ok=True)
         size = args.size if args.size != "auto" else "full"
-        ctx = Context(device="cuda", gpus=args.gpus, size=size, work=work.resolve(),
-                      deadline=time.monotonic() + args.budget)
+        ctx = Context(
+            device="cuda", gpus=args.gpus, size=size, work=work.resolve(), deadline=time.monotonic() + args.budget
+        )
         ctx.runs = define_runs(ctx, args.set)
         return dry_run(ctx, checks, args.plan_device)
     info = machine()
@@ -1051,15 +1341,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="fsdp_exp_gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    ctx = Context(device=device, gpus=info["gpus"] if device == "cuda" else 0, size=size, work=work.resolve(),
-                  deadline=start + args.budget)
+    ctx = Context(
+        device=device,
+        gpus=info["gpus"] if device == "cuda" else 0,
+        size=size,
+        work=work.resolve(),
+        deadline=start + args.budget,
+    )
     ctx.runs = define_runs(ctx, args.set)
-    header = {"started": datetime.datetime.now().isoformat(timespec="seconds"), "machine": info, "device": device,
-              "size": size, "work": str(ctx.work), "budget_s": args.budget, "total_s": None}
+    header = {
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": info,
+        "device": device,
+        "size": size,
+        "work": str(ctx.work),
+        "budget_s": args.budget,
+        "total_s": None,
+    }
     where = f"{info['gpus']} x {info.get('gpu')}" if device == "cuda" else f"{info['cpus']} CPUs"
-    print(f"fsdp_exp GPU check on {where} (torch {info['torch']}, CUDA {info['cuda']}, NCCL {info.get('nccl')}), "
-          f"size {size}, budget {args.budget:.0f} s{f', {args.jobs} runs at a time' if args.jobs > 1 else ''}; "
-          f"runs in {ctx.work}", flush=True)
+    print(
+        f"fsdp_exp GPU check on {where} (torch {info['torch']}, CUDA {info['cuda']}, NCCL {info.get('nccl')}), "
+        f"size {size}, budget {args.budget:.0f} s{f', {args.jobs} runs at a time' if args.jobs > 1 else ''}; "
+        f"runs in {ctx.work}",
+        flush=True,
+    )
     # SIGTERM (a time limit) ends the script like Ctrl-C: the running run's processes are killed with it.
     signal.signal(signal.SIGTERM, _interrupted)
     results = run_checks(ctx, checks, args.out, header, args.save, jobs=args.jobs)

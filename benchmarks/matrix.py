@@ -39,34 +39,67 @@ REPO = Path(__file__).resolve().parents[1]
 
 # CPU (the default): big enough that a step takes about a tenth of a second on a 2-core machine and
 # the tracker's numbers are MiB, small enough that 12 runs take a few minutes.
-CPU_MODEL = ["model.dim=256", "model.n_layers=3", "model.n_heads=8", "model.n_kv_heads=4", "model.vocab_size=4096",
-             "model.multiple_of=64", "trainer.seq_len=128", "trainer.global_batch_size=8"]
+CPU_MODEL = [
+    "model.dim=256",
+    "model.n_layers=3",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.vocab_size=4096",
+    "model.multiple_of=64",
+    "trainer.seq_len=128",
+    "trainer.global_batch_size=8",
+]
 CPU_MATRIX = {"sharding": ["full", "grad_op", "ddp"], "precision": ["fp32", "bf16"], "ac": ["none", "full"]}
 # GPU (--full): a 1.3B Llama, sequences of 2048, 4 sequences per GPU per step (no accumulation), on
 # every GPU (trainer.global_batch_size is set from the GPU count).
-GPU_MODEL = ["model.dim=2048", "model.n_layers=24", "model.n_heads=16", "model.n_kv_heads=8",
-             "model.vocab_size=32000", "model.multiple_of=256", "model.max_seq_len=2048", "trainer.seq_len=2048"]
+GPU_MODEL = [
+    "model.dim=2048",
+    "model.n_layers=24",
+    "model.n_heads=16",
+    "model.n_kv_heads=8",
+    "model.vocab_size=32000",
+    "model.multiple_of=256",
+    "model.max_seq_len=2048",
+    "trainer.seq_len=2048",
+]
 GPU_SEQUENCES_PER_RANK = 4
-GPU_MATRIX = {"sharding": ["full", "grad_op", "no_shard", "ddp"], "precision": ["fp32", "bf16"],
-              "ac": ["none", "full", "selective"]}
+GPU_MATRIX = {
+    "sharding": ["full", "grad_op", "no_shard", "ddp"],
+    "precision": ["fp32", "bf16"],
+    "ac": ["none", "full", "selective"],
+}
 STEPS, WARMUP = 8, 2  # tracked step 1 (0-based), profiled step 2, 5 steps in the medians
 
 
 def run(overrides: list[str], run_dir: Path) -> dict:
     """One experiment; its summary, env, the tracked step's row and the profiled step's row."""
-    cmd = [sys.executable, "-m", "fsdp_exp", *overrides, f"trainer.steps={STEPS}", f"trainer.warmup_steps={WARMUP}",
-           f"trainer.profile_steps=[{WARMUP}]", "logger.wandb.mode=disabled", "logger.progress=false",
-           "logger.summary_table=false", "checkpoint.on_signal=false", "trainer.digest_shards=false",
-           f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fsdp_exp",
+        *overrides,
+        f"trainer.steps={STEPS}",
+        f"trainer.warmup_steps={WARMUP}",
+        f"trainer.profile_steps=[{WARMUP}]",
+        "logger.wandb.mode=disabled",
+        "logger.progress=false",
+        "logger.summary_table=false",
+        "checkpoint.on_signal=false",
+        "trainer.digest_shards=false",
+        f"hydra.run.dir={run_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
         return {"error": f"exit {proc.returncode}: {tail}"}
     record = json.loads((run_dir / "run.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"summary": record["summary"], "env": record["env"],
-            "tracked": next((r for r in rows if "mem/tracked_total_gib_max" in r), {}),
-            "comm": next((r for r in rows if "comm/total_s" in r), {})}
+    return {
+        "summary": record["summary"],
+        "env": record["env"],
+        "tracked": next((r for r in rows if "mem/tracked_total_gib_max" in r), {}),
+        "comm": next((r for r in rows if "comm/total_s" in r), {}),
+    }
 
 
 def fmt(value, spec: str) -> str:
@@ -94,12 +127,17 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="fsdp_exp_matrix_"))
     big = args.full
     unit, scale = ("GiB", 1.0) if big else ("MiB", 1024.0)
-    header = (f"{'config':<24} {'tok/s':>9} {'step ms':>8} {'MFU':>6} {'HFU':>6} {'fwd':>8} {'bwd':>8} {'opt':>8} "
-              f"{'peak':>8} {'planned':>8} {'err':>6} {'worst':>6} "
-              + (f"{'alloc':>8} " if big else "")
-              + f"{'AG ms':>7} {'RS ms':>7} {'AR ms':>7} {'exposed':>8}")
-    print(f"peak memory per rank in {unit}: measured per phase (fwd, bwd, opt) and for the step (peak), the "
-          "planner's prediction (planned), its error and its worst per-phase error", flush=True)
+    header = (
+        f"{'config':<24} {'tok/s':>9} {'step ms':>8} {'MFU':>6} {'HFU':>6} {'fwd':>8} {'bwd':>8} {'opt':>8} "
+        f"{'peak':>8} {'planned':>8} {'err':>6} {'worst':>6} "
+        + (f"{'alloc':>8} " if big else "")
+        + f"{'AG ms':>7} {'RS ms':>7} {'AR ms':>7} {'exposed':>8}"
+    )
+    print(
+        f"peak memory per rank in {unit}: measured per phase (fwd, bwd, opt) and for the step (peak), the "
+        "planner's prediction (planned), its error and its worst per-phase error",
+        flush=True,
+    )
     print(header, flush=True)
     peaks, errors, started = set(), [], time.perf_counter()
     for i, config in enumerate(configs):
@@ -114,8 +152,11 @@ def main() -> None:
         def mem(key):
             return tr[key] * scale if tr.get(key) is not None else None
 
-        phase_errors = [tr[f"mem/predicted_{p}_peak_gib"] / tr[f"mem/tracked_{p}_total_gib_max"] - 1
-                        for p in ("forward", "backward", "optimizer") if tr.get(f"mem/tracked_{p}_total_gib_max")]
+        phase_errors = [
+            tr[f"mem/predicted_{p}_peak_gib"] / tr[f"mem/tracked_{p}_total_gib_max"] - 1
+            for p in ("forward", "backward", "optimizer")
+            if tr.get(f"mem/tracked_{p}_total_gib_max")
+        ]
         worst = max(phase_errors, key=abs) if phase_errors else None
         err = s.get("summary/planner_peak_error")
         if err is not None:
@@ -124,29 +165,36 @@ def main() -> None:
         def ms(key):
             return cm[key] * 1e3 if cm.get(key) is not None else None
 
-        print(f"{name:<24} {fmt(s['summary/tokens_per_s_median'], '9.0f')} "
-              f"{fmt(s['summary/step_time_s_median'] * 1e3, '8.1f')} {fmt(s['summary/mfu_median'], '6.3f')} "
-              f"{fmt(s['summary/hfu_median'], '6.3f')} {fmt(mem('mem/tracked_forward_total_gib_max'), '8.2f')} "
-              f"{fmt(mem('mem/tracked_backward_total_gib_max'), '8.2f')} "
-              f"{fmt(mem('mem/tracked_optimizer_total_gib_max'), '8.2f')} "
-              f"{fmt(mem('mem/tracked_total_gib_max'), '8.2f')} "
-              f"{fmt(mem('mem/predicted_peak_gib'), '8.2f')} {fmt(err and err * 100, '+5.1f')}% "
-              f"{fmt(worst and worst * 100, '+5.1f')}% "
-              + (f"{fmt(s.get('summary/peak_allocated_gib_max'), '8.2f')} " if big else "")
-              + f"{fmt(ms('comm/all_gather_s'), '7.2f')} {fmt(ms('comm/reduce_scatter_s'), '7.2f')} "
-              f"{fmt(ms('comm/all_reduce_s'), '7.2f')} {fmt(ms('comm/exposed_s'), '8.2f')}", flush=True)
+        print(
+            f"{name:<24} {fmt(s['summary/tokens_per_s_median'], '9.0f')} "
+            f"{fmt(s['summary/step_time_s_median'] * 1e3, '8.1f')} {fmt(s['summary/mfu_median'], '6.3f')} "
+            f"{fmt(s['summary/hfu_median'], '6.3f')} {fmt(mem('mem/tracked_forward_total_gib_max'), '8.2f')} "
+            f"{fmt(mem('mem/tracked_backward_total_gib_max'), '8.2f')} "
+            f"{fmt(mem('mem/tracked_optimizer_total_gib_max'), '8.2f')} "
+            f"{fmt(mem('mem/tracked_total_gib_max'), '8.2f')} "
+            f"{fmt(mem('mem/predicted_peak_gib'), '8.2f')} {fmt(err and err * 100, '+5.1f')}% "
+            f"{fmt(worst and worst * 100, '+5.1f')}% "
+            + (f"{fmt(s.get('summary/peak_allocated_gib_max'), '8.2f')} " if big else "")
+            + f"{fmt(ms('comm/all_gather_s'), '7.2f')} {fmt(ms('comm/reduce_scatter_s'), '7.2f')} "
+            f"{fmt(ms('comm/all_reduce_s'), '7.2f')} {fmt(ms('comm/exposed_s'), '8.2f')}",
+            flush=True,
+        )
 
     if errors:
         lo, hi = min(e for _, e, _ in errors), max(e for _, e, _ in errors)
         worst = max((w for _, _, w in errors if w is not None), key=abs, default=None)
-        print(f"\nplanner error of the step's peak over {len(errors)} configurations: {lo * 100:+.2f}% to "
-              f"{hi * 100:+.2f}%; "
-              f"worst per-phase error {fmt(worst and worst * 100, '+.2f')}%")
+        print(
+            f"\nplanner error of the step's peak over {len(errors)} configurations: {lo * 100:+.2f}% to "
+            f"{hi * 100:+.2f}%; "
+            f"worst per-phase error {fmt(worst and worst * 100, '+.2f')}%"
+        )
     for peak in sorted(peaks):
         print(f"peak used for MFU/HFU: {peak}")
-    print(f"settings: {' '.join([*model, *args.set])} | steps {STEPS}, warm-up {WARMUP} (tracked step {WARMUP}, "
-          f"profiled step {WARMUP + 1}, 1-based) | {len(configs)} runs in {time.perf_counter() - started:.0f} s | "
-          f"{datetime.datetime.now().isoformat(timespec='seconds')}")
+    print(
+        f"settings: {' '.join([*model, *args.set])} | steps {STEPS}, warm-up {WARMUP} (tracked step {WARMUP}, "
+        f"profiled step {WARMUP + 1}, 1-based) | {len(configs)} runs in {time.perf_counter() - started:.0f} s | "
+        f"{datetime.datetime.now().isoformat(timespec='seconds')}"
+    )
     if args.keep:
         print(f"run folders: {work}")
     else:

@@ -63,16 +63,21 @@ LR, BETAS, EPS, WD, LR_WARMUP, MIN_LR_RATIO, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1
 def run_framework(steps: int, warmup: int, run_dir: Path) -> tuple[float, list[float]]:
     """One `python -m fsdp_exp` run: (its run.json's median tokens/s, its post-warm-up step times)."""
     overrides = [f"model.{k}={v}" for k, v in MODEL.items()] + [
-        f"trainer.steps={steps}", f"trainer.warmup_steps={warmup}", f"trainer.nproc_per_node={WORLD}",
-        f"trainer.global_batch_size={BATCH}", f"trainer.seq_len={SEQ}", "prefetch=default",
+        f"trainer.steps={steps}",
+        f"trainer.warmup_steps={warmup}",
+        f"trainer.nproc_per_node={WORLD}",
+        f"trainer.global_batch_size={BATCH}",
+        f"trainer.seq_len={SEQ}",
+        "prefetch=default",
         # The baseline takes its loss on all logits at once: so does the framework here (the chunked default,
         # trainer.loss_chunks=8, recomputes the output head in backward to hold 1/8 of the fp32 logits).
         "trainer.loss_chunks=1",
-        "logger.wandb.mode=disabled", "logger.progress=false", "logger.summary_table=false",
+        "logger.wandb.mode=disabled",
+        "logger.progress=false",
+        "logger.summary_table=false",
         f"hydra.run.dir={run_dir}",
     ]
-    subprocess.run([sys.executable, "-m", "fsdp_exp", *overrides], cwd=REPO, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "fsdp_exp", *overrides], cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     summary = json.loads((run_dir / "run.json").read_text())["summary"]
     steps_s = [m["perf/step_time_s"] for m in map(json.loads, open(run_dir / "metrics.jsonl"))][warmup:]
     return summary["summary/tokens_per_s_median"], steps_s
@@ -95,8 +100,11 @@ def baseline_rank(rank: int, port: int, steps: int, out: str) -> None:
     with torch.device("meta"):
         model = Llama(ModelConfig(**MODEL))
     # The framework passes fp32 explicitly for precision=fp32; do the same so FSDP2 sees equal policies.
-    fsdp = dict(mesh=mesh, reshard_after_forward=True,
-                mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
+    fsdp = dict(
+        mesh=mesh,
+        reshard_after_forward=True,
+        mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32),
+    )
     blocks = list(model.layers.values())
     for block in blocks:
         fully_shard(block, **fsdp)
@@ -115,13 +123,24 @@ def baseline_rank(rank: int, port: int, steps: int, out: str) -> None:
     model.init_buffers(torch.device("cpu"))
 
     params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": WD},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
+    )
     decay = max(1, steps - LR_WARMUP)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / LR_WARMUP if s < LR_WARMUP else
-                                              MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 *
-                                              (1 + math.cos(math.pi * min(1.0, (s - LR_WARMUP) / decay))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            (s + 1) / LR_WARMUP
+            if s < LR_WARMUP
+            else MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * min(1.0, (s - LR_WARMUP) / decay)))
+        ),
+    )
 
     times = []
     for step in range(steps):
@@ -162,8 +181,9 @@ def metrics_rank(rank: int, port: int, overrides: list[str], steps: int, run_dir
     from fsdp_exp.plan import compose
     from fsdp_exp.trainer import Trainer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank)
+    )
     cfg = compose(overrides)
     topology = validate(cfg, cuda_devices=0)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))  # as the framework does
@@ -199,17 +219,29 @@ def run_metrics_comparison(name: str, overrides: list[str], steps: int, warmup: 
         port = s.getsockname()[1]
     out = work / f"metrics_{name}.json"
     (work / name).mkdir()  # the run directory (the launcher makes it for a normal run)
-    overrides = [*overrides, f"trainer.steps={steps}", f"trainer.nproc_per_node={WORLD}", "trainer.track_memory=false",
-                 "logger.progress=false", "logger.summary_table=false"]
-    _, other = timed(lambda: mp.start_processes(metrics_rank, args=(port, overrides, steps, str(work / name), str(out)),
-                                                nprocs=WORLD, start_method="spawn"))
+    overrides = [
+        *overrides,
+        f"trainer.steps={steps}",
+        f"trainer.nproc_per_node={WORLD}",
+        "trainer.track_memory=false",
+        "logger.progress=false",
+        "logger.summary_table=false",
+    ]
+    _, other = timed(
+        lambda: mp.start_processes(
+            metrics_rank, args=(port, overrides, steps, str(work / name), str(out)), nprocs=WORLD, start_method="spawn"
+        )
+    )
     times = [t for t in json.loads(out.read_text()) if t[0] >= warmup]
     full, minimal = [t[2] for t in times if t[1]], [t[2] for t in times if not t[1]]
     in_log = statistics.median(t[3] for t in times if t[1])
     ratio = statistics.median(full) / statistics.median(minimal)
     lo, hi = statistics.median(minimal), statistics.median(full)
-    print(f"{name:<14} {len(full):>5} + {len(minimal):<5} {lo * 1e3:>11.2f} {hi * 1e3:>11.2f} {(hi - lo) * 1e3:>9.2f} "
-          f"{in_log * 1e3:>9.2f} {ratio:>7.4f} {other:>12.2f}", flush=True)
+    print(
+        f"{name:<14} {len(full):>5} + {len(minimal):<5} {lo * 1e3:>11.2f} {hi * 1e3:>11.2f} {(hi - lo) * 1e3:>9.2f} "
+        f"{in_log * 1e3:>9.2f} {ratio:>7.4f} {other:>12.2f}",
+        flush=True,
+    )
     return ratio
 
 
@@ -217,21 +249,33 @@ def metrics_main(args) -> None:
     work = Path(tempfile.mkdtemp(prefix="fsdp_exp_metrics_overhead_"))
     os.environ.setdefault("WANDB_SILENT", "true")
     # The default experiment as `python -m fsdp_exp` composes it (llama_tiny, W&B offline), and the model above.
-    cases = {"default": [], "benchmark": [f"model.{k}={v}" for k, v in MODEL.items()] +
-             [f"trainer.global_batch_size={BATCH}", f"trainer.seq_len={SEQ}"]}
+    cases = {
+        "default": [],
+        "benchmark": [f"model.{k}={v}" for k, v in MODEL.items()]
+        + [f"trainer.global_batch_size={BATCH}", f"trainer.seq_len={SEQ}"],
+    }
     steps = {"default": args.metrics_steps * 4, "benchmark": args.metrics_steps}
     # cost ms: median full - median minimal step; in log ms: rank 0's median time inside metrics.log (full steps).
-    print(f"{'model':<14} {'steps (F + M)':>13} {'minimal ms':>11} {'full ms':>11} {'cost ms':>9} {'in log ms':>9} "
-          f"{'ratio':>7} {'other cores':>12}", flush=True)
-    ratios = {name: run_metrics_comparison(name, [*overrides, *args.set], steps[name], args.warmup, work)
-              for name, overrides in cases.items()}
+    print(
+        f"{'model':<14} {'steps (F + M)':>13} {'minimal ms':>11} {'full ms':>11} {'cost ms':>9} {'in log ms':>9} "
+        f"{'ratio':>7} {'other cores':>12}",
+        flush=True,
+    )
+    ratios = {
+        name: run_metrics_comparison(name, [*overrides, *args.set], steps[name], args.warmup, work)
+        for name, overrides in cases.items()
+    }
     for name, ratio in ratios.items():
-        print(f"{name}: per-step metrics add {(ratio - 1) * 100:+.2f}% to the median step "
-              f"[{'within' if ratio < 1.02 else 'ABOVE'} the 2% goal]")
-    print(f"settings: world {WORLD} (gloo, {max(1, (os.cpu_count() or 1) // WORLD)} thread/rank) | "
-          f"{' '.join(args.set) or 'W&B offline (the default)'} | "
-          f"first {args.warmup} steps left out | torch {torch.__version__} | "
-          f"{datetime.datetime.now().isoformat(timespec='seconds')}")
+        print(
+            f"{name}: per-step metrics add {(ratio - 1) * 100:+.2f}% to the median step "
+            f"[{'within' if ratio < 1.02 else 'ABOVE'} the 2% goal]"
+        )
+    print(
+        f"settings: world {WORLD} (gloo, {max(1, (os.cpu_count() or 1) // WORLD)} thread/rank) | "
+        f"{' '.join(args.set) or 'W&B offline (the default)'} | "
+        f"first {args.warmup} steps left out | torch {torch.__version__} | "
+        f"{datetime.datetime.now().isoformat(timespec='seconds')}"
+    )
     if args.keep:
         print(f"run folders: {work}")
     else:
@@ -249,8 +293,11 @@ def cpu_seconds() -> tuple[float, float]:
     except OSError:  # not Linux: no contamination column
         return float("nan"), 0.0
     busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
-    own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-              for f in ("ru_utime", "ru_stime"))
+    own = sum(
+        getattr(resource.getrusage(who), f)
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for f in ("ru_utime", "ru_stime")
+    )
     return busy, own
 
 
@@ -270,10 +317,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one pair: a smoke test")
     ap.add_argument("--keep", action="store_true", help="keep the framework's run folders")
     ap.add_argument("--metrics", action="store_true", help="the per-step metrics' cost, within one run")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="--metrics: an override for both models (e.g. logger.wandb.mode=disabled)")
-    ap.add_argument("--metrics-steps", type=int, default=100,
-                    help="--metrics: steps of the benchmark model (the default experiment's model runs 4x as many)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="--metrics: an override for both models (e.g. logger.wandb.mode=disabled)",
+    )
+    ap.add_argument(
+        "--metrics-steps",
+        type=int,
+        default=100,
+        help="--metrics: steps of the benchmark model (the default experiment's model runs 4x as many)",
+    )
     args = ap.parse_args()
     if args.metrics:
         metrics_main(args)
@@ -283,30 +339,41 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="fsdp_exp_overhead_"))
     rows, fw_all, bl_all = [], [], []
     # "other cores": CPU cores other programs used during each run; near 0 is a clean measurement.
-    print(f"{'pair':>4} {'framework tok/s':>16} {'baseline tok/s':>15} {'ratio':>6} "
-          f"{'fw step ms':>11} {'bl step ms':>11} {'other cores fw/bl':>18}")
+    print(
+        f"{'pair':>4} {'framework tok/s':>16} {'baseline tok/s':>15} {'ratio':>6} "
+        f"{'fw step ms':>11} {'bl step ms':>11} {'other cores fw/bl':>18}"
+    )
     for i in range(pairs):
         (fw, fw_t), fw_other = timed(run_framework, args.steps, args.warmup, work / f"framework_{i}")
         (bl, bl_t), bl_other = timed(run_baseline, args.steps, args.warmup, work / f"baseline_{i}.json")
         rows.append(fw / bl)
         fw_all += fw_t
         bl_all += bl_t
-        print(f"{i:>4} {fw:>16.1f} {bl:>15.1f} {fw / bl:>6.3f} {statistics.median(fw_t) * 1e3:>11.1f} "
-              f"{statistics.median(bl_t) * 1e3:>11.1f} "
-              f"{fw_other:>13.2f}/{bl_other:.2f}", flush=True)
+        print(
+            f"{i:>4} {fw:>16.1f} {bl:>15.1f} {fw / bl:>6.3f} {statistics.median(fw_t) * 1e3:>11.1f} "
+            f"{statistics.median(bl_t) * 1e3:>11.1f} "
+            f"{fw_other:>13.2f}/{bl_other:.2f}",
+            flush=True,
+        )
 
     ratio = statistics.median(rows)
-    print(f"\nmedian ratio (framework / baseline tokens/s): {ratio:.3f}  "
-          f"[{'meets' if ratio >= 0.98 else 'BELOW'} the 0.98 goal; per-pair min {min(rows):.3f}, max {max(rows):.3f}]")
+    print(
+        f"\nmedian ratio (framework / baseline tokens/s): {ratio:.3f}  "
+        f"[{'meets' if ratio >= 0.98 else 'BELOW'} the 0.98 goal; per-pair min {min(rows):.3f}, max {max(rows):.3f}]"
+    )
     # Second opinion: one median over every measured step of each side (steps are noisy one by one,
     # so pooling all pairs' steps is steadier than the median of per-pair ratios).
-    print(f"pooled ratio (median step time, all baseline steps / all framework steps): "
-          f"{statistics.median(bl_all) / statistics.median(fw_all):.3f}  [{len(fw_all)} + {len(bl_all)} steps]")
+    print(
+        f"pooled ratio (median step time, all baseline steps / all framework steps): "
+        f"{statistics.median(bl_all) / statistics.median(fw_all):.3f}  [{len(fw_all)} + {len(bl_all)} steps]"
+    )
     dims = " ".join(f"{k}={v}" for k, v in MODEL.items())
-    print(f"settings: model {dims} | global batch {BATCH} x seq {SEQ} = {BATCH * SEQ} tokens/step | "
-          f"world {WORLD} (gloo, {max(1, (os.cpu_count() or 1) // WORLD)} thread/rank) | "
-          f"steps {args.steps}, warm-up {args.warmup} | torch {torch.__version__} | "
-          f"{datetime.datetime.now().isoformat(timespec='seconds')}")
+    print(
+        f"settings: model {dims} | global batch {BATCH} x seq {SEQ} = {BATCH * SEQ} tokens/step | "
+        f"world {WORLD} (gloo, {max(1, (os.cpu_count() or 1) // WORLD)} thread/rank) | "
+        f"steps {args.steps}, warm-up {args.warmup} | torch {torch.__version__} | "
+        f"{datetime.datetime.now().isoformat(timespec='seconds')}"
+    )
     if args.keep:
         print(f"run folders: {work}")
     else:

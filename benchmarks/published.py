@@ -55,8 +55,11 @@ def load(part: str, rows_per_file: Optional[int] = None) -> list[Row]:
 
     names = CALIBRATION if part == "calibration" else sorted(p.stem for p in RECORD.glob("*.csv"))
     return load_tables([RECORD / f"{name}.csv" for name in names], rows_per_file)
+
+
 WITHIN = 0.15  # "within 15%"
 MFU_WITHIN = 0.01  # published MFU reproduced within 1% (relative)
+
 
 # ------------------------------------------------------------------------------------------------ predict
 def predict_all(rows: list[Row], memory: bool = True) -> dict:
@@ -123,52 +126,79 @@ def figures(rows: list[Row]) -> dict:
     tables: dict[str, list[Row]] = {}
     for r in ran:
         tables.setdefault(r.table, []).append(r)
-    rhos = {name: spearman([r.predicted_tokens for r in members], [r.published_tokens for r in members])
-            for name, members in tables.items() if len(members) >= 3}
+    rhos = {
+        name: spearman([r.predicted_tokens for r in members], [r.published_tokens for r in members])
+        for name, members in tables.items()
+        if len(members) >= 3
+    }
     rhos = {k: v for k, v in rhos.items() if v is not None and not math.isnan(v)}
     why_not: dict[str, int] = {}
     for r in rows:
         reason = r.not_expressible or (f"the planner failed: {r.error}" if r.error else None)
         if reason:
             why_not[reason] = why_not.get(reason, 0) + 1
-    mfu = [(r.mfu_recomputed, float(r.fields["mfu"])) for r in expressed
-           if r.mfu_recomputed is not None and r.fields.get("mfu")]
+    mfu = [
+        (r.mfu_recomputed, float(r.fields["mfu"]))
+        for r in expressed
+        if r.mfu_recomputed is not None and r.fields.get("mfu")
+    ]
     mfu_errors = [abs(a / b - 1) for a, b in mfu]
     planned = [r for r in expressed if r.verdict]  # none with --no-memory
     over_ran = [r.need_gib / r.device_gib - 1 for r in expressed if r.published_tokens and r.need_gib]
     over_oom = [r.need_gib / r.device_gib - 1 for r in expressed if r.published_oom and r.need_gib]
-    memory = [(r.need_gib, float(r.fields["memory_gib_per_gpu"])) for r in expressed
-              if r.need_gib is not None and r.fields.get("memory_gib_per_gpu")]
+    memory = [
+        (r.need_gib, float(r.fields["memory_gib_per_gpu"]))
+        for r in expressed
+        if r.need_gib is not None and r.fields.get("memory_gib_per_gpu")
+    ]
     return {
-        "rows": len(rows), "expressible": len(expressed), "not_expressible": why_not,
+        "rows": len(rows),
+        "expressible": len(expressed),
+        "not_expressible": why_not,
         "with_throughput": len(ran),
         "median_abs_error": statistics.median(errors) if errors else None,
         "median_ratio": statistics.median(ratios) if ratios else None,
         "within_15": sum(e <= WITHIN for e in errors) / len(errors) if errors else None,
-        "spearman_mean": statistics.mean(rhos.values()) if rhos else None, "spearman_tables": len(rhos),
+        "spearman_mean": statistics.mean(rhos.values()) if rhos else None,
+        "spearman_tables": len(rhos),
         "spearman_by_table": rhos,
         "false_refusals": sum(r.verdict == "refused" for r in planned if r.published_tokens) if planned else None,
         "borderline_ran": sum(r.verdict == "borderline" for r in planned if r.published_tokens) if planned else None,
         "published_oom": sum(r.published_oom for r in expressed),
         "false_accepts": sum(r.verdict != "refused" for r in planned if r.published_oom) if planned else None,
-        "mfu_rows": len(mfu), "mfu_within_1pct": sum(e <= MFU_WITHIN for e in mfu_errors),
+        "mfu_rows": len(mfu),
+        "mfu_within_1pct": sum(e <= MFU_WITHIN for e in mfu_errors),
         "mfu_max_error": max(mfu_errors) if mfu_errors else None,
         # what the fit check's error band (fsdp_exp.fit_check.PLANNER_BAND) is read from
-        "band_measured": {"ran_most_over": max(over_ran) if over_ran else None,
-                          "oom_least_over": min(over_oom) if over_oom else None, "ran": len(over_ran)},
+        "band_measured": {
+            "ran_most_over": max(over_ran) if over_ran else None,
+            "oom_least_over": min(over_oom) if over_oom else None,
+            "ran": len(over_ran),
+        },
         "memory_rows": len(memory),
         "memory_median_ratio": statistics.median(a / b for a, b in memory) if memory else None,
     }
 
 
 def row_json(r: Row) -> dict:
-    return {"source": r.source, "index": r.index, "name": r.name, "overrides": r.overrides, "device": r.device,
-            "network": r.network or None, "not_expressible": r.not_expressible,
-            "published_tokens_per_s_per_gpu": r.published_tokens, "predicted_tokens_per_s_per_gpu": r.predicted_tokens,
-            "ratio": r.predicted_tokens / r.published_tokens if r.predicted_tokens and r.published_tokens else None,
-            "published_oom": r.published_oom, "need_gib": r.need_gib, "device_gib": r.device_gib,
-            "verdict": r.verdict, "published_mfu": float(r.fields["mfu"]) if r.fields.get("mfu") else None,
-            "mfu_recomputed": r.mfu_recomputed}
+    return {
+        "source": r.source,
+        "index": r.index,
+        "name": r.name,
+        "overrides": r.overrides,
+        "device": r.device,
+        "network": r.network or None,
+        "not_expressible": r.not_expressible,
+        "published_tokens_per_s_per_gpu": r.published_tokens,
+        "predicted_tokens_per_s_per_gpu": r.predicted_tokens,
+        "ratio": r.predicted_tokens / r.published_tokens if r.predicted_tokens and r.published_tokens else None,
+        "published_oom": r.published_oom,
+        "need_gib": r.need_gib,
+        "device_gib": r.device_gib,
+        "verdict": r.verdict,
+        "published_mfu": float(r.fields["mfu"]) if r.fields.get("mfu") else None,
+        "mfu_recomputed": r.mfu_recomputed,
+    }
 
 
 def _pct(x: Optional[float]) -> str:
@@ -176,22 +206,33 @@ def _pct(x: Optional[float]) -> str:
 
 
 def lines(name: str, fig: dict) -> list[str]:
-    out = [f"{name}: {fig['expressible']} of {fig['rows']} rows expressible ({fig['with_throughput']} with a "
-           f"throughput); tokens/s per GPU: median |pred/pub - 1| {_pct(fig['median_abs_error'])}, median ratio "
-           + ("n/a" if fig["median_ratio"] is None else f"{fig['median_ratio']:.3f}")
-           + f", within 15% {_pct(fig['within_15'])}; Spearman within tables "
-           + ("n/a" if fig["spearman_mean"] is None else f"{fig['spearman_mean']:.3f}")
-           + f" (mean of {fig['spearman_tables']}); false refusals {fig['false_refusals']} "
-           f"(borderline {fig['borderline_ran']}), false accepts {fig['false_accepts']} of {fig['published_oom']} "
-           f"published OOM; MFU under the source's convention within 1%: {fig['mfu_within_1pct']} of "
-           f"{fig['mfu_rows']} (largest error {_pct(fig['mfu_max_error'])}); memory: "
-           + (f"{fig['memory_rows']} rows, median need/published {fig['memory_median_ratio']:.2f}"
-              if fig["memory_rows"] else "no published peak")]
+    out = [
+        f"{name}: {fig['expressible']} of {fig['rows']} rows expressible ({fig['with_throughput']} with a "
+        f"throughput); tokens/s per GPU: median |pred/pub - 1| {_pct(fig['median_abs_error'])}, median ratio "
+        + ("n/a" if fig["median_ratio"] is None else f"{fig['median_ratio']:.3f}")
+        + f", within 15% {_pct(fig['within_15'])}; Spearman within tables "
+        + ("n/a" if fig["spearman_mean"] is None else f"{fig['spearman_mean']:.3f}")
+        + f" (mean of {fig['spearman_tables']}); false refusals {fig['false_refusals']} "
+        f"(borderline {fig['borderline_ran']}), false accepts {fig['false_accepts']} of {fig['published_oom']} "
+        f"published OOM; MFU under the source's convention within 1%: {fig['mfu_within_1pct']} of "
+        f"{fig['mfu_rows']} (largest error {_pct(fig['mfu_max_error'])}); memory: "
+        + (
+            f"{fig['memory_rows']} rows, median need/published {fig['memory_median_ratio']:.2f}"
+            if fig["memory_rows"]
+            else "no published peak"
+        )
+    ]
     band = fig["band_measured"]
     if band["ran_most_over"] is not None:
-        out.append(f"    planner need / device - 1: at most {band['ran_most_over']:+.1%} among the {band['ran']} runs "
-                   "that ran" + (f", at least {band['oom_least_over']:+.1%} among the published out-of-memory runs"
-                                 if band["oom_least_over"] is not None else ""))
+        out.append(
+            f"    planner need / device - 1: at most {band['ran_most_over']:+.1%} among the {band['ran']} runs "
+            "that ran"
+            + (
+                f", at least {band['oom_least_over']:+.1%} among the published out-of-memory runs"
+                if band["oom_least_over"] is not None
+                else ""
+            )
+        )
     for reason, n in sorted(fig["not_expressible"].items(), key=lambda kv: -kv[1]):
         out.append(f"    not expressible ({n}): {reason}")
     return out
@@ -201,9 +242,16 @@ def run(part: str = "calibration", rows_per_file: Optional[int] = None, memory: 
     rows = load(part, rows_per_file)
     info = predict_all(rows, memory)
     by_source = {s: figures([r for r in rows if r.source == s]) for s in dict.fromkeys(r.source for r in rows)}
-    return {"date": time.strftime("%Y-%m-%d"), "command": "python benchmarks/published.py " + " ".join(sys.argv[1:]),
-            "part": part, "seconds": info["seconds"], "band": info["band"], "overall": figures(rows),
-            "by_source": by_source, "rows": [row_json(r) for r in rows]}
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "python benchmarks/published.py " + " ".join(sys.argv[1:]),
+        "part": part,
+        "seconds": info["seconds"],
+        "band": info["band"],
+        "overall": figures(rows),
+        "by_source": by_source,
+        "rows": [row_json(r) for r in rows],
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -212,24 +260,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rows", type=int, default=None, help="only the first N rows of each file")
     parser.add_argument("--part", choices=("calibration", "all"), default="calibration")
     parser.add_argument("--worst", type=int, default=0, help="also list the N rows furthest from published")
-    parser.add_argument("--no-memory", action="store_true",
-                        help="skip the planner (throughput and MFU only: no fit verdicts, much faster)")
+    parser.add_argument(
+        "--no-memory",
+        action="store_true",
+        help="skip the planner (throughput and MFU only: no fit verdicts, much faster)",
+    )
     args = parser.parse_args(argv)
     data = run(args.part, args.rows, memory=not args.no_memory)
     if args.json:
         print(json.dumps(data, indent=1, default=str))
         return 0
-    print(f"published record ({data['part']} part), {data['date']}: predicted in {data['seconds']:.1f} s; "
-          f"fit check: {data['band']}")
+    print(
+        f"published record ({data['part']} part), {data['date']}: predicted in {data['seconds']:.1f} s; "
+        f"fit check: {data['band']}"
+    )
     for source, fig in data["by_source"].items():
         print("\n".join(lines(source, fig)))
     print("\n".join(lines("overall", data["overall"])))
     if args.worst:
         ranked = sorted((r for r in data["rows"] if r["ratio"]), key=lambda r: -abs(math.log(r["ratio"])))
         for r in ranked[: args.worst]:
-            print(f"  x{r['ratio']:.2f}  {r['source']}: {r['name']}  pub {r['published_tokens_per_s_per_gpu']:,.0f} "
-                  f"pred {r['predicted_tokens_per_s_per_gpu']:,.0f}"
-                  + (f"  need {r['need_gib']:.1f}/{r['device_gib']:.0f} GiB" if r["need_gib"] is not None else ""))
+            print(
+                f"  x{r['ratio']:.2f}  {r['source']}: {r['name']}  pub {r['published_tokens_per_s_per_gpu']:,.0f} "
+                f"pred {r['predicted_tokens_per_s_per_gpu']:,.0f}"
+                + (f"  need {r['need_gib']:.1f}/{r['device_gib']:.0f} GiB" if r["need_gib"] is not None else "")
+            )
     return 0
 
 

@@ -30,8 +30,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TRACE_ENV = "FSDP_EXP_STARTUP_TRACE"  # the traced run's folder for its stage times (one JSON per process)
 # Heavy packages a process may import; the trace says which each one did (none is needed everywhere).
-HEAVY = ("torch", "torch._dynamo", "torch._inductor", "sympy", "wandb", "wandb.sdk.launch", "transformers",
-         "datasets", "huggingface_hub", "tokenizers", "deepspeed", "torchao", "scipy", "pandas", "matplotlib")
+HEAVY = (
+    "torch",
+    "torch._dynamo",
+    "torch._inductor",
+    "sympy",
+    "wandb",
+    "wandb.sdk.launch",
+    "transformers",
+    "datasets",
+    "huggingface_hub",
+    "tokenizers",
+    "deepspeed",
+    "torchao",
+    "scipy",
+    "pandas",
+    "matplotlib",
+)
 
 
 def process_start_time() -> float:
@@ -69,9 +84,15 @@ class Stages:
     def save(self) -> None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         folder = Path(os.environ[TRACE_ENV])
-        (folder / f"{self.name}.json").write_text(json.dumps(
-            {"marks": self.marks, "cpu_s": usage.ru_utime + usage.ru_stime,
-             "imported": [name for name in HEAVY if name in sys.modules]}))
+        (folder / f"{self.name}.json").write_text(
+            json.dumps(
+                {
+                    "marks": self.marks,
+                    "cpu_s": usage.ru_utime + usage.ru_stime,
+                    "imported": [name for name in HEAVY if name in sys.modules],
+                }
+            )
+        )
 
 
 def traced_rank(local_rank: int, nprocs: int, port: int, payload: dict) -> None:
@@ -133,8 +154,14 @@ def traced_launcher(overrides: list[str]) -> None:
 
 def run_once(overrides: list[str], run_dir: Path, env: dict) -> float:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "fsdp_exp", f"hydra.run.dir={run_dir}", *overrides], cwd=REPO,
-                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp", f"hydra.run.dir={run_dir}", *overrides],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wall = time.perf_counter() - start
     if done.returncode != 0:
         sys.exit(f"the run failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
@@ -144,8 +171,9 @@ def run_once(overrides: list[str], run_dir: Path, env: dict) -> float:
 def print_phases(folder: Path, started: float, ended: float) -> None:
     traces = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
     cpu = sum(trace["cpu_s"] for trace in traces.values())
-    print(f"\ntraced run: {ended - started:.2f} s wall, {cpu:.2f} CPU s in all (times: seconds since the command "
-          f"started)")
+    print(
+        f"\ntraced run: {ended - started:.2f} s wall, {cpu:.2f} CPU s in all (times: seconds since the command started)"
+    )
     for name, trace in traces.items():
         print(f"  {name} (CPU {trace['cpu_s']:.2f} s; imported {', '.join(trace['imported'])})")
         previous = None
@@ -158,7 +186,9 @@ def print_phases(folder: Path, started: float, ended: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=5, help="counted runs, after one warm-up run (0: only the traced run)")
+    parser.add_argument(
+        "--runs", type=int, default=5, help="counted runs, after one warm-up run (0: only the traced run)"
+    )
     parser.add_argument("--no-phases", action="store_true", help="skip the traced run")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run (after --)")
     args = parser.parse_args()
@@ -171,15 +201,22 @@ def main() -> None:
             for i in range(args.runs):
                 walls.append(run_once(args.overrides, root / f"run{i}", env))
                 print(f"run {i + 1}: {walls[-1]:.2f} s (load average {os.getloadavg()[0]:.2f})", flush=True)
-            print(f"median wall time of {args.runs} runs: {statistics.median(walls):.2f} s (min {min(walls):.2f}, "
-                  f"max {max(walls):.2f}); `python -m fsdp_exp {' '.join(args.overrides)}`")
+            print(
+                f"median wall time of {args.runs} runs: {statistics.median(walls):.2f} s (min {min(walls):.2f}, "
+                f"max {max(walls):.2f}); `python -m fsdp_exp {' '.join(args.overrides)}`"
+            )
         if args.no_phases:
             return
         folder = root / "trace"
         folder.mkdir()
         started = time.time()
-        subprocess.run([sys.executable, __file__, "--traced", f"hydra.run.dir={root / 'traced'}", *args.overrides],
-                       cwd=REPO, env={**env, TRACE_ENV: str(folder)}, stdout=subprocess.DEVNULL, check=True)
+        subprocess.run(
+            [sys.executable, __file__, "--traced", f"hydra.run.dir={root / 'traced'}", *args.overrides],
+            cwd=REPO,
+            env={**env, TRACE_ENV: str(folder)},
+            stdout=subprocess.DEVNULL,
+            check=True,
+        )
         print_phases(folder, started, time.time())
 
 

@@ -27,11 +27,26 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RUN = ["model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2", "trainer.seq_len=128",
-       "trainer.global_batch_size=16", "trainer.steps=8", "trainer.warmup_steps=3", "logger.wandb.mode=disabled",
-       "logger.progress=false", "logger.summary_table=false"]
-SPACE = ["tune.space.backend=[fsdp2,fsdp1,ddp]", "tune.space.precision=[fp32]", "tune.space.offload=[none]",
-         "tune.space.prefetch=[default]", "tune.space.ac=[none,full]"]
+RUN = [
+    "model.dim=128",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "trainer.seq_len=128",
+    "trainer.global_batch_size=16",
+    "trainer.steps=8",
+    "trainer.warmup_steps=3",
+    "logger.wandb.mode=disabled",
+    "logger.progress=false",
+    "logger.summary_table=false",
+]
+SPACE = [
+    "tune.space.backend=[fsdp2,fsdp1,ddp]",
+    "tune.space.precision=[fp32]",
+    "tune.space.offload=[none]",
+    "tune.space.prefetch=[default]",
+    "tune.space.ac=[none,full]",
+]
 
 
 def tune(args: list[str], env: dict) -> None:
@@ -40,12 +55,27 @@ def tune(args: list[str], env: dict) -> None:
 
 def figures(path: Path) -> dict:
     data = json.loads(path.read_text())
-    rows = [{"id": c["id"], "rank": c["rank"], "roles": c["roles"], "predicted": c["predicted"]["tokens_per_s"],
-             "measured": c["measured"]["tokens_per_s"], "interval": c["measured"]["tokens_per_s_ci"],
-             "candidate": " ".join(c["choices"])}
-            for c in data["candidates"] if c["measured"] and c["measured"].get("tokens_per_s")]
-    return {"spearman": data["spearman"], "winner": data["winner"], "mae_tokens_per_s": data["mae_tokens_per_s"],
-            "configurations": len(rows), "rows": rows, "calibration": data["device"]["calibration"]}
+    rows = [
+        {
+            "id": c["id"],
+            "rank": c["rank"],
+            "roles": c["roles"],
+            "predicted": c["predicted"]["tokens_per_s"],
+            "measured": c["measured"]["tokens_per_s"],
+            "interval": c["measured"]["tokens_per_s_ci"],
+            "candidate": " ".join(c["choices"]),
+        }
+        for c in data["candidates"]
+        if c["measured"] and c["measured"].get("tokens_per_s")
+    ]
+    return {
+        "spearman": data["spearman"],
+        "winner": data["winner"],
+        "mae_tokens_per_s": data["mae_tokens_per_s"],
+        "configurations": len(rows),
+        "rows": rows,
+        "calibration": data["device"]["calibration"],
+    }
 
 
 def main() -> int:
@@ -56,24 +86,52 @@ def main() -> int:
     env = {**os.environ, "XDG_CACHE_HOME": str(args.out / "cache"), "OMP_NUM_THREADS": "1"}
     start = time.time()
     measured = args.out / "measured"
-    tune([*RUN, *SPACE, "tune.top_k=3", "tune.spread=4", f"tune.repeats={args.repeats}", "tune.run=true",
-          f"tune.out={measured}"], env)
+    tune(
+        [
+            *RUN,
+            *SPACE,
+            "tune.top_k=3",
+            "tune.spread=4",
+            f"tune.repeats={args.repeats}",
+            "tune.run=true",
+            f"tune.out={measured}",
+        ],
+        env,
+    )
     calibrated = args.out / "calibrated"
-    tune([*RUN, *SPACE, "tune.top_k=3", "tune.spread=4", f"tune.repeats={args.repeats}",
-          f"tune.calibrate_from={measured / 'sweep'}", f"tune.out={calibrated}"], env)
-    summary = {"uncalibrated": figures(measured / "tune.json"),
-               "calibrated (in-sample)": figures(calibrated / "tune.json"),
-               "repeats": args.repeats, "minutes": (time.time() - start) / 60, "out": str(args.out)}
+    tune(
+        [
+            *RUN,
+            *SPACE,
+            "tune.top_k=3",
+            "tune.spread=4",
+            f"tune.repeats={args.repeats}",
+            f"tune.calibrate_from={measured / 'sweep'}",
+            f"tune.out={calibrated}",
+        ],
+        env,
+    )
+    summary = {
+        "uncalibrated": figures(measured / "tune.json"),
+        "calibrated (in-sample)": figures(calibrated / "tune.json"),
+        "repeats": args.repeats,
+        "minutes": (time.time() - start) / 60,
+        "out": str(args.out),
+    }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     for name in ("uncalibrated", "calibrated (in-sample)"):
         f = summary[name]
-        print(f"{name}: {f['configurations']} configurations, Spearman {f['spearman']}, "
-              f"MAE {f['mae_tokens_per_s']:.0f} tokens/s; {f['winner']['verdict']}")
+        print(
+            f"{name}: {f['configurations']} configurations, Spearman {f['spearman']}, "
+            f"MAE {f['mae_tokens_per_s']:.0f} tokens/s; {f['winner']['verdict']}"
+        )
         for row in sorted(f["rows"], key=lambda r: -r["measured"]):
             lo, hi = row["interval"] or (None, None)
-            print(f"  {row['id']} #{row['rank']:<4} predicted {row['predicted']:8.0f}  "
-                  f"measured {row['measured']:8.0f} [{lo:.0f}, {hi:.0f}]  {row['candidate']}  "
-                  f"({', '.join(row['roles'])})")
+            print(
+                f"  {row['id']} #{row['rank']:<4} predicted {row['predicted']:8.0f}  "
+                f"measured {row['measured']:8.0f} [{lo:.0f}, {hi:.0f}]  {row['candidate']}  "
+                f"({', '.join(row['roles'])})"
+            )
     print(f"{summary['minutes']:.1f} minutes; {args.out / 'summary.json'}")
     return 0
 

@@ -34,9 +34,11 @@ def hydra_entry(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN
     run_dir = Path(hc.runtime.output_dir)
-    labels = Labels(overrides=tuple(hc.overrides.task),
-                    choices={k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")},
-                    sweep=Sweep(dir=hc.sweep.dir, name=Path(hc.sweep.dir).name, job=hc.job.num) if sweep else None)
+    labels = Labels(
+        overrides=tuple(hc.overrides.task),
+        choices={k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")},
+        sweep=Sweep(dir=hc.sweep.dir, name=Path(hc.sweep.dir).name, job=hc.job.num) if sweep else None,
+    )
     if sweep and cfg.logger.wandb.group is None:  # the runs of one sweep share a W&B group: the sweep's name
         cfg.logger.wandb.group = labels.sweep.name
     try:

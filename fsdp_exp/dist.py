@@ -33,8 +33,10 @@ def init_distributed(topology: Topology, timeout_s: float = 600.0) -> RankInfo:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank % topology.nproc_per_node))
     if world != topology.world_size:
-        raise RuntimeError(f"the environment says WORLD_SIZE={world} but the config resolved "
-                           f"{topology.world_size} ranks; pass matching trainer.nproc_per_node/nnodes")
+        raise RuntimeError(
+            f"the environment says WORLD_SIZE={world} but the config resolved "
+            f"{topology.world_size} ranks; pass matching trainer.nproc_per_node/nnodes"
+        )
     if topology.device_type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

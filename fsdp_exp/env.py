@@ -35,8 +35,11 @@ def started_by() -> str:
     env = os.environ
     if env.get("TORCHELASTIC_RUN_ID") and "RANK" in env:
         return "torchrun"
-    if "SLURM_PROCID" in env and _slurm_step_id() and \
-            int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1) > 1:
+    if (
+        "SLURM_PROCID" in env
+        and _slurm_step_id()
+        and int(env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS") or 1) > 1
+    ):
         return "slurm"
     if "RANK" in env and "WORLD_SIZE" in env:
         return "torchrun"
@@ -64,9 +67,11 @@ def external_world() -> Optional[tuple[int, int]]:
     layout = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
     counts = {int(part.split("(")[0]) for part in filter(None, layout.split(","))}
     if len(counts) > 1:
-        fail(f"this SLURM step runs a different number of tasks on its nodes (SLURM tasks per node: {layout}); "
-             "fsdp_exp runs the same number of ranks on every node.",
-             "ask for the same count on every node: srun/sbatch --ntasks-per-node=N (hydra/launcher=slurm does)")
+        fail(
+            f"this SLURM step runs a different number of tasks on its nodes (SLURM tasks per node: {layout}); "
+            "fsdp_exp runs the same number of ranks on every node.",
+            "ask for the same count on every node: srun/sbatch --ntasks-per-node=N (hydra/launcher=slurm does)",
+        )
     nodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1)
     return world, counts.pop() if counts else max(1, world // nodes)
 
@@ -79,8 +84,9 @@ def first_node(nodelist: str) -> str:
         try:
             # Expanding a node list needs no controller; 10 s bounds a scontrol that retries a missing
             # SLURM_CONF for a minute.
-            out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                                 timeout=10)
+            out = subprocess.run(
+                ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=10
+            )
             if out.returncode == 0 and out.stdout.split():
                 return out.stdout.split()[0]
         except (OSError, subprocess.SubprocessError):
@@ -124,8 +130,14 @@ def export_slurm_rendezvous() -> None:
     job = int(env.get("SLURM_JOB_ID", "0"))
     step = int(_slurm_step_id() or 0)
     port = 20000 + (job * 4 + step % 4) % 12000
-    env.update(MASTER_ADDR=master, MASTER_PORT=str(port), RANK=env["SLURM_PROCID"], WORLD_SIZE=str(world[0]),
-               LOCAL_RANK=env.get("SLURM_LOCALID", "0"), LOCAL_WORLD_SIZE=str(world[1]))
+    env.update(
+        MASTER_ADDR=master,
+        MASTER_PORT=str(port),
+        RANK=env["SLURM_PROCID"],
+        WORLD_SIZE=str(world[0]),
+        LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+        LOCAL_WORLD_SIZE=str(world[1]),
+    )
 
 
 def placement() -> dict:
@@ -155,8 +167,12 @@ def slurm_job() -> Optional[dict]:
     job_id = env["SLURM_JOB_ID"]
     if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
         job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    return {"job_id": job_id, "partition": env.get("SLURM_JOB_PARTITION"), "nodes": env.get("SLURM_JOB_NODELIST"),
-            "restarts": int(env.get("SLURM_RESTART_COUNT") or 0)}
+    return {
+        "job_id": job_id,
+        "partition": env.get("SLURM_JOB_PARTITION"),
+        "nodes": env.get("SLURM_JOB_NODELIST"),
+        "restarts": int(env.get("SLURM_RESTART_COUNT") or 0),
+    }
 
 
 def run_stamp() -> str:
@@ -285,8 +301,9 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
-def memory_cgroup(proc_cgroup: str = "/proc/self/cgroup",
-                  mountinfo: str = "/proc/self/mountinfo") -> Optional[MemoryCgroup]:
+def memory_cgroup(
+    proc_cgroup: str = "/proc/self/cgroup", mountinfo: str = "/proc/self/mountinfo"
+) -> Optional[MemoryCgroup]:
     """This process's memory cgroup (None where there is none to read: not Linux, not mounted).
 
     A v1 memory controller wins where one is mounted: a hybrid host keeps memory accounting there
@@ -311,12 +328,13 @@ def memory_cgroup(proc_cgroup: str = "/proc/self/cgroup",
             fields, fs = fields.split(), fs.split()
             if len(fields) < 5 or len(fs) < 3:
                 continue
-            if (version == 2 and fs[0] == "cgroup2") or \
-                    (version == 1 and fs[0] == "cgroup" and "memory" in fs[2].split(",")):
+            if (version == 2 and fs[0] == "cgroup2") or (
+                version == 1 and fs[0] == "cgroup" and "memory" in fs[2].split(",")
+            ):
                 root, top = _unescape(fields[3]), Path(_unescape(fields[4]))
                 path = paths[version]
                 # The mount shows the hierarchy from ``root`` down (a container sees its own cgroup as /).
-                relative = path[len(root):] if root != "/" and path.startswith(root) else path
+                relative = path[len(root) :] if root != "/" and path.startswith(root) else path
                 folder = top / relative.lstrip("/")
                 if folder.is_dir():
                     return MemoryCgroup(path, folder, top, version)
@@ -352,9 +370,11 @@ class HostMemory:
         """E.g. "23.10 GiB available (MemAvailable; 23.54 GiB of RAM)", or with a limiting memory cgroup
         "5.52 GiB left under the memory cgroup /x's limit of 6.00 GiB (0.48 GiB in use; 23.54 GiB of RAM)"."""
         if self.bound_by_cgroup:
-            return (f"{self.usable / GIB:.2f} GiB left under the memory cgroup {self.cgroup}'s limit of "
-                    f"{self.cgroup_limit / GIB:.2f} GiB ({(self.cgroup_used or 0) / GIB:.2f} GiB in use; "
-                    f"{self.total / GIB:.2f} GiB of RAM)")
+            return (
+                f"{self.usable / GIB:.2f} GiB left under the memory cgroup {self.cgroup}'s limit of "
+                f"{self.cgroup_limit / GIB:.2f} GiB ({(self.cgroup_used or 0) / GIB:.2f} GiB in use; "
+                f"{self.total / GIB:.2f} GiB of RAM)"
+            )
         return f"{self.available / GIB:.2f} GiB available (MemAvailable; {self.total / GIB:.2f} GiB of RAM)"
 
 
@@ -387,10 +407,10 @@ def cuda_free_memory(devices: tuple[int, ...], *, in_process: bool) -> list[tupl
         return [tuple(torch.cuda.mem_get_info(device)) for device in devices]
     asked, answer = _CUDA_FREE.get(devices, (0.0, []))
     if time.monotonic() - asked > CUDA_FREE_TTL_S:
-        code = ("import json, sys, torch; "
-                "print(json.dumps([torch.cuda.mem_get_info(int(d)) for d in sys.argv[1:]]))")
-        out = subprocess.run([sys.executable, "-c", code, *map(str, devices)], capture_output=True, text=True,
-                             timeout=120, check=True).stdout
+        code = "import json, sys, torch; print(json.dumps([torch.cuda.mem_get_info(int(d)) for d in sys.argv[1:]]))"
+        out = subprocess.run(
+            [sys.executable, "-c", code, *map(str, devices)], capture_output=True, text=True, timeout=120, check=True
+        ).stdout
         answer = [tuple(pair) for pair in json.loads(out.strip().splitlines()[-1])]
         _CUDA_FREE[devices] = (time.monotonic(), answer)
     return answer

@@ -88,8 +88,7 @@ def write_export(state: dict[str, torch.Tensor], model_cfg, out: Path, fmt: str)
         (out / MODEL_CONFIG).write_text(json.dumps(model, indent=2) + "\n")
     path = out / MODEL_FILE
     _save_safetensors(tensors, path, {"format": "pt", "producer": "fsdp_exp"})
-    return {"format": fmt, "dir": str(out), "file": str(path), "bytes": path.stat().st_size,
-            "tensors": len(tensors)}
+    return {"format": fmt, "dir": str(out), "file": str(path), "bytes": path.stat().st_size, "tensors": len(tensors)}
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict) -> None:
@@ -151,8 +150,9 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 def main(argv: Optional[list[str]] = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m fsdp_exp.export",
-                                     description="Export a fsdp_exp checkpoint (a step_<N> folder) as safetensors.")
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_exp.export", description="Export a fsdp_exp checkpoint (a step_<N> folder) as safetensors."
+    )
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--format", choices=("hf", "safetensors"), default="hf")

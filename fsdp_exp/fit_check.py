@@ -63,8 +63,10 @@ class ErrorBand:
 
     def describe(self) -> str:
         oom = f"; the published out-of-memory runs start at +{self.oom_least:.0%}" if self.oom_least is not None else ""
-        return (f"refuses beyond +{self.over:.0%} over the device (the planner's error band: the {self.ran} published "
-                f"runs that ran needed at most that much more than the device, as the planner counts{oom})")
+        return (
+            f"refuses beyond +{self.over:.0%} over the device (the planner's error band: the {self.ran} published "
+            f"runs that ran needed at most that much more than the device, as the planner counts{oom})"
+        )
 
 
 # python benchmarks/published.py (overall: "planner need / device - 1") on the calibration record, 2026-12-01:
@@ -96,12 +98,14 @@ def node_memory(topology: Topology, rank_of_node: Optional[int] = None) -> NodeM
     devices = (rank_of_node,) if rank_of_node is not None else tuple(range(topology.nproc_per_node))
     free = cuda_free_memory(devices, in_process=rank_of_node is not None)
     least = min(range(len(devices)), key=lambda i: free[i][0])
-    return NodeMemory("cuda", free[least][0], f"cuda:{devices[least]} has {_gib(free[least][0])} free of "
-                      f"{_gib(free[least][1])}", host)
+    return NodeMemory(
+        "cuda", free[least][0], f"cuda:{devices[least]} has {_gib(free[least][0])} free of {_gib(free[least][1])}", host
+    )
 
 
-def check_fit(cfg: RunConfig, topology: Topology, *, world_size: Optional[int] = None,
-              rank_of_node: Optional[int] = None) -> None:
+def check_fit(
+    cfg: RunConfig, topology: Topology, *, world_size: Optional[int] = None, rank_of_node: Optional[int] = None
+) -> None:
     """Refuse (ConfigError) a run the planner says cannot fit this node; ``world_size``: an outside
     launcher's, as given to validate."""
     if not cfg.trainer.check_fit:
@@ -112,8 +116,10 @@ def check_fit(cfg: RunConfig, topology: Topology, *, world_size: Optional[int] =
         result = plan(cfg, topology)
         node = node_memory(topology, rank_of_node)
     except Exception as exc:  # noqa: BLE001 - the check is a help; a config it cannot judge still runs
-        print(f"fsdp_exp: the memory check could not judge this run ({type(exc).__name__}: {exc}); it runs "
-              "unchecked.", file=sys.stderr)
+        print(
+            f"fsdp_exp: the memory check could not judge this run ({type(exc).__name__}: {exc}); it runs unchecked.",
+            file=sys.stderr,
+        )
         return
     need = _need(result, topology, node.kind)
     if _fits(need, node):
@@ -121,9 +127,12 @@ def check_fit(cfg: RunConfig, topology: Topology, *, world_size: Optional[int] =
     band = error_band()
     if node.kind == "cuda" and need[1] <= node.host.usable:
         if band.verdict(need[0], node.device_bytes) == "borderline":
-            print(f"fsdp_exp: borderline: each rank needs {_gib(need[0])} as the planner counts and {node.described}"
-                  f", within the planner's error band (+{band.over:.0%} on the published record: "
-                  f"{band.describe()}); it runs, and may run out of memory.", file=sys.stderr)
+            print(
+                f"fsdp_exp: borderline: each rank needs {_gib(need[0])} as the planner counts and {node.described}"
+                f", within the planner's error band (+{band.over:.0%} on the published record: "
+                f"{band.describe()}); it runs, and may run out of memory.",
+                file=sys.stderr,
+            )
             return
         sure = f" Beyond the planner's error band, so the refusal is as sure as the record makes it: {band.describe()}."
     else:
@@ -149,15 +158,21 @@ def _problem(per_rank: int, need: tuple[int, int], topology: Topology, node: Nod
     if node.kind == "cpu":
         who = f"the {n} ranks of this run on this node need" if n > 1 else "this run's rank needs"
         each = f"{_gib(per_rank)} each, " if n > 1 else ""
-        return (f"does not fit: {who} {_gib(need[0])} of memory ({each}as python -m fsdp_exp.plan predicts), "
-                f"and {node.described}.")
+        return (
+            f"does not fit: {who} {_gib(need[0])} of memory ({each}as python -m fsdp_exp.plan predicts), "
+            f"and {node.described}."
+        )
     short = []
     if need[0] > node.device_bytes:
-        short.append(f"each rank of this run needs {_gib(per_rank)} of GPU memory (as python -m fsdp_exp.plan "
-                     f"predicts, with its margin), and {node.described}")
+        short.append(
+            f"each rank of this run needs {_gib(per_rank)} of GPU memory (as python -m fsdp_exp.plan "
+            f"predicts, with its margin), and {node.described}"
+        )
     if need[1] > node.host.usable:
-        short.append(f"offload=params keeps {_gib(need[1])} of the node's {n} ranks in host RAM, and this host "
-                     f"has {node.host.describe()}")
+        short.append(
+            f"offload=params keeps {_gib(need[1])} of the node's {n} ranks in host RAM, and this host "
+            f"has {node.host.describe()}"
+        )
     return "does not fit: " + "; ".join(short) + "."
 
 
@@ -166,8 +181,9 @@ def _fixes(cfg: RunConfig, node: NodeMemory, world_size: Optional[int]) -> str:
     fitting = [f"{' '.join(changes)} ({_gib(need[0])})" for changes, need in _fitting_changes(cfg, node, world_size)]
     parts = []
     if node.kind == "cpu":
-        parts.append("On a CPU host all ranks share one RAM: more ranks or offload=params do not lower what "
-                     "the run needs.")
+        parts.append(
+            "On a CPU host all ranks share one RAM: more ranks or offload=params do not lower what the run needs."
+        )
     if fitting:
         parts.append("The planner says these would fit here: " + "; ".join(fitting) + ".")
     else:
@@ -267,7 +283,9 @@ def _gpu_layouts(cfg: RunConfig) -> Optional[str]:
     for per_node, nodes in GPU_LAYOUTS:
         variant = apply_changes(cfg, (f"trainer.nproc_per_node={per_node}", f"trainer.nnodes={nodes}"))
         try:
-            per_rank = plan(variant, validate(variant, cuda_devices=per_node), device_kind="cuda").per_rank_bytes["total"]
+            per_rank = plan(variant, validate(variant, cuda_devices=per_node), device_kind="cuda").per_rank_bytes[
+                "total"
+            ]
         except Exception:  # noqa: BLE001 - a layout this config cannot take
             continue
         device = next((d for d in gpus if per_rank <= d.bytes), None)
@@ -276,11 +294,14 @@ def _gpu_layouts(cfg: RunConfig) -> Optional[str]:
     if not offers:
         return None
     chosen = [offers[0]] + [o for o in offers if o[:2] == (8, 1) and o[2] != offers[0][2]][:1]
-    text = " or ".join(f"{p * n} x {d.name}" + (f" ({n} nodes)" if n > 1 else "") + f" ({_gib(need)} per GPU)"
-                       for p, n, d, need in chosen)
+    text = " or ".join(
+        f"{p * n} x {d.name}" + (f" ({n} nodes)" if n > 1 else "") + f" ({_gib(need)} per GPU)"
+        for p, n, d, need in chosen
+    )
     p, n, d, _ = chosen[-1]
-    return (f"{text}: see python -m fsdp_exp.plan <these overrides> plan.device={d.name} "
-            f"trainer.nproc_per_node={p}" + (f" trainer.nnodes={n}" if n > 1 else ""))
+    return f"{text}: see python -m fsdp_exp.plan <these overrides> plan.device={d.name} trainer.nproc_per_node={p}" + (
+        f" trainer.nnodes={n}" if n > 1 else ""
+    )
 
 
 def _gib(n: float) -> str:

@@ -41,9 +41,11 @@ class StopGuard:
             return
         last = last_good()
         where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
-        raise NonFiniteLoss(f"train/loss is not finite (NaN or inf) at step {bad_step} (seen on rank {bad_rank}); "
-                            f"stopping without saving this state: {where}. Lower optim.lr, raise "
-                            "trainer.grad_clip or change precision, then resume from that checkpoint")
+        raise NonFiniteLoss(
+            f"train/loss is not finite (NaN or inf) at step {bad_step} (seen on rank {bad_rank}); "
+            f"stopping without saving this state: {where}. Lower optim.lr, raise "
+            "trainer.grad_clip or change precision, then resume from that checkpoint"
+        )
 
     def stop_signal(self, step: int, flags: Flags) -> Optional[str]:
         """The signal that asks the run to save and stop after step ``step``; None to go on (also at

@@ -37,7 +37,12 @@ CONFIG_PARTS = ("model", "precision", "ac", "compile", "parallel", "optim", "dat
 # Within those: where files go, and the counts "topology" holds resolved.
 IGNORED_KEYS = {
     "data": {"cache_dir"},
-    "trainer": {"nproc_per_node", "nnodes", "device", "collective_timeout_s"},  # the last: how long to wait on a lost peer
+    "trainer": {
+        "nproc_per_node",
+        "nnodes",
+        "device",
+        "collective_timeout_s",
+    },  # the last: how long to wait on a lost peer
     "checkpoint": {"dir", "export_dir", "resume"},
 }
 ENV_KEYS = ("device_type", "devices", "threads_per_rank", "torch_version", "cuda_version")

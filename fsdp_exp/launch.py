@@ -56,11 +56,16 @@ def prepare(cfg: RunConfig, world: Optional[tuple[int, int]] = None) -> Topology
         nodes = max(1, world[0] // world[1])
         given = cfg.trainer.nproc_per_node
         if given != "auto" and str(given) != str(world[1]):
-            fail(f"trainer.nproc_per_node={given}, but the launcher (torchrun / SLURM) started {world[1]} ranks "
-                 f"per node.", f"drop trainer.nproc_per_node (or pass {world[1]}), or start {given} ranks per node")
+            fail(
+                f"trainer.nproc_per_node={given}, but the launcher (torchrun / SLURM) started {world[1]} ranks "
+                f"per node.",
+                f"drop trainer.nproc_per_node (or pass {world[1]}), or start {given} ranks per node",
+            )
         if cfg.trainer.nnodes not in (1, nodes):
-            fail(f"trainer.nnodes={cfg.trainer.nnodes}, but the launcher started {nodes} node(s) of ranks.",
-                 f"drop trainer.nnodes (or pass {nodes}), or start the job on {cfg.trainer.nnodes} nodes")
+            fail(
+                f"trainer.nnodes={cfg.trainer.nnodes}, but the launcher started {nodes} node(s) of ranks.",
+                f"drop trainer.nnodes (or pass {nodes}), or start the job on {cfg.trainer.nnodes} nodes",
+            )
         cfg.trainer.nproc_per_node = str(world[1])
         cfg.trainer.nnodes = nodes
     topology = validate(cfg, cuda_devices=cuda_device_count(), world_size=world[0] if world else None)
@@ -68,8 +73,9 @@ def prepare(cfg: RunConfig, world: Optional[tuple[int, int]] = None) -> Topology
     # Under torchrun / SLURM every rank asks, before the process group starts, for its own GPU.
     from fsdp_exp.fit_check import check_fit
 
-    check_fit(cfg, topology, world_size=world[0] if world else None,
-              rank_of_node=local_rank() if world is not None else None)
+    check_fit(
+        cfg, topology, world_size=world[0] if world else None, rank_of_node=local_rank() if world is not None else None
+    )
     return topology
 
 
@@ -79,8 +85,13 @@ def run_context(cfg: RunConfig, topology: Topology, run_dir: Path, labels: Label
 
     # After the fit check this asks the planner again, from its cache (the model's inventory).
     record, row, phases = plan_for_run(cfg, topology)
-    return RunContext(config=cfg, topology=topology, run_dir=Path(run_dir), labels=labels,
-                      prediction=Prediction(record=record, row=row, phases=phases))
+    return RunContext(
+        config=cfg,
+        topology=topology,
+        run_dir=Path(run_dir),
+        labels=labels,
+        prediction=Prediction(record=record, row=row, phases=phases),
+    )
 
 
 def launch(cfg: RunConfig, run_dir: Path, labels: Labels) -> dict:
@@ -124,17 +135,24 @@ def launch(cfg: RunConfig, run_dir: Path, labels: Labels) -> dict:
     if result.get("status") == "interrupted":
         stop = result.get("interrupted") or {}
         saved = stop.get("checkpoint") or {}
-        print(f"fsdp_exp: stopped by {stop.get('signal')} after step {saved.get('step')}; every rank saved "
-              f"{saved.get('path')}. Run again with hydra.run.dir={run_dir} (checkpoint.resume=auto) to continue.",
-              file=sys.stderr)
+        print(
+            f"fsdp_exp: stopped by {stop.get('signal')} after step {saved.get('step')}; every rank saved "
+            f"{saved.get('path')}. Run again with hydra.run.dir={run_dir} (checkpoint.resume=auto) to continue.",
+            file=sys.stderr,
+        )
     return result
 
 
 def _record_start(context: RunContext, data_info: Optional[dict]) -> RunRecord:
     """run.json before any rank trains: what will run (the only time the config and the plan are written)."""
     record = RunRecord(context.run_dir)
-    record.starting(config=plain(context.config), topology=context.topology.as_dict(), plan=context.prediction.record,
-                    data=data_info, **context.labels.as_record())
+    record.starting(
+        config=plain(context.config),
+        topology=context.topology.as_dict(),
+        plan=context.prediction.record,
+        data=data_info,
+        **context.labels.as_record(),
+    )
     return record
 
 
@@ -185,16 +203,21 @@ def _silent_ranks(run_dir: Path, silent: list[int], own: str) -> str:
     if lost:
         ranks = sorted(r for host in lost for r in hosts[host])
         nodes = ", ".join(lost)
-        return (f"node {nodes} lost: ranks {ranks} (every rank on {nodes}) left no error of their own (killed, "
-                f"out of memory, stuck, or the node failed or stopped answering: see the job's log); rank 0 then "
-                f"failed with: {own}")
+        return (
+            f"node {nodes} lost: ranks {ranks} (every rank on {nodes}) left no error of their own (killed, "
+            f"out of memory, stuck, or the node failed or stopped answering: see the job's log); rank 0 then "
+            f"failed with: {own}"
+        )
     who = f"rank {silent[0]}" if len(silent) == 1 else f"one of ranks {silent}"
-    return (f"{who} left no error of its own (killed by a signal, out of memory, crashed or stuck: see the "
-            f"job's log); rank 0 then failed with: {own}")
+    return (
+        f"{who} left no error of its own (killed by a signal, out of memory, crashed or stuck: see the "
+        f"job's log); rank 0 then failed with: {own}"
+    )
 
 
-def record_failure(run_dir: Path, cfg, labels: Labels, rank: Optional[int], message: str,
-                   note_wandb: bool = True) -> dict:
+def record_failure(
+    run_dir: Path, cfg, labels: Labels, rank: Optional[int], message: str, note_wandb: bool = True
+) -> dict:
     """Record a run that failed (before its ranks started, or because one of them failed): run.json gets
     status "failed" and the error; W&B (unless disabled) gets the same, in the run rank 0 opened if
     there is one. ``cfg``: the RunConfig, or the composed config when it could not be typed."""
@@ -209,9 +232,15 @@ def record_failure(run_dir: Path, cfg, labels: Labels, rank: Optional[int], mess
         from fsdp_exp.record import note_failure_in_wandb
 
         try:
-            run_id = note_failure_in_wandb(wandb_cfg, run_dir, result.get("config", {}), list(labels.overrides),
-                                           dict(labels.choices), (result.get("wandb") or {}).get("run_id"),
-                                           result["error"])
+            run_id = note_failure_in_wandb(
+                wandb_cfg,
+                run_dir,
+                result.get("config", {}),
+                list(labels.overrides),
+                dict(labels.choices),
+                (result.get("wandb") or {}).get("run_id"),
+                result["error"],
+            )
         except Exception as exc:  # noqa: BLE001 - W&B trouble must not hide the run's own error
             print(f"fsdp_exp: could not record the failure in W&B: {exc}", file=sys.stderr)
         else:
@@ -226,8 +255,9 @@ def _spawn(context: RunContext, nprocs: int, forward: list[str] = ("SIGTERM",)) 
 
     port = free_port()
     oom = OomWatch()  # the OOM killer's counters and the node's memory before the ranks start
-    ctx = mp.start_processes(_spawned_rank, args=(nprocs, port, context), nprocs=nprocs, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        _spawned_rank, args=(nprocs, port, context), nprocs=nprocs, join=False, start_method="spawn"
+    )
     previous = _forward_signals(ctx.processes, forward)
     try:
         failed = _wait_for_ranks(ctx.processes, context.run_dir)
@@ -285,8 +315,15 @@ def _wait_for_ranks(processes, run_dir: Path) -> Optional[int]:
 
 
 # A collective that timed out (trainer.collective_timeout_s) waited for a peer that stopped answering.
-PEER_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "DistBackendError",
-               "DistNetworkError", "NCCL communicator was aborted", "Timed out waiting")
+PEER_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "DistBackendError",
+    "DistNetworkError",
+    "NCCL communicator was aborted",
+    "Timed out waiting",
+)
 
 
 def _is_peer_error(run_dir: Path, rank: int) -> bool:
@@ -346,8 +383,14 @@ def _die_with_launcher() -> None:
 def _spawned_rank(local_rank: int, nprocs: int, port: int, context: RunContext) -> None:
     """A worker process started by ``_spawn``: set the torch.distributed environment, then run."""
     _die_with_launcher()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+    )
     try:
         from fsdp_exp.trainer import run_worker
 
@@ -381,9 +424,9 @@ def _error_summary(run_dir: Path, rank: int, fallback: str, max_lines: int = 12)
     text = path.read_text() if path.exists() else fallback
     lines = [line for line in text.strip().splitlines() if line.strip()]
     frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
-    after = lines[frames[-1] + 1:] if frames else lines[-1:]
+    after = lines[frames[-1] + 1 :] if frames else lines[-1:]
     start = next((i for i, line in enumerate(after) if not line[:1].isspace()), len(after) - 1)
-    message = after[start:start + max_lines] if after else ["unknown error"]
+    message = after[start : start + max_lines] if after else ["unknown error"]
     last = "\n".join(line.rstrip() for line in message)
     return f"{last} (traceback: {path})" if path.exists() else last
 

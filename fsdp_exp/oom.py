@@ -101,9 +101,11 @@ class OomWatch:
         """What to add to "the process was killed by SIGKILL": whether the OOM killer did it, and the
         memory the node had."""
         verdict, evidence = self.killed_by_oom(pid)
-        head = {True: "out of memory: the kernel's OOM killer killed it",
-                False: "not by the OOM killer",
-                None: "perhaps out of memory"}[verdict]
+        head = {
+            True: "out of memory: the kernel's OOM killer killed it",
+            False: "not by the OOM killer",
+            None: "perhaps out of memory",
+        }[verdict]
         return f"{head} ({evidence}). {self.node_memory()}"
 
     def node_memory(self) -> str:

@@ -22,10 +22,16 @@ def _existing(namespace, names: tuple[str, ...]) -> frozenset:
 LINEAR_MATMULS = _existing(torch.ops.aten, ("mm", "addmm"))
 BATCHED_MATMULS = _existing(torch.ops.aten, ("bmm",))
 # SDPA's kernels (their output and log-sum-exp): CUDA's flash, memory-efficient and cuDNN ones, the CPU's flash.
-ATTENTION = _existing(torch.ops.aten, ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                                       "_scaled_dot_product_cudnn_attention",
-                                       "_scaled_dot_product_fused_attention_overrideable",
-                                       "_scaled_dot_product_flash_attention_for_cpu"))
+ATTENTION = _existing(
+    torch.ops.aten,
+    (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ),
+)
 # Collectives inside a block (tensor parallel's): repeating them in backward would cost communication.
 COLLECTIVES = _existing(torch.ops._c10d_functional, ("reduce_scatter_tensor", "all_reduce", "all_to_all_single"))
 ALWAYS_SAVED = ATTENTION | COLLECTIVES

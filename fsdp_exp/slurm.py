@@ -58,9 +58,11 @@ STOP_SIGNALS = [TIME_LIMIT_SIGNAL, "SIGTERM"]
 # pending until the handlers are in place (checkpoint/signals.handle_stop_signals unblocks it),
 # where its default action would have killed the task. A signal mask survives exec; this first
 # interpreter runs without site (-S) and replaces itself with the real task at once.
-_HOLD_STOP_SIGNALS = ("import os, signal, sys; "
-                      f"signal.pthread_sigmask(signal.SIG_BLOCK, [{', '.join(f'signal.{s}' for s in STOP_SIGNALS)}]); "
-                      "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+_HOLD_STOP_SIGNALS = (
+    "import os, signal, sys; "
+    f"signal.pthread_sigmask(signal.SIG_BLOCK, [{', '.join(f'signal.{s}' for s in STOP_SIGNALS)}]); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
 # How often the sweep asks SLURM for its jobs' states while it waits (one sacct call for all of them);
 # after how long in the queue a job's wait is reported, and how often again.
 POLL_S = 3.0
@@ -83,9 +85,11 @@ def job_resources(trainer: Any, gpus_per_node: Optional[int]) -> dict:
     """What one job asks SLURM for, from its ``trainer`` config. ``gpus_per_node``: the launcher's
     setting (None: GPUs only when ``trainer.device=cuda``, one per rank)."""
     if trainer.nproc_per_node == "auto" and trainer.device == "cuda" and not gpus_per_node:
-        fail("trainer.nproc_per_node=auto means one rank per GPU, and how many GPUs a SLURM node has is not "
-             "known where the sweep is submitted.",
-             "pass trainer.nproc_per_node=<GPUs per node> (or hydra.launcher.gpus_per_node=<GPUs per node>)")
+        fail(
+            "trainer.nproc_per_node=auto means one rank per GPU, and how many GPUs a SLURM node has is not "
+            "known where the sweep is submitted.",
+            "pass trainer.nproc_per_node=<GPUs per node> (or hydra.launcher.gpus_per_node=<GPUs per node>)",
+        )
     # "auto": the GPUs asked for, else 2 ranks: what it means on a machine without GPUs.
     nproc = resolve_nproc(str(trainer.nproc_per_node), gpus_per_node or 0)
     if gpus_per_node is None and trainer.device == "cuda":
@@ -98,8 +102,9 @@ def partition_sizes() -> dict[str, int]:
     answer: ``scontrol show partition``). Empty when SLURM cannot be asked (no scontrol, no controller):
     the request then goes to sbatch, which judges it itself."""
     try:
-        out = subprocess.run(["scontrol", "show", "partition", "--oneliner"], capture_output=True, text=True,
-                             timeout=30)
+        out = subprocess.run(
+            ["scontrol", "show", "partition", "--oneliner"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.SubprocessError):
         return {}
     sizes: dict[str, int] = {}
@@ -121,13 +126,17 @@ def check_partition(partition: Optional[str], nodes: int, sizes: dict[str, int])
     shown = partition or "the default partition"
     if name not in sizes:
         known = ", ".join(sorted(p for p in sizes if p))
-        problem = (f"hydra.launcher.partition={partition}: the cluster has no such partition" if partition
-                   else "no partition was named and the cluster has no default partition")
+        problem = (
+            f"hydra.launcher.partition={partition}: the cluster has no such partition"
+            if partition
+            else "no partition was named and the cluster has no default partition"
+        )
         fail(f"{problem} (it has: {known}).", f"pass hydra.launcher.partition=<one of: {known}>")
     if nodes > sizes[name]:
-        fail(f"trainer.nnodes={nodes}, but {shown} has {sizes[name]} node(s): the job would wait in the queue "
-             "forever.", f"pass trainer.nnodes={sizes[name]} or less, or a larger partition "
-             "(hydra.launcher.partition=...)")
+        fail(
+            f"trainer.nnodes={nodes}, but {shown} has {sizes[name]} node(s): the job would wait in the queue forever.",
+            f"pass trainer.nnodes={sizes[name]} or less, or a larger partition (hydra.launcher.partition=...)",
+        )
 
 
 def _requeue_after_time_limit(max_num_timeout: int) -> Optional[str]:
@@ -159,10 +168,12 @@ def _requeue_after_time_limit(max_num_timeout: int) -> Optional[str]:
         return None
     except UncompletedJobError:
         times = max_num_timeout - delayed._timeout_countdown + 1  # noqa: SLF001 - submitit's counter: requeues left
-        return (f"the job reached its time limit {times} time(s), and hydra.launcher.max_num_timeout={max_num_timeout} "
-                f"requeues it at most {max_num_timeout} time(s). Its checkpoint stays: raise "
-                "hydra.launcher.max_num_timeout (or hydra.launcher.timeout_min), or rerun the sweep with the same "
-                "hydra.sweep.dir, to continue")
+        return (
+            f"the job reached its time limit {times} time(s), and hydra.launcher.max_num_timeout={max_num_timeout} "
+            f"requeues it at most {max_num_timeout} time(s). Its checkpoint stays: raise "
+            "hydra.launcher.max_num_timeout (or hydra.launcher.timeout_min), or rerun the sweep with the same "
+            "hydra.sweep.dir, to continue"
+        )
     except subprocess.CalledProcessError as err:
         return f"`scontrol requeue` failed ({err}): the cluster may not allow requeueing (JobRequeue=0)"
     return "submitit did not requeue the job"
@@ -172,8 +183,9 @@ class SlurmLauncher(SubmititSlurmLauncher):
     """hydra-submitit-launcher's SLURM launcher, with per-job resources, jobs that die recorded, and jobs
     that SLURM stops requeued to resume from their checkpoint."""
 
-    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
-                 singleton_state: dict) -> JobReturn:
+    def __call__(
+        self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str, singleton_state: dict
+    ) -> JobReturn:
         """One task of a job (one rank), on a node of the cluster."""
         from fsdp_exp.checkpoint.signals import handle_stop_signals, signal_requested
 
@@ -187,28 +199,44 @@ class SlurmLauncher(SubmititSlurmLauncher):
         result = super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
         # Only task 0's result counts (fsdp_exp/slurm.py _result); the others' are left as they are.
         ran = result._return_value if result.status == JobStatus.COMPLETED else None  # noqa: SLF001 - no raise
-        if int(os.environ.get("SLURM_PROCID", "0")) != 0 or not isinstance(ran, dict) \
-                or ran.get("status") != "interrupted":
+        if (
+            int(os.environ.get("SLURM_PROCID", "0")) != 0
+            or not isinstance(ran, dict)
+            or ran.get("status") != "interrupted"
+        ):
             return result
         stop = (ran.get("interrupted") or {}).get("signal")  # the signal every rank agreed to stop on
         step = ((ran.get("interrupted") or {}).get("checkpoint") or {}).get("step")
         from fsdp_exp.record import RunRecord
 
         assert self.hydra_context is not None and self.config is not None
-        record = RunRecord(_job_dir(self.hydra_context.config_loader.load_sweep_config(self.config, sweep_overrides),
-                                    job_num))
+        record = RunRecord(
+            _job_dir(self.hydra_context.config_loader.load_sweep_config(self.config, sweep_overrides), job_num)
+        )
         if stop == TIME_LIMIT_SIGNAL:
             why_not = _requeue_after_time_limit(int(self.params.get("max_num_timeout") or 0))
             if why_not is not None:
                 log.error(f"not requeued: {why_not}")
                 record.on_slurm(not_requeued=why_not)
                 return result  # the job ends here, interrupted: the sweep reports it
-            record.on_slurm(stops=[{"signal": stop, "reason": "time limit", "saved_step": step, "requeued": True,
-                                    "at": time.time()}])
+            record.on_slurm(
+                stops=[
+                    {"signal": stop, "reason": "time limit", "saved_step": step, "requeued": True, "at": time.time()}
+                ]
+            )
             log.info(f"time limit: every rank saved step {step}; the job is requeued and resumes from there")
         else:
-            record.on_slurm(stops=[{"signal": stop, "reason": "preempted, requeued or cancelled by SLURM",
-                                    "saved_step": step, "requeued": None, "at": time.time()}])
+            record.on_slurm(
+                stops=[
+                    {
+                        "signal": stop,
+                        "reason": "preempted, requeued or cancelled by SLURM",
+                        "saved_step": step,
+                        "requeued": None,
+                        "at": time.time(),
+                    }
+                ]
+            )
             log.info(f"{stop}: every rank saved step {step}; SLURM decides whether the job comes back")
         # No result from task 0: the sweep keeps waiting for the job's next start (or for SLURM to say
         # that it ended: cancelled).
@@ -224,20 +252,27 @@ class SlurmLauncher(SubmititSlurmLauncher):
         configs = [self.hydra_context.config_loader.load_sweep_config(self.config, list(o)) for o in job_overrides]
         arrays: dict[tuple, list[int]] = {}  # jobs of one size are one array (one sbatch)
         try:
-            set_by_hand = [o for o in self.config.hydra.overrides.hydra
-                           if o.lstrip("+~").split("=")[0] in {f"hydra.launcher.{key}" for key in PER_JOB}]
+            set_by_hand = [
+                o
+                for o in self.config.hydra.overrides.hydra
+                if o.lstrip("+~").split("=")[0] in {f"hydra.launcher.{key}" for key in PER_JOB}
+            ]
             if set_by_hand:
-                fail(f"{', '.join(set_by_hand)}: hydra/launcher=slurm takes each job's tasks and nodes from "
-                     "its trainer config.",
-                     "pass trainer.nproc_per_node=N (tasks per node) and trainer.nnodes=M instead")
+                fail(
+                    f"{', '.join(set_by_hand)}: hydra/launcher=slurm takes each job's tasks and nodes from "
+                    "its trainer config.",
+                    "pass trainer.nproc_per_node=N (tasks per node) and trainer.nnodes=M instead",
+                )
             lead = int(params["timeout_min"]) * 60 - int(params.get("signal_delay_s") or 0)
             if lead < MIN_SIGNAL_LEAD_S:
-                fail(f"hydra.launcher.signal_delay_s={params.get('signal_delay_s')} with timeout_min={params['timeout_min']}: "
-                     f"the time-limit signal would come {max(lead, 0)} s after a job starts (SLURM sends it up to "
-                     "~30 s early), while its ranks are still starting: every start would save and be "
-                     "requeued with hardly a step trained.",
-                     f"keep timeout_min * 60 - signal_delay_s at {MIN_SIGNAL_LEAD_S} s or more, e.g. "
-                     f"hydra.launcher.signal_delay_s={max(0, int(params['timeout_min']) * 60 - MIN_SIGNAL_LEAD_S)}")
+                fail(
+                    f"hydra.launcher.signal_delay_s={params.get('signal_delay_s')} with timeout_min={params['timeout_min']}: "
+                    f"the time-limit signal would come {max(lead, 0)} s after a job starts (SLURM sends it up to "
+                    "~30 s early), while its ranks are still starting: every start would save and be "
+                    "requeued with hardly a step trained.",
+                    f"keep timeout_min * 60 - signal_delay_s at {MIN_SIGNAL_LEAD_S} s or more, e.g. "
+                    f"hydra.launcher.signal_delay_s={max(0, int(params['timeout_min']) * 60 - MIN_SIGNAL_LEAD_S)}",
+                )
             sizes = partition_sizes()
             for i, cfg in enumerate(configs):
                 resources = job_resources(cfg.trainer, params.get("gpus_per_node"))
@@ -247,12 +282,18 @@ class SlurmLauncher(SubmititSlurmLauncher):
             print(f"fsdp_exp: invalid configuration, nothing was submitted: {err}", file=sys.stderr)
             raise SystemExit(EXIT_BAD_CONFIG) from None
 
-        executor = submitit.AutoExecutor(cluster="slurm", folder=params.pop("submitit_folder"),
-                                         slurm_max_num_timeout=params.pop("max_num_timeout"),
-                                         slurm_python=task_python())
+        executor = submitit.AutoExecutor(
+            cluster="slurm",
+            folder=params.pop("submitit_folder"),
+            slurm_max_num_timeout=params.pop("max_num_timeout"),
+            slurm_python=task_python(),
+        )
         generic = set(OmegaConf.structured(BaseQueueConf).keys())
-        shared = {key if key in generic else f"slurm_{key}": value for key, value in params.items()
-                  if key not in (*PER_JOB, "gpus_per_node")}
+        shared = {
+            key if key in generic else f"slurm_{key}": value
+            for key, value in params.items()
+            if key not in (*PER_JOB, "gpus_per_node")
+        }
 
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -265,13 +306,15 @@ class SlurmLauncher(SubmititSlurmLauncher):
             resources = dict(key)
             executor.update_parameters(**shared, **resources)
             size = f"{resources['nodes']} node(s) x {resources['tasks_per_node']} tasks" + (
-                f", {resources['gpus_per_node']} GPUs per node" if resources["gpus_per_node"] else "")
+                f", {resources['gpus_per_node']} GPUs per node" if resources["gpus_per_node"] else ""
+            )
             arguments = []
             for i in members:
                 num = initial_job_idx + i
                 log.info(f"\t#{num} : {' '.join(filter_overrides(job_overrides[i]))} ({size})")
-                arguments.append((list(job_overrides[i]), "hydra.sweep.dir", num, f"job_id_for_{num}",
-                                  Singleton.get_state()))
+                arguments.append(
+                    (list(job_overrides[i]), "hydra.sweep.dir", num, f"job_id_for_{num}", Singleton.get_state())
+                )
             for i, job in zip(members, executor.map_array(self, *zip(*arguments))):
                 jobs[i] = job
         _wait(jobs, initial_job_idx)
@@ -287,8 +330,10 @@ class SlurmLauncher(SubmititSlurmLauncher):
             return job.task(0).result()
         except Exception as exc:  # noqa: BLE001 - whatever submitit raises, this job is over
             log.debug(f"#{num}: {exc}")
-            reason = (f"SLURM job {job.job_id} ended {job.state} and rank 0 left no result: its process was "
-                      f"killed (a signal, out of memory, the time limit) or crashed; see {job.paths.stderr}")
+            reason = (
+                f"SLURM job {job.job_id} ended {job.state} and rank 0 left no result: its process was "
+                f"killed (a signal, out of memory, the time limit) or crashed; see {job.paths.stderr}"
+            )
         run_dir = _job_dir(cfg, num)
         from fsdp_exp.record import RunRecord
 
@@ -297,14 +342,25 @@ class SlurmLauncher(SubmititSlurmLauncher):
         previous = record.read()
         if previous.get("status") not in ("completed", "interrupted", "failed"):
             # The run's part only: resolving hydra's would need this job's hydra.job.num, which is unset here.
-            config = None if "config" in previous else \
-                {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
-                 for k in cfg if k != "hydra"}
+            config = (
+                None
+                if "config" in previous
+                else {
+                    k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+                    for k in cfg
+                    if k != "hydra"
+                }
+            )
             record.failed(None, reason, config=config, overrides=list(overrides))
             record.on_slurm(job_id=job.job_id, state=job.state, log=str(job.paths.stderr))
         log.error(f"#{num}: {reason}")
-        return JobReturn(overrides=list(overrides), working_dir=str(run_dir), task_name=str(cfg.hydra.job.name),
-                         status=JobStatus.COMPLETED, _return_value={"status": "failed", "error": reason})
+        return JobReturn(
+            overrides=list(overrides),
+            working_dir=str(run_dir),
+            task_name=str(cfg.hydra.job.name),
+            status=JobStatus.COMPLETED,
+            _return_value={"status": "failed", "error": reason},
+        )
 
 
 def _wait(jobs: list, first_num: int) -> None:
@@ -327,14 +383,18 @@ def _wait(jobs: list, first_num: int) -> None:
             seen[num] = state
             if state in ("PENDING", "REQUEUED"):
                 if state == "REQUEUED" and before != "REQUEUED":
-                    log.info(f"\t#{num}: SLURM job {job.job_id} was requeued: it resumes from its checkpoint "
-                             "when it starts again")
+                    log.info(
+                        f"\t#{num}: SLURM job {job.job_id} was requeued: it resumes from its checkpoint "
+                        "when it starts again"
+                    )
                 # A job normally starts within seconds: say so only when it does not.
                 waited = time.monotonic() - queued_since.setdefault(num, time.monotonic())
                 if waited >= QUEUED_NOTE_S + QUEUED_REPEAT_S * noted.get(num, 0):
                     noted[num] = noted.get(num, 0) + 1
-                    log.info(f"\t#{num}: SLURM job {job.job_id} has waited {waited:.0f} s in the queue "
-                             f"({_pending_reason(job.job_id)})")
+                    log.info(
+                        f"\t#{num}: SLURM job {job.job_id} has waited {waited:.0f} s in the queue "
+                        f"({_pending_reason(job.job_id)})"
+                    )
                 continue
             queued_since.pop(num, None)
             noted.pop(num, None)
@@ -353,8 +413,10 @@ def _cancel_if_hung(job, num: int, ended_alone: dict) -> None:
     since = ended_alone.setdefault(job.job_id, time.monotonic())
     if time.monotonic() - since < HUNG_TASKS_S:
         return
-    log.error(f"SLURM job {job.job_id}: task 0 ended {HUNG_TASKS_S:.0f} s ago and other tasks still run (stuck, or "
-              "on a node that stopped answering): cancelling the job")
+    log.error(
+        f"SLURM job {job.job_id}: task 0 ended {HUNG_TASKS_S:.0f} s ago and other tasks still run (stuck, or "
+        "on a node that stopped answering): cancelling the job"
+    )
     job.cancel(check=False)
     ended_alone[job.job_id] = float("inf")  # once
 

@@ -65,14 +65,19 @@ def sweep_problems(overrides: list[str]) -> list[str]:
                 problems.append(f"{key}: the sweep lists no value; give at least one ({key}=a,b)")
             duplicates = sorted({v for v in values if values.count(v) > 1})
             if duplicates:
-                hint = f" (to measure each configuration {len(values)} times: {key}=" \
-                       f"{','.join(map(str, range(len(values))))})" if key == REPEAT_KEY else ""
-                problems.append(f"{key}: {', '.join(duplicates)} listed twice; every job would run twice. "
-                                f"List each value once{hint}")
+                hint = (
+                    f" (to measure each configuration {len(values)} times: {key}="
+                    f"{','.join(map(str, range(len(values))))})"
+                    if key == REPEAT_KEY
+                    else ""
+                )
+                problems.append(
+                    f"{key}: {', '.join(duplicates)} listed twice; every job would run twice. "
+                    f"List each value once{hint}"
+                )
             chosen = values
         elif override.value() == [] and _group_options(key):
-            problems.append(f"{key}=[] selects no option of the group; pick one of: "
-                            f"{', '.join(_group_options(key))}")
+            problems.append(f"{key}=[] selects no option of the group; pick one of: {', '.join(_group_options(key))}")
             continue
         else:
             chosen = [override.get_value_element_as_str()]
@@ -129,6 +134,7 @@ def interleave_repeats(jobs: list[list[str]]) -> list[list[str]]:
     order it was listed in): within one repeat the configurations keep Hydra's order. A sweep without
     ``trainer.repeat`` keeps Hydra's order.
     """
+
     def value(job: list[str]) -> Optional[str]:
         return next((o.partition("=")[2] for o in job if o.lstrip("+~").partition("=")[0] == REPEAT_KEY), None)
 
@@ -191,14 +197,18 @@ class SweepCallback(Callback):
         self.started = time.time()
         # Judged here only when the jobs run on this machine (local launcher, basic sweeper): a SLURM
         # node may resolve `auto` against GPUs this machine does not have.
-        if config.hydra.sweeper._target_.endswith(PRODUCT_SWEEPERS) and \
-                config.hydra.launcher._target_.endswith("BasicLauncher"):
+        if config.hydra.sweeper._target_.endswith(PRODUCT_SWEEPERS) and config.hydra.launcher._target_.endswith(
+            "BasicLauncher"
+        ):
             refused = invalid_combinations(overrides, kwargs.get("config_name") or "config")
             if refused:
                 too_big = sum(reason.startswith("does not fit") for _, reason in refused)
                 memory = f" ({too_big} of them do not fit this machine's memory)" if too_big else ""
-                print(f"fsdp_exp: {len(refused)} combination(s) of this sweep cannot run{memory}; each will be "
-                      f"recorded as a failed run and the sweep goes on:", file=sys.stderr)
+                print(
+                    f"fsdp_exp: {len(refused)} combination(s) of this sweep cannot run{memory}; each will be "
+                    f"recorded as a failed run and the sweep goes on:",
+                    file=sys.stderr,
+                )
                 for label, reason in refused:
                     print(f"  {label}: {reason}", file=sys.stderr)
 
@@ -241,8 +251,13 @@ def _print_outcomes(sweep_dir: Path, runs: list) -> None:
         tokens = run.summary.get("summary/tokens_per_s_median")
         error = (run.error or "").splitlines()[0] if run.status != "completed" and run.error else ""
         # escape: errors quote paths such as gloo's "[/pytorch/...]", which rich would read as markup
-        table.add_row(Path(run.path).name.split("_", 1)[0], escape(label), run.status,
-                      f"{tokens:.0f}" if tokens else "", escape(error))
+        table.add_row(
+            Path(run.path).name.split("_", 1)[0],
+            escape(label),
+            run.status,
+            f"{tokens:.0f}" if tokens else "",
+            escape(error),
+        )
     console = Console(stderr=True)
     console.print(table)
     console.print(f"compare them: python -m fsdp_exp.report {sweep_dir}")

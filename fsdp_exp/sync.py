@@ -90,7 +90,7 @@ def _start_key(wandb_file: Path) -> tuple[str, int, float]:
     # in which wandb.init found the names taken); then the file's last write (folders of one id in two run
     # folders, started in one second).
     time_spec, rest = _FOLDER.match(wandb_file.parent.name).groups()
-    suffix = rest[len(offline_run_id(wandb_file)) + 1:]
+    suffix = rest[len(offline_run_id(wandb_file)) + 1 :]
     return time_spec, int(suffix) if suffix.isdigit() else 0, wandb_file.stat().st_mtime
 
 
@@ -135,8 +135,11 @@ def wandb_unreachable(timeout: float = 5.0) -> Optional[str]:
 def _reason(output: str) -> str:
     """wandb sync's error lines, in one line (a server's HTML error page reduced to its text)."""
     lines = [re.sub(r"<[^>]+>", "", line).strip() for line in output.splitlines()]
-    errors = [re.sub(r"^(wandb:\s*)?(ERROR|Error:)\s*", "", line) for line in lines
-              if "ERROR" in line or line.startswith("Error")]
+    errors = [
+        re.sub(r"^(wandb:\s*)?(ERROR|Error:)\s*", "", line)
+        for line in lines
+        if "ERROR" in line or line.startswith("Error")
+    ]
     errors = list(dict.fromkeys(e for e in errors if e and not e.startswith("Find detailed error logs")))
     shown = [line for line in lines if line]
     return ("; ".join(errors) if errors else shown[-1] if shown else "no output")[:300]
@@ -165,15 +168,20 @@ def upload(run: OfflineRun, timeout: float, extra: list[str]) -> Outcome:
     # Its own session: wandb sync starts a service process that a timeout must end too.
     # WANDB_SILENT would hide the errors that say why an upload failed.
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SILENT"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
     _RUNNING.add(proc)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _end(proc)
-        return Outcome(run, "failed", f"wandb sync had not finished after {timeout:g} s (stopped; raise "
-                                      f"--timeout for a large run)", time.monotonic() - start)
+        return Outcome(
+            run,
+            "failed",
+            f"wandb sync had not finished after {timeout:g} s (stopped; raise --timeout for a large run)",
+            time.monotonic() - start,
+        )
     finally:
         _RUNNING.discard(proc)
     seconds = time.monotonic() - start
@@ -181,14 +189,24 @@ def upload(run: OfflineRun, timeout: float, extra: list[str]) -> Outcome:
     if proc.returncode != 0:
         return Outcome(run, "failed", f"wandb sync exit {proc.returncode}: {_reason(output)}", seconds)
     if unmarked:
-        return Outcome(run, "failed", f"wandb sync exited 0 but left {len(unmarked)} of {len(files)} file(s) "
-                                      f"unmarked: {_reason(output)}", seconds)
+        return Outcome(
+            run,
+            "failed",
+            f"wandb sync exited 0 but left {len(unmarked)} of {len(files)} file(s) unmarked: {_reason(output)}",
+            seconds,
+        )
     address = re.findall(r"https?://\S+/runs/\S+", output)
     return Outcome(run, "uploaded", address[-1] if address else f"{len(files)} file(s)", seconds)
 
 
-def sync(runs: list[OfflineRun], jobs: int = 4, timeout: float = 1800, connect_timeout: float = 5.0,
-         extra: Optional[list[str]] = None, dry_run: bool = False) -> list[Outcome]:
+def sync(
+    runs: list[OfflineRun],
+    jobs: int = 4,
+    timeout: float = 1800,
+    connect_timeout: float = 5.0,
+    extra: Optional[list[str]] = None,
+    dry_run: bool = False,
+) -> list[Outcome]:
     """Upload the runs not yet uploaded, ``jobs`` at a time; one Outcome per run, in the runs' order."""
     done = [Outcome(r, "already uploaded", f"{len(r.files)} file(s) marked synced") for r in runs if not r.pending]
     todo = [r for r in runs if r.pending]
@@ -227,20 +245,39 @@ def print_table(outcomes: list[Outcome]) -> None:
     for column in ("W&B id", "run folder", "files", "status", "address or reason"):
         table.add_column(column, overflow="fold", no_wrap=column in ("W&B id", "files", "status"))
     for o in outcomes:
-        table.add_row(*[Text(cell) for cell in (o.run.run_id, "\n".join(_shown(f) for f in o.run.folders),
-                                                str(len(o.run.files)), o.status, o.detail)])
+        table.add_row(
+            *[
+                Text(cell)
+                for cell in (
+                    o.run.run_id,
+                    "\n".join(_shown(f) for f in o.run.folders),
+                    str(len(o.run.files)),
+                    o.status,
+                    o.detail,
+                )
+            ]
+        )
     Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_exp.sync",
-                                     description="Upload the offline W&B runs of fsdp_exp sweeps or runs.")
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_exp.sync", description="Upload the offline W&B runs of fsdp_exp sweeps or runs."
+    )
     parser.add_argument("paths", nargs="+", help="sweep folders, run folders, or their wandb/ folders")
     parser.add_argument("--jobs", "-j", type=int, default=4, help="runs uploaded at a time (default 4)")
-    parser.add_argument("--timeout", type=float, default=1800,
-                        help="seconds one run's upload may take before it is stopped (default 1800)")
-    parser.add_argument("--connect-timeout", type=float, default=5.0,
-                        help="seconds to wait for a connection to the W&B server before giving up (default 5)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=1800,
+        help="seconds one run's upload may take before it is stopped (default 1800)",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=5.0,
+        help="seconds to wait for a connection to the W&B server before giving up (default 5)",
+    )
     parser.add_argument("--entity", "-e", help="upload into this entity instead of the runs' own")
     parser.add_argument("--project", "-p", help="upload into this project instead of the runs' own")
     parser.add_argument("--dry-run", action="store_true", help="list what would be uploaded; upload nothing")
@@ -255,14 +292,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"fsdp_exp.sync: {err}", file=sys.stderr)
         return EXIT_NO_RUNS
     if not runs:
-        print(f"fsdp_exp.sync: no offline W&B run under {', '.join(args.paths)} (a run logs one in "
-              f"<run folder>/wandb/offline-run-*/ with logger.wandb.mode=offline, the default)", file=sys.stderr)
+        print(
+            f"fsdp_exp.sync: no offline W&B run under {', '.join(args.paths)} (a run logs one in "
+            f"<run folder>/wandb/offline-run-*/ with logger.wandb.mode=offline, the default)",
+            file=sys.stderr,
+        )
         return EXIT_NO_RUNS
-    extra = [*(["--entity", args.entity] if args.entity else []),
-             *(["--project", args.project] if args.project else [])]
+    extra = [
+        *(["--entity", args.entity] if args.entity else []),
+        *(["--project", args.project] if args.project else []),
+    ]
     try:
-        outcomes = sync(runs, jobs=args.jobs, timeout=args.timeout, connect_timeout=args.connect_timeout,
-                        extra=extra, dry_run=args.dry_run)
+        outcomes = sync(
+            runs,
+            jobs=args.jobs,
+            timeout=args.timeout,
+            connect_timeout=args.connect_timeout,
+            extra=extra,
+            dry_run=args.dry_run,
+        )
     except KeyboardInterrupt:
         for proc in list(_RUNNING):  # their own process groups: Ctrl-C did not reach them
             _end(proc)
@@ -272,10 +320,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     failed = [o for o in outcomes if o.status == "failed"]
     if failed:
         reasons = sorted({o.detail for o in failed})
-        print(f"fsdp_exp.sync: {len(failed)} of {len(outcomes)} W&B run(s) not uploaded: "
-              f"{', '.join(f'{o.run.run_id} ({_shown(o.run.folders[0])})' for o in failed)}\n"
-              f"  why: {reasons[0] if len(reasons) == 1 else 'see the table'}\n"
-              f"  their files stay as they are; run this command again to upload them", file=sys.stderr)
+        print(
+            f"fsdp_exp.sync: {len(failed)} of {len(outcomes)} W&B run(s) not uploaded: "
+            f"{', '.join(f'{o.run.run_id} ({_shown(o.run.folders[0])})' for o in failed)}\n"
+            f"  why: {reasons[0] if len(reasons) == 1 else 'see the table'}\n"
+            f"  their files stay as they are; run this command again to upload them",
+            file=sys.stderr,
+        )
         return EXIT_NOT_UPLOADED
     return 0
 

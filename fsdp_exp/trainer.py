@@ -87,36 +87,66 @@ class Trainer:
         setup_s = time.perf_counter() - setup_start
         # fp16: a loss scaler that agrees over ranks on skipped steps (sharded for FSDP).
         self.scaler = self.parallel.grad_scaler() if cfg.precision.loss_scaler == "dynamic" else None
-        self.data = build_data(cfg, topology, dp_rank=info.rank // topology.tp_size % topology.dp_size,
-                                device=self.device)  # rank = (pp_index, dp_index, tp_index), pp outermost
+        self.data = build_data(
+            cfg, topology, dp_rank=info.rank // topology.tp_size % topology.dp_size, device=self.device
+        )  # rank = (pp_index, dp_index, tp_index), pp outermost
         self.loss_chunks = cfg.trainer.loss_chunks  # the output projection and loss per slice of the sequence
 
         # Diagnostics, then resume: everything a checkpoint restores exists now (fsdp_exp/checkpoint/).
-        self.init_check = check_identical_init(self.backend, self.model, cfg.trainer.seed, info.world_size) \
-            if cfg.debug.check_identical_init else None
+        self.init_check = (
+            check_identical_init(self.backend, self.model, cfg.trainer.seed, info.world_size)
+            if cfg.debug.check_identical_init
+            else None
+        )
         self.recorder = Recorder(run_dir, info.is_main)  # rank 0 writes; the other ranks' writes are no-ops
         self.checkpointer = Checkpointer(
-            root=checkpoint_root(cfg.checkpoint.dir, run_dir), info=info, topology=topology, config=plain(cfg),
+            root=checkpoint_root(cfg.checkpoint.dir, run_dir),
+            info=info,
+            topology=topology,
+            config=plain(cfg),
             sharded=sharded_state(self.model, self.optimizer, self.backend),
             replicated={"scheduler": self.scheduler, "scaler": self.scaler, "data": self.data},
-            per_rank={"rng": RngState(self.device)}, settings=cfg.checkpoint, faults=cfg.debug,
-            total_steps=cfg.trainer.steps, on_saved=self.recorder.checkpoint_saved)
+            per_rank={"rng": RngState(self.device)},
+            settings=cfg.checkpoint,
+            faults=cfg.debug,
+            total_steps=cfg.trainer.steps,
+            on_saved=self.recorder.checkpoint_saved,
+        )
         self.start_step = self.checkpointer.resume()
         self.guard = StopGuard(cfg.checkpoint, info.rank, cfg.trainer.steps)  # signal stop, NaN/inf stop
 
         kept = self.recorder.open_sinks(cfg, keep_through_step=self.checkpointer.metrics_keep_through)
-        self.metrics = StepMetrics(cfg, topology, info, run_dir, model=self.model, optimizer=self.optimizer,
-                                   backend=self.backend, data=self.data, recorder=self.recorder, apply_ac=ac.apply,
-                                   predicted=context.prediction.row, predicted_phases=context.prediction.phases,
-                                   history=kept,
-                                   setup_s=setup_s, start_step=self.start_step)
+        self.metrics = StepMetrics(
+            cfg,
+            topology,
+            info,
+            run_dir,
+            model=self.model,
+            optimizer=self.optimizer,
+            backend=self.backend,
+            data=self.data,
+            recorder=self.recorder,
+            apply_ac=ac.apply,
+            predicted=context.prediction.row,
+            predicted_phases=context.prediction.phases,
+            history=kept,
+            setup_s=setup_s,
+            start_step=self.start_step,
+        )
 
     def _start_record(self) -> None:
         """The ranks are up: run.json says running, with the environment; W&B opens (rank 0)."""
         self.checkpointer.wandb_run_id = self.recorder.start(  # the W&B run its checkpoints name from now on
-            self.cfg, self.topology, self.info, applied=self.applied, labels=self.context.labels,
-            facts=self.metrics.facts(), resumed_from=self.checkpointer.resumed, init_check=self.init_check,
-            wandb_run_id=self.checkpointer.wandb_run_id)  # a resumed run continues its W&B run
+            self.cfg,
+            self.topology,
+            self.info,
+            applied=self.applied,
+            labels=self.context.labels,
+            facts=self.metrics.facts(),
+            resumed_from=self.checkpointer.resumed,
+            init_check=self.init_check,
+            wandb_run_id=self.checkpointer.wandb_run_id,
+        )  # a resumed run continues its W&B run
 
     # ------------------------------------------------------------------------------------- loop
     def fit(self) -> None:
@@ -166,9 +196,14 @@ class Trainer:
             return
         from fsdp_exp.export import export_dir, export_model
 
-        exported = export_model(self.model, self.cfg.model, self.cfg.checkpoint.export,
-                                export_dir(self.cfg.checkpoint.export_dir, self.run_dir), self.info.is_main,
-                                consolidate=self.backend.full_state_dict)
+        exported = export_model(
+            self.model,
+            self.cfg.model,
+            self.cfg.checkpoint.export,
+            export_dir(self.cfg.checkpoint.export_dir, self.run_dir),
+            self.info.is_main,
+            consolidate=self.backend.full_state_dict,
+        )
         self.recorder.exported(exported)
 
     def train_step(self, step: int, phase=None) -> tuple[torch.Tensor, float, float]:
@@ -198,7 +233,9 @@ class Trainer:
         if phase:
             phase("optimizer")
         lr = self.scheduler.get_last_lr()[0]
-        grad_norm = self.parallel.optimizer_step(self.optimizer, self.scaler, self.cfg.trainer.grad_clip or float("inf"))
+        grad_norm = self.parallel.optimizer_step(
+            self.optimizer, self.scaler, self.cfg.trainer.grad_clip or float("inf")
+        )
         self.scheduler.step()
         return loss_sum, grad_norm.item(), lr
 

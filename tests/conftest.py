@@ -146,8 +146,11 @@ def four_local_ranks(tmp_path_factory) -> list[float]:
     home = tmp_path_factory.mktemp("four_local_home")
     run_dir = tmp_path_factory.mktemp("four_local") / "run"
     with pytest.MonkeyPatch.context() as patch:
-        for key, value in {**BASE_ENV, "HF_HOME": str(home / "hf"),
-                           "XDG_CACHE_HOME": str(tmp_path_factory.getbasetemp() / "xdg_cache")}.items():
+        for key, value in {
+            **BASE_ENV,
+            "HF_HOME": str(home / "hf"),
+            "XDG_CACHE_HOME": str(tmp_path_factory.getbasetemp() / "xdg_cache"),
+        }.items():
             patch.setenv(key, value)
         result = run_cli(FOUR_LOCAL_RANKS, run_dir)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -35,8 +35,10 @@ def reference_run(cfg: RunConfig, steps: int) -> tuple[list[float], torch.nn.Mod
     init_weights(model, cfg.trainer.seed, torch.device("cpu"))
     # Weight decay on matrices only, decided here by shape (the framework decides by name).
     o = cfg.optim
-    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": o.weight_decay},
-              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.trainer.steps)
     data = build_data(cfg, topology, dp_rank=0, device=torch.device("cpu"))

@@ -25,8 +25,9 @@ def offline_folders(run_dir: Path) -> list[Path]:
 
 def records(folder: Path) -> list[dict]:
     (log,) = Path(folder).glob("*.wandb")
-    lines = subprocess.run([str(WANDB), "leet", "inspect", "--json", str(log)], capture_output=True, text=True,
-                           check=True).stdout.splitlines()
+    lines = subprocess.run(
+        [str(WANDB), "leet", "inspect", "--json", str(log)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     return [json.loads(line) for line in lines]
 
 
@@ -125,5 +126,8 @@ def group_filter(spec: dict) -> list[tuple[str, str, object]]:
     (runset,) = spec["spec"]["section"]["runSets"]
     filters = runset["filters"]
     assert filters["filterFormat"] == "filterV2", filters
-    return [(f"{f['key']['section']}:{f['key']['name']}", f["op"], f["value"]) for f in filters["filters"]
-            if not f.get("disabled")]
+    return [
+        (f"{f['key']['section']}:{f['key']['name']}", f["op"], f["value"])
+        for f in filters["filters"]
+        if not f.get("disabled")
+    ]

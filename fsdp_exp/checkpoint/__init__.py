@@ -12,8 +12,24 @@ Fault injection and the identical-init check are the ``debug`` group's (fsdp_exp
 Importing the package loads the torch-free parts only; import ``manager`` (and the others) by name.
 """
 
-from fsdp_exp.checkpoint.layout import (META_FILE, TMP_SUFFIX, CheckpointError, checkpoint_root, complete_checkpoints,
-                                        latest_checkpoint, read_meta, resolve_resume)
+from fsdp_exp.checkpoint.layout import (
+    META_FILE,
+    TMP_SUFFIX,
+    CheckpointError,
+    checkpoint_root,
+    complete_checkpoints,
+    latest_checkpoint,
+    read_meta,
+    resolve_resume,
+)
 
-__all__ = ["META_FILE", "TMP_SUFFIX", "CheckpointError", "checkpoint_root", "complete_checkpoints",
-           "latest_checkpoint", "read_meta", "resolve_resume"]
+__all__ = [
+    "META_FILE",
+    "TMP_SUFFIX",
+    "CheckpointError",
+    "checkpoint_root",
+    "complete_checkpoints",
+    "latest_checkpoint",
+    "read_meta",
+    "resolve_resume",
+]

@@ -64,8 +64,10 @@ def is_complete(path: Path) -> bool:
     if dcp:
         return True
     try:
-        return json.loads(meta.read_text()).get("checkpoint_format", "torch.distributed.checkpoint") \
+        return (
+            json.loads(meta.read_text()).get("checkpoint_format", "torch.distributed.checkpoint")
             != "torch.distributed.checkpoint"
+        )
     except (OSError, ValueError):
         return False
 
@@ -80,7 +82,7 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
         name = path.name
         if not name.startswith(STEP_PREFIX) or name.endswith(TMP_SUFFIX) or not path.is_dir():
             continue
-        number = name[len(STEP_PREFIX):]
+        number = name[len(STEP_PREFIX) :]
         if number.isdigit() and is_complete(path):
             found.append((int(number), path))
     return sorted(found)
@@ -101,12 +103,16 @@ def find_resume(value: str, root: Path) -> Optional[Path]:
     if path.is_dir() and not path.name.startswith(STEP_PREFIX):  # a checkpoint dir: its newest
         newest = latest_checkpoint(path)
         if newest is None:
-            raise CheckpointError(f"checkpoint.resume={value}: no complete checkpoint (step_<N>/{META_FILE}) in it; "
-                                  "pass checkpoint.resume=auto or none")
+            raise CheckpointError(
+                f"checkpoint.resume={value}: no complete checkpoint (step_<N>/{META_FILE}) in it; "
+                "pass checkpoint.resume=auto or none"
+            )
         return newest
     if not is_complete(path):
-        raise CheckpointError(f"checkpoint.resume={value} is not a complete checkpoint (no {META_FILE} / .metadata: "
-                              "an unfinished save leaves only a .tmp folder); pass a step_<N> folder, auto or none")
+        raise CheckpointError(
+            f"checkpoint.resume={value} is not a complete checkpoint (no {META_FILE} / .metadata: "
+            "an unfinished save leaves only a .tmp folder); pass a step_<N> folder, auto or none"
+        )
     return path
 
 

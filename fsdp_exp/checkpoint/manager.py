@@ -28,9 +28,24 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from fsdp_exp.checkpoint.layout import (FORMAT, TRAINER_STATE, CheckpointError, config_changes, config_hash,
-                                        find_resume, folder_bytes, latest_checkpoint, per_rank_file, prune, publish,
-                                        read_meta, remove_unfinished, step_dir, tmp_dir, write_meta)
+from fsdp_exp.checkpoint.layout import (
+    FORMAT,
+    TRAINER_STATE,
+    CheckpointError,
+    config_changes,
+    config_hash,
+    find_resume,
+    folder_bytes,
+    latest_checkpoint,
+    per_rank_file,
+    prune,
+    publish,
+    read_meta,
+    remove_unfinished,
+    step_dir,
+    tmp_dir,
+    write_meta,
+)
 from fsdp_exp.debug.faults import storage_writer
 
 
@@ -41,17 +56,32 @@ STAGE_CUT_KEYS = ("parallel.pp", "parallel.pp_stages_per_rank", "parallel.pp_spl
 def _stage_cut(config: dict) -> dict:
     """The pipeline cut of a plain config (the schedule only matters under pp > 1: it places the stages)."""
     parallel = config.get("parallel", {})
-    cut = {"parallel.pp": parallel.get("pp", 1), "parallel.pp_stages_per_rank": parallel.get("pp_stages_per_rank", 1),
-           "parallel.pp_split": parallel.get("pp_split")}
+    cut = {
+        "parallel.pp": parallel.get("pp", 1),
+        "parallel.pp_stages_per_rank": parallel.get("pp_stages_per_rank", 1),
+        "parallel.pp_split": parallel.get("pp_split"),
+    }
     if cut["parallel.pp"] > 1:
         cut["parallel.pp_schedule"] = parallel.get("pp_schedule")
     return cut
 
 
 class Checkpointer:
-    def __init__(self, *, root: Path, info, topology, config: dict, sharded, replicated: dict,
-                 per_rank: dict, settings, faults, total_steps: int,
-                 on_saved: Optional[Callable[[dict], None]] = None):
+    def __init__(
+        self,
+        *,
+        root: Path,
+        info,
+        topology,
+        config: dict,
+        sharded,
+        replicated: dict,
+        per_rank: dict,
+        settings,
+        faults,
+        total_steps: int,
+        on_saved: Optional[Callable[[dict], None]] = None,
+    ):
         self.root, self.info, self.topology, self.config = Path(root), info, topology, config
         self.sharded, self.replicated, self.per_rank = sharded, replicated, per_rank
         self.cfg, self.faults, self.total_steps, self.on_saved = settings, faults, total_steps, on_saved
@@ -83,9 +113,12 @@ class Checkpointer:
 
     def _layout(self) -> dict:
         """The layout this run shards over (compared with a checkpoint's on resume)."""
-        return {"world_size": self.topology.world_size, "mesh_shape": list(self.topology.mesh_shape),
-                "mesh_dim_names": list(self.topology.mesh_dim_names),
-                "backend": self.config["sharding"]["backend"]}
+        return {
+            "world_size": self.topology.world_size,
+            "mesh_shape": list(self.topology.mesh_shape),
+            "mesh_dim_names": list(self.topology.mesh_dim_names),
+            "backend": self.config["sharding"]["backend"],
+        }
 
     def _meta(self, step: int, reason: str) -> dict:
         from fsdp_exp import __version__
@@ -132,8 +165,9 @@ class Checkpointer:
         backend = self.sharded.backend  # writes the shards in its format (DCP by default)
         saved = dict(writer=writer, step=step, rank=self.info.rank, debug=self.faults)
         if self.cfg.async_save:
-            future = backend.save_checkpoint(self.sharded, tmp, **saved, process_group=self._async_group,
-                                             async_save=True)
+            future = backend.save_checkpoint(
+                self.sharded, tmp, **saved, process_group=self._async_group, async_save=True
+            )
             self._pending = (future, step, tmp, final, meta, t0)
             # Commit in the background too: wait for every rank's write, then rank 0 renames.
             self._pending_thread = threading.Thread(target=self._commit_async, daemon=True)
@@ -160,8 +194,13 @@ class Checkpointer:
             write_meta(tmp, meta)
             publish(tmp, final)
             prune(self.root, self.cfg.keep)
-            self.last_saved = {"path": str(final), "step": step, "reason": meta["reason"],
-                               "save_s": meta["save_s"], "bytes": meta["bytes"]}
+            self.last_saved = {
+                "path": str(final),
+                "step": step,
+                "reason": meta["reason"],
+                "save_s": meta["save_s"],
+                "bytes": meta["bytes"],
+            }
         dist.barrier(group=group)  # nobody goes on (or exits) before the checkpoint is visible
 
     def latest(self) -> Optional[Path]:
@@ -178,8 +217,10 @@ class Checkpointer:
         if self._async_error is not None:
             step, err = self._async_error
             self._async_error = None
-            raise CheckpointError(f"the background save of step_{step} failed ({type(err).__name__}: {err}); "
-                                  "the previous checkpoints are intact") from err
+            raise CheckpointError(
+                f"the background save of step_{step} failed ({type(err).__name__}: {err}); "
+                "the previous checkpoints are intact"
+            ) from err
         self._report_saved()
 
     def _report_saved(self) -> None:
@@ -226,10 +267,13 @@ class Checkpointer:
             "config_changes": config_changes(meta.get("config", {}), self.config),
         }
         if self.info.is_main:
+
             def describe(d: dict) -> str:
                 return f"{d['backend']} on {d['world_size']} ranks, mesh {d['mesh_shape']}"
 
-            moved = f" (resharded: {describe(layout_then)} -> {describe(layout_now)})" if self.resumed["resharded"] else ""
+            moved = (
+                f" (resharded: {describe(layout_then)} -> {describe(layout_now)})" if self.resumed["resharded"] else ""
+            )
             if self.resumed["device_map_changed"] and not moved:
                 moved = " (same layout; some ranks now run on other hosts or devices)"
             print(f"fsdp_exp: resuming from {path} at step {step}{moved}", file=sys.stderr, flush=True)
@@ -249,21 +293,29 @@ class Checkpointer:
                 f"cannot resume from {path}: sharding.backend={meta.get('backend')} wrote its shards as "
                 f"{saved_format}, and sharding.backend={backend.name} reads {backend.checkpoint_format}; no "
                 f"conversion between the two is wired. Resume it with sharding.backend={meta.get('backend')}, "
-                "or pass checkpoint.resume=none")
+                "or pass checkpoint.resume=none"
+            )
         saved_model, model = meta["config"]["model"], self.config["model"]
-        diff = {k: (saved_model.get(k), model.get(k)) for k in set(saved_model) | set(model)
-                if saved_model.get(k) != model.get(k)}
+        diff = {
+            k: (saved_model.get(k), model.get(k))
+            for k in set(saved_model) | set(model)
+            if saved_model.get(k) != model.get(k)
+        }
         if diff:
             listed = ", ".join(f"model.{k}: {a} in the checkpoint, {b} now" for k, (a, b) in sorted(diff.items()))
-            raise CheckpointError(f"cannot resume from {path}: it holds another architecture ({listed}); no "
-                                  "resharding converts that. Pass the checkpoint's model settings, or "
-                                  "checkpoint.resume=none to start afresh")
+            raise CheckpointError(
+                f"cannot resume from {path}: it holds another architecture ({listed}); no "
+                "resharding converts that. Pass the checkpoint's model settings, or "
+                "checkpoint.resume=none to start afresh"
+            )
         saved_cut, cut = _stage_cut(meta["config"]), _stage_cut(self.config)
         if saved_cut != cut:
-            raise CheckpointError(f"cannot resume from {path}: its model was cut into pipeline stages as {saved_cut}, "
-                                  f"this run as {cut} ({', '.join(STAGE_CUT_KEYS)}); each rank saved its own stages' "
-                                  "parameters, and no resharding across stage cuts is wired. Pass the checkpoint's "
-                                  "parallel.pp* settings, or checkpoint.resume=none")
+            raise CheckpointError(
+                f"cannot resume from {path}: its model was cut into pipeline stages as {saved_cut}, "
+                f"this run as {cut} ({', '.join(STAGE_CUT_KEYS)}); each rank saved its own stages' "
+                "parameters, and no resharding across stage cuts is wired. Pass the checkpoint's "
+                "parallel.pp* settings, or checkpoint.resume=none"
+            )
         if self.replicated.get("data") is None:
             return
         saved_data, data = meta.get("data", {}), self.replicated["data"].state_dict()
@@ -272,7 +324,8 @@ class Checkpointer:
                 raise CheckpointError(
                     f"cannot resume from {path}: its data position was saved with {key}={saved_data.get(key)!r}, "
                     f"this run has {data.get(key)!r}, so resuming would not continue the same sequence of batches. "
-                    "Pass the checkpoint's data and trainer.global_batch_size, or checkpoint.resume=none")
+                    "Pass the checkpoint's data and trainer.global_batch_size, or checkpoint.resume=none"
+                )
 
     def _load(self, path: Path, meta: dict) -> None:
         try:
@@ -281,14 +334,20 @@ class Checkpointer:
             raise  # the backend already said why
         except Exception as err:  # torch refuses this conversion: say from what to what
             now_layout = self._layout()
-            saved = (f"sharding.backend={meta.get('backend')} on {meta.get('world_size')} ranks, mesh "
-                     f"{meta.get('mesh_shape')} {meta.get('mesh_dim_names')}")
-            now = (f"sharding.backend={now_layout['backend']} on {now_layout['world_size']} ranks, mesh "
-                   f"{now_layout['mesh_shape']} {now_layout['mesh_dim_names']}")
-            raise CheckpointError(f"cannot convert checkpoint {path} ({saved}) to this run ({now}): torch "
-                                  f"refused with {type(err).__name__}: {err}. Resume it with the saved layout "
-                                  f"(sharding.backend={meta.get('backend')} trainer.nproc_per_node="
-                                  f"{meta.get('world_size')}), or pass checkpoint.resume=none") from err
+            saved = (
+                f"sharding.backend={meta.get('backend')} on {meta.get('world_size')} ranks, mesh "
+                f"{meta.get('mesh_shape')} {meta.get('mesh_dim_names')}"
+            )
+            now = (
+                f"sharding.backend={now_layout['backend']} on {now_layout['world_size']} ranks, mesh "
+                f"{now_layout['mesh_shape']} {now_layout['mesh_dim_names']}"
+            )
+            raise CheckpointError(
+                f"cannot convert checkpoint {path} ({saved}) to this run ({now}): torch "
+                f"refused with {type(err).__name__}: {err}. Resume it with the saved layout "
+                f"(sharding.backend={meta.get('backend')} trainer.nproc_per_node="
+                f"{meta.get('world_size')}), or pass checkpoint.resume=none"
+            ) from err
         saved = torch.load(path / TRAINER_STATE, weights_only=True)
         for name, obj in self.replicated.items():
             if obj is not None and saved.get(name) is not None:

@@ -15,8 +15,13 @@ def rng_state(device: torch.device) -> dict:
         import numpy as np
 
         kind, keys, pos, has_gauss, gauss = np.random.get_state()
-        state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.copy()), "pos": int(pos),
-                          "has_gauss": int(has_gauss), "gauss": float(gauss)}
+        state["numpy"] = {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.copy()),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        }
     except ImportError:
         pass
     if device.type == "cuda":

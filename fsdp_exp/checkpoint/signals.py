@@ -37,7 +37,9 @@ def handle_stop_signals(names: list[str]) -> None:
 
 def _handled() -> set[str]:
     """The signals whose handler is ``_on_signal`` now."""
-    return {s.name for s in signal.valid_signals() if isinstance(s, signal.Signals) and signal.getsignal(s) is _on_signal}
+    return {
+        s.name for s in signal.valid_signals() if isinstance(s, signal.Signals) and signal.getsignal(s) is _on_signal
+    }
 
 
 def _stand_down(names: list[str]) -> None:
@@ -82,8 +84,10 @@ class StepFlags:
             return None, None, None
         requested = signal_requested() if self.on_signal else None
         finite = not self.nan_check or bool(torch.isfinite(loss).all())
-        flags = torch.tensor([float(getattr(signal, requested)) if requested else 0.0,
-                              0.0 if finite else self.rank + 1.0], dtype=torch.float64)
+        flags = torch.tensor(
+            [float(getattr(signal, requested)) if requested else 0.0, 0.0 if finite else self.rank + 1.0],
+            dtype=torch.float64,
+        )
         agreed: list[tuple[torch.Tensor, int]] = []
         if self._inflight is not None:
             work, buffer, at = self._inflight
@@ -94,8 +98,11 @@ class StepFlags:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group)
             agreed.append((flags, step))
         else:
-            self._inflight = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True),
-                              flags, step)
+            self._inflight = (
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True),
+                flags,
+                step,
+            )
         stop = bad_rank = bad_step = None
         for buffer, at in agreed:
             signum, bad = buffer.tolist()

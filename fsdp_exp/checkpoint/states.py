@@ -34,8 +34,13 @@ class ModelAndOptimizer:
     def load_state_dict(self, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=self.options)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=self.options,
+        )
 
 
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, backend) -> ModelAndOptimizer:

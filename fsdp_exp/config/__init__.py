@@ -49,7 +49,7 @@ def job_dirname(override_dirname: str) -> str:
     if len(raw) <= MAX_DIRNAME_BYTES:
         return override_dirname
     digest = hashlib.sha256(raw).hexdigest()[:12]
-    return raw[:MAX_DIRNAME_BYTES - 13].decode(errors="ignore") + "-" + digest
+    return raw[: MAX_DIRNAME_BYTES - 13].decode(errors="ignore") + "-" + digest
 
 
 register_configs()
@@ -86,8 +86,11 @@ def _model_config(node: Any) -> Any:
         return OmegaConf.to_object(OmegaConf.merge(_schema_node(schema), node))
     except ValidationError as err:
         key = f"model.{err.key}" if getattr(err, "key", None) else "model"
-        fail(f"{key}: {str(err).splitlines()[0]}", f"pass a value of the type {schema.__name__} declares for {key} "
-             "(python -m fsdp_exp --cfg job lists every key)")
+        fail(
+            f"{key}: {str(err).splitlines()[0]}",
+            f"pass a value of the type {schema.__name__} declares for {key} "
+            "(python -m fsdp_exp --cfg job lists every key)",
+        )
 
 
 def plain(cfg: Any) -> dict:

@@ -161,8 +161,12 @@ class ParallelConfig:
     loss_parallel: bool = True
     # Pipeline parallel (fsdp_exp/parallel/pipeline.py, docs/pipeline.md): the mesh becomes (pp, dp), pp outermost
     pp: int = 1  # pipeline ranks; the model is cut by blocks into pp x pp_stages_per_rank stages
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv_zero_bubble | dualpipev
-    pp_microbatches: int = 0  # micro-batches per step of each dp rank's batch; 0 = from trainer.micro_batch_size, else pp
+    pp_schedule: str = (
+        "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv_zero_bubble | dualpipev
+    )
+    pp_microbatches: int = (
+        0  # micro-batches per step of each dp rank's batch; 0 = from trainer.micro_batch_size, else pp
+    )
     pp_stages_per_rank: int = 1  # stages each pp rank holds (interleaved_1f1b, looped_bfs: any; the V schedules: 2)
     pp_split: Optional[list[int]] = None  # first block of every stage but the first; null = balanced by parameters
 
@@ -348,4 +352,3 @@ class RunConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compile: bool = False  # torch.compile each transformer block (before sharding)
-

@@ -84,8 +84,9 @@ def schema_keys(schema: type, prefix: str = "") -> Iterator[str]:
         if inner is not None:
             yield from schema_keys(inner, key + ".")
         if name in families:  # every family's keys, once
-            yield from dict.fromkeys(k for family in families[name]["schemas"].values()
-                                     for k in schema_keys(family, key + "."))
+            yield from dict.fromkeys(
+                k for family in families[name]["schemas"].values() for k in schema_keys(family, key + ".")
+            )
 
 
 def unknown_keys(node: Any, schema: type, prefix: str = "") -> Iterator[str]:
@@ -129,8 +130,10 @@ def check_keys(cfg: Any, schema: type) -> None:
     for key in unknown:
         owner = _other_family(cfg, schema, key)
         if owner:
-            problems.append(f"{key} is a setting of the {owner[1]} model family, and this model is "
-                            f"{owner[0]}.name={_value(cfg, owner[0] + '.name')}")
+            problems.append(
+                f"{key} is a setting of the {owner[1]} model family, and this model is "
+                f"{owner[0]}.name={_value(cfg, owner[0] + '.name')}"
+            )
             fixes.append(f"drop {key}, or pick a model of the {owner[1]} family")
             continue
         # Compare with keys of the same group first: "trainer.stpes" is closer to "trainer.steps" than
@@ -140,8 +143,10 @@ def check_keys(cfg: Any, schema: type) -> None:
         near = closest(key, candidates)
         problems.append(f"{key} is not a setting of fsdp_exp" + did_you_mean(near, before=" (", after=")"))
         fixes.append(f"drop {key}" + (f", or write {near}=..." if near else ""))
-    fail("unknown key" + ("s" if len(unknown) > 1 else "") + ": " + "; ".join(problems) + ".",
-         "; ".join(fixes) + " (python -m fsdp_exp --cfg job lists every key)")
+    fail(
+        "unknown key" + ("s" if len(unknown) > 1 else "") + ": " + "; ".join(problems) + ".",
+        "; ".join(fixes) + " (python -m fsdp_exp --cfg job lists every key)",
+    )
 
 
 def _value(cfg: Any, dotted: str) -> Any:
@@ -187,10 +192,15 @@ def check_values(run_config: Any) -> None:
         default: Any = defaults
         for part in path.split("[")[0].split("."):
             default = getattr(default, part, None)
-        fixes.append(f"pass a finite {path}" + (f" (the default is {default})" if default is not None
-                                                 and not isinstance(default, (list, tuple)) else ""))
-    fail(", ".join(f"{path}={value}" for path, value in bad) + " is not a finite number, and no setting means "
-         "anything with NaN or infinity.", "; ".join(fixes))
+        fixes.append(
+            f"pass a finite {path}"
+            + (f" (the default is {default})" if default is not None and not isinstance(default, (list, tuple)) else "")
+        )
+    fail(
+        ", ".join(f"{path}={value}" for path, value in bad) + " is not a finite number, and no setting means "
+        "anything with NaN or infinity.",
+        "; ".join(fixes),
+    )
 
 
 def refusal(exc: BaseException) -> str | None:
@@ -236,8 +246,12 @@ def explain_composition_error(exc: BaseException, schema: type) -> str | None:
         group = key.rsplit(".", 1)[0] + "." if "." in key else ""
         candidates = [k for k in known if k.startswith(group) and k.count(".") == key.count(".")] or known
         near = closest(key, candidates)
-        return (f"{where}\n{key} is not a setting of fsdp_exp" + did_you_mean(near, before=" (", after=")")
-                + f".\n  fix: drop {key}" + (f", or write {near}" if near else "")
-                + " (python -m fsdp_exp --cfg job lists every key)").strip()
+        return (
+            f"{where}\n{key} is not a setting of fsdp_exp"
+            + did_you_mean(near, before=" (", after=")")
+            + f".\n  fix: drop {key}"
+            + (f", or write {near}" if near else "")
+            + " (python -m fsdp_exp --cfg job lists every key)"
+        ).strip()
     details = f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else ""
     return f"{exc}{details}".strip()

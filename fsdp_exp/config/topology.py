@@ -40,8 +40,10 @@ def resolve_nproc(value: str, cuda_devices: int) -> int:
     except ValueError:
         n = 0
     if n < 1:
-        fail(f"trainer.nproc_per_node={value!r} is neither 'auto' nor a positive whole number.",
-              "pass trainer.nproc_per_node=auto or e.g. trainer.nproc_per_node=2")
+        fail(
+            f"trainer.nproc_per_node={value!r} is neither 'auto' nor a positive whole number.",
+            "pass trainer.nproc_per_node=auto or e.g. trainer.nproc_per_node=2",
+        )
     return n
 
 

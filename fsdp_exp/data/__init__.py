@@ -22,13 +22,20 @@ import torch
 from fsdp_exp.config import ConfigError, RunConfig, Topology, fail
 from fsdp_exp.data.blocks import PackedBlocks
 from fsdp_exp.data.loader import Batch, StepData
-from fsdp_exp.data.packing import (KINDS, DataError, Packed, cache_root, find_or_pack, sources,
-                                   stderr_log)
+from fsdp_exp.data.packing import KINDS, DataError, Packed, cache_root, find_or_pack, sources, stderr_log
 from fsdp_exp.data.synthetic import SyntheticTokens
 from fsdp_exp.data.tokenizer import TokenizerError, load_tokenizer
 
-__all__ = ["Batch", "StepData", "SyntheticTokens", "PackedBlocks", "build_data", "check_config", "prepare_data",
-           "packed_splits"]
+__all__ = [
+    "Batch",
+    "StepData",
+    "SyntheticTokens",
+    "PackedBlocks",
+    "build_data",
+    "check_config",
+    "prepare_data",
+    "packed_splits",
+]
 
 SAMPLE_BY = ("line", "paragraph", "document")
 
@@ -41,8 +48,11 @@ def check_config(cfg: RunConfig) -> None:
         fail(f"data={d.name!r} is not one of {', '.join(KINDS)}.", "pass data=synthetic|text|json|parquet|hf")
     if t.eval_every < 0:
         fail(f"trainer.eval_every={t.eval_every} is negative.", "pass trainer.eval_every=0 (never) or a step interval")
-    for key, value, least in (("data.num_workers", d.num_workers, 0), ("data.prefetch_factor", d.prefetch_factor, 1),
-                              ("data.val_batches", d.val_batches, 1)):
+    for key, value, least in (
+        ("data.num_workers", d.num_workers, 0),
+        ("data.prefetch_factor", d.prefetch_factor, 1),
+        ("data.val_batches", d.val_batches, 1),
+    ):
         if value < least:
             fail(f"{key}={value} must be at least {least}.", f"pass {key}={max(least, 1) if least else 0} or more")
     if d.max_blocks is not None and d.max_blocks < 1:
@@ -50,45 +60,68 @@ def check_config(cfg: RunConfig) -> None:
 
     if d.name == "synthetic":
         if d.files or d.val_files:
-            fail("data.files / data.val_files are set, but data=synthetic ignores them.",
-                  "pass data=text (or json, parquet) to train on the files, or drop them")
+            fail(
+                "data.files / data.val_files are set, but data=synthetic ignores them.",
+                "pass data=text (or json, parquet) to train on the files, or drop them",
+            )
         if t.eval_every:
-            fail(f"trainer.eval_every={t.eval_every} needs validation data, and data=synthetic has none.",
-                  "pass trainer.eval_every=0, or data=text with data.val_files=[...]")
+            fail(
+                f"trainer.eval_every={t.eval_every} needs validation data, and data=synthetic has none.",
+                "pass trainer.eval_every=0, or data=text with data.val_files=[...]",
+            )
         return
 
     if d.sample_by not in SAMPLE_BY:
-        fail(f"data.sample_by={d.sample_by!r} is not one of {', '.join(SAMPLE_BY)}.",
-              "pass data.sample_by=paragraph (a blank line ends a document)")
+        fail(
+            f"data.sample_by={d.sample_by!r} is not one of {', '.join(SAMPLE_BY)}.",
+            "pass data.sample_by=paragraph (a blank line ends a document)",
+        )
     if d.name == "hf":
         if not d.dataset:
-            fail("data=hf needs a dataset.", "pass data.dataset=<hub name, e.g. roneneldan/TinyStories, or a local folder>")
+            fail(
+                "data=hf needs a dataset.",
+                "pass data.dataset=<hub name, e.g. roneneldan/TinyStories, or a local folder>",
+            )
         if d.dataset.startswith(("/", ".", "~")) and not Path(d.dataset).expanduser().exists():
-            fail(f"data.dataset={d.dataset!r} looks like a local folder and does not exist.",
-                  "pass data.dataset=<an existing folder or a hub name>")
+            fail(
+                f"data.dataset={d.dataset!r} looks like a local folder and does not exist.",
+                "pass data.dataset=<an existing folder or a hub name>",
+            )
         if d.files or d.val_files:
-            fail("data.files / data.val_files do not apply to data=hf.",
-                  "pass data=json|parquet|text for local files, or data.split / data.val_split for data=hf")
+            fail(
+                "data.files / data.val_files do not apply to data=hf.",
+                "pass data=json|parquet|text for local files, or data.split / data.val_split for data=hf",
+            )
     try:
         _, val = sources(d)  # missing and empty files
     except DataError as err:
         raise ConfigError(str(err)) from None
     if t.eval_every and val is None:
         key = "data.val_split=<split>" if d.name == "hf" else "data.val_files=[...]"
-        fail(f"trainer.eval_every={t.eval_every} needs validation data, and there is none.",
-              f"pass {key} or trainer.eval_every=0")
+        fail(
+            f"trainer.eval_every={t.eval_every} needs validation data, and there is none.",
+            f"pass {key} or trainer.eval_every=0",
+        )
 
     try:
         tokenizer = load_tokenizer(tokenizer_name(cfg), d.eos_token)
     except TokenizerError as err:
-        fail(str(err), "pass data.tokenizer=byte, a tokenizer.json (or its folder), or a hub name "
-                        "(and data.eos_token=<its end-of-document token>)")
+        fail(
+            str(err),
+            "pass data.tokenizer=byte, a tokenizer.json (or its folder), or a hub name "
+            "(and data.eos_token=<its end-of-document token>)",
+        )
     if tokenizer.vocab_size > model_vocab_size(cfg):
-        fail(f"data.tokenizer={d.tokenizer!r} has a vocabulary of {tokenizer.vocab_size} tokens, more than the "
-              f"model's embedding (model.vocab_size={model_vocab_size(cfg)}).",
-              f"pass model.vocab_size={tokenizer.vocab_size}" + (
-                  f" (or a multiple of 64 above it, e.g. model.vocab_size={-(-tokenizer.vocab_size // 64) * 64})"
-                  if tokenizer.vocab_size % 64 else ""))
+        fail(
+            f"data.tokenizer={d.tokenizer!r} has a vocabulary of {tokenizer.vocab_size} tokens, more than the "
+            f"model's embedding (model.vocab_size={model_vocab_size(cfg)}).",
+            f"pass model.vocab_size={tokenizer.vocab_size}"
+            + (
+                f" (or a multiple of 64 above it, e.g. model.vocab_size={-(-tokenizer.vocab_size // 64) * 64})"
+                if tokenizer.vocab_size % 64
+                else ""
+            ),
+        )
 
 
 MODEL_TOKENIZER = "model"
@@ -108,9 +141,11 @@ def tokenizer_name(cfg: RunConfig) -> str:
     if own is not None:
         return str(own)
     if spec.vocab_size(cfg.model) < ByteTokenizer.vocab_size:
-        fail(f"data.tokenizer=model: the model names no tokenizer found on this machine, and its vocabulary of "
-             f"{spec.vocab_size(cfg.model)} cannot hold the byte tokenizer's 256 ids.",
-             "pass data.tokenizer=<a tokenizer.json, its folder, or a hub name>")
+        fail(
+            f"data.tokenizer=model: the model names no tokenizer found on this machine, and its vocabulary of "
+            f"{spec.vocab_size(cfg.model)} cannot hold the byte tokenizer's 256 ids.",
+            "pass data.tokenizer=<a tokenizer.json, its folder, or a hub name>",
+        )
     return BYTE
 
 
@@ -121,8 +156,7 @@ def model_vocab_size(cfg: RunConfig) -> int:
     return spec_for(cfg.model).vocab_size(cfg.model)
 
 
-def packed_splits(cfg: RunConfig, log: Optional[Callable[[str], None]] = None
-                  ) -> tuple[Packed, Optional[Packed], dict]:
+def packed_splits(cfg: RunConfig, log: Optional[Callable[[str], None]] = None) -> tuple[Packed, Optional[Packed], dict]:
     """(train, val, info) of a real-data config: from the cache, or packed now (under a lock).
     Raises ConfigError when the data cannot fill a global batch."""
     d, t = cfg.data, cfg.trainer
@@ -134,27 +168,38 @@ def packed_splits(cfg: RunConfig, log: Optional[Callable[[str], None]] = None
         _check_packed(cfg, "training", train, train_src.key)
         val = val_built = None
         if val_src is not None:
-            val, val_built = find_or_pack(val_src, tokenizer_name(cfg), d.eos_token, t.seq_len, d.val_batches * G, root, log)
+            val, val_built = find_or_pack(
+                val_src, tokenizer_name(cfg), d.eos_token, t.seq_len, d.val_batches * G, root, log
+            )
             _check_packed(cfg, "validation", val, val_src.key)
     except (DataError, TokenizerError) as err:
         raise ConfigError(str(err)) from None
     info = {"train": {"path": str(train.path), "built_now": built, **_counts(train.meta)}}
     if val is not None:
-        info["val"] = {"path": str(val.path), "built_now": val_built, **_counts(val.meta),
-                       "val_batches": min(d.val_batches, val.num_blocks // G)}
+        info["val"] = {
+            "path": str(val.path),
+            "built_now": val_built,
+            **_counts(val.meta),
+            "val_batches": min(d.val_batches, val.num_blocks // G),
+        }
     return train, val, info
 
 
 def _check_packed(cfg: RunConfig, split: str, packed: Packed, key: str) -> None:
     m, t = packed.meta, cfg.trainer
     if m["num_blocks"] < t.global_batch_size:
-        fail(f"the {split} data ({key}) yields {m['num_tokens']} tokens in {m['num_docs']} documents: "
-              f"{m['num_blocks']} blocks of trainer.seq_len + 1 = {t.seq_len + 1} tokens, fewer than one global "
-              f"batch (trainer.global_batch_size={t.global_batch_size}).",
-              f"pass more text in {key}, a smaller trainer.seq_len or a smaller trainer.global_batch_size")
+        fail(
+            f"the {split} data ({key}) yields {m['num_tokens']} tokens in {m['num_docs']} documents: "
+            f"{m['num_blocks']} blocks of trainer.seq_len + 1 = {t.seq_len + 1} tokens, fewer than one global "
+            f"batch (trainer.global_batch_size={t.global_batch_size}).",
+            f"pass more text in {key}, a smaller trainer.seq_len or a smaller trainer.global_batch_size",
+        )
     if m["max_id"] >= model_vocab_size(cfg):
-        fail(f"the {split} data holds token id {m['max_id']}, outside the model's embedding "
-              f"(model.vocab_size={model_vocab_size(cfg)}).", f"pass model.vocab_size={m['vocab_size']}")
+        fail(
+            f"the {split} data holds token id {m['max_id']}, outside the model's embedding "
+            f"(model.vocab_size={model_vocab_size(cfg)}).",
+            f"pass model.vocab_size={m['vocab_size']}",
+        )
 
 
 def _counts(meta: dict) -> dict:
@@ -175,6 +220,12 @@ def build_data(cfg: RunConfig, topology: Topology, dp_rank: int, device: torch.d
         return SyntheticTokens(cfg, topology, dp_rank, device)
     train, val, info = packed_splits(cfg)
     seed = cfg.data.seed if cfg.data.seed is not None else cfg.trainer.seed
-    return StepData(PackedBlocks(train, seed, cfg.data.shuffle), cfg, topology, dp_rank, device,
-                    val_source=PackedBlocks(val, seed, shuffle=False) if val is not None else None,
-                    val_batches=info["val"]["val_batches"] if val is not None else 0)
+    return StepData(
+        PackedBlocks(train, seed, cfg.data.shuffle),
+        cfg,
+        topology,
+        dp_rank,
+        device,
+        val_source=PackedBlocks(val, seed, shuffle=False) if val is not None else None,
+        val_batches=info["val"]["val_batches"] if val is not None else 0,
+    )

@@ -65,8 +65,16 @@ class _MicroBatches(Dataset):
 class StepData:
     """The trainer's data object: ``micro_batches(step)`` yields this rank's ``Batch``es of the step."""
 
-    def __init__(self, source, cfg: RunConfig, topology: Topology, dp_rank: int, device: torch.device,
-                 val_source=None, val_batches: int = 0):
+    def __init__(
+        self,
+        source,
+        cfg: RunConfig,
+        topology: Topology,
+        dp_rank: int,
+        device: torch.device,
+        val_source=None,
+        val_batches: int = 0,
+    ):
         self.source, self.val_source, self.device = source, val_source, device
         per_rank = cfg.trainer.global_batch_size // topology.dp_size
         self.layout = Layout(cfg.trainer.global_batch_size, per_rank, topology.micro_batch_size, dp_rank)
@@ -107,9 +115,14 @@ class StepData:
         if self.num_workers == 0:
             self._iter = (dataset[k] for k in range(self._next_k, self._end_k))
         else:
-            loader = DataLoader(dataset, batch_size=None, sampler=range(self._next_k, self._end_k),
-                                num_workers=self.num_workers, prefetch_factor=self.prefetch_factor,
-                                pin_memory=self.device.type == "cuda")
+            loader = DataLoader(
+                dataset,
+                batch_size=None,
+                sampler=range(self._next_k, self._end_k),
+                num_workers=self.num_workers,
+                prefetch_factor=self.prefetch_factor,
+                pin_memory=self.device.type == "cuda",
+            )
             self._iter = iter(loader)
 
     def close(self) -> None:
@@ -122,19 +135,28 @@ class StepData:
     def state_dict(self) -> dict:
         """Where the data stands: the next step, and what identifies the data it indexes."""
         samples = self.next_step * self.layout.global_batch
-        state = {"step": self.next_step, "samples_seen": samples, "global_batch_size": self.layout.global_batch,
-                 "fingerprint": self.source.fingerprint}
+        state = {
+            "step": self.next_step,
+            "samples_seen": samples,
+            "global_batch_size": self.layout.global_batch,
+            "fingerprint": self.source.fingerprint,
+        }
         if self.source.num_rows is not None:
-            state.update(epoch=samples // self.source.num_rows, position_in_epoch=samples % self.source.num_rows,
-                         num_blocks=self.source.num_rows)
+            state.update(
+                epoch=samples // self.source.num_rows,
+                position_in_epoch=samples % self.source.num_rows,
+                num_blocks=self.source.num_rows,
+            )
         return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state["step"]``; refuses a position saved on other data or another batch size."""
         for key, mine in (("fingerprint", self.source.fingerprint), ("global_batch_size", self.layout.global_batch)):
             if state.get(key) != mine:
-                raise ValueError(f"the data position was saved with {key}={state.get(key)!r}, this run has {mine!r}: "
-                                 "resuming would not continue the same sequence of batches")
+                raise ValueError(
+                    f"the data position was saved with {key}={state.get(key)!r}, this run has {mine!r}: "
+                    "resuming would not continue the same sequence of batches"
+                )
         self.close()
         self.next_step = int(state["step"])
         self._start(self.next_step)  # workers start prefetching the resumed step now

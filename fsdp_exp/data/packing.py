@@ -51,7 +51,7 @@ def resolve_path(spec: str) -> Path:
     """A path from the config: ``pkg://fsdp_exp/...`` is inside the installed package (the shipped
     corpus); anything else is relative to the current directory, ``~`` expanded."""
     if spec.startswith(PKG_PREFIX):
-        return Path(__file__).resolve().parents[1] / spec[len(PKG_PREFIX):]
+        return Path(__file__).resolve().parents[1] / spec[len(PKG_PREFIX) :]
     return Path(os.path.expanduser(spec)).resolve()
 
 
@@ -63,15 +63,17 @@ def resolve_files(entries: list[str], key: str) -> list[Path]:
         if glob.has_magic(str(path)):
             matches = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
             if not matches:
-                raise DataError(f"{key}: the pattern {entry!r} matches no file.",
-                                f"pass {key}=[...] with existing files")
+                raise DataError(
+                    f"{key}: the pattern {entry!r} matches no file.", f"pass {key}=[...] with existing files"
+                )
             files.extend(matches)
             continue
         if not path.exists():
             where = "" if str(path) == entry else f" ({path})"
-            raise DataError(f"{key}: {entry!r} does not exist{where}.",
-                            f"pass {key}=[...] with existing files (pkg://fsdp_exp/data/corpus/train.txt "
-                            "is the shipped corpus)")
+            raise DataError(
+                f"{key}: {entry!r} does not exist{where}.",
+                f"pass {key}=[...] with existing files (pkg://fsdp_exp/data/corpus/train.txt is the shipped corpus)",
+            )
         if not path.is_file():
             raise DataError(f"{key}: {entry!r} is not a file.", f"pass the files in it, e.g. {key}=['{entry}/*.txt']")
         files.append(path)
@@ -104,8 +106,11 @@ class Source:
             ident.update(dataset=self.dataset, config=self.dataset_config, split=self.split, revision=self.revision)
             local = Path(os.path.expanduser(self.dataset))
             if local.is_dir():
-                ident["files"] = [_stat(p) for p in sorted(local.rglob("*"))
-                                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(local).parts)]
+                ident["files"] = [
+                    _stat(p)
+                    for p in sorted(local.rglob("*"))
+                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(local).parts)
+                ]
         else:
             ident["files"] = [_stat(Path(p)) for p in self.files]
         return ident
@@ -128,17 +133,40 @@ def sources(data_cfg) -> tuple[Optional[Source], Optional[Source]]:
         return None, None
     common = dict(kind=d.name, streaming=d.streaming, text_field=d.text_field, sample_by=d.sample_by)
     if d.name == "hf":
-        train = Source(key="data.split", dataset=d.dataset, dataset_config=d.dataset_config, split=d.split,
-                       revision=d.revision, **common)
-        val = (Source(key="data.val_split", dataset=d.dataset, dataset_config=d.dataset_config, split=d.val_split,
-                      revision=d.revision, **common) if d.val_split else None)
+        train = Source(
+            key="data.split",
+            dataset=d.dataset,
+            dataset_config=d.dataset_config,
+            split=d.split,
+            revision=d.revision,
+            **common,
+        )
+        val = (
+            Source(
+                key="data.val_split",
+                dataset=d.dataset,
+                dataset_config=d.dataset_config,
+                split=d.val_split,
+                revision=d.revision,
+                **common,
+            )
+            if d.val_split
+            else None
+        )
         return train, val
     if not d.files:
-        raise DataError(f"data={d.name} needs files and data.files is empty.",
-                        "pass data.files=[path/to/file,...] (or data=text for the shipped corpus)")
+        raise DataError(
+            f"data={d.name} needs files and data.files is empty.",
+            "pass data.files=[path/to/file,...] (or data=text for the shipped corpus)",
+        )
     train = Source(key="data.files", files=tuple(map(str, resolve_files(list(d.files), "data.files"))), **common)
-    val = (Source(key="data.val_files", files=tuple(map(str, resolve_files(list(d.val_files), "data.val_files"))),
-                  **common) if d.val_files else None)
+    val = (
+        Source(
+            key="data.val_files", files=tuple(map(str, resolve_files(list(d.val_files), "data.val_files"))), **common
+        )
+        if d.val_files
+        else None
+    )
     return train, val
 
 
@@ -159,8 +187,12 @@ class Packed:
         return self.path.name
 
     def open_blocks(self) -> np.ndarray:
-        return np.memmap(self.path / "blocks.bin", dtype=self.meta["dtype"], mode="r",
-                         shape=(self.meta["num_blocks"], self.meta["seq_len"] + 1))
+        return np.memmap(
+            self.path / "blocks.bin",
+            dtype=self.meta["dtype"],
+            mode="r",
+            shape=(self.meta["num_blocks"], self.meta["seq_len"] + 1),
+        )
 
 
 def cache_root(data_cfg) -> Path:
@@ -168,13 +200,28 @@ def cache_root(data_cfg) -> Path:
 
 
 def pack_key(source: Source, tokenizer_ident: dict, seq_len: int, max_blocks: Optional[int]) -> str:
-    blob = json.dumps({"version": PACK_VERSION, "source": source.identity(), "tokenizer": tokenizer_ident,
-                       "seq_len": seq_len, "max_blocks": max_blocks}, sort_keys=True)
+    blob = json.dumps(
+        {
+            "version": PACK_VERSION,
+            "source": source.identity(),
+            "tokenizer": tokenizer_ident,
+            "seq_len": seq_len,
+            "max_blocks": max_blocks,
+        },
+        sort_keys=True,
+    )
     return f"{source.kind}-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
 
 
-def find_or_pack(source: Source, tokenizer_spec: str, eos_token: Optional[str], seq_len: int,
-                 max_blocks: Optional[int], root: Path, log=None) -> tuple[Packed, bool]:
+def find_or_pack(
+    source: Source,
+    tokenizer_spec: str,
+    eos_token: Optional[str],
+    seq_len: int,
+    max_blocks: Optional[int],
+    root: Path,
+    log=None,
+) -> tuple[Packed, bool]:
     """The packed blocks of ``source``: from the cache, or built now. Returns (packed, built_now)."""
     from filelock import FileLock
 
@@ -200,25 +247,45 @@ def find_or_pack(source: Source, tokenizer_spec: str, eos_token: Optional[str], 
     return Packed(folder, meta), True
 
 
-def _build(source: Source, tokenizer_spec: str, eos_token: Optional[str], seq_len: int,
-           max_blocks: Optional[int], out: Path, root: Path, log) -> dict:
+def _build(
+    source: Source,
+    tokenizer_spec: str,
+    eos_token: Optional[str],
+    seq_len: int,
+    max_blocks: Optional[int],
+    out: Path,
+    root: Path,
+    log,
+) -> dict:
     from fsdp_exp.data.tokenizer import load_tokenizer
 
     start = time.perf_counter()
     tokenizer = load_tokenizer(tokenizer_spec, eos_token)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32)
     if log:
-        log(f"packing {source.key}={source.describe()} with tokenizer {tokenizer.name} into blocks of "
-            f"{seq_len + 1} tokens (once; cached in {out.parent})")
+        log(
+            f"packing {source.key}={source.describe()} with tokenizer {tokenizer.name} into blocks of "
+            f"{seq_len + 1} tokens (once; cached in {out.parent})"
+        )
     docs = _tokenized_docs(source, tokenizer, root)
     stats = _pack(docs, seq_len, tokenizer.eos_id, dtype, out / "blocks.bin", max_blocks)
-    meta = {"version": PACK_VERSION, "source": source.identity(), "tokenizer": tokenizer.name,
-            "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "seq_len": seq_len,
-            "dtype": dtype.name, "max_blocks": max_blocks, **stats,
-            "build_s": round(time.perf_counter() - start, 3)}
+    meta = {
+        "version": PACK_VERSION,
+        "source": source.identity(),
+        "tokenizer": tokenizer.name,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "seq_len": seq_len,
+        "dtype": dtype.name,
+        "max_blocks": max_blocks,
+        **stats,
+        "build_s": round(time.perf_counter() - start, 3),
+    }
     if log:
-        log(f"packed {stats['num_docs']} documents, {stats['num_tokens']} tokens -> {stats['num_blocks']} blocks "
-            f"in {meta['build_s']:.1f} s")
+        log(
+            f"packed {stats['num_docs']} documents, {stats['num_tokens']} tokens -> {stats['num_blocks']} blocks "
+            f"in {meta['build_s']:.1f} s"
+        )
     return meta
 
 
@@ -230,17 +297,29 @@ def _load(source: Source, root: Path):
             return _load_hub_dataset(source)
         kwargs = {"sample_by": source.sample_by} if source.kind == "text" else {}
         # Local files: datasets' Arrow copies live next to our blocks, in data.cache_dir.
-        return datasets.load_dataset(source.kind, data_files=list(source.files), split="train",
-                                     streaming=source.streaming, cache_dir=str(root / "datasets"), **kwargs)
+        return datasets.load_dataset(
+            source.kind,
+            data_files=list(source.files),
+            split="train",
+            streaming=source.streaming,
+            cache_dir=str(root / "datasets"),
+            **kwargs,
+        )
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types: missing repo, bad JSON, offline hub, ...
-        what = (f"data.dataset={source.dataset!r} split {source.split!r}" if source.kind == "hf"
-                else f"{source.key} as {source.kind}")
+        what = (
+            f"data.dataset={source.dataset!r} split {source.split!r}"
+            if source.kind == "hf"
+            else f"{source.key} as {source.kind}"
+        )
         message = _first_line(exc)
-        fix = ("check data.dataset / data.dataset_config / the split name, and that the hub is reachable "
-               "(or pass a local folder)" if source.kind == "hf" else
-               "check the files' format, or pick the builder that reads them: data=text|json|parquet")
+        fix = (
+            "check data.dataset / data.dataset_config / the split name, and that the hub is reachable "
+            "(or pass a local folder)"
+            if source.kind == "hf"
+            else "check the files' format, or pick the builder that reads them: data=text|json|parquet"
+        )
         raise DataError(f"could not load {what}: {type(exc).__name__}: {message}", fix) from None
 
 
@@ -252,8 +331,14 @@ def _load_hub_dataset(source: Source):
 
     from fsdp_exp import hub
 
-    load = functools.partial(datasets.load_dataset, source.dataset, source.dataset_config, split=source.split,
-                             revision=source.revision, streaming=source.streaming)
+    load = functools.partial(
+        datasets.load_dataset,
+        source.dataset,
+        source.dataset_config,
+        split=source.split,
+        revision=source.revision,
+        streaming=source.streaming,
+    )
     why = None if Path(os.path.expanduser(source.dataset)).exists() else hub.unreachable()
     if why is None:
         return load()
@@ -264,11 +349,13 @@ def _load_hub_dataset(source: Source):
         held = " (a data.streaming=true run keeps none)" if source.streaming else ""
         # datasets' own words, unless they only repeat that it is offline (its ConnectionError)
         detail = "" if isinstance(exc, ConnectionError) else f": {type(exc).__name__}: {_first_line(exc)}"
-        raise DataError(f"data.dataset={source.dataset!r} is a hub name, {why}, and datasets' cache "
-                        f"({datasets.config.HF_DATASETS_CACHE}) holds no copy of its split {source.split!r}{held}"
-                        f"{detail}.",
-                        f"pass data.dataset=<a local folder of its data files (parquet, json, text)>, or "
-                        f"{hub.how_to_reach()}" + (" with data.streaming=false" if source.streaming else "")) from None
+        raise DataError(
+            f"data.dataset={source.dataset!r} is a hub name, {why}, and datasets' cache "
+            f"({datasets.config.HF_DATASETS_CACHE}) holds no copy of its split {source.split!r}{held}"
+            f"{detail}.",
+            f"pass data.dataset=<a local folder of its data files (parquet, json, text)>, or "
+            f"{hub.how_to_reach()}" + (" with data.streaming=false" if source.streaming else ""),
+        ) from None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -286,22 +373,36 @@ def _tokenized_docs(source: Source, tokenizer, root: Path) -> Iterator[list[np.n
     ds = _load(source, root)
     columns = ds.column_names
     if columns is not None and source.text_field not in columns:
-        raise DataError(f"{source.key}: the data has no {source.text_field!r} column (it has {', '.join(columns)}).",
-                        f"pass data.text_field=<one of {', '.join(columns)}>")
-    ds = ds.map(_tokenize, batched=True, batch_size=MAP_BATCH, fn_kwargs={"tokenizer": tokenizer,
-                                                                          "field": source.text_field},
-                remove_columns=columns)
+        raise DataError(
+            f"{source.key}: the data has no {source.text_field!r} column (it has {', '.join(columns)}).",
+            f"pass data.text_field=<one of {', '.join(columns)}>",
+        )
+    ds = ds.map(
+        _tokenize,
+        batched=True,
+        batch_size=MAP_BATCH,
+        fn_kwargs={"tokenizer": tokenizer, "field": source.text_field},
+        remove_columns=columns,
+    )
     ds = ds.with_format("numpy")
     try:
         for batch in ds.iter(batch_size=MAP_BATCH):
             yield [np.asarray(ids) for ids in batch["ids"]]
     except KeyError:
-        raise DataError(f"{source.key}: the data has no {source.text_field!r} field.",
-                        "pass data.text_field=<the field that holds the text>") from None
+        raise DataError(
+            f"{source.key}: the data has no {source.text_field!r} field.",
+            "pass data.text_field=<the field that holds the text>",
+        ) from None
 
 
-def _pack(docs: Iterator[list[np.ndarray]], seq_len: int, eos_id: int, dtype: np.dtype, out_file: Path,
-          max_blocks: Optional[int]) -> dict:
+def _pack(
+    docs: Iterator[list[np.ndarray]],
+    seq_len: int,
+    eos_id: int,
+    dtype: np.dtype,
+    out_file: Path,
+    max_blocks: Optional[int],
+) -> dict:
     """Stream documents into ``(n, seq_len + 1)`` blocks appended to ``out_file``; return counts."""
     width = seq_len + 1
     eos = np.array([eos_id], dtype=dtype)
@@ -325,11 +426,15 @@ def _pack(docs: Iterator[list[np.ndarray]], seq_len: int, eos_id: int, dtype: np
                 rows = np.lib.stride_tricks.sliding_window_view(stream, width)[::seq_len][:n]
                 np.ascontiguousarray(rows).tofile(f)
                 n_blocks += n
-            carry = stream[n * seq_len:]
+            carry = stream[n * seq_len :]
             if max_blocks is not None and n_blocks >= max_blocks:
                 break
-    return {"num_blocks": n_blocks, "num_docs": n_docs, "num_tokens": n_tokens,
-            "max_id": max(max_id, eos_id) if n_docs else 0}
+    return {
+        "num_blocks": n_blocks,
+        "num_docs": n_docs,
+        "num_tokens": n_tokens,
+        "max_id": max(max_id, eos_id) if n_docs else 0,
+    }
 
 
 def stderr_log(message: str) -> None:

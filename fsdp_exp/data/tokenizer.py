@@ -57,9 +57,12 @@ class HFTokenizer:
                 break
         else:
             if eos_token:
-                raise TokenizerError(f"data.eos_token={eos_token!r} is not in the vocabulary of data.tokenizer={name!r}.")
-            raise TokenizerError(f"data.tokenizer={name!r} has none of the usual end-of-document tokens "
-                                 f"({', '.join(EOS_CANDIDATES)}).")
+                raise TokenizerError(
+                    f"data.eos_token={eos_token!r} is not in the vocabulary of data.tokenizer={name!r}."
+                )
+            raise TokenizerError(
+                f"data.tokenizer={name!r} has none of the usual end-of-document tokens ({', '.join(EOS_CANDIDATES)})."
+            )
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         encodings = self.tokenizer.encode_batch(list(texts), add_special_tokens=False)
@@ -103,15 +106,18 @@ def load_tokenizer(spec: str, eos_token: Optional[str] = None):
     try:
         from tokenizers import Tokenizer
     except ImportError:  # pragma: no cover - a declared dependency
-        raise TokenizerError(f"data.tokenizer={spec!r} needs the 'tokenizers' package: pip install tokenizers") from None
+        raise TokenizerError(
+            f"data.tokenizer={spec!r} needs the 'tokenizers' package: pip install tokenizers"
+        ) from None
     local = _local_tokenizer_file(spec)
     if local is None:
         return HFTokenizer(_from_hub(spec), spec, eos_token)
     try:
         tok = Tokenizer.from_file(str(local))
     except Exception as exc:  # tokenizers raises plain Exceptions for bad files
-        raise TokenizerError(f"data.tokenizer={spec!r} could not be loaded from the file {local}: {_first_line(exc)}") \
-            from None
+        raise TokenizerError(
+            f"data.tokenizer={spec!r} could not be loaded from the file {local}: {_first_line(exc)}"
+        ) from None
     return HFTokenizer(tok, spec, eos_token)
 
 
@@ -128,10 +134,14 @@ def _from_hub(spec: str):
             return Tokenizer.from_pretrained(spec)
     except Exception as exc:  # tokenizers raises plain Exceptions for missing repos
         if why:
-            raise TokenizerError(f"data.tokenizer={spec!r} is not a local path; as a hub name: {why}, and the hub "
-                                 f"cache holds no copy of its tokenizer.json ({hub.how_to_reach()}).") from None
-        raise TokenizerError(f"data.tokenizer={spec!r} could not be loaded from the Hugging Face hub (no such local "
-                             f"path either): {_first_line(exc)}") from None
+            raise TokenizerError(
+                f"data.tokenizer={spec!r} is not a local path; as a hub name: {why}, and the hub "
+                f"cache holds no copy of its tokenizer.json ({hub.how_to_reach()})."
+            ) from None
+        raise TokenizerError(
+            f"data.tokenizer={spec!r} could not be loaded from the Hugging Face hub (no such local "
+            f"path either): {_first_line(exc)}"
+        ) from None
 
 
 def _first_line(exc: BaseException) -> str:

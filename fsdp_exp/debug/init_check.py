@@ -42,6 +42,12 @@ def check_identical_init(backend, model, seed: int, world_size: int) -> dict:
     problems = compare_init_digests(gathered)
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise RuntimeError(f"debug.check_identical_init: the ranks did not build identical initial parameters:\n  {shown}")
-    return {"result": "identical", "ranks": world_size, "shards_checked": sum(len(r) for r in gathered),
-            "distinct_slices": len({(r["name"], r["slice"]) for rows in gathered for r in rows})}
+        raise RuntimeError(
+            f"debug.check_identical_init: the ranks did not build identical initial parameters:\n  {shown}"
+        )
+    return {
+        "result": "identical",
+        "ranks": world_size,
+        "shards_checked": sum(len(r) for r in gathered),
+        "distinct_slices": len({(r["name"], r["slice"]) for rows in gathered for r in rows}),
+    }

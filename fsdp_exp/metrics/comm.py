@@ -41,8 +41,7 @@ STEP_RANGE = "fsdp_exp/step"
 def kind_of(name: str) -> str:
     """A collective's kind from a kernel, gloo range or c10d operator name."""
     flat = name.lower().replace("_", "")
-    for needle, kind in (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"),
-                         ("allreduce", "all_reduce")):
+    for needle, kind in (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce")):
         if needle in flat:
             return kind
     return "other"
@@ -106,8 +105,14 @@ def comm_from_trace(trace: dict) -> dict:
                 compute.append(clip(e))
     else:
         device = "cpu"
-        issued = sorted((e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("c10d::")
-                         and "wait" not in e["name"]), key=lambda e: e["ts"])
+        issued = sorted(
+            (
+                e
+                for e in events
+                if e.get("cat") == "cpu_op" and e["name"].startswith("c10d::") and "wait" not in e["name"]
+            ),
+            key=lambda e: e["ts"],
+        )
         claimed = [False] * len(issued)
         for e in sorted((e for e in events if e["name"].startswith("gloo:")), key=lambda e: e["ts"]):
             kind = kind_of(e["name"])
@@ -122,17 +127,25 @@ def comm_from_trace(trace: dict) -> dict:
                     break
             comm[kind].append(clip(e))
         for e in events:
-            if (e.get("pid"), e.get("tid")) == main and e.get("cat") == "cpu_op" \
-                    and e["name"].startswith(("aten::", "fsdp::")):
+            if (
+                (e.get("pid"), e.get("tid")) == main
+                and e.get("cat") == "cpu_op"
+                and e["name"].startswith(("aten::", "fsdp::"))
+            ):
                 compute.append(clip(e))
     comm = {k: [iv for iv in v if iv[1] > iv[0]] for k, v in comm.items()}  # only what ran inside the step
     merged = {k: _union(v) for k, v in comm.items()}
     every = _union([iv for v in merged.values() for iv in v])
     busy = _union([iv for iv in compute if iv[1] > iv[0]])
     out = {f"{k}_s": _length(v) / 1e6 for k, v in merged.items()}
-    out.update(total_s=_length(every) / 1e6, exposed_s=_subtract(every, busy) / 1e6,
-               compute_s=_length(busy) / 1e6, step_s=step["dur"] / 1e6,
-               collectives={k: len(v) for k, v in comm.items()}, device=device)
+    out.update(
+        total_s=_length(every) / 1e6,
+        exposed_s=_subtract(every, busy) / 1e6,
+        compute_s=_length(busy) / 1e6,
+        step_s=step["dur"] / 1e6,
+        collectives={k: len(v) for k, v in comm.items()},
+        device=device,
+    )
     return out
 
 
@@ -153,8 +166,9 @@ class _Phases:
             self.open = None
 
 
-def profiled(run: Callable[[Callable[[str], None]], object], device: torch.device,
-             trace_path: Path) -> tuple[object, dict]:
+def profiled(
+    run: Callable[[Callable[[str], None]], object], device: torch.device, trace_path: Path
+) -> tuple[object, dict]:
     """``run(phase)`` under torch.profiler (CPU, and CUDA kernels on a GPU); writes the chrome trace
     to ``trace_path`` and returns run's result and ``comm_from_trace`` of that file."""
     from torch.profiler import ProfilerActivity, profile

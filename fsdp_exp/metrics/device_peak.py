@@ -35,8 +35,9 @@ def device_peak(cfg, device: torch.device, ranks_per_node: int, world_size: int,
     return DevicePeak(tflops, source, measurement, *fp8_peak_tflops(cfg, device))
 
 
-def compute_peak_tflops(cfg, device: torch.device, ranks_per_node: int, world_size: int,
-                        is_main: bool) -> tuple[Optional[float], str, Optional[dict]]:
+def compute_peak_tflops(
+    cfg, device: torch.device, ranks_per_node: int, world_size: int, is_main: bool
+) -> tuple[Optional[float], str, Optional[dict]]:
     """(peak TFLOPS in the compute dtype, where it comes from, the CPU measurement or None)."""
     dtype = cfg.precision.param_dtype
     if cfg.trainer.peak_tflops is not None:
@@ -60,8 +61,9 @@ def fp8_peak_tflops(cfg, device: torch.device) -> tuple[Optional[float], str]:
     return peak, f"table: {name} fp8" if peak else f"no FP8 peak known for {name}"
 
 
-def measured_cpu_peak(dtype: str, device: torch.device, ranks_per_node: int, world_size: int,
-                      is_main: bool) -> tuple[Optional[float], str, Optional[dict]]:
+def measured_cpu_peak(
+    dtype: str, device: torch.device, ranks_per_node: int, world_size: int, is_main: bool
+) -> tuple[Optional[float], str, Optional[dict]]:
     """This CPU's matmul peak per rank: from the cache, or measured now by every rank at once and
     cached by rank 0. Rank 0 decides for all (a rank reading the cache after rank 0 wrote it must not
     skip the measurement the others run)."""
@@ -71,10 +73,17 @@ def measured_cpu_peak(dtype: str, device: torch.device, ranks_per_node: int, wor
         dist.barrier()  # start together: each rank measures while its peers compute too
         local = flops.measure_matmul_tflops(dtype)
         hi, mean = reduce_over_ranks([local["tflops"], -local["core_share"]], device)
-        entry = {"tflops": mean[0], "n": local["n"], "dtype": dtype, "threads_per_rank": local["threads"],
-                 "ranks_per_node": ranks_per_node, "ranks_measured": world_size,
-                 "rank0_batches_tflops": local["batches_tflops"], "min_core_share": -hi[1],
-                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        entry = {
+            "tflops": mean[0],
+            "n": local["n"],
+            "dtype": dtype,
+            "threads_per_rank": local["threads"],
+            "ranks_per_node": ranks_per_node,
+            "ranks_measured": world_size,
+            "rank0_batches_tflops": local["batches_tflops"],
+            "min_core_share": -hi[1],
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
         # What each rank can get when only this run computes: its threads, or its share of the cores
         # when the node's ranks ask for more threads than there are cores.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -88,6 +97,8 @@ def measured_cpu_peak(dtype: str, device: torch.device, ranks_per_node: int, wor
             how = f"measured now, not cached: a rank got {-hi[1]:.0%} of its cores' time, {fair:.0%} expected"
     else:
         how = "cached"
-    source = (f"CPU matmul peak per rank, {how}: {key}; {entry['n']}x{entry['n']} matmuls for 1 s, "
-              f"mean over {entry['ranks_measured']} ranks (cache: {flops.cache_path()})")
+    source = (
+        f"CPU matmul peak per rank, {how}: {key}; {entry['n']}x{entry['n']} matmuls for 1 s, "
+        f"mean over {entry['ranks_measured']} ranks (cache: {flops.cache_path()})"
+    )
     return entry["tflops"], source, {"key": key, **entry}

@@ -67,13 +67,12 @@ def lookup_peak_tflops(device_name: str, dtype: str) -> Optional[float]:
 DEFAULT_CONVENTION = "fsdp_exp"
 CONVENTIONS = {
     "fsdp_exp": "6 (N - N_in + tied output) + 12 L w S: the model family's own (ModelSpec.flops_per_token)",
-    "llmfoundry": "6 N + 12 L d S: llm-foundry's MFU (embeddings and the position table counted; attention "
-                  "not causal)",
+    "llmfoundry": "6 N + 12 L d S: llm-foundry's MFU (embeddings and the position table counted; attention not causal)",
     "torchtitan_2024_04": "6 N + 12 L H Q T: torchtitan's until 2024-05 (embeddings counted; not causal)",
     "torchtitan": "6 (N - N_in) + 12 L H Q T: torchtitan's since 2024-05 (PaLM's appendix B, the input "
-                  "embedding left out)",
+    "embedding left out)",
     "megatron": "6 N_mm + 6 L w S: Megatron-LM's num_floating_point_operations (matmul weights and the logits; "
-                "attention causal)",
+    "attention causal)",
 }
 
 
@@ -209,5 +208,11 @@ def measure_matmul_tflops(dtype: str, seconds: float = 1.0, batches: int = 5) ->
     # The CPU time this process got over the wall time, per thread: about 1 when every thread had a core
     # to itself; less when other programs (or more ranks than cores) took turns on them.
     core_share = (time.process_time() - cpu0) / (wall * threads)
-    return {"tflops": 2 * n**3 * total / wall / 1e12, "batches_tflops": rates, "n": n, "dtype": dtype,
-            "threads": threads, "core_share": core_share}
+    return {
+        "tflops": 2 * n**3 * total / wall / 1e12,
+        "batches_tflops": rates,
+        "n": n,
+        "dtype": dtype,
+        "threads": threads,
+        "core_share": core_share,
+    }

@@ -63,8 +63,10 @@ def host_bytes() -> dict[str, int]:
     if _PROCESS is None:  # one psutil handle per process (making one costs more than reading it)
         _PROCESS = psutil.Process()
     # ru_maxrss is in KiB on Linux.
-    return {"host_rss": _PROCESS.memory_info().rss,
-            "host_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {
+        "host_rss": _PROCESS.memory_info().rss,
+        "host_peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
 
 
 def cuda_bytes(device: torch.device) -> dict[str, int]:

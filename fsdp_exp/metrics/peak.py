@@ -15,7 +15,7 @@ PEAK_SOURCES = {
     "cuda": "CUDA allocator's peak allocated bytes (summary/peak_allocated_gib_max)",
     "tracked": "torch's memory tracker, peak of the sampled step (mem/tracked_total_gib_max)",
     "model states": "params + grads + optimizer state only, no activations: a lower bound "
-                    "(summary/model_states_gib_max)",
+    "(summary/model_states_gib_max)",
 }
 
 
@@ -27,8 +27,9 @@ def _no_rows(_key: str) -> Any:
     return None
 
 
-def measured_peak(summary: dict, last_value: Callable[[str], Any] = _no_rows,
-                  breakdown: Optional[dict] = None) -> tuple[Optional[float], Optional[str]]:
+def measured_peak(
+    summary: dict, last_value: Callable[[str], Any] = _no_rows, breakdown: Optional[dict] = None
+) -> tuple[Optional[float], Optional[str]]:
     """The best measured peak per rank (max over ranks) in GiB, and its source (a key of PEAK_SOURCES).
 
     ``summary``: the run's ``summary/*`` values; ``last_value``: the newest logged value of a per-step

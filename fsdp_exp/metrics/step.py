@@ -33,22 +33,38 @@ StepFn = Callable[..., tuple[torch.Tensor, float, float]]
 
 class StepMetrics:
     """Args:
-        cfg, topology, info: the run's config, topology and this rank.
-        run_dir: the run's folder (traces/ and memory/ of the measured steps).
-        model, optimizer, backend: what the memory tracker and the model-state counter look at.
-        data: the step data (its ``last_wait_s``: the time the step waited for its batch).
-        recorder: where rows and facts go (``log``, ``memory_breakdown``, ``comm``; rank 0 writes).
-        apply_ac: applies the run's activation checkpointing to a model (fsdp_exp.parallel.ac.apply,
-            handed in: metrics stand below parallel), to count what it recomputes (perf/hfu).
-        predicted, predicted_phases: the planner's figures, beside the measured ones in the rows.
-        history: the rows a resumed run keeps from before its checkpoint.
-        setup_s: this rank's set-up time (perf/setup_time_s is the slowest rank's).
-        start_step: the first step this process trains (its time is perf/first_step_time_s).
+    cfg, topology, info: the run's config, topology and this rank.
+    run_dir: the run's folder (traces/ and memory/ of the measured steps).
+    model, optimizer, backend: what the memory tracker and the model-state counter look at.
+    data: the step data (its ``last_wait_s``: the time the step waited for its batch).
+    recorder: where rows and facts go (``log``, ``memory_breakdown``, ``comm``; rank 0 writes).
+    apply_ac: applies the run's activation checkpointing to a model (fsdp_exp.parallel.ac.apply,
+        handed in: metrics stand below parallel), to count what it recomputes (perf/hfu).
+    predicted, predicted_phases: the planner's figures, beside the measured ones in the rows.
+    history: the rows a resumed run keeps from before its checkpoint.
+    setup_s: this rank's set-up time (perf/setup_time_s is the slowest rank's).
+    start_step: the first step this process trains (its time is perf/first_step_time_s).
     """
 
-    def __init__(self, cfg, topology, info, run_dir: Path, *, model, optimizer, backend, data, recorder,
-                 apply_ac: Callable, predicted: dict, predicted_phases: dict, history: list[dict], setup_s: float,
-                 start_step: int):
+    def __init__(
+        self,
+        cfg,
+        topology,
+        info,
+        run_dir: Path,
+        *,
+        model,
+        optimizer,
+        backend,
+        data,
+        recorder,
+        apply_ac: Callable,
+        predicted: dict,
+        predicted_phases: dict,
+        history: list[dict],
+        setup_s: float,
+        start_step: int,
+    ):
         self.cfg, self.topology, self.info, self.run_dir = cfg, topology, info, run_dir
         self.device = info.device
         self.model, self.optimizer, self.backend, self.data, self.recorder = model, optimizer, backend, data, recorder
@@ -83,7 +99,8 @@ class StepMetrics:
             "flops_per_token": self.flops_per_token,
             "flops_convention": self.cfg.trainer.flops_convention,
             "recompute_flops_per_token": self.recompute_flops_per_token,
-            "hardware_flops_per_token": None if self.recompute_flops_per_token is None
+            "hardware_flops_per_token": None
+            if self.recompute_flops_per_token is None
             else self.flops_per_token + self.recompute_flops_per_token,
             "recompute_flops_error": self.recompute_error,
             "peak_tflops": p.tflops,
@@ -107,8 +124,9 @@ class StepMetrics:
             self.pending["perf/first_step_time_s"] = time.perf_counter() - started
         return result
 
-    def log(self, step: int, started: float, loss: torch.Tensor, grad_norm: float, lr: float,
-            evaluate: Callable[[], float]) -> None:
+    def log(
+        self, step: int, started: float, loss: torch.Tensor, grad_norm: float, lr: float, evaluate: Callable[[], float]
+    ) -> None:
         """After step ``step`` (1-based), on a logged step (every ``trainer.log_every``, the last, an
         evaluation's): combine its numbers over ranks and hand the row to the recorder.
 
@@ -133,8 +151,11 @@ class StepMetrics:
         tokens_per_s = self.tokens_per_step / step_time
         per_rank = tokens_per_s / self.info.world_size
         tflops = self.flops_per_token * per_rank / 1e12
-        hw_tflops = None if self.recompute_flops_per_token is None else \
-            (self.flops_per_token + self.recompute_flops_per_token) * per_rank / 1e12
+        hw_tflops = (
+            None
+            if self.recompute_flops_per_token is None
+            else (self.flops_per_token + self.recompute_flops_per_token) * per_rank / 1e12
+        )
         row = {
             "step": step,
             "train/loss": mean[0],
@@ -204,18 +225,23 @@ class StepMetrics:
             for i, phase in enumerate(PHASES, start=1):
                 self.pending[f"mem/tracked_{phase}_{kind}_gib_max"] = hi[i, j].item()
         if self.info.is_main:
+
             def table(values, i):
                 return {kind: values[i, j].item() for j, kind in enumerate(BREAKDOWN)}
 
-            self.recorder.memory_breakdown({
-                "step": step + 1, "unit": "GiB",
-                **{f"{kind}_gib_max": hi[0, j].item() for j, kind in enumerate(BREAKDOWN)},
-                **{f"{kind}_gib_mean": mean[0, j].item() for j, kind in enumerate(BREAKDOWN)},
-                "per_rank": [table(r, 0) for r in ranks],
-                "phases": {phase: {"max": table(hi, i), "mean": table(mean, i),
-                                   "per_rank": [table(r, i) for r in ranks]}
-                           for i, phase in enumerate(PHASES, start=1)},
-            })
+            self.recorder.memory_breakdown(
+                {
+                    "step": step + 1,
+                    "unit": "GiB",
+                    **{f"{kind}_gib_max": hi[0, j].item() for j, kind in enumerate(BREAKDOWN)},
+                    **{f"{kind}_gib_mean": mean[0, j].item() for j, kind in enumerate(BREAKDOWN)},
+                    "per_rank": [table(r, 0) for r in ranks],
+                    "phases": {
+                        phase: {"max": table(hi, i), "mean": table(mean, i), "per_rank": [table(r, i) for r in ranks]}
+                        for i, phase in enumerate(PHASES, start=1)
+                    },
+                }
+            )
 
     def _profiled(self, step: int, train_step: StepFn) -> tuple[torch.Tensor, float, float]:
         """A training step under torch.profiler: its chrome trace in traces/, its collectives' times
@@ -230,9 +256,15 @@ class StepMetrics:
         for j, name in enumerate(names):
             self.pending[f"comm/{name}"] = ranks[:, j].max().item()
         if self.info.is_main:
-            self.comm_record.append({"step": step + 1, "unit": "s", "device": comm["device"],
-                                     "traces": f"traces/rank<N>_step{step + 1}.json",
-                                     "per_rank": [dict(zip(names, r.tolist())) for r in ranks],
-                                     "collectives_rank0": comm["collectives"]})
+            self.comm_record.append(
+                {
+                    "step": step + 1,
+                    "unit": "s",
+                    "device": comm["device"],
+                    "traces": f"traces/rank<N>_step{step + 1}.json",
+                    "per_rank": [dict(zip(names, r.tolist())) for r in ranks],
+                    "collectives_rank0": comm["collectives"],
+                }
+            )
             self.recorder.comm(self.comm_record)
         return result

@@ -41,17 +41,46 @@ class TrackerSource(Protocol):
 
 # Torch's reference types -> fsdp_exp's kinds (the metric names say these).
 KINDS = {
-    "Sharded Param": "params", "Unsharded Param": "params", "Parameter": "params",
-    "Sharded Grad": "grads", "Unsharded Grad": "grads", "Gradient": "grads",
-    "OptState": "optim_state", "Optstate": "optim_state",
-    "Activation": "activations", "Temp": "temp", "Buffer": "buffers", "Inputs": "inputs", "Other": "other",
-    "All Gather": "comm_buffers", "Reduce Scatter": "comm_buffers",
+    "Sharded Param": "params",
+    "Unsharded Param": "params",
+    "Parameter": "params",
+    "Sharded Grad": "grads",
+    "Unsharded Grad": "grads",
+    "Gradient": "grads",
+    "OptState": "optim_state",
+    "Optstate": "optim_state",
+    "Activation": "activations",
+    "Temp": "temp",
+    "Buffer": "buffers",
+    "Inputs": "inputs",
+    "Other": "other",
+    "All Gather": "comm_buffers",
+    "Reduce Scatter": "comm_buffers",
 }
 # Kinds that are also a part of one of the kinds above (not added to the total again).
-PARTS = {"Unsharded Param": "unsharded_params", "Unsharded Grad": "unsharded_grads",
-         "All Gather": "all_gather", "Reduce Scatter": "reduce_scatter"}
-BREAKDOWN = ("params", "unsharded_params", "grads", "unsharded_grads", "optim_state", "activations", "temp",
-             "comm_buffers", "all_gather", "reduce_scatter", "buffers", "inputs", "other", "model_states", "total")
+PARTS = {
+    "Unsharded Param": "unsharded_params",
+    "Unsharded Grad": "unsharded_grads",
+    "All Gather": "all_gather",
+    "Reduce Scatter": "reduce_scatter",
+}
+BREAKDOWN = (
+    "params",
+    "unsharded_params",
+    "grads",
+    "unsharded_grads",
+    "optim_state",
+    "activations",
+    "temp",
+    "comm_buffers",
+    "all_gather",
+    "reduce_scatter",
+    "buffers",
+    "inputs",
+    "other",
+    "model_states",
+    "total",
+)
 
 
 def kinds_of(per_ref: dict) -> dict[str, int]:
@@ -79,8 +108,9 @@ class StepMemory:
     micro-batch resets the tracker's per-module statistics, which otherwise refuse a second forward
     of the root module (the running peak is kept: torch documents ``reset_mod_stats`` for this)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, backend: TrackerSource,
-                 device: torch.device):
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, backend: TrackerSource, device: torch.device
+    ):
         self.tracker = backend.memory_tracker(model, optimizer)
         self.device = device
         self.current: Optional[str] = None

@@ -35,8 +35,10 @@ def get_spec(name: str) -> ModelSpec:
     """The family ``model.name`` names; an unknown name is refused with a "did you mean"."""
     if name not in REGISTRY:
         hint = did_you_mean(closest(name, REGISTRY), "model.name={}", after=" ")
-        fail(f"model.name={name!r} is not a known architecture ({', '.join(sorted(REGISTRY))}).",
-             f"{hint}pick a preset with model=llama_tiny|llama7b|... or pass model.name=llama")
+        fail(
+            f"model.name={name!r} is not a known architecture ({', '.join(sorted(REGISTRY))}).",
+            f"{hint}pick a preset with model=llama_tiny|llama7b|... or pass model.name=llama",
+        )
     return REGISTRY[name]
 
 
@@ -69,8 +71,7 @@ def build_meta(cfg: "ModelConfig") -> "nn.Module":
 def count_params(cfg: "ModelConfig", *, exclude_embeddings: bool = False) -> int:
     """Parameters of the model (tied ones once); without the input embeddings when asked."""
     inventory = spec_for(cfg).inventory(cfg)
-    return sum(p.numel for p in inventory.params
-               if not (exclude_embeddings and p.name in inventory.input_params))
+    return sum(p.numel for p in inventory.params if not (exclude_embeddings and p.name in inventory.input_params))
 
 
 def matrix_parameter_names(model: "nn.Module") -> set[str]:
@@ -92,8 +93,9 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_COMPONENTS)
 
 
-def full_param_init(model: "nn.Module", name: str, shape: "torch.Size", seed: int,
-                    device: "torch.device") -> "torch.Tensor":
+def full_param_init(
+    model: "nn.Module", name: str, shape: "torch.Size", seed: int, device: "torch.device"
+) -> "torch.Tensor":
     """The full (unsharded) initial value of parameter ``name``: a function of (seed, name) only."""
     spec = spec_of(model)
     name = spec.init_name(model, canonical_name(name))

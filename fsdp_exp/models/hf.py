@@ -31,16 +31,21 @@ from typing import TYPE_CHECKING, Optional
 from fsdp_exp.config.topology import largest_divisor_at_most
 from fsdp_exp.errors import fail
 from fsdp_exp.models import hf_config
-from fsdp_exp.models.spec import (COLWISE, ROWWISE, ModelSpec, TensorParallelPlan, config_key,
-                                  no_values_drawn_on_meta)
+from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan, config_key, no_values_drawn_on_meta
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
 # transformers' tensor-parallel styles fsdp_exp translates (torch's ColwiseParallel / RowwiseParallel).
-TP_STYLES = {"colwise": COLWISE, "rowwise": ROWWISE, "embedding_rowwise": ROWWISE,
-             "colwise_gather_output": COLWISE, "colwise_rep": COLWISE, "rowwise_rep": ROWWISE}
+TP_STYLES = {
+    "colwise": COLWISE,
+    "rowwise": ROWWISE,
+    "embedding_rowwise": ROWWISE,
+    "colwise_gather_output": COLWISE,
+    "colwise_rep": COLWISE,
+    "rowwise_rep": ROWWISE,
+}
 
 
 def _logits_only(module, args, output):
@@ -58,11 +63,14 @@ def _forward(model, input_ids, targets=None, loss_chunks: int = 1, **kwargs):
     from fsdp_exp.models.loss import chunked_cross_entropy
 
     if model.base_model is model:
-        raise ValueError(f"{type(model).__name__} names no decoder (transformers' base_model_prefix) for the chunked "
-                         "loss to call before its output head: pass trainer.loss_chunks=1")
+        raise ValueError(
+            f"{type(model).__name__} names no decoder (transformers' base_model_prefix) for the chunked "
+            "loss to call before its output head: pass trainer.loss_chunks=1"
+        )
     hidden = model.base_model(input_ids=input_ids).last_hidden_state
-    return chunked_cross_entropy(hidden, model.get_output_embeddings(), targets, loss_chunks,
-                                 _logits_transform(model.config.get_text_config()))
+    return chunked_cross_entropy(
+        hidden, model.get_output_embeddings(), targets, loss_chunks, _logits_transform(model.config.get_text_config())
+    )
 
 
 def _logits_transform(config):
@@ -94,9 +102,11 @@ def _check_heads(text_config) -> None:
     projections are plain linears) and fails only in a rank's first forward."""
     heads, kv = getattr(text_config, "num_attention_heads", None), getattr(text_config, "num_key_value_heads", None)
     if heads and kv and heads % kv:
-        fail(f"num_key_value_heads={kv} of the model does not divide num_attention_heads={heads}: each key/value "
-             "head serves a whole group of query heads.",
-             f"pass model.hf_overrides.num_key_value_heads={largest_divisor_at_most(heads, kv)} (a divisor of {heads})")
+        fail(
+            f"num_key_value_heads={kv} of the model does not divide num_attention_heads={heads}: each key/value "
+            "head serves a whole group of query heads.",
+            f"pass model.hf_overrides.num_key_value_heads={largest_divisor_at_most(heads, kv)} (a divisor of {heads})",
+        )
 
 
 def _check_experts(text_config) -> None:
@@ -109,8 +119,11 @@ def _check_experts(text_config) -> None:
     n = getattr(text_config, field)
     if not 1 <= top_k <= n:
         good = n if top_k > n else min(2, n)
-        fail(f"num_experts_per_tok={top_k} of the model routes each token to that many experts, and it has {n} "
-             f"({field}): it must lie between 1 and {n}.", f"pass model.hf_overrides.num_experts_per_tok={good}")
+        fail(
+            f"num_experts_per_tok={top_k} of the model routes each token to that many experts, and it has {n} "
+            f"({field}): it must lie between 1 and {n}.",
+            f"pass model.hf_overrides.num_experts_per_tok={good}",
+        )
 
 
 def _routed_share(text_config) -> float:
@@ -149,8 +162,10 @@ class HfSpec(ModelSpec):
 
     def check(self, m) -> None:
         if m.attn_implementation not in ("sdpa", "eager"):
-            fail(f"model.attn_implementation={m.attn_implementation!r} is not one of sdpa, eager.",
-                 "pass model.attn_implementation=sdpa")
+            fail(
+                f"model.attn_implementation={m.attn_implementation!r} is not one of sdpa, eager.",
+                "pass model.attn_implementation=sdpa",
+            )
         config = self.config(m)
         self._check_attention_kernel(m)
         _check_heads(config.get_text_config())
@@ -159,17 +174,24 @@ class HfSpec(ModelSpec):
             model = self.meta_model(m)
         except Exception as exc:  # noqa: BLE001 - transformers' own refusal of the config's values
             message = " ".join(str(exc).split())
-            fail(f"transformers cannot build {self.architecture(m)} from this config: {type(exc).__name__}: {message}",
-                 "pass model.attn_implementation=eager" if "attn_implementation" in message
-                 else "fix the field it names (model.hf_overrides.<field>=...)")
+            fail(
+                f"transformers cannot build {self.architecture(m)} from this config: {type(exc).__name__}: {message}",
+                "pass model.attn_implementation=eager"
+                if "attn_implementation" in message
+                else "fix the field it names (model.hf_overrides.<field>=...)",
+            )
         self.block_class_of(m)
         recipes, unknown = self._init_recipes(model.config)
         names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
         missing = [n for n in names if n not in recipes or n in unknown]
         if missing:
-            fail(f"{type(model).__name__}'s own initialization (_init_weights) leaves {', '.join(missing[:4])}"
-                 + (f" and {len(missing) - 4} more" if len(missing) > 4 else "") + " without a value fsdp_exp "
-                 "can replay on a sharded model.", f"pick another architecture than {config.model_type}")
+            fail(
+                f"{type(model).__name__}'s own initialization (_init_weights) leaves {', '.join(missing[:4])}"
+                + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+                + " without a value fsdp_exp "
+                "can replay on a sharded model.",
+                f"pick another architecture than {config.model_type}",
+            )
 
     def _check_attention_kernel(self, m) -> None:
         """transformers refuses SDPA for a model class that has no such path (Gemma-2's soft-capped scores,
@@ -178,10 +200,12 @@ class HfSpec(ModelSpec):
 
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(self.config(m))]
         if m.attn_implementation == "sdpa" and getattr(model_class, "_supports_sdpa", True) is False:
-            fail(f"model.attn_implementation=sdpa (the default): {model_class.__name__} has no SDPA attention in "
-                 f"transformers {hf_config.transformers().__version__}.",
-                 "pass model.attn_implementation=eager (transformers' own attention: it keeps the whole score "
-                 "matrix, which the planner counts)")
+            fail(
+                f"model.attn_implementation=sdpa (the default): {model_class.__name__} has no SDPA attention in "
+                f"transformers {hf_config.transformers().__version__}.",
+                "pass model.attn_implementation=eager (transformers' own attention: it keeps the whole score "
+                "matrix, which the planner counts)",
+            )
 
     def check_tensor_parallel(self, m, tp: int) -> None:
         plan, problem = self._translated_plan(m)
@@ -192,8 +216,10 @@ class HfSpec(ModelSpec):
         for field in ("num_attention_heads", "num_key_value_heads"):
             value = getattr(config, field, None)
             if value is not None and value % tp:
-                fail(f"parallel.tp={tp} does not divide {field}={value} of the model: each rank holds whole heads.",
-                     "pick parallel.tp that divides it")
+                fail(
+                    f"parallel.tp={tp} does not divide {field}={value} of the model: each rank holds whole heads.",
+                    "pick parallel.tp that divides it",
+                )
         from torch import nn
 
         blocks = self._blocks(model)
@@ -202,8 +228,10 @@ class HfSpec(ModelSpec):
             if isinstance(module, nn.Linear):
                 width = module.out_features if style == COLWISE else module.in_features
                 if width % tp:
-                    fail(f"parallel.tp={tp} does not divide the {style} width {width} of {name}.",
-                         "pick parallel.tp that divides it")
+                    fail(
+                        f"parallel.tp={tp} does not divide the {style} width {width} of {name}.",
+                        "pick parallel.tp that divides it",
+                    )
 
     def depth_override(self, m, n_layers: int) -> str:
         # transformers' common name for the block count (an alias where a config names it otherwise: GPT-2's
@@ -249,11 +277,17 @@ class HfSpec(ModelSpec):
         # A mixture of experts computes each token with its top-k routed experts only (6 N counts active
         # parameters, as the model FLOPs of MoE training are usually quoted).
         share = _routed_share(self.config(m).get_text_config())
-        n = sum(p.numel * (share if _is_routed_expert(p.name) else 1)
-                for p in inventory.params if p.name not in inventory.input_params)
+        n = sum(
+            p.numel * (share if _is_routed_expert(p.name) else 1)
+            for p in inventory.params
+            if p.name not in inventory.input_params
+        )
         tied = self.tied_weights(m)
-        n += sum(model.get_parameter(name).numel() for name in tied
-                 if name.startswith(tuple(o + "." for o in self.output_modules_of(m))))
+        n += sum(
+            model.get_parameter(name).numel()
+            for name in tied
+            if name.startswith(tuple(o + "." for o in self.output_modules_of(m)))
+        )
         return round(6 * n) + 12 * len(inventory.blocks) * self._attention_width(m) * seq_len
 
     def _attention_width(self, m) -> int:
@@ -278,8 +312,9 @@ class HfSpec(ModelSpec):
         config = copy.deepcopy(self.config(m))
         config.use_cache = False  # training: no key/value cache
         with no_values_drawn_on_meta():
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                     attn_implementation=m.attn_implementation)
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, attn_implementation=m.attn_implementation
+            )
         model.forward = types.MethodType(_forward, model)  # the chunked loss when targets are passed
         model.register_forward_hook(_logits_only)
         return model
@@ -296,8 +331,11 @@ class HfSpec(ModelSpec):
 
     def retie(self, model: "nn.Module") -> None:
         head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-        if getattr(model.config.get_text_config(), "tie_word_embeddings", False) and head is not None \
-                and head.weight is not embedding.weight:
+        if (
+            getattr(model.config.get_text_config(), "tie_word_embeddings", False)
+            and head is not None
+            and head.weight is not embedding.weight
+        ):
             model.tie_weights()
 
     def _init_recipes(self, config) -> tuple[dict, set]:
@@ -313,7 +351,9 @@ class HfSpec(ModelSpec):
             with torch.device("meta"), no_values_drawn_on_meta():
                 fresh = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
             first: dict[int, str] = {}
-            aliases = {name: first.setdefault(id(p), name) for name, p in fresh.named_parameters(remove_duplicate=False)}
+            aliases = {
+                name: first.setdefault(id(p), name) for name, p in fresh.named_parameters(remove_duplicate=False)
+            }
             self.__dict__.setdefault("_aliases", {})[key] = aliases
             cache[key] = hf_init.record(fresh)
         return cache[key]
@@ -352,8 +392,11 @@ class HfSpec(ModelSpec):
             if type(module).__name__ in named:
                 counts[type(module)] = counts.get(type(module), 0) + 1
         if not counts:
-            fail(f"{type(model).__name__} names no decoder layer class (transformers' _no_split_modules), so "
-                 "fsdp_exp cannot tell its blocks.", "pick an architecture whose model class names one")
+            fail(
+                f"{type(model).__name__} names no decoder layer class (transformers' _no_split_modules), so "
+                "fsdp_exp cannot tell its blocks.",
+                "pick an architecture whose model class names one",
+            )
         return max(counts, key=counts.get)
 
     def block_class_of(self, m) -> type:
@@ -366,8 +409,11 @@ class HfSpec(ModelSpec):
         model = self.meta_model(m)
         blocks = tuple(b + "." for b in self._blocks(model))
         output = self.output_modules_of(m)
-        return tuple(name for name, module in model.named_modules()
-                     if isinstance(module, nn.Embedding) and not name.startswith(blocks) and name not in output)
+        return tuple(
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, nn.Embedding) and not name.startswith(blocks) and name not in output
+        )
 
     def output_modules_of(self, m) -> tuple[str, ...]:
         model = self.meta_model(m)
@@ -394,17 +440,20 @@ class HfSpec(ModelSpec):
         model = self.meta_model(m)
         raw = dict(getattr(model, "_tp_plan", None) or {})
         if not raw:
-            return TensorParallelPlan(root={}, block={}), \
-                f"{type(model).__name__} carries no tensor-parallel plan (transformers' base_model_tp_plan)"
+            return TensorParallelPlan(
+                root={}, block={}
+            ), f"{type(model).__name__} carries no tensor-parallel plan (transformers' base_model_tp_plan)"
         blocks = self._blocks(model)
         pattern = blocks[0].rpartition(".")[0] + ".*."  # model.layers.*.
         root, block, problem = {}, {}, None
         for key, style in raw.items():
             if style not in TP_STYLES:
-                problem = (f"{type(model).__name__}'s tensor-parallel plan gives {key} the style {style!r}, which "
-                           f"fsdp_exp does not translate (it knows {', '.join(sorted(TP_STYLES))})")
+                problem = (
+                    f"{type(model).__name__}'s tensor-parallel plan gives {key} the style {style!r}, which "
+                    f"fsdp_exp does not translate (it knows {', '.join(sorted(TP_STYLES))})"
+                )
             elif key.startswith(pattern):
-                block[key[len(pattern):]] = TP_STYLES[style]
+                block[key[len(pattern) :]] = TP_STYLES[style]
             elif "*" in key:
                 problem = f"{type(model).__name__}'s tensor-parallel plan names {key}, outside its blocks ({pattern})"
             else:

@@ -30,7 +30,10 @@ def transformers():
     try:
         import transformers as tf
     except ImportError:
-        fail("model=hf builds the model with Hugging Face transformers, which is not installed.", f"install it: {INSTALL}")
+        fail(
+            "model=hf builds the model with Hugging Face transformers, which is not installed.",
+            f"install it: {INSTALL}",
+        )
     return tf
 
 
@@ -59,15 +62,19 @@ def fetch(m) -> None:
 
     why = hub.unreachable()  # the offline variables, or a probe of seconds where hf_hub_download retries for 30
     if why:
-        fail(f"model.hf_config={m.hf_config!r} is a hub name, {why}, and the hub cache ({constants.HF_HUB_CACHE}) "
-             f"holds no copy of its {HUB_FILE}.",
-             f"pass model.hf_config=<a local folder or config.json>, or {hub.how_to_reach()}")
+        fail(
+            f"model.hf_config={m.hf_config!r} is a hub name, {why}, and the hub cache ({constants.HF_HUB_CACHE}) "
+            f"holds no copy of its {HUB_FILE}.",
+            f"pass model.hf_config=<a local folder or config.json>, or {hub.how_to_reach()}",
+        )
     try:
         hf_hub_download(m.hf_config, HUB_FILE, revision=m.revision, etag_timeout=5)
     except Exception as exc:  # noqa: BLE001 - every hub failure is the same refusal: name it
-        fail(f"model.hf_config={m.hf_config!r}: its {HUB_FILE} could not be fetched from the hub "
-             f"({type(exc).__name__}: {str(exc).splitlines()[0]}).",
-             "check the name (and model.revision), or pass model.hf_config=<a local folder or config.json>")
+        fail(
+            f"model.hf_config={m.hf_config!r}: its {HUB_FILE} could not be fetched from the hub "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0]}).",
+            "check the name (and model.revision), or pass model.hf_config=<a local folder or config.json>",
+        )
 
 
 def config_file(m) -> Path:
@@ -78,32 +85,41 @@ def config_file(m) -> Path:
         if path.is_dir():
             path = path / HUB_FILE
         if not path.is_file():
-            fail(f"model.hf_config={spec!r}: there is no such file" + (" (a folder needs a config.json)"
-                                                                         if Path(spec).expanduser().is_dir() else "")
-                 + ".", "pass model.hf_config=<a folder holding config.json, a config.json, or a hub name>")
+            fail(
+                f"model.hf_config={spec!r}: there is no such file"
+                + (" (a folder needs a config.json)" if Path(spec).expanduser().is_dir() else "")
+                + ".",
+                "pass model.hf_config=<a folder holding config.json, a config.json, or a hub name>",
+            )
         return path
     found = cached_hub_file(spec, m.revision)
     if found is None:
-        fail(f"model.hf_config={spec!r} is a hub name whose {HUB_FILE} is not in the local hub cache.",
-             "run through python -m fsdp_exp (its launcher fetches it), or pass a local folder or config.json")
+        fail(
+            f"model.hf_config={spec!r} is a hub name whose {HUB_FILE} is not in the local hub cache.",
+            "run through python -m fsdp_exp (its launcher fetches it), or pass a local folder or config.json",
+        )
     return found
 
 
 def raw_fields(m) -> dict[str, Any]:
     """The config.json's fields (from the file, or ``model.hf_fields``), before the overrides."""
     if bool(m.hf_config) == bool(m.hf_fields):
-        fail("model=hf needs exactly one of model.hf_config (a folder, a config.json or a hub name) and "
-             "model.hf_fields (a config written out, with its model_type)" + (", and both are set." if m.hf_config
-                                                                               else ", and neither is set."),
-             "pass model.hf_config=<folder|config.json|hub name>, or pick a preset such as model=hf_mistral_7b")
+        fail(
+            "model=hf needs exactly one of model.hf_config (a folder, a config.json or a hub name) and "
+            "model.hf_fields (a config written out, with its model_type)"
+            + (", and both are set." if m.hf_config else ", and neither is set."),
+            "pass model.hf_config=<folder|config.json|hub name>, or pick a preset such as model=hf_mistral_7b",
+        )
     if m.hf_fields:
         return dict(m.hf_fields)
     path = config_file(m)
     try:
         fields = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        fail(f"model.hf_config={m.hf_config!r}: {path} is not a readable JSON file ({err}).",
-             "pass a config.json written by transformers (config.save_pretrained)")
+        fail(
+            f"model.hf_config={m.hf_config!r}: {path} is not a readable JSON file ({err}).",
+            "pass a config.json written by transformers (config.save_pretrained)",
+        )
     if not isinstance(fields, dict):
         fail(f"model.hf_config={m.hf_config!r}: {path} does not hold a JSON object.", "pass a transformers config.json")
     return fields
@@ -116,9 +132,12 @@ def config_class(fields: dict, where: str):
 
     model_type = fields.get("model_type")
     if model_type not in CONFIG_MAPPING:
-        fail(f"{where} has model_type={model_type!r}, which transformers {tf.__version__} does not know"
-             + did_you_mean(closest(model_type, CONFIG_MAPPING.keys()), before=" (", after=")") + ".",
-             "pass a config.json with a model_type that transformers knows (e.g. mistral, qwen2, gpt2)")
+        fail(
+            f"{where} has model_type={model_type!r}, which transformers {tf.__version__} does not know"
+            + did_you_mean(closest(model_type, CONFIG_MAPPING.keys()), before=" (", after=")")
+            + ".",
+            "pass a config.json with a model_type that transformers knows (e.g. mistral, qwen2, gpt2)",
+        )
     return CONFIG_MAPPING[model_type]
 
 
@@ -139,9 +158,12 @@ def load(m):
     for key in overrides:
         if key not in names or key in GENERIC_FIELDS:
             near = closest(key, sorted(names - GENERIC_FIELDS))
-            fail(f"model.hf_overrides.{key}: {cls.__name__} has no field {key!r}"
-                 + did_you_mean(near, before=" (", after=")") + ".",
-                 "drop it" + (f", or write +model.hf_overrides.{near}=..." if near else ""))
+            fail(
+                f"model.hf_overrides.{key}: {cls.__name__} has no field {key!r}"
+                + did_you_mean(near, before=" (", after=")")
+                + ".",
+                "drop it" + (f", or write +model.hf_overrides.{near}=..." if near else ""),
+            )
     for key, value in overrides.items():
         fields.pop(key, None)
         fields[aliases.get(key, key)] = value
@@ -150,16 +172,21 @@ def load(m):
     except Exception as exc:  # noqa: BLE001 - transformers' own validation: wrong types, bad values
         message = " ".join(str(exc).split())
         # transformers quotes the field it refuses as 'name' (a type check) or `name` (a validator's message)
-        bad = next((k for k in overrides if any(f"{q}{name}{q}" in message for q in "'`"
-                                                for name in (k, aliases.get(k, k)))), None)
+        bad = next(
+            (k for k in overrides if any(f"{q}{name}{q}" in message for q in "'`" for name in (k, aliases.get(k, k)))),
+            None,
+        )
         key = f"model.hf_overrides.{bad}" if bad else where
-        fail(f"{key}: {cls.__name__} refuses it: {message}",
-             f"pass a {key}=... of the type and range {cls.__name__} accepts" if bad
-             else "fix the config file's field")
+        fail(
+            f"{key}: {cls.__name__} refuses it: {message}",
+            f"pass a {key}=... of the type and range {cls.__name__} accepts" if bad else "fix the config file's field",
+        )
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        fail(f"{where} is a {config.model_type} config, which has no causal language model "
-             f"(AutoModelForCausalLM does not build it).",
-             "pass the config of a decoder-only language model (e.g. mistral, qwen2, gemma, gpt2, llama)")
+        fail(
+            f"{where} is a {config.model_type} config, which has no causal language model "
+            f"(AutoModelForCausalLM does not build it).",
+            "pass the config of a decoder-only language model (e.g. mistral, qwen2, gemma, gpt2, llama)",
+        )
     return config

@@ -22,9 +22,25 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 # Functions that write a whole tensor: what came before them no longer matters.
-OVERWRITES = {"normal_", "uniform_", "fill_", "zero_", "constant_", "ones_", "zeros_", "trunc_normal_",
-              "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "eye_",
-              "dirac_", "sparse_", "copy_"}
+OVERWRITES = {
+    "normal_",
+    "uniform_",
+    "fill_",
+    "zero_",
+    "constant_",
+    "ones_",
+    "zeros_",
+    "trunc_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "eye_",
+    "dirac_",
+    "sparse_",
+    "copy_",
+}
 # Other in-place functions an initialization may apply on top (scaling, clamping).
 UPDATES = {"mul_", "div_", "add_", "sub_", "clamp_", "fmod_", "abs_", "neg_", "masked_fill_", "exp_", "log_"}
 
@@ -117,8 +133,16 @@ def _takes_generator(func: Callable) -> bool:
     try:
         return "generator" in inspect.signature(func).parameters
     except (TypeError, ValueError):  # a C method: the random ones take a generator
-        return func.__name__ in {"normal_", "uniform_", "random_", "bernoulli_", "exponential_", "geometric_",
-                                 "log_normal_", "cauchy_"}
+        return func.__name__ in {
+            "normal_",
+            "uniform_",
+            "random_",
+            "bernoulli_",
+            "exponential_",
+            "geometric_",
+            "log_normal_",
+            "cauchy_",
+        }
 
 
 def full_value(recipe: Recipe, shape, seed: int, device: torch.device, dtype=torch.float32) -> torch.Tensor:

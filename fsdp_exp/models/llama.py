@@ -34,8 +34,10 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
     built for its shapes; ``init_buffers`` fills them later) only the shapes: arithmetic on meta tensors runs
     through torch's reference ops, whose first call imports torch's compiler stack (about a second)."""
     if torch.empty(0, device=device).is_meta:
-        return (torch.empty(max_seq_len, head_dim // 2, device=device, dtype=torch.float32),
-                torch.empty(max_seq_len, head_dim // 2, device=device, dtype=torch.float32))
+        return (
+            torch.empty(max_seq_len, head_dim // 2, device=device, dtype=torch.float32),
+            torch.empty(max_seq_len, head_dim // 2, device=device, dtype=torch.float32),
+        )
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()

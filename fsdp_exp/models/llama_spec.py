@@ -32,8 +32,11 @@ HF_BLOCK_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-HF_ROOT_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-                 "output.weight": "lm_head.weight"}
+HF_ROOT_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -58,18 +61,26 @@ class LlamaSpec(ModelSpec):
             if getattr(m, name) < 1:
                 fail(f"model.{name}={getattr(m, name)} must be positive.", f"pass a positive model.{name}")
         if m.n_kv_heads is not None and m.n_kv_heads < 1:
-            fail(f"model.n_kv_heads={m.n_kv_heads} must be positive.",
-                 "pass model.n_kv_heads=null (as many as model.n_heads) or a divisor of model.n_heads")
+            fail(
+                f"model.n_kv_heads={m.n_kv_heads} must be positive.",
+                "pass model.n_kv_heads=null (as many as model.n_heads) or a divisor of model.n_heads",
+            )
         if m.dim % m.n_heads:
-            fail(f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.",
-                 "pick model.n_heads that divides model.dim")
+            fail(
+                f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.",
+                "pick model.n_heads that divides model.dim",
+            )
         kv = m.n_kv_heads or m.n_heads
         if m.n_heads % kv:
-            fail(f"model.n_kv_heads={kv} does not divide model.n_heads={m.n_heads} (grouped-query attention).",
-                 "pick model.n_kv_heads that divides model.n_heads, or null")
+            fail(
+                f"model.n_kv_heads={kv} does not divide model.n_heads={m.n_heads} (grouped-query attention).",
+                "pick model.n_kv_heads that divides model.n_heads, or null",
+            )
         if (m.dim // m.n_heads) % 2:
-            fail(f"head dimension model.dim/model.n_heads={m.dim // m.n_heads} is odd; rotary embeddings need it "
-                 "even.", "change model.dim or model.n_heads")
+            fail(
+                f"head dimension model.dim/model.n_heads={m.dim // m.n_heads} is odd; rotary embeddings need it even.",
+                "change model.dim or model.n_heads",
+            )
         self._check_feed_forward(m)
         self._check_numbers(m)
         self._check_experts(m)
@@ -78,49 +89,68 @@ class LlamaSpec(ModelSpec):
     def _check_feed_forward(m: ModelConfig) -> None:
         # The SwiGLU width (ffn_hidden_dim) divides by multiple_of and scales by ffn_dim_multiplier.
         if m.multiple_of < 1:
-            fail(f"model.multiple_of={m.multiple_of} must be positive: the SwiGLU width is rounded up to a "
-                 "multiple of it.", "pass model.multiple_of=256 (Llama's), or 1 for no rounding")
+            fail(
+                f"model.multiple_of={m.multiple_of} must be positive: the SwiGLU width is rounded up to a "
+                "multiple of it.",
+                "pass model.multiple_of=256 (Llama's), or 1 for no rounding",
+            )
         if m.ffn_dim_multiplier is not None and not m.ffn_dim_multiplier > 0:
-            fail(f"model.ffn_dim_multiplier={m.ffn_dim_multiplier} must be positive: it scales the SwiGLU width.",
-                 "pass model.ffn_dim_multiplier=null (the Llama papers' 8/3 x model.dim) or a positive factor")
+            fail(
+                f"model.ffn_dim_multiplier={m.ffn_dim_multiplier} must be positive: it scales the SwiGLU width.",
+                "pass model.ffn_dim_multiplier=null (the Llama papers' 8/3 x model.dim) or a positive factor",
+            )
 
     @staticmethod
     def _check_numbers(m: ModelConfig) -> None:
         # A negative epsilon or std, or a non-positive rotary base, gives NaN or an error at the first step.
         if m.norm_eps < 0:
-            fail(f"model.norm_eps={m.norm_eps} is negative; RMSNorm adds it under a square root.",
-                 "pass model.norm_eps=1e-5")
+            fail(
+                f"model.norm_eps={m.norm_eps} is negative; RMSNorm adds it under a square root.",
+                "pass model.norm_eps=1e-5",
+            )
         if not m.rope_theta > 0:
-            fail(f"model.rope_theta={m.rope_theta} must be positive: it is the base of the rotary frequencies.",
-                 "pass model.rope_theta=10000 (Llama 2's; Llama 3 uses 500000)")
+            fail(
+                f"model.rope_theta={m.rope_theta} must be positive: it is the base of the rotary frequencies.",
+                "pass model.rope_theta=10000 (Llama 2's; Llama 3 uses 500000)",
+            )
         if m.init_std < 0:
-            fail(f"model.init_std={m.init_std} is negative; it is the std of the weights' normal initialization.",
-                 "pass model.init_std=0.02")
+            fail(
+                f"model.init_std={m.init_std} is negative; it is the std of the weights' normal initialization.",
+                "pass model.init_std=0.02",
+            )
 
     @staticmethod
     def _check_experts(m: ModelConfig) -> None:
         if m.n_experts < 0:
-            fail(f"model.n_experts={m.n_experts} is negative.",
-                 "pass model.n_experts=0 (a dense feed-forward) or the number of experts (model=moe_tiny has 4)")
+            fail(
+                f"model.n_experts={m.n_experts} is negative.",
+                "pass model.n_experts=0 (a dense feed-forward) or the number of experts (model=moe_tiny has 4)",
+            )
         if m.n_experts and not 1 <= m.experts_top_k <= m.n_experts:
             # Too many: torch's topk cannot pick them; none: every token's mixing weights are 0/0.
             good = m.n_experts if m.experts_top_k > m.n_experts else min(2, m.n_experts)
-            fail(f"model.experts_top_k={m.experts_top_k} routes each token to that many experts, and the model "
-                 f"has {m.n_experts} (model.n_experts): it must lie between 1 and {m.n_experts}.",
-                 f"pass model.experts_top_k={good}" + (" (or raise model.n_experts)" if good == m.n_experts else ""))
+            fail(
+                f"model.experts_top_k={m.experts_top_k} routes each token to that many experts, and the model "
+                f"has {m.n_experts} (model.n_experts): it must lie between 1 and {m.n_experts}.",
+                f"pass model.experts_top_k={good}" + (" (or raise model.n_experts)" if good == m.n_experts else ""),
+            )
 
     def check_tensor_parallel(self, m: ModelConfig, tp: int) -> None:
         # Each rank holds whole heads and an equal slice of the SwiGLU width (the colwise projections).
         for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads or m.n_heads)):
             if value % tp:
-                fail(f"parallel.tp={tp} does not divide {name} ({value}): each rank holds whole heads.",
-                     f"pass parallel.tp={largest_divisor_at_most(value, tp)}, or a {name} that {tp} divides")
+                fail(
+                    f"parallel.tp={tp} does not divide {name} ({value}): each rank holds whole heads.",
+                    f"pass parallel.tp={largest_divisor_at_most(value, tp)}, or a {name} that {tp} divides",
+                )
         width = ffn_hidden_dim(m)
         if width % tp:
-            fail(f"parallel.tp={tp} does not divide the SwiGLU width ({width}, from model.dim, model.multiple_of "
-                 "and model.ffn_dim_multiplier): each rank holds an equal slice.",
-                 f"pass model.multiple_of={tp * m.multiple_of // math.gcd(tp, m.multiple_of)} (a multiple of "
-                 f"parallel.tp), or parallel.tp={largest_divisor_at_most(width, tp)}")
+            fail(
+                f"parallel.tp={tp} does not divide the SwiGLU width ({width}, from model.dim, model.multiple_of "
+                "and model.ffn_dim_multiplier): each rank holds an equal slice.",
+                f"pass model.multiple_of={tp * m.multiple_of // math.gcd(tp, m.multiple_of)} (a multiple of "
+                f"parallel.tp), or parallel.tp={largest_divisor_at_most(width, tp)}",
+            )
 
     def depth_override(self, cfg: ModelConfig, n_layers: int) -> str:
         return f"model.n_layers={n_layers}"
@@ -149,8 +179,12 @@ class LlamaSpec(ModelSpec):
         return {"output.weight": "tok_embeddings.weight"} if cfg.tie_embeddings else {}
 
     def expert_modules(self, model: Llama) -> list[str]:
-        return [f"{name}.experts.{i}" for name, m in model.named_modules() if isinstance(m, MoEFeedForward)
-                for i in range(len(m.experts))]
+        return [
+            f"{name}.experts.{i}"
+            for name, m in model.named_modules()
+            if isinstance(m, MoEFeedForward)
+            for i in range(len(m.experts))
+        ]
 
     def tensor_parallel_plan(self, cfg: ModelConfig) -> TensorParallelPlan:
         """Attention: wq/wk/wv colwise (each rank holds n_heads/tp heads), wo rowwise. SwiGLU: w1/w3
@@ -159,9 +193,15 @@ class LlamaSpec(ModelSpec):
         gather first."""
         return TensorParallelPlan(
             root={"tok_embeddings": ROWWISE, "output": COLWISE},
-            block={"attention.wq": COLWISE, "attention.wk": COLWISE, "attention.wv": COLWISE,
-                   "attention.wo": ROWWISE,
-                   "feed_forward.w1": COLWISE, "feed_forward.w3": COLWISE, "feed_forward.w2": ROWWISE},
+            block={
+                "attention.wq": COLWISE,
+                "attention.wk": COLWISE,
+                "attention.wv": COLWISE,
+                "attention.wo": ROWWISE,
+                "feed_forward.w1": COLWISE,
+                "feed_forward.w3": COLWISE,
+                "feed_forward.w2": ROWWISE,
+            },
             sequence_parallel_root=("norm",),
             sequence_parallel_block=("attention_norm", "ffn_norm"),
             gathered_inputs={"attention": 3, "feed_forward": 1},  # attention also takes cos and sin

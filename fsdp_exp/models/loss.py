@@ -38,8 +38,13 @@ def mean_cross_entropy(model: nn.Module, inputs: torch.Tensor, targets: torch.Te
     return _local(loss)
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, chunks: int,
-                          logits_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    head: nn.Module,
+    targets: torch.Tensor,
+    chunks: int,
+    logits_transform: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+) -> torch.Tensor:
     """The summed cross-entropy of ``head(hidden)`` (hidden: batch x sequence x width) against ``targets``
     (batch x sequence), in ``chunks`` slices of the sequence (of the batch under sequence parallel). ``logits_transform``: what the
     family does to the logits before the loss (e.g. a soft cap)."""
@@ -57,8 +62,12 @@ def chunked_cross_entropy(hidden: torch.Tensor, head: nn.Module, targets: torch.
     return total
 
 
-def _chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module,
-                logits_transform: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> torch.Tensor:
+def _chunk_loss(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: nn.Module,
+    logits_transform: Optional[Callable[[torch.Tensor], torch.Tensor]],
+) -> torch.Tensor:
     logits = head(hidden)
     if logits_transform is not None:
         logits = logits_transform(logits)

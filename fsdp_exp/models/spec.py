@@ -66,7 +66,7 @@ class TensorParallelPlan:
         block = next((b for b in blocks if module.startswith(b + ".")), None)
         if block is None:
             return self.root.get(module), module
-        return self.block.get(module[len(block) + 1:]), module
+        return self.block.get(module[len(block) + 1 :]), module
 
 
 def tp_sharded_dim(style: Optional[str], module: "nn.Module", param_attr: str) -> Optional[int]:
@@ -192,8 +192,9 @@ class SpecBuild(ABC):
         """The name a parameter is drawn under: a tied parameter has one value, under its first name."""
         return name
 
-    def full_param(self, model: "nn.Module", name: str, shape: "torch.Size", seed: int,
-                   device: "torch.device") -> "torch.Tensor":
+    def full_param(
+        self, model: "nn.Module", name: str, shape: "torch.Size", seed: int, device: "torch.device"
+    ) -> "torch.Tensor":
         """The full initial value of parameter ``name`` (canonical), drawn from a generator seeded with
         ``seed`` alone. Default: normal with ``init_std``, or ones where it is None."""
         import torch
@@ -275,8 +276,9 @@ class SpecLayout(ABC):
             return frozenset(p.name for p in params if p.name.startswith(tuple(m + "." for m in modules)))
 
         buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-        return Inventory(tuple(params), blocks, under(self.input_modules_of(cfg)), under(self.output_modules_of(cfg)),
-                         buffer_bytes)
+        return Inventory(
+            tuple(params), blocks, under(self.input_modules_of(cfg)), under(self.output_modules_of(cfg)), buffer_bytes
+        )
 
 
 class SpecExport(ABC):
@@ -324,8 +326,9 @@ def no_values_drawn_on_meta():
     import torch
     from torch.overrides import TorchFunctionMode
 
-    initializers = {getattr(torch.nn.init, name) for name in dir(torch.nn.init)
-                    if name.endswith("_") and not name.startswith("_")}
+    initializers = {
+        getattr(torch.nn.init, name) for name in dir(torch.nn.init) if name.endswith("_") and not name.startswith("_")
+    }
 
     class NoValuesOnMeta(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):

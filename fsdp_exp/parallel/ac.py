@@ -48,8 +48,16 @@ def apply(model: nn.Module, cfg: RunConfig) -> dict:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, child, checkpoint_wrapper(getattr(owner, child), **kwargs))
-    return {"mode": cfg.ac.mode, "every": every, "ops": cfg.ac.ops, "checkpointed": chosen,
-            "api": "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
-            "kwargs": {"preserve_rng_state": False,
-                       "context_fn": f"create_selective_checkpoint_contexts(OpSaver({cfg.ac.ops!r}))"
-                       if "context_fn" in kwargs else None}}
+    return {
+        "mode": cfg.ac.mode,
+        "every": every,
+        "ops": cfg.ac.ops,
+        "checkpointed": chosen,
+        "api": "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
+        "kwargs": {
+            "preserve_rng_state": False,
+            "context_fn": f"create_selective_checkpoint_contexts(OpSaver({cfg.ac.ops!r}))"
+            if "context_fn" in kwargs
+            else None,
+        },
+    }

@@ -53,9 +53,11 @@ def check_backend_name(name: str) -> None:
     if name in BACKEND_MODULES:
         return
     presets = "(or a preset: sharding=full|grad_op|hybrid|no_shard|ddp|optimizer|zero1|zero2|zero3)"
-    fail(f"sharding.backend={name!r} is not one of {', '.join(BACKEND_MODULES)}.",
-         did_you_mean(closest(name, BACKEND_MODULES), "sharding.backend={}", after=f" {presets}")
-         or f"pass sharding.backend=fsdp2 {presets}")
+    fail(
+        f"sharding.backend={name!r} is not one of {', '.join(BACKEND_MODULES)}.",
+        did_you_mean(closest(name, BACKEND_MODULES), "sharding.backend={}", after=f" {presets}")
+        or f"pass sharding.backend=fsdp2 {presets}",
+    )
 
 
 def get_backend(name: str) -> "Backend":
@@ -254,8 +256,9 @@ class BackendCheckpointing(ABC):
     # another format).
     checkpoint_format: str = "torch.distributed.checkpoint"
 
-    def save_checkpoint(self, sharded, folder, *, writer, step: int, rank: int, debug, process_group=None,
-                        async_save: bool = False):
+    def save_checkpoint(
+        self, sharded, folder, *, writer, step: int, rank: int, debug, process_group=None, async_save: bool = False
+    ):
         """Write this rank's share of the model and optimizer (``sharded``, fsdp_exp/checkpoint/states.py)
         into ``folder`` through ``writer`` (which injects ``debug``'s save faults). Returns DCP's future when
         ``async_save``, else None."""
@@ -315,8 +318,9 @@ class BackendDocs(ABC):
         return {}
 
 
-class Backend(BackendChecks, BackendBuild, BackendStep, BackendInspection, BackendCheckpointing, BackendPlanning,
-              BackendDocs):
+class Backend(
+    BackendChecks, BackendBuild, BackendStep, BackendInspection, BackendCheckpointing, BackendPlanning, BackendDocs
+):
     """A data-parallel backend: every role above. The defaults are shared by the torch-optimizer backends
     (see the module docstring); a subclass implements each role's abstract methods."""
 

@@ -51,27 +51,42 @@ def refuse_fsdp2_only_knobs(backend: "BackendChecks", cfg) -> None:
     """FSDP1 and DDP: refuse tensor parallel, per-unit resharding and the root's output dtype (FSDP2's)."""
     s, tp = cfg.sharding, cfg.parallel.tp
     if tp > 1:
-        fail(f"parallel.tp={tp} composes with FSDP2 only, not sharding.backend={backend.name}.",
-             "pass sharding.backend=fsdp2 (or parallel.tp=1)")
+        fail(
+            f"parallel.tp={tp} composes with FSDP2 only, not sharding.backend={backend.name}.",
+            "pass sharding.backend=fsdp2 (or parallel.tp=1)",
+        )
     if s.reshard_after_forward.lower() != "auto":
-        backend.refuse(f"sharding.reshard_after_forward={s.reshard_after_forward}",
-                       "FSDP1 and DDP take resharding from the strategy (FULL_SHARD reshards, SHARD_GRAD_OP keeps).",
-                       "pass sharding=full or sharding=grad_op, or sharding.backend=fsdp2")
+        backend.refuse(
+            f"sharding.reshard_after_forward={s.reshard_after_forward}",
+            "FSDP1 and DDP take resharding from the strategy (FULL_SHARD reshards, SHARD_GRAD_OP keeps).",
+            "pass sharding=full or sharding=grad_op, or sharding.backend=fsdp2",
+        )
     if s.reshard_last_block is not None:
-        backend.refuse("sharding.reshard_last_block", "only FSDP2 sets resharding per unit.",
-                       "drop it, or pass sharding.backend=fsdp2")
+        backend.refuse(
+            "sharding.reshard_last_block",
+            "only FSDP2 sets resharding per unit.",
+            "drop it, or pass sharding.backend=fsdp2",
+        )
     if cfg.precision.output_dtype is not None:
-        backend.refuse("precision.output_dtype", "only FSDP2's MixedPrecisionPolicy casts the outputs.",
-                       "drop precision.output_dtype")
+        backend.refuse(
+            "precision.output_dtype",
+            "only FSDP2's MixedPrecisionPolicy casts the outputs.",
+            "drop precision.output_dtype",
+        )
 
 
 def refuse_zero_only_knobs(backend: "BackendChecks", cfg) -> None:
     """FSDP2 and FSDP1: refuse ZeRO-1 (sharding=optimizer) and an optimizer-only offload, naming who has them."""
     if cfg.sharding.strategy == "optimizer":
-        backend.refuse("sharding=optimizer (ZeRO-1: optimizer state sharded only)", "FSDP shards the parameters "
-                       "and gradients with the optimizer state; it has no optimizer-only strategy.",
-                       "pass sharding=optimizer (DDP + ZeroRedundancyOptimizer) or sharding=zero1 (DeepSpeed), or "
-                       "sharding=grad_op for FSDP's closest (ZeRO-2)")
+        backend.refuse(
+            "sharding=optimizer (ZeRO-1: optimizer state sharded only)",
+            "FSDP shards the parameters and gradients with the optimizer state; it has no optimizer-only strategy.",
+            "pass sharding=optimizer (DDP + ZeroRedundancyOptimizer) or sharding=zero1 (DeepSpeed), or "
+            "sharding=grad_op for FSDP's closest (ZeRO-2)",
+        )
     if cfg.offload.optimizer:
-        backend.refuse("offload=optimizer", "FSDP's CPU offload moves parameters, gradients and the optimizer step "
-                       "together (docs/vocabulary.md).", "pass offload=params, or sharding.backend=deepspeed")
+        backend.refuse(
+            "offload=optimizer",
+            "FSDP's CPU offload moves parameters, gradients and the optimizer step together (docs/vocabulary.md).",
+            "pass offload=params, or sharding.backend=deepspeed",
+        )

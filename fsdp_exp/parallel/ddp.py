@@ -45,35 +45,55 @@ class DDP(Backend):
     def check(self, cfg: RunConfig, device_type: str) -> None:
         s, p, pf, w = cfg.sharding, cfg.precision, cfg.prefetch, cfg.wrap
         if s.strategy not in self.strategies:
-            fail(f"DDP replicates the model; it cannot do sharding.strategy={s.strategy}.",
-                 "pass sharding=ddp (or sharding=optimizer: ZeroRedundancyOptimizer), or sharding.backend=fsdp2 "
-                 "for a sharded strategy")
+            fail(
+                f"DDP replicates the model; it cannot do sharding.strategy={s.strategy}.",
+                "pass sharding=ddp (or sharding=optimizer: ZeroRedundancyOptimizer), or sharding.backend=fsdp2 "
+                "for a sharded strategy",
+            )
         refuse_fsdp2_only_knobs(self, cfg)
         if pf != PrefetchConfig():
-            self.refuse("a prefetch setting", "DDP has no all-gathers to prefetch.",
-                        "leave the prefetch group at its default (drop prefetch=...)")
+            self.refuse(
+                "a prefetch setting",
+                "DDP has no all-gathers to prefetch.",
+                "leave the prefetch group at its default (drop prefetch=...)",
+            )
         if w != WrapConfig():
-            self.refuse(f"wrap={w.policy}", "DDP has no wrapped units (it buckets gradients).",
-                        "leave the wrap group at its default (drop wrap=...)")
+            self.refuse(
+                f"wrap={w.policy}",
+                "DDP has no wrapped units (it buckets gradients).",
+                "leave the wrap group at its default (drop wrap=...)",
+            )
         for knob in ("use_orig_params", "sync_module_states"):  # FSDP1's: docs/vocabulary.md says refused
             if getattr(s, knob) is not None:
-                self.refuse(f"sharding.{knob}", "DDP trains the original parameters, and fsdp_exp initializes "
-                            "every replica identically by seed.", f"drop sharding.{knob}")
+                self.refuse(
+                    f"sharding.{knob}",
+                    "DDP trains the original parameters, and fsdp_exp initializes every replica identically by seed.",
+                    f"drop sharding.{knob}",
+                )
         if cfg.offload.params or cfg.offload.optimizer:
-            self.refuse("offload=params" if cfg.offload.params else "offload=optimizer",
-                        "DDP keeps full replicas (and ZeroRedundancyOptimizer its shard) on the device.",
-                        "pass offload=none, or sharding=no_shard (FSDP2 replication with offload=params), or "
-                        "sharding=zero1 offload=optimizer (DeepSpeed)")
+            self.refuse(
+                "offload=params" if cfg.offload.params else "offload=optimizer",
+                "DDP keeps full replicas (and ZeroRedundancyOptimizer its shard) on the device.",
+                "pass offload=none, or sharding=no_shard (FSDP2 replication with offload=params), or "
+                "sharding=zero1 offload=optimizer (DeepSpeed)",
+            )
         if p.reduce_dtype == "bf16" and device_type == "cpu":
-            self.refuse("precision.reduce_dtype=bf16 on CPU", "torch's bf16 gradient-compression hook for DDP "
-                        "needs NCCL (CUDA) or XCCL.", "pass precision.reduce_dtype=fp32 (e.g. precision=bf16)")
+            self.refuse(
+                "precision.reduce_dtype=bf16 on CPU",
+                "torch's bf16 gradient-compression hook for DDP needs NCCL (CUDA) or XCCL.",
+                "pass precision.reduce_dtype=fp32 (e.g. precision=bf16)",
+            )
         if p.param_dtype != p.reduce_dtype and p.reduce_dtype != "fp32":
-            self.refuse(f"precision.reduce_dtype={p.reduce_dtype} with param_dtype={p.param_dtype}",
-                        "DDP compresses gradients to the reduce dtype with a communication hook; only fp32 or "
-                        "the compute dtype are offered.", "pass precision.reduce_dtype=fp32")
+            self.refuse(
+                f"precision.reduce_dtype={p.reduce_dtype} with param_dtype={p.param_dtype}",
+                "DDP compresses gradients to the reduce dtype with a communication hook; only fp32 or "
+                "the compute dtype are offered.",
+                "pass precision.reduce_dtype=fp32",
+            )
         if p.buffer_dtype is not None or not p.cast_forward_inputs:
-            self.refuse("precision.buffer_dtype / cast_forward_inputs", "DDP runs mixed precision by autocast.",
-                        "drop them")
+            self.refuse(
+                "precision.buffer_dtype / cast_forward_inputs", "DDP runs mixed precision by autocast.", "drop them"
+            )
 
     # --------------------------------------------------------------------------------- BackendBuild
     def data_parallel_mesh(self, strategy: str, dp: int, replicate: int, shard: int) -> tuple[tuple, tuple]:
@@ -83,8 +103,11 @@ class DDP(Backend):
         """Materialize and seed the whole model on this rank, then wrap it (and hook fp16/bf16 reduction)."""
         model.to_empty(device=device)
         init_weights(model, cfg.trainer.seed, device)
-        kwargs = dict(device_ids=[device.index] if device.type == "cuda" else None, process_group=mesh.get_group(),
-                      forward_sync_buffers=False)  # buffers are derived (rotary tables), identical everywhere
+        kwargs = dict(
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=mesh.get_group(),
+            forward_sync_buffers=False,
+        )  # buffers are derived (rotary tables), identical everywhere
         wrapped = DistributedDataParallel(model, **kwargs)
         hook = COMM_HOOKS.get(cfg.precision.reduce_dtype)
         if hook is not None:
@@ -111,8 +134,10 @@ class DDP(Backend):
 
         zero = ZeroRedundancyOptimizer(
             [{k: v for k, v in group.items() if k in ("params", "weight_decay")} for group in optimizer.param_groups],
-            optimizer_class=torch.optim.AdamW, process_group=model.process_group,
-            **{k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps")})
+            optimizer_class=torch.optim.AdamW,
+            process_group=model.process_group,
+            **{k: v for k, v in optimizer.defaults.items() if k in ("lr", "betas", "eps")},
+        )
         return zero
 
     # ---------------------------------------------------------------------------------- BackendStep
@@ -130,8 +155,15 @@ class DDP(Backend):
     # ---------------------------------------------------------------------------- BackendInspection
     def inspect(self, model: nn.Module) -> list[dict]:
         hooks = [hook.__name__ for hook, _state in getattr(model, "_comm_hooks", [])]
-        return [{"module": "<root>", "class": type(model).__name__, "comm_hooks": hooks,
-                 "process_group_size": model.process_group.size(), "num_params": len(list(model.parameters()))}]
+        return [
+            {
+                "module": "<root>",
+                "class": type(model).__name__,
+                "comm_hooks": hooks,
+                "process_group_size": model.process_group.size(),
+                "num_params": len(list(model.parameters())),
+            }
+        ]
 
     def model_state_counter(self, model: nn.Module, optimizer):
         from fsdp_exp.metrics.memory import ModelStateBytes
@@ -139,13 +171,22 @@ class DDP(Backend):
         return ModelStateBytes(model, getattr(optimizer, "optim", optimizer))  # ZeRO-1: this rank's AdamW
 
     # ------------------------------------------------------------------------- BackendCheckpointing
-    def save_checkpoint(self, sharded, folder, *, writer, step: int, rank: int, debug, process_group=None,
-                        async_save: bool = False):
+    def save_checkpoint(
+        self, sharded, folder, *, writer, step: int, rank: int, debug, process_group=None, async_save: bool = False
+    ):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         if not isinstance(sharded.optimizer, ZeroRedundancyOptimizer):
-            return super().save_checkpoint(sharded, folder, writer=writer, step=step, rank=rank, debug=debug,
-                                           process_group=process_group, async_save=async_save)
+            return super().save_checkpoint(
+                sharded,
+                folder,
+                writer=writer,
+                step=step,
+                rank=rank,
+                debug=debug,
+                process_group=process_group,
+                async_save=async_save,
+            )
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -165,8 +206,10 @@ class DDP(Backend):
 
         file = Path(folder) / ZERO_OPTIMIZER_FILE
         if not file.is_file():
-            raise FileNotFoundError(f"{file}: the checkpoint holds no consolidated ZeroRedundancyOptimizer state "
-                                    "(it was saved with another sharding strategy)")
+            raise FileNotFoundError(
+                f"{file}: the checkpoint holds no consolidated ZeroRedundancyOptimizer state "
+                "(it was saved with another sharding strategy)"
+            )
         state = {"model": get_model_state_dict(sharded.model)}
         dcp.load(state, checkpoint_id=str(folder))
         set_model_state_dict(sharded.model, state["model"])
@@ -174,10 +217,16 @@ class DDP(Backend):
 
     # ------------------------------------------------------------------------------ BackendPlanning
     def planner_rules(self, cfg: RunConfig) -> PlannerRules:
-        return PlannerRules(param_layout="replicated", gathers_units=False,
-                            autocast=cfg.precision.param_dtype != "fp32", root_output_dtype=None,
-                            reshard_after_forward=False, gradient_buckets=True, offloads=False,
-                            shards_optimizer=cfg.sharding.strategy == "optimizer")
+        return PlannerRules(
+            param_layout="replicated",
+            gathers_units=False,
+            autocast=cfg.precision.param_dtype != "fp32",
+            root_output_dtype=None,
+            reshard_after_forward=False,
+            gradient_buckets=True,
+            offloads=False,
+            shards_optimizer=cfg.sharding.strategy == "optimizer",
+        )
 
     def shard_group(self, topology: Topology) -> int:
         return 1  # every rank holds whole parameters

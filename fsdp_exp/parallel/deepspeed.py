@@ -52,14 +52,18 @@ from fsdp_exp.parallel.common import dtype_of, refuse_fsdp2_only_knobs
 STAGES = {"no_shard": 0, "optimizer": 1, "grad_op": 2, "full": 3}
 # prefetch preset (conf/prefetch/) -> factor on DeepSpeed's default stage3_prefetch_bucket_size and
 # stage3_max_live_parameters (0: no prefetch bucket, and the default number of live parameters)
-PREFETCH_PRESETS = {"none": (PrefetchConfig(forward=0, backward=None), 0),
-                    "default": (PrefetchConfig(), 1),
-                    "deep": (PrefetchConfig(forward=2, backward=2), 2)}
+PREFETCH_PRESETS = {
+    "none": (PrefetchConfig(forward=0, backward=None), 0),
+    "default": (PrefetchConfig(), 1),
+    "deep": (PrefetchConfig(forward=2, backward=2), 2),
+}
 
 
 def prefetch_preset(pf: PrefetchConfig) -> Optional[str]:
     """The preset the prefetch group equals, or None."""
     return next((name for name, (preset, _) in PREFETCH_PRESETS.items() if preset == pf), None)
+
+
 # DeepSpeed's defaults for the two ZeRO-3 knobs the prefetch presets scale (its DeepSpeedZeroConfig).
 DEFAULT_PREFETCH_BUCKET = 50_000_000
 DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000
@@ -129,8 +133,10 @@ def ds_config(cfg: RunConfig, dp: int) -> dict:
 class DeepSpeed(Backend):
     name = "deepspeed"
     api = "deepspeed.initialize"
-    float8_refusal = ("ZeRO partitions and casts the parameters itself, outside torchao's float8 weight wrapper; "
-                      "torchao supports float8 training under FSDP2.")
+    float8_refusal = (
+        "ZeRO partitions and casts the parameters itself, outside torchao's float8 weight wrapper; "
+        "torchao supports float8 training under FSDP2."
+    )
     strategies = ("full", "grad_op", "optimizer", "no_shard")
     tracks_memory = False  # torch's MemTracker cannot follow ZeRO's partitioned / flattened parameters
     compiles_itself = True  # compile=true: engine.compile() (torch.compile of the module, ZeRO's hooks kept)
@@ -138,72 +144,118 @@ class DeepSpeed(Backend):
 
     # -------------------------------------------------------------------------------- BackendChecks
     def missing_dependency(self) -> Optional[str]:
-        return None if installed() else "pip install 'fsdp_exp[deepspeed]' (pinned: pip install -c constraints.txt " \
-                                        "deepspeed)"
+        return (
+            None
+            if installed()
+            else "pip install 'fsdp_exp[deepspeed]' (pinned: pip install -c constraints.txt deepspeed)"
+        )
 
     def check(self, cfg: RunConfig, device_type: str) -> None:
         s, p, o = cfg.sharding, cfg.precision, cfg.offload
         if self.missing_dependency():
-            fail("sharding.backend=deepspeed needs DeepSpeed, which is not installed.",
-                 f"{self.missing_dependency()}, or pass sharding.backend=fsdp2")
+            fail(
+                "sharding.backend=deepspeed needs DeepSpeed, which is not installed.",
+                f"{self.missing_dependency()}, or pass sharding.backend=fsdp2",
+            )
         if s.strategy not in self.strategies:
-            fail(f"sharding.strategy={s.strategy} has no DeepSpeed equivalent wired here (MiCS / hpZ are not).",
-                 "pass sharding=full|grad_op|optimizer|no_shard with sharding.backend=deepspeed, or "
-                 "sharding.backend=fsdp2 for hybrid")
+            fail(
+                f"sharding.strategy={s.strategy} has no DeepSpeed equivalent wired here (MiCS / hpZ are not).",
+                "pass sharding=full|grad_op|optimizer|no_shard with sharding.backend=deepspeed, or "
+                "sharding.backend=fsdp2 for hybrid",
+            )
         refuse_fsdp2_only_knobs(self, cfg)
         if cfg.trainer.grad_sync not in ("auto", self.grad_sync(cfg)):
-            self.refuse(f"trainer.grad_sync={cfg.trainer.grad_sync}",
-                        f"DeepSpeed's engine reduces ZeRO-{stage_of(cfg)} gradients {self.grad_sync(cfg)} "
-                        "(ZeRO-2/3 at every micro-batch, ZeRO-0/1 at the accumulation boundary) and has no switch.",
-                        f"pass trainer.grad_sync=auto (here {self.grad_sync(cfg)}), or sharding.backend=fsdp2")
+            self.refuse(
+                f"trainer.grad_sync={cfg.trainer.grad_sync}",
+                f"DeepSpeed's engine reduces ZeRO-{stage_of(cfg)} gradients {self.grad_sync(cfg)} "
+                "(ZeRO-2/3 at every micro-batch, ZeRO-0/1 at the accumulation boundary) and has no switch.",
+                f"pass trainer.grad_sync=auto (here {self.grad_sync(cfg)}), or sharding.backend=fsdp2",
+            )
         for knob in ("use_orig_params", "sync_module_states"):
             if getattr(s, knob) is not None:
-                self.refuse(f"sharding.{knob}", "DeepSpeed trains the module's own parameters, and fsdp_exp "
-                            "initializes every rank identically by seed.", f"drop sharding.{knob}")
+                self.refuse(
+                    f"sharding.{knob}",
+                    "DeepSpeed trains the module's own parameters, and fsdp_exp "
+                    "initializes every rank identically by seed.",
+                    f"drop sharding.{knob}",
+                )
         if p.param_dtype == "bf16" and p.reduce_dtype == "bf16":
-            self.refuse("precision=bf16_pure (bf16 gradient reduction)", "DeepSpeed's bf16 mode always keeps fp32 "
-                        "master weights and is configured here with fp32 gradient reduction.",
-                        "pass precision=bf16")
+            self.refuse(
+                "precision=bf16_pure (bf16 gradient reduction)",
+                "DeepSpeed's bf16 mode always keeps fp32 "
+                "master weights and is configured here with fp32 gradient reduction.",
+                "pass precision=bf16",
+            )
         if p.reduce_dtype not in ("fp32", p.param_dtype):
-            self.refuse(f"precision.reduce_dtype={p.reduce_dtype} with param_dtype={p.param_dtype}",
-                        "DeepSpeed communicates in fp32 or the compute dtype.", "pass precision.reduce_dtype=fp32")
+            self.refuse(
+                f"precision.reduce_dtype={p.reduce_dtype} with param_dtype={p.param_dtype}",
+                "DeepSpeed communicates in fp32 or the compute dtype.",
+                "pass precision.reduce_dtype=fp32",
+            )
         if p.buffer_dtype is not None:
-            self.refuse("precision.buffer_dtype", "DeepSpeed casts parameters only; buffers keep their dtype.",
-                        "drop precision.buffer_dtype")
+            self.refuse(
+                "precision.buffer_dtype",
+                "DeepSpeed casts parameters only; buffers keep their dtype.",
+                "drop precision.buffer_dtype",
+            )
         if not p.cast_forward_inputs:
-            self.refuse("precision.cast_forward_inputs=false", "the DeepSpeed engine does not cast inputs either "
-                        "way (the model's inputs are token ids).", "drop precision.cast_forward_inputs")
+            self.refuse(
+                "precision.cast_forward_inputs=false",
+                "the DeepSpeed engine does not cast inputs either way (the model's inputs are token ids).",
+                "drop precision.cast_forward_inputs",
+            )
         if p.param_dtype == "fp16" and device_type == "cpu":
-            self.refuse("precision=fp16 on the CPU", "DeepSpeed's CPU accelerator supports fp32 and bf16 only (its "
-                        "engine refuses fp16 there); on CUDA, fp16 runs with DeepSpeed's dynamic loss scaler.",
-                        "pass precision=bf16 (or run on CUDA)")
+            self.refuse(
+                "precision=fp16 on the CPU",
+                "DeepSpeed's CPU accelerator supports fp32 and bf16 only (its "
+                "engine refuses fp16 there); on CUDA, fp16 runs with DeepSpeed's dynamic loss scaler.",
+                "pass precision=bf16 (or run on CUDA)",
+            )
         if p.loss_scaler == "dynamic" and p.param_dtype != "fp16":
-            self.refuse(f"precision.loss_scaler=dynamic with param_dtype={p.param_dtype}",
-                        "DeepSpeed's dynamic loss scaler is part of its fp16 mode.",
-                        "pass precision=fp16, or precision.loss_scaler=none")
+            self.refuse(
+                f"precision.loss_scaler=dynamic with param_dtype={p.param_dtype}",
+                "DeepSpeed's dynamic loss scaler is part of its fp16 mode.",
+                "pass precision=fp16, or precision.loss_scaler=none",
+            )
         stage = STAGES.get(s.strategy, 0)
         if o.params and stage != 3:
-            self.refuse(f"offload=params with sharding={s.strategy}", "DeepSpeed offloads parameters under ZeRO-3 "
-                        "only (offload_param).", "pass sharding=full, or offload=optimizer (offload_optimizer)")
+            self.refuse(
+                f"offload=params with sharding={s.strategy}",
+                "DeepSpeed offloads parameters under ZeRO-3 only (offload_param).",
+                "pass sharding=full, or offload=optimizer (offload_optimizer)",
+            )
         if o.optimizer and stage == 0:
-            self.refuse("offload=optimizer with sharding=no_shard", "DeepSpeed offloads the optimizer under ZeRO "
-                        "stages 1-3 only (offload_optimizer).", "pass sharding=optimizer|grad_op|full")
+            self.refuse(
+                "offload=optimizer with sharding=no_shard",
+                "DeepSpeed offloads the optimizer under ZeRO stages 1-3 only (offload_optimizer).",
+                "pass sharding=optimizer|grad_op|full",
+            )
         pf = cfg.prefetch
         if prefetch_preset(pf) is None:
-            self.refuse(f"prefetch forward={pf.forward} backward={pf.backward} timing={pf.backward_timing} "
-                        f"limit_all_gathers={pf.limit_all_gathers}", "DeepSpeed prefetches by bytes "
-                        "(stage3_prefetch_bucket_size), mapped from the presets only.",
-                        "pass prefetch=none|default|deep")
+            self.refuse(
+                f"prefetch forward={pf.forward} backward={pf.backward} timing={pf.backward_timing} "
+                f"limit_all_gathers={pf.limit_all_gathers}",
+                "DeepSpeed prefetches by bytes (stage3_prefetch_bucket_size), mapped from the presets only.",
+                "pass prefetch=none|default|deep",
+            )
         if stage != 3 and pf != PrefetchConfig():
-            self.refuse(f"prefetch={prefetch_preset(pf)} with sharding={s.strategy}", "stages 0-2 keep whole "
-                        "parameters on every rank: there is nothing to prefetch.", "drop prefetch=..., or pass "
-                        "sharding=full")
+            self.refuse(
+                f"prefetch={prefetch_preset(pf)} with sharding={s.strategy}",
+                "stages 0-2 keep whole parameters on every rank: there is nothing to prefetch.",
+                "drop prefetch=..., or pass sharding=full",
+            )
         if cfg.wrap != WrapConfig():
-            self.refuse(f"wrap={cfg.wrap.policy}", "DeepSpeed has no wrapping units (ZeRO-3 gathers each module's "
-                        "parameters when it runs).", "leave the wrap group at its default (drop wrap=...)")
+            self.refuse(
+                f"wrap={cfg.wrap.policy}",
+                "DeepSpeed has no wrapping units (ZeRO-3 gathers each module's parameters when it runs).",
+                "leave the wrap group at its default (drop wrap=...)",
+            )
         if cfg.checkpoint.async_save:
-            self.refuse("checkpoint.async_save=true", "DeepSpeed's save_checkpoint writes synchronously.",
-                        "pass checkpoint.async_save=false")
+            self.refuse(
+                "checkpoint.async_save=true",
+                "DeepSpeed's save_checkpoint writes synchronously.",
+                "pass checkpoint.async_save=false",
+            )
 
     def grad_sync(self, cfg: RunConfig) -> str:
         """The engine's own rule, the only one it honours (``check``): ZeRO-2 and -3 reduce every micro-batch
@@ -235,13 +287,19 @@ class DeepSpeed(Backend):
             model.to_empty(device=device)
             init_weights(model, cfg.trainer.seed, device)
         optimizer = build_optimizer(model, cfg.optim, decay_names)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=copy.deepcopy(config),
-                                               dist_init_required=False)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=copy.deepcopy(config), dist_init_required=False
+        )
         compiled = {}
         if cfg.compile:  # checked on the CPU (stages 2 and 3): inductor compiles on the first step
             engine.compile()
-            compiled = {"compile": {"api": "DeepSpeedEngine.compile", "modules": ["<root>"],
-                                    "is_compiled": bool(engine.is_compiled)}}
+            compiled = {
+                "compile": {
+                    "api": "DeepSpeedEngine.compile",
+                    "modules": ["<root>"],
+                    "is_compiled": bool(engine.is_compiled),
+                }
+            }
         return engine, {
             **compiled,
             "backend": self.name,
@@ -253,7 +311,8 @@ class DeepSpeed(Backend):
             "deepspeed_import_s": round(import_s, 3),
             "deepspeed_config": config,
             "optimizer": "fsdp_exp.optim.build_optimizer (torch.optim.AdamW), handed to deepspeed.initialize",
-            "init": "zero.Init(module=...) per module, seeded by name" if stage_of(cfg) == 3
+            "init": "zero.Init(module=...) per module, seeded by name"
+            if stage_of(cfg) == 3
             else "to_empty + seeded by name on every rank",
         }
 
@@ -354,17 +413,33 @@ class DeepSpeed(Backend):
             start = param.partition_numel() * _partition_rank(param)
             full = full_param_init(root, name, param.ds_shape, seed, part.device).flatten()
             expected = torch.zeros(part.numel(), dtype=full.dtype, device=full.device)
-            piece = full[start:start + part.numel()]
-            expected[:piece.numel()] = piece
-            rows.append({"name": canonical_name(name), "slice": f"flat [{start}, {start + part.numel()})",
-                         "hash": tensor_hash(part), "expected": tensor_hash(expected.to(part.dtype))})
+            piece = full[start : start + part.numel()]
+            expected[: piece.numel()] = piece
+            rows.append(
+                {
+                    "name": canonical_name(name),
+                    "slice": f"flat [{start}, {start + part.numel()})",
+                    "hash": tensor_hash(part),
+                    "expected": tensor_hash(expected.to(part.dtype)),
+                }
+            )
         return rows
 
     # ------------------------------------------------------------------------- BackendCheckpointing
     checkpoint_format = "deepspeed"
 
-    def save_checkpoint(self, sharded, folder: Path, *, writer, step: int, rank: int, debug, process_group=None,
-                        async_save: bool = False):
+    def save_checkpoint(
+        self,
+        sharded,
+        folder: Path,
+        *,
+        writer,
+        step: int,
+        rank: int,
+        debug,
+        process_group=None,
+        async_save: bool = False,
+    ):
         """DeepSpeed's own format: ``save_checkpoint`` into the (temporary) checkpoint folder. ``debug``'s
         save faults strike after this rank's files are written, as DCP's failing writer does."""
         sharded.model.save_checkpoint(str(folder), tag=CHECKPOINT_TAG, save_latest=False)
@@ -382,9 +457,11 @@ class DeepSpeed(Backend):
                 f"cannot resume {folder}: it was saved by DeepSpeed on {meta.get('world_size')} ranks and this run "
                 f"has {world_size}; ZeRO's partitions are laid out per rank and fsdp_exp does not convert them "
                 f"(DeepSpeed's universal checkpoints are not wired). Pass trainer.nproc_per_node="
-                f"{meta.get('world_size')}, or checkpoint.resume=none")
-        path, _ = sharded.model.load_checkpoint(str(folder), tag=CHECKPOINT_TAG, load_optimizer_states=True,
-                                                load_lr_scheduler_states=False)
+                f"{meta.get('world_size')}, or checkpoint.resume=none"
+            )
+        path, _ = sharded.model.load_checkpoint(
+            str(folder), tag=CHECKPOINT_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         if path is None:
             raise CheckpointError(f"cannot resume {folder}: DeepSpeed found no checkpoint under {CHECKPOINT_TAG}/")
 
@@ -399,22 +476,40 @@ class DeepSpeed(Backend):
         else:
             state = engine.module.state_dict() if dist.get_rank() == 0 else {}
         params = {canonical_name(n) for n, _ in engine.module.named_parameters()}
-        return {canonical_name(k): v.detach().float().cpu() for k, v in (state or {}).items()
-                if canonical_name(k) in params}
+        return {
+            canonical_name(k): v.detach().float().cpu() for k, v in (state or {}).items() if canonical_name(k) in params
+        }
 
     # ------------------------------------------------------------------------------ BackendPlanning
     def planner_rules(self, cfg: RunConfig) -> PlannerRules:
         stage = stage_of(cfg)
-        notes = (f"DeepSpeed ZeRO-{stage}: its layout (low-precision parameters, fp32 master partitions, "
-                 "gradients, AdamW moments) at rest; its communication buckets are estimated as FSDP's or DDP's",)
+        notes = (
+            f"DeepSpeed ZeRO-{stage}: its layout (low-precision parameters, fp32 master partitions, "
+            "gradients, AdamW moments) at rest; its communication buckets are estimated as FSDP's or DDP's",
+        )
         if stage == 3:
-            return PlannerRules(param_layout="dim0", gathers_units=True, autocast=False, root_output_dtype=None,
-                                reshard_after_forward=True, gradient_buckets=False, offloads=True,
-                                notes=notes + ("ZeRO-3 gathers module by module; estimated as one unit per block",),
-                                zero_stage=stage)
-        return PlannerRules(param_layout="replicated", gathers_units=False, autocast=False, root_output_dtype=None,
-                            reshard_after_forward=False, gradient_buckets=True, offloads=True, notes=notes,
-                            zero_stage=stage)
+            return PlannerRules(
+                param_layout="dim0",
+                gathers_units=True,
+                autocast=False,
+                root_output_dtype=None,
+                reshard_after_forward=True,
+                gradient_buckets=False,
+                offloads=True,
+                notes=notes + ("ZeRO-3 gathers module by module; estimated as one unit per block",),
+                zero_stage=stage,
+            )
+        return PlannerRules(
+            param_layout="replicated",
+            gathers_units=False,
+            autocast=False,
+            root_output_dtype=None,
+            reshard_after_forward=False,
+            gradient_buckets=True,
+            offloads=True,
+            notes=notes,
+            zero_stage=stage,
+        )
 
     def shard_group(self, topology) -> int:
         return topology.dp_size  # the states ZeRO partitions are split over every data-parallel rank
@@ -431,7 +526,7 @@ class DeepSpeed(Backend):
             "offload=params": "`offload_param` + `offload_optimizer` (device cpu), ZeRO-3 only",
             "offload=optimizer": "`offload_optimizer` (device cpu), stages 1-3",
             "prefetch.forward=k": "presets only: none / default / deep = `stage3_prefetch_bucket_size` 0 / "
-                                  "default / 2x (and `stage3_max_live_parameters`), ZeRO-3 only",
+            "default / 2x (and `stage3_max_live_parameters`), ZeRO-3 only",
             "prefetch.backward=k": "as prefetch.forward (the same bucket serves both directions)",
             "wrap=block": "must stay default (no wrapping units)",
             "ac=full / selective / selective_op": "`checkpoint_wrapper` on blocks, before `deepspeed.initialize`",
@@ -456,8 +551,9 @@ def _device_name(offload) -> Optional[str]:
     return None if device is None else str(getattr(device, "value", device))
 
 
-def _materialize_partitioned(deepspeed, model: nn.Module, config: dict, seed: int, device: torch.device,
-                             dtype: torch.dtype) -> None:
+def _materialize_partitioned(
+    deepspeed, model: nn.Module, config: dict, seed: int, device: torch.device, dtype: torch.dtype
+) -> None:
     """ZeRO-3 without a full copy: module by module (children first), materialize its own parameters,
     fill them from the seed in the compute dtype, and partition them at once (``zero.Init(module=...)``
     broadcasts each parameter from rank 0, then keeps this rank's partition only)."""

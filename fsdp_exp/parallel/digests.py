@@ -37,6 +37,7 @@ def parameter_digests(root: nn.Module, seed: int) -> list[dict]:
             full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
         else:
             where = "whole"
-        rows.append({"name": name, "slice": where, "hash": tensor_hash(local),
-                     "expected": tensor_hash(full.to(local.dtype))})
+        rows.append(
+            {"name": name, "slice": where, "hash": tensor_hash(local), "expected": tensor_hash(full.to(local.dtype))}
+        )
     return rows

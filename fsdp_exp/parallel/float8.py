@@ -48,36 +48,56 @@ def check(cfg: "RunConfig", device_type: str) -> None:
     p = cfg.precision
     if not enabled(cfg):
         if p.float8_all_gather:
-            fail("precision.float8_all_gather=true all-gathers float8 weights, but float8 training is off.",
-                 "pass precision=float8 (or precision.float8_recipe=tensorwise), or precision.float8_all_gather=false")
+            fail(
+                "precision.float8_all_gather=true all-gathers float8 weights, but float8 training is off.",
+                "pass precision=float8 (or precision.float8_recipe=tensorwise), or precision.float8_all_gather=false",
+            )
         return
     if p.float8_recipe == MXFP8:
-        fail(f"precision.float8_recipe=mxfp8: torchao's MXFP8 training needs a CUDA device of compute capability "
-             f"10.0 or more (Blackwell), and fsdp_exp does not build it yet; this run is on {device_type}.",
-             "pass precision.float8_recipe=tensorwise or rowwise")
+        fail(
+            f"precision.float8_recipe=mxfp8: torchao's MXFP8 training needs a CUDA device of compute capability "
+            f"10.0 or more (Blackwell), and fsdp_exp does not build it yet; this run is on {device_type}.",
+            "pass precision.float8_recipe=tensorwise or rowwise",
+        )
     if p.float8_recipe not in RECIPES:
-        fail(f"precision.float8_recipe={p.float8_recipe!r} is not one of torchao's float8 recipes "
-             f"({', '.join(RECIPES)}).", "pass precision.float8_recipe=tensorwise (or null: no float8)")
+        fail(
+            f"precision.float8_recipe={p.float8_recipe!r} is not one of torchao's float8 recipes "
+            f"({', '.join(RECIPES)}).",
+            "pass precision.float8_recipe=tensorwise (or null: no float8)",
+        )
     if importlib.util.find_spec("torchao") is None:
         fail(f"precision.float8_recipe={p.float8_recipe} needs torchao, which is not installed.", INSTALL)
     backend = backend_for(cfg)
     if backend.float8_refusal:
-        backend.refuse(f"precision.float8_recipe={p.float8_recipe}", backend.float8_refusal,
-                       "pass sharding.backend=fsdp2 (or sharding=ddp), or precision=bf16")
+        backend.refuse(
+            f"precision.float8_recipe={p.float8_recipe}",
+            backend.float8_refusal,
+            "pass sharding.backend=fsdp2 (or sharding=ddp), or precision=bf16",
+        )
     if cfg.parallel.tp > 1:
-        fail(f"precision.float8_recipe={p.float8_recipe} with parallel.tp={cfg.parallel.tp}: fsdp_exp's tensor-parallel "
-             "plan uses torch's Colwise/RowwiseParallel, not torchao's float8 ones.", "pass parallel.tp=1, or precision=bf16")
+        fail(
+            f"precision.float8_recipe={p.float8_recipe} with parallel.tp={cfg.parallel.tp}: fsdp_exp's tensor-parallel "
+            "plan uses torch's Colwise/RowwiseParallel, not torchao's float8 ones.",
+            "pass parallel.tp=1, or precision=bf16",
+        )
     if p.float8_all_gather and not backend.float8_all_gather:
-        backend.refuse("precision.float8_all_gather=true", "only FSDP2 all-gathers float8 weights "
-                       "(torchao's fsdp_pre_all_gather extension of fully_shard).",
-                       "pass precision.float8_all_gather=false, or sharding.backend=fsdp2")
+        backend.refuse(
+            "precision.float8_all_gather=true",
+            "only FSDP2 all-gathers float8 weights (torchao's fsdp_pre_all_gather extension of fully_shard).",
+            "pass precision.float8_all_gather=false, or sharding.backend=fsdp2",
+        )
     if p.float8_all_gather and p.float8_recipe != "tensorwise":
-        fail(f"precision.float8_all_gather=true with precision.float8_recipe={p.float8_recipe}: torchao all-gathers "
-             "float8 weights under tensorwise scaling only.",
-             "pass precision.float8_recipe=tensorwise, or precision.float8_all_gather=false")
+        fail(
+            f"precision.float8_all_gather=true with precision.float8_recipe={p.float8_recipe}: torchao all-gathers "
+            "float8 weights under tensorwise scaling only.",
+            "pass precision.float8_recipe=tensorwise, or precision.float8_all_gather=false",
+        )
     if p.float8_all_gather and cfg.offload.params:
-        fail("precision.float8_all_gather=true with offload=params: the float8 cast of the offloaded shards would "
-             "run on the host every step.", "pass offload=none, or precision.float8_all_gather=false")
+        fail(
+            "precision.float8_all_gather=true with offload=params: the float8 cast of the offloaded shards would "
+            "run on the host every step.",
+            "pass offload=none, or precision.float8_all_gather=false",
+        )
 
 
 def skipped_fqns(cfg: "RunConfig") -> tuple[str, ...]:
@@ -109,8 +129,7 @@ def torchao_config(cfg: "RunConfig"):
 
     p = cfg.precision
     config = Float8LinearConfig.from_recipe_name(p.float8_recipe)
-    return dataclasses.replace(config, emulate=p.float8_emulate,
-                               enable_fsdp_float8_all_gather=p.float8_all_gather)
+    return dataclasses.replace(config, emulate=p.float8_emulate, enable_fsdp_float8_all_gather=p.float8_all_gather)
 
 
 def apply(model: "nn.Module", cfg: "RunConfig") -> dict:
@@ -119,17 +138,27 @@ def apply(model: "nn.Module", cfg: "RunConfig") -> dict:
     from torchao.float8 import convert_to_float8_training
 
     by_name = skipped_fqns(cfg)
-    kept = {name: why for name, module in model.named_modules() if isinstance(module, nn.Linear)
-            if (why := why_kept(name, module, by_name))}
+    kept = {
+        name: why
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        if (why := why_kept(name, module, by_name))
+    }
     config = torchao_config(cfg)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: name not in kept)
     from torchao.float8.float8_linear import Float8Linear
 
     converted = [name for name, module in model.named_modules() if isinstance(module, Float8Linear)]
-    return {"api": "torchao.float8.convert_to_float8_training", "recipe": cfg.precision.float8_recipe,
-            "emulate": config.emulate, "enable_fsdp_float8_all_gather": config.enable_fsdp_float8_all_gather,
-            "precompute_float8_dynamic_scale_for_fsdp": config.enable_fsdp_float8_all_gather,
-            "filter_fqns": list(by_name), "converted": converted, "kept_high_precision": kept}
+    return {
+        "api": "torchao.float8.convert_to_float8_training",
+        "recipe": cfg.precision.float8_recipe,
+        "emulate": config.emulate,
+        "enable_fsdp_float8_all_gather": config.enable_fsdp_float8_all_gather,
+        "precompute_float8_dynamic_scale_for_fsdp": config.enable_fsdp_float8_all_gather,
+        "filter_fqns": list(by_name),
+        "converted": converted,
+        "kept_high_precision": kept,
+    }
 
 
 def precompute_scales(model: "nn.Module") -> None:

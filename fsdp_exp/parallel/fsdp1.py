@@ -23,8 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_exp.config import RunConfig
 from fsdp_exp.models import canonical_name, full_param_init, spec_for, spec_of
 from fsdp_exp.parallel.backend import Backend, PlannerRules
-from fsdp_exp.parallel.common import (describe, dtype_of, refuse_fsdp2_only_knobs, refuse_zero_only_knobs,
-                                      unit_label)
+from fsdp_exp.parallel.common import describe, dtype_of, refuse_fsdp2_only_knobs, refuse_zero_only_knobs, unit_label
 from fsdp_exp.parallel.digests import tensor_hash
 from fsdp_exp.parallel.wrap import unit_names
 
@@ -35,8 +34,7 @@ if TYPE_CHECKING:
 # the planner and the docs ask this module only about the config.
 
 # sharding strategy -> the member of FSDP1's ShardingStrategy it becomes
-STRATEGY_NAMES = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD",
-                  "hybrid": "HYBRID_SHARD"}
+STRATEGY_NAMES = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD", "hybrid": "HYBRID_SHARD"}
 
 
 def sharding_strategy(strategy: str) -> ShardingStrategy:
@@ -51,9 +49,12 @@ def mixed_precision(cfg: RunConfig) -> MixedPrecision | None:
     p = cfg.precision
     if p.param_dtype == p.reduce_dtype == "fp32" and p.buffer_dtype in (None, "fp32"):
         return None  # nothing to cast
-    return MixedPrecision(param_dtype=dtype_of(p.param_dtype), reduce_dtype=dtype_of(p.reduce_dtype),
-                          buffer_dtype=dtype_of(p.buffer_dtype) if p.buffer_dtype else None,
-                          cast_forward_inputs=p.cast_forward_inputs)
+    return MixedPrecision(
+        param_dtype=dtype_of(p.param_dtype),
+        reduce_dtype=dtype_of(p.reduce_dtype),
+        buffer_dtype=dtype_of(p.buffer_dtype) if p.buffer_dtype else None,
+        cast_forward_inputs=p.cast_forward_inputs,
+    )
 
 
 def backward_prefetch(cfg: RunConfig) -> BackwardPrefetch | None:
@@ -85,8 +86,10 @@ def _clean(name: str) -> str:
 class FSDP1(Backend):
     name = "fsdp1"
     api = "torch.distributed.fsdp.FullyShardedDataParallel"
-    float8_refusal = ("torchao documents float8 training under FSDP2 (per-parameter sharding), not FSDP1's flat "
-                      "parameters, and fsdp_exp has not checked it there.")
+    float8_refusal = (
+        "torchao documents float8 training under FSDP2 (per-parameter sharding), not FSDP1's flat "
+        "parameters, and fsdp_exp has not checked it there."
+    )
     strategies = tuple(STRATEGY_NAMES)
     tracks_memory = False  # torch's MemTracker cannot hook FSDP1's parameters (views into flat parameters)
     column_title = "FSDP1 (`FullyShardedDataParallel`)"
@@ -97,22 +100,35 @@ class FSDP1(Backend):
         refuse_zero_only_knobs(self, cfg)
         s, pf = cfg.sharding, cfg.prefetch
         if pf.forward > 1 or (pf.backward or 0) > 1:
-            self.refuse(f"prefetch depth forward={pf.forward} backward={pf.backward}",
-                        "FSDP1 prefetches exactly one unit (forward_prefetch, backward_prefetch).",
-                        "pass prefetch.forward and prefetch.backward of 0 or 1, or sharding.backend=fsdp2")
+            self.refuse(
+                f"prefetch depth forward={pf.forward} backward={pf.backward}",
+                "FSDP1 prefetches exactly one unit (forward_prefetch, backward_prefetch).",
+                "pass prefetch.forward and prefetch.backward of 0 or 1, or sharding.backend=fsdp2",
+            )
         if device_type == "cpu" and s.sync_module_states:
-            self.refuse("sharding.sync_module_states=true on CPU", "torch's FSDP1 refuses to broadcast CPU "
-                        "parameters.", "drop it (fsdp_exp initializes every rank identically) or run on CUDA")
+            self.refuse(
+                "sharding.sync_module_states=true on CPU",
+                "torch's FSDP1 refuses to broadcast CPU parameters.",
+                "drop it (fsdp_exp initializes every rank identically) or run on CUDA",
+            )
         if device_type == "cpu" and cfg.offload.params:
-            self.refuse("offload=params on CPU-only torch", "FSDP1's CPUOffload pins host memory, which needs CUDA.",
-                        "pass offload=none, or sharding.backend=fsdp2 (its CPUOffloadPolicy runs unpinned)")
+            self.refuse(
+                "offload=params on CPU-only torch",
+                "FSDP1's CPUOffload pins host memory, which needs CUDA.",
+                "pass offload=none, or sharding.backend=fsdp2 (its CPUOffloadPolicy runs unpinned)",
+            )
         if s.use_orig_params is False and cfg.optim.weight_decay > 0:
-            self.refuse("sharding.use_orig_params=false with weight decay", "flat parameters mix matrices and "
-                        "norm weights, so weight decay could not skip the norms.",
-                        "pass optim.weight_decay=0, or drop sharding.use_orig_params=false")
+            self.refuse(
+                "sharding.use_orig_params=false with weight decay",
+                "flat parameters mix matrices and norm weights, so weight decay could not skip the norms.",
+                "pass optim.weight_decay=0, or drop sharding.use_orig_params=false",
+            )
         if cfg.compile and s.use_orig_params is False:
-            self.refuse("compile=true with sharding.use_orig_params=false", "torch.compile needs the original "
-                        "parameters.", "drop sharding.use_orig_params=false")
+            self.refuse(
+                "compile=true with sharding.use_orig_params=false",
+                "torch.compile needs the original parameters.",
+                "drop sharding.use_orig_params=false",
+            )
 
     # --------------------------------------------------------------------------------- BackendBuild
     def apply(self, model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torch.device):
@@ -153,13 +169,13 @@ class FSDP1(Backend):
             kwargs["device_mesh"] = mesh  # 2-D (replicate, shard): never let FSDP1 guess the groups
         wrapped = FullyShardedDataParallel(model, param_init_fn=param_init_fn, **kwargs)
         spec_of(wrapped.module).init_buffers(wrapped.module, device)
-        units = [name or "<root>" for name, m in wrapped.named_modules()
-                 if isinstance(m, FullyShardedDataParallel)]
+        units = [name or "<root>" for name, m in wrapped.named_modules() if isinstance(m, FullyShardedDataParallel)]
         return wrapped, {
             "backend": self.name,
             "api": self.api,
             "mesh": {"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names or ())}
-            if "device_mesh" in kwargs else {"process_group": "default (all ranks)"},
+            if "device_mesh" in kwargs
+            else {"process_group": "default (all ranks)"},
             "num_units": len(units),
             "units": [{"module": _clean(u)} for u in units],
             "FullyShardedDataParallel": describe({**kwargs, "param_init_fn": "materialize + seed-by-name init"}),
@@ -179,18 +195,20 @@ class FSDP1(Backend):
             if not isinstance(module, FullyShardedDataParallel):
                 continue
             handle = module._handle
-            units.append({
-                "module": unit_label(name),
-                "sharding_strategy": module.sharding_strategy.name,
-                "mixed_precision": describe(module.mixed_precision),
-                "backward_prefetch": module.backward_prefetch.name if module.backward_prefetch else None,
-                "forward_prefetch": module.forward_prefetch,
-                "limit_all_gathers": module.limit_all_gathers,
-                "use_orig_params": module._use_orig_params,
-                "offload_params": module.cpu_offload.offload_params,
-                "shard_group_size": module.process_group.size(),
-                "num_params": len(handle.flat_param._fqns) if handle is not None else 0,
-            })
+            units.append(
+                {
+                    "module": unit_label(name),
+                    "sharding_strategy": module.sharding_strategy.name,
+                    "mixed_precision": describe(module.mixed_precision),
+                    "backward_prefetch": module.backward_prefetch.name if module.backward_prefetch else None,
+                    "forward_prefetch": module.forward_prefetch,
+                    "limit_all_gathers": module.limit_all_gathers,
+                    "use_orig_params": module._use_orig_params,
+                    "offload_params": module.cpu_offload.offload_params,
+                    "shard_group_size": module.process_group.size(),
+                    "num_params": len(handle.flat_param._fqns) if handle is not None else 0,
+                }
+            )
         return units
 
     def init_digests(self, model: nn.Module, seed: int) -> list[dict]:
@@ -209,11 +227,17 @@ class FSDP1(Backend):
                 if not info.in_shard:
                     continue
                 name = canonical_name(f"{base}.{fqn}" if base else fqn)
-                local = flat.data[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard]
+                local = flat.data[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
                 start, end = info.intra_param_start_idx, info.intra_param_end_idx
-                full = full_param_init(root, name, shape, seed, local.device).flatten()[start:end + 1]
-                rows.append({"name": name, "slice": f"flat [{start}, {end}]", "hash": tensor_hash(local),
-                             "expected": tensor_hash(full.to(local.dtype))})
+                full = full_param_init(root, name, shape, seed, local.device).flatten()[start : end + 1]
+                rows.append(
+                    {
+                        "name": name,
+                        "slice": f"flat [{start}, {end}]",
+                        "hash": tensor_hash(local),
+                        "expected": tensor_hash(full.to(local.dtype)),
+                    }
+                )
         return rows
 
     # ------------------------------------------------------------------------- BackendCheckpointing
@@ -231,16 +255,24 @@ class FSDP1(Backend):
 
     # ------------------------------------------------------------------------------ BackendPlanning
     def planner_rules(self, cfg: RunConfig) -> PlannerRules:
-        return PlannerRules(param_layout="flat", gathers_units=True, autocast=False, root_output_dtype=None,
-                            reshard_after_forward=cfg.sharding.strategy in ("full", "hybrid"),
-                            gradient_buckets=False, offloads=True,
-                            notes=("FSDP1's peak follows FSDP2's schedule (torch's tracker cannot measure FSDP1)",))
+        return PlannerRules(
+            param_layout="flat",
+            gathers_units=True,
+            autocast=False,
+            root_output_dtype=None,
+            reshard_after_forward=cfg.sharding.strategy in ("full", "hybrid"),
+            gradient_buckets=False,
+            offloads=True,
+            notes=("FSDP1's peak follows FSDP2's schedule (torch's tracker cannot measure FSDP1)",),
+        )
 
     # ---------------------------------------------------------------------------------- BackendDocs
     def vocabulary(self) -> dict[str, str]:
-        rows = {f"sharding={strategy}": f"`ShardingStrategy.{name}`"
-                + (" with the 2-D `device_mesh`" if strategy == "hybrid" else "")
-                for strategy, name in STRATEGY_NAMES.items()}
+        rows = {
+            f"sharding={strategy}": f"`ShardingStrategy.{name}`"
+            + (" with the 2-D `device_mesh`" if strategy == "hybrid" else "")
+            for strategy, name in STRATEGY_NAMES.items()
+        }
         return {
             **rows,
             "precision.param_dtype": "`MixedPrecision(param_dtype)`",

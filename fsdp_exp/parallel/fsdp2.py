@@ -31,8 +31,12 @@ if TYPE_CHECKING:
 # the config checks, the planner and the docs ask this module only about the config.
 
 RESHARD_AFTER_FORWARD = {"full": True, "grad_op": False, "hybrid": True, "no_shard": False}
-MESH = {"full": "1-D mesh (shard)", "grad_op": "1-D mesh (shard)", "hybrid": "2-D mesh (replicate, shard)",
-        "no_shard": "2-D mesh (world, 1)"}
+MESH = {
+    "full": "1-D mesh (shard)",
+    "grad_op": "1-D mesh (shard)",
+    "hybrid": "2-D mesh (replicate, shard)",
+    "no_shard": "2-D mesh (world, 1)",
+}
 
 
 def reshard_after_forward(cfg: RunConfig) -> bool | int:
@@ -101,34 +105,53 @@ class FSDP2(Backend):
         s, p, pf = cfg.sharding, cfg.precision, cfg.prefetch
         refuse_zero_only_knobs(self, cfg)
         if pf.backward == 0:
-            self.refuse("prefetch.backward=0", "FSDP2 always prefetches at least one unit in backward (an empty "
-                        "prefetch list means its implicit one).",
-                        "pass prefetch.backward=null (FSDP2's implicit one unit) or a depth of 1 or more")
+            self.refuse(
+                "prefetch.backward=0",
+                "FSDP2 always prefetches at least one unit in backward (an empty "
+                "prefetch list means its implicit one).",
+                "pass prefetch.backward=null (FSDP2's implicit one unit) or a depth of 1 or more",
+            )
         if pf.backward_timing != "pre":
-            self.refuse("prefetch.backward_timing=post", "FSDP2 issues backward prefetch before a unit's gradient "
-                        "computation only (FSDP1's BACKWARD_PRE).", "drop it, or pass sharding.backend=fsdp1")
+            self.refuse(
+                "prefetch.backward_timing=post",
+                "FSDP2 issues backward prefetch before a unit's gradient computation only (FSDP1's BACKWARD_PRE).",
+                "drop it, or pass sharding.backend=fsdp1",
+            )
         if pf.limit_all_gathers is not None:
-            self.refuse("prefetch.limit_all_gathers", "FSDP2 always bounds in-flight all-gathers by its own "
-                        "stream synchronization; there is no switch.",
-                        "drop it; tune prefetch.forward / prefetch.backward")
+            self.refuse(
+                "prefetch.limit_all_gathers",
+                "FSDP2 always bounds in-flight all-gathers by its own stream synchronization; there is no switch.",
+                "drop it; tune prefetch.forward / prefetch.backward",
+            )
         for knob in ("use_orig_params", "sync_module_states"):
             if getattr(s, knob) is not None:
-                self.refuse(f"sharding.{knob}", "FSDP2 always keeps the original parameters (as DTensors) and "
-                            "fsdp_exp initializes every shard identically by seed.", f"drop sharding.{knob}")
+                self.refuse(
+                    f"sharding.{knob}",
+                    "FSDP2 always keeps the original parameters (as DTensors) and "
+                    "fsdp_exp initializes every shard identically by seed.",
+                    f"drop sharding.{knob}",
+                )
         if p.buffer_dtype is not None:
-            self.refuse("precision.buffer_dtype", "FSDP2's MixedPrecisionPolicy has no buffer dtype (buffers keep "
-                        "their dtype).", "drop precision.buffer_dtype")
+            self.refuse(
+                "precision.buffer_dtype",
+                "FSDP2's MixedPrecisionPolicy has no buffer dtype (buffers keep their dtype).",
+                "drop precision.buffer_dtype",
+            )
         if s.reshard_after_forward.isdigit() and s.strategy == "no_shard":
-            self.refuse("an integer sharding.reshard_after_forward", "no_shard has nothing to reshard.",
-                        "pass sharding.reshard_after_forward=auto")
+            self.refuse(
+                "an integer sharding.reshard_after_forward",
+                "no_shard has nothing to reshard.",
+                "pass sharding.reshard_after_forward=auto",
+            )
 
     # --------------------------------------------------------------------------------- BackendBuild
     def apply(self, model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torch.device):
         """Shard ``model`` (on meta) in place, materialize this rank's shards, initialize them."""
         from torch.distributed.fsdp import fully_shard
 
-        common = dict(mesh=mesh, mp_policy=mp_policy(cfg, root=False),
-                      offload_policy=offload_policy(cfg, mesh.device_type))
+        common = dict(
+            mesh=mesh, mp_policy=mp_policy(cfg, root=False), offload_policy=offload_policy(cfg, mesh.device_type)
+        )
         reshard = reshard_after_forward(cfg)
         units = unit_names(model, cfg)
         chain = top_level(units)
@@ -211,16 +234,19 @@ class FSDP2(Backend):
                 continue
             state = module._get_fsdp_state()
             group = state._fsdp_param_groups[0] if state._fsdp_param_groups else None
-            unit = {"module": unit_label(name),
-                    "forward_prefetch": [states[id(s)] for s in state._states_to_forward_prefetch],
-                    "backward_prefetch": [states[id(s)] for s in state._states_to_backward_prefetch]}
+            unit = {
+                "module": unit_label(name),
+                "forward_prefetch": [states[id(s)] for s in state._states_to_forward_prefetch],
+                "backward_prefetch": [states[id(s)] for s in state._states_to_backward_prefetch],
+            }
             if group is not None:
                 post = group.post_forward_mesh_info
                 unit.update(
                     num_params=len(group.fsdp_params),
                     mesh_shape=list(group.mesh_info.mesh.mesh.shape),
-                    reshard_after_forward=False if post is None else (
-                        True if post.shard_mesh_size == group.mesh_info.shard_mesh_size else post.shard_mesh_size),
+                    reshard_after_forward=False
+                    if post is None
+                    else (True if post.shard_mesh_size == group.mesh_info.shard_mesh_size else post.shard_mesh_size),
                     mp_policy=describe(group.mp_policy),
                     offload=type(group.offload_policy).__name__,
                 )
@@ -234,16 +260,23 @@ class FSDP2(Backend):
 
     # ------------------------------------------------------------------------------ BackendPlanning
     def planner_rules(self, cfg: RunConfig) -> PlannerRules:
-        return PlannerRules(param_layout="dim0", gathers_units=True, autocast=False,
-                            root_output_dtype=cfg.precision.output_dtype,
-                            # an integer group still frees the unit's unsharded copy after forward
-                            reshard_after_forward=reshard_after_forward(cfg) is not False,
-                            gradient_buckets=False, offloads=True)
+        return PlannerRules(
+            param_layout="dim0",
+            gathers_units=True,
+            autocast=False,
+            root_output_dtype=cfg.precision.output_dtype,
+            # an integer group still frees the unit's unsharded copy after forward
+            reshard_after_forward=reshard_after_forward(cfg) is not False,
+            gradient_buckets=False,
+            offloads=True,
+        )
 
     # ---------------------------------------------------------------------------------- BackendDocs
     def vocabulary(self) -> dict[str, str]:
-        rows = {f"sharding={strategy}": f"`reshard_after_forward={reshard}`, {MESH[strategy]}"
-                for strategy, reshard in RESHARD_AFTER_FORWARD.items()}
+        rows = {
+            f"sharding={strategy}": f"`reshard_after_forward={reshard}`, {MESH[strategy]}"
+            for strategy, reshard in RESHARD_AFTER_FORWARD.items()
+        }
         return {
             **rows,
             "sharding.reshard_after_forward=N": "`reshard_after_forward=N` (reshard to groups of N ranks)",

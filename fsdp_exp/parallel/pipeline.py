@@ -73,9 +73,13 @@ def settings_from(cfg: "RunConfig", local_batch: int) -> PipelineSettings:
     ``parallel.pp_microbatches=0`` follows ``trainer.micro_batch_size`` (the pipeline's micro-batch), else pp."""
     p, micro = cfg.parallel, cfg.trainer.micro_batch_size
     microbatches = p.pp_microbatches or (local_batch // micro if micro else 0)
-    return PipelineSettings(pp=p.pp, schedule=p.pp_schedule, microbatches=microbatches,
-                            stages_per_rank=p.pp_stages_per_rank,
-                            split=tuple(p.pp_split) if p.pp_split is not None else None)
+    return PipelineSettings(
+        pp=p.pp,
+        schedule=p.pp_schedule,
+        microbatches=microbatches,
+        stages_per_rank=p.pp_stages_per_rank,
+        split=tuple(p.pp_split) if p.pp_split is not None else None,
+    )
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -85,36 +89,53 @@ def check(settings: PipelineSettings, model_cfg: "ModelConfig", local_batch: int
 
     s = settings
     if s.schedule not in SCHEDULES:
-        fail(f"parallel.pp_schedule={s.schedule!r} is not a schedule fsdp_exp knows.",
-             f"pass parallel.pp_schedule={'|'.join(SCHEDULES)}")
+        fail(
+            f"parallel.pp_schedule={s.schedule!r} is not a schedule fsdp_exp knows.",
+            f"pass parallel.pp_schedule={'|'.join(SCHEDULES)}",
+        )
     if s.schedule in SINGLE_STAGE and s.stages_per_rank != 1:
-        fail(f"parallel.pp_schedule={s.schedule} runs one stage per rank, not {s.stages_per_rank}.",
-             "pass parallel.pp_stages_per_rank=1, or parallel.pp_schedule=interleaved_1f1b|looped_bfs")
+        fail(
+            f"parallel.pp_schedule={s.schedule} runs one stage per rank, not {s.stages_per_rank}.",
+            "pass parallel.pp_stages_per_rank=1, or parallel.pp_schedule=interleaved_1f1b|looped_bfs",
+        )
     if SCHEDULES[s.schedule][1] == "v" and s.stages_per_rank != 2:
-        fail(f"parallel.pp_schedule={s.schedule} places two stages on every rank (a V).",
-             "pass parallel.pp_stages_per_rank=2")
+        fail(
+            f"parallel.pp_schedule={s.schedule} places two stages on every rank (a V).",
+            "pass parallel.pp_stages_per_rank=2",
+        )
     spec = spec_for(model_cfg)
     if spec.name != "llama":
-        fail(f"model.name={spec.name}: pipeline stages run the family's own forward on activations, which only "
-             "fsdp_exp's Llama takes so far (a transformers model takes token ids and returns an output object).",
-             "pass parallel.pp=1, or model=llama_tiny|llama7b|...")
+        fail(
+            f"model.name={spec.name}: pipeline stages run the family's own forward on activations, which only "
+            "fsdp_exp's Llama takes so far (a transformers model takes token ids and returns an output object).",
+            "pass parallel.pp=1, or model=llama_tiny|llama7b|...",
+        )
     n_blocks = len(spec.inventory(model_cfg).blocks)
     if s.num_stages > n_blocks:
-        fail(f"{s.num_stages} pipeline stages (parallel.pp={s.pp} x parallel.pp_stages_per_rank={s.stages_per_rank}) "
-             f"need at least as many blocks; the model has {n_blocks}.",
-             f"pass a smaller parallel.pp or parallel.pp_stages_per_rank, or model.n_layers>={s.num_stages}")
+        fail(
+            f"{s.num_stages} pipeline stages (parallel.pp={s.pp} x parallel.pp_stages_per_rank={s.stages_per_rank}) "
+            f"need at least as many blocks; the model has {n_blocks}.",
+            f"pass a smaller parallel.pp or parallel.pp_stages_per_rank, or model.n_layers>={s.num_stages}",
+        )
     if s.split is not None:
         _check_split(s.split, s.num_stages, n_blocks)
     if local_batch % s.n_microbatches:
-        fail(f"parallel.pp_microbatches={s.n_microbatches} does not divide the {local_batch} sequences each "
-             "data-parallel rank trains on per step (unequal micro-batches would weigh tokens unequally).",
-             "pass a parallel.pp_microbatches that divides trainer.global_batch_size / dp")
+        fail(
+            f"parallel.pp_microbatches={s.n_microbatches} does not divide the {local_batch} sequences each "
+            "data-parallel rank trains on per step (unequal micro-batches would weigh tokens unequally).",
+            "pass a parallel.pp_microbatches that divides trainer.global_batch_size / dp",
+        )
     if s.schedule == "1f1b" and s.n_microbatches < s.num_stages:
-        fail(f"1F1B needs at least as many micro-batches as stages ({s.num_stages}), not {s.n_microbatches}.",
-             f"pass parallel.pp_microbatches>={s.num_stages}")
+        fail(
+            f"1F1B needs at least as many micro-batches as stages ({s.num_stages}), not {s.n_microbatches}.",
+            f"pass parallel.pp_microbatches>={s.num_stages}",
+        )
     if getattr(model_cfg, "tie_embeddings", False):
-        fail("model.tie_embeddings=true ties the first stage's embeddings to the last stage's output "
-             "projection; stages on different ranks cannot share a tensor.", "pass model.tie_embeddings=false")
+        fail(
+            "model.tie_embeddings=true ties the first stage's embeddings to the last stage's output "
+            "projection; stages on different ranks cannot share a tensor.",
+            "pass model.tie_embeddings=false",
+        )
 
 
 def check_sharding(cfg: "RunConfig") -> None:
@@ -122,17 +143,21 @@ def check_sharding(cfg: "RunConfig") -> None:
     override, the data-parallel settings not composed with stages yet (FSDP1, DDP, DeepSpeed, hybrid)."""
     s = cfg.sharding
     if s.backend != "fsdp2" or s.strategy != "full":
-        fail(f"parallel.pp={cfg.parallel.pp} runs FSDP2 fully sharded inside each stage; sharding.backend={s.backend} "
-             f"sharding.strategy={s.strategy} is not composed with pipeline stages yet.",
-             "pass sharding=full (FSDP2), or parallel.pp=1")
+        fail(
+            f"parallel.pp={cfg.parallel.pp} runs FSDP2 fully sharded inside each stage; sharding.backend={s.backend} "
+            f"sharding.strategy={s.strategy} is not composed with pipeline stages yet.",
+            "pass sharding=full (FSDP2), or parallel.pp=1",
+        )
 
 
 def _check_split(split: tuple[int, ...], num_stages: int, n_blocks: int) -> None:
     cuts = list(split)
     if len(cuts) != num_stages - 1 or cuts != sorted(set(cuts)) or not all(0 < c < n_blocks for c in cuts):
-        fail(f"parallel.pp_split={cuts} must be {num_stages - 1} increasing block indices between 1 and "
-             f"{n_blocks - 1} (the first block of every stage after the first).",
-             "pass parallel.pp_split=null (balanced by parameters) or fix the list")
+        fail(
+            f"parallel.pp_split={cuts} must be {num_stages - 1} increasing block indices between 1 and "
+            f"{n_blocks - 1} (the first block of every stage after the first).",
+            "pass parallel.pp_split=null (balanced by parameters) or fix the list",
+        )
 
 
 # ------------------------------------------------------------------------------------------ the cut
@@ -222,8 +247,9 @@ def build_stage_module(model_cfg: "ModelConfig", blocks: list[int], first: bool,
             parent, _, child = name.rpartition(".")
             delattr(model.get_submodule(parent), child)
     containers = {name.rpartition(".")[0].partition(".")[0] for name in inventory.blocks}
-    after_blocks = [name for name, _ in model.named_children()
-                    if name not in spec.input_modules and name not in containers]
+    after_blocks = [
+        name for name, _ in model.named_children() if name not in spec.input_modules and name not in containers
+    ]
     for name in () if first else spec.input_modules:
         setattr(model, name, nn.Identity())
     for name in () if last else after_blocks:
@@ -302,8 +328,12 @@ class PipelineEngine:
         import torch.distributed as dist
 
         losses: list = []
-        self.schedule.step(*((inputs,) if self.has_first else ()), target=targets if self.has_last else None,
-                           losses=losses if self.has_last else None, return_outputs=False)
+        self.schedule.step(
+            *((inputs,) if self.has_first else ()),
+            target=targets if self.has_last else None,
+            losses=losses if self.has_last else None,
+            return_outputs=False,
+        )
         # The last stage's mean over its micro-batches, summed over the pp group (the other stages add 0),
         # then averaged over dp: the mean over the global batch, on every rank of this mesh.
         local = torch.stack([x.detach().float() for x in losses]).mean() if self.has_last else torch.zeros(())
@@ -342,8 +372,9 @@ class PipelineEngine:
         return norm.item()
 
 
-def build_pipeline(cfg: "RunConfig", settings: PipelineSettings, mesh: "DeviceMesh",
-                   device: "torch.device", optimizers: bool = True) -> PipelineEngine:
+def build_pipeline(
+    cfg: "RunConfig", settings: PipelineSettings, mesh: "DeviceMesh", device: "torch.device", optimizers: bool = True
+) -> PipelineEngine:
     """This rank's stages (built on meta, FSDP2 over dp, materialized), their PipelineStages on the pp
     group, the schedule, and one AdamW + LR schedule per stage (the project's, decay on matrices; with
     ``optimizers=False`` none: the trainer hands the engine its own, see ``PipelineParallelized``)."""
@@ -362,22 +393,35 @@ def build_pipeline(cfg: "RunConfig", settings: PipelineSettings, mesh: "DeviceMe
         stage = build_stage_module(cfg.model, blocks[index], first=index == 0, last=index == last)
         applied["stages"][index] = shard_stage(stage, cfg, mesh["dp"], device)
         stages.append(stage)
-        pipeline_stages.append(pipelining.PipelineStage(stage, index, settings.num_stages, device,
-                                                        group=mesh["pp"].get_group()))
+        pipeline_stages.append(
+            pipelining.PipelineStage(stage, index, settings.num_stages, device, group=mesh["pp"].get_group())
+        )
     schedule_class = getattr(pipelining, SCHEDULES[settings.schedule][0])
     if settings.schedule in SINGLE_STAGE:
         schedule = schedule_class(pipeline_stages[0], settings.n_microbatches, loss_fn=stage_loss)
     else:
         schedule = schedule_class(pipeline_stages, settings.n_microbatches, loss_fn=stage_loss)
-    applied.update(schedule=type(schedule).__name__, n_microbatches=settings.n_microbatches, local_stages=indices,
-                   mesh={"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names)},
-                   loss="mean cross-entropy of each micro-batch's logits on the last stage (trainer.loss_chunks "
-                        "not applied)")
-    stage_optimizers = [build_optimizer(stage, cfg.optim, matrix_parameter_names(stage))
-                        for stage in stages] if optimizers else []
+    applied.update(
+        schedule=type(schedule).__name__,
+        n_microbatches=settings.n_microbatches,
+        local_stages=indices,
+        mesh={"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names)},
+        loss="mean cross-entropy of each micro-batch's logits on the last stage (trainer.loss_chunks not applied)",
+    )
+    stage_optimizers = (
+        [build_optimizer(stage, cfg.optim, matrix_parameter_names(stage)) for stage in stages] if optimizers else []
+    )
     schedulers = [build_scheduler(o, cfg.optim, cfg.trainer.steps) for o in stage_optimizers]
-    return PipelineEngine(settings=settings, stage_indices=indices, stages=stages, schedule=schedule, mesh=mesh,
-                          optimizers=stage_optimizers, schedulers=schedulers, applied=applied)
+    return PipelineEngine(
+        settings=settings,
+        stage_indices=indices,
+        stages=stages,
+        schedule=schedule,
+        mesh=mesh,
+        optimizers=stage_optimizers,
+        schedulers=schedulers,
+        applied=applied,
+    )
 
 
 # ------------------------------------------------------------------------------------------ the trainer's view
@@ -399,8 +443,11 @@ class PipelineParallelized(Parallelized):
         from fsdp_exp.models import matrix_parameter_names
         from fsdp_exp.optim import build_optimizer
 
-        groups = [group for stage in self.engine.stages
-                  for group in build_optimizer(stage, self.cfg.optim, matrix_parameter_names(stage)).param_groups]
+        groups = [
+            group
+            for stage in self.engine.stages
+            for group in build_optimizer(stage, self.cfg.optim, matrix_parameter_names(stage)).param_groups
+        ]
         optimizer = torch.optim.AdamW(groups)
         self.engine.optimizers, self.engine.schedulers = [optimizer], []
         return optimizer
@@ -436,12 +483,22 @@ def parallelize_pipeline(cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.de
 
     settings = settings_from(cfg, cfg.trainer.global_batch_size // mesh["dp"].size())
     engine = build_pipeline(cfg, settings, mesh, device, optimizers=False)
-    applied = {"pipeline": {"parallel.pp": settings.pp, "parallel.pp_schedule": settings.schedule,
-                            "parallel.pp_stages_per_rank": settings.stages_per_rank,
-                            "parallel.pp_split": list(settings.split) if settings.split else None,
-                            "bubble": (settings.pp - 1) / (settings.stages_per_rank * settings.n_microbatches
-                                                           + settings.pp - 1),
-                            **engine.applied}}
-    return PipelineParallelized(model=nn.ModuleList(engine.stages), applied=applied,
-                                backend=StagesBackend(backend_for(cfg)),
-                                cfg=cfg, device=device, grad_sync="last_micro_batch", engine=engine)
+    applied = {
+        "pipeline": {
+            "parallel.pp": settings.pp,
+            "parallel.pp_schedule": settings.schedule,
+            "parallel.pp_stages_per_rank": settings.stages_per_rank,
+            "parallel.pp_split": list(settings.split) if settings.split else None,
+            "bubble": (settings.pp - 1) / (settings.stages_per_rank * settings.n_microbatches + settings.pp - 1),
+            **engine.applied,
+        }
+    }
+    return PipelineParallelized(
+        model=nn.ModuleList(engine.stages),
+        applied=applied,
+        backend=StagesBackend(backend_for(cfg)),
+        cfg=cfg,
+        device=device,
+        grad_sync="last_micro_batch",
+        engine=engine,
+    )

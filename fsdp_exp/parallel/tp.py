@@ -17,8 +17,13 @@ import contextlib
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                               SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from fsdp_exp.config import RunConfig
 from fsdp_exp.models import spec_for
@@ -31,24 +36,34 @@ def styles(plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: boo
     residual = Shard(1) if sequence_parallel else Replicate()  # the residual stream between TP regions
     # The logits: sharded over the vocabulary as the colwise projection makes them (a DTensor, for the loss
     # under loss_context), or gathered to every rank.
-    logits = dict(output_layouts=Shard(-1), use_local_output=False) if loss_parallel else \
-        dict(output_layouts=Replicate(), use_local_output=True)
+    logits = (
+        dict(output_layouts=Shard(-1), use_local_output=False)
+        if loss_parallel
+        else dict(output_layouts=Replicate(), use_local_output=True)
+    )
     root_plan = {
         # The ends of the residual stream: colwise gives the logits, rowwise takes replicated inputs (token ids).
         name: ColwiseParallel(input_layouts=residual, **logits)
-        if style == COLWISE else RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        if style == COLWISE
+        else RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
         for name, style in plan.root.items()
     }
-    block_plan = {name: ColwiseParallel() if style == COLWISE else RowwiseParallel(output_layouts=residual)
-                  for name, style in plan.block.items()}
+    block_plan = {
+        name: ColwiseParallel() if style == COLWISE else RowwiseParallel(output_layouts=residual)
+        for name, style in plan.block.items()
+    }
     if sequence_parallel:
         root_plan.update({name: SequenceParallel() for name in plan.sequence_parallel_root})
         block_plan.update({name: SequenceParallel() for name in plan.sequence_parallel_block})
         # Gather the sequence before the column-parallel projections.
-        block_plan.update({
-            name: PrepareModuleInput(input_layouts=(Shard(1), *[None] * (n - 1)),
-                                     desired_input_layouts=(Replicate(), *[None] * (n - 1)))
-            for name, n in plan.gathered_inputs.items()})
+        block_plan.update(
+            {
+                name: PrepareModuleInput(
+                    input_layouts=(Shard(1), *[None] * (n - 1)), desired_input_layouts=(Replicate(), *[None] * (n - 1))
+                )
+                for name, n in plan.gathered_inputs.items()
+            }
+        )
     return root_plan, block_plan
 
 
@@ -65,13 +80,17 @@ def loss_context(cfg: RunConfig):
 
 def apply(model: nn.Module, cfg: RunConfig, tp_mesh: DeviceMesh) -> dict:
     sp = cfg.parallel.sequence_parallel
-    root_plan, block_plan = styles(spec_for(cfg.model).tensor_parallel_plan(cfg.model), sp,
-                                   cfg.parallel.loss_parallel)
+    root_plan, block_plan = styles(spec_for(cfg.model).tensor_parallel_plan(cfg.model), sp, cfg.parallel.loss_parallel)
     parallelize_module(model, tp_mesh, root_plan)
     names = blocks(model, cfg)
     for name in names:
         parallelize_module(model.get_submodule(name), tp_mesh, block_plan)
-    return {"api": "torch.distributed.tensor.parallel.parallelize_module", "tp": tp_mesh.size(),
-            "sequence_parallel": sp, "loss_parallel": cfg.parallel.loss_parallel, "blocks": names,
-            "block_plan": {k: type(v).__name__ for k, v in block_plan.items()},
-            "root_plan": {k: type(v).__name__ for k, v in root_plan.items()}}
+    return {
+        "api": "torch.distributed.tensor.parallel.parallelize_module",
+        "tp": tp_mesh.size(),
+        "sequence_parallel": sp,
+        "loss_parallel": cfg.parallel.loss_parallel,
+        "blocks": names,
+        "block_plan": {k: type(v).__name__ for k, v in block_plan.items()},
+        "root_plan": {k: type(v).__name__ for k, v in root_plan.items()},
+    }

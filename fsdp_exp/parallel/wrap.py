@@ -16,8 +16,11 @@ from fsdp_exp.models import WRAPPER_COMPONENTS, spec_for
 def blocks(model: nn.Module, cfg: RunConfig) -> list[str]:
     """Names of the transformer blocks (an activation-checkpoint wrapper stands for its block)."""
     block_class = spec_for(cfg.model).block_class_of(cfg.model)
-    return [name for name, m in model.named_modules()
-            if _unwrap(m).__class__ is block_class and name.rpartition(".")[2] not in WRAPPER_COMPONENTS]
+    return [
+        name
+        for name, m in model.named_modules()
+        if _unwrap(m).__class__ is block_class and name.rpartition(".")[2] not in WRAPPER_COMPONENTS
+    ]
 
 
 def unit_names(model: nn.Module, cfg: RunConfig) -> list[str]:
@@ -51,8 +54,10 @@ def size_based_units(model: nn.Module, min_num_params: int) -> list[str]:
         return any(uses[key] > 1 and count < uses[key] for key, count in inside.items())
 
     def visit(name: str, module: nn.Module) -> int:
-        unwrapped = sum(visit(f"{name}.{child_name}" if name else child_name, child)
-                        for child_name, child in module.named_children())
+        unwrapped = sum(
+            visit(f"{name}.{child_name}" if name else child_name, child)
+            for child_name, child in module.named_children()
+        )
         unwrapped += sum(p.numel() for p in module.parameters(recurse=False))
         if name and unwrapped >= min_num_params and not splits_a_tie(module):
             units.append(name)

@@ -69,8 +69,10 @@ def split_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:
         if key.startswith("plan."):
             if key not in PLAN_OPTIONS or not sep:
                 known = ", ".join(o + "=..." for o in PLAN_OPTIONS)
-                raise PlanOptionError(f"{arg!r} is not a planner option ({known}).\n"
-                                      "  fix: pass plan.format=table|json, plan.device=<name>, plan.margin=<fraction>")
+                raise PlanOptionError(
+                    f"{arg!r} is not a planner option ({known}).\n"
+                    "  fix: pass plan.format=table|json, plan.device=<name>, plan.margin=<fraction>"
+                )
             options[key.removeprefix("plan.")] = value
         else:
             overrides.append(arg)
@@ -89,8 +91,14 @@ def compose(overrides: list[str]) -> "RunConfig":
 
 # The memory options the table prices, each asked of the planner as a variant of the configuration (as the
 # fit check does for its offers): a change that the configuration already has, or that cannot apply, is left out.
-MEMORY_OPTIONS = ("ac=full", "ac=selective_op", "precision=bf16", "sharding=full", "offload=params",
-                  "trainer.micro_batch_size=1")
+MEMORY_OPTIONS = (
+    "ac=full",
+    "ac=selective_op",
+    "precision=bf16",
+    "sharding=full",
+    "offload=params",
+    "trainer.micro_batch_size=1",
+)
 
 
 def memory_options(cfg: "RunConfig") -> list[str]:
@@ -110,8 +118,9 @@ def memory_options(cfg: "RunConfig") -> list[str]:
     return changes + list(MEMORY_OPTIONS)
 
 
-def price_options(cfg: "RunConfig", result: Plan, cuda_devices: int, device_kind: Optional[str],
-                  margin: Optional[float]) -> list[dict]:
+def price_options(
+    cfg: "RunConfig", result: Plan, cuda_devices: int, device_kind: Optional[str], margin: Optional[float]
+) -> list[dict]:
     """What each memory option would change of the per-rank need (peak + margin), by planning the variant:
     [{"change", "saves_bytes" (negative: costs; 0: the peak lies elsewhere), "total_bytes", "peak_phase"}],
     the largest saving first."""
@@ -127,8 +136,14 @@ def price_options(cfg: "RunConfig", result: Plan, cuda_devices: int, device_kind
             other = plan(variant, validate(variant, cuda_devices=cuda_devices), device_kind=device_kind, margin=margin)
         except Exception:  # noqa: BLE001 - a change this configuration cannot take is not an option here
             continue
-        priced.append({"change": change, "saves_bytes": result.per_rank_bytes["total"] - other.per_rank_bytes["total"],
-                       "total_bytes": other.per_rank_bytes["total"], "peak_phase": other.peak["phase"]})
+        priced.append(
+            {
+                "change": change,
+                "saves_bytes": result.per_rank_bytes["total"] - other.per_rank_bytes["total"],
+                "total_bytes": other.per_rank_bytes["total"],
+                "peak_phase": other.peak["phase"],
+            }
+        )
     return sorted(priced, key=lambda o: -o["saves_bytes"])
 
 
@@ -144,8 +159,9 @@ def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
     if "device" in options:
         device = table.get(options["device"])
         if device is None:
-            raise PlanOptionError(f"plan.device={options['device']!r} is not a known device.\n"
-                                  f"  fix: pass one of {', '.join(table)}")
+            raise PlanOptionError(
+                f"plan.device={options['device']!r} is not a known device.\n  fix: pass one of {', '.join(table)}"
+            )
     margin = None
     if "margin" in options:
         try:
@@ -153,8 +169,9 @@ def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
         except ValueError:
             margin = -1.0
         if not 0 <= margin < 10:
-            raise PlanOptionError(f"plan.margin={options['margin']!r} is not a fraction.\n"
-                                  "  fix: pass e.g. plan.margin=0.1")
+            raise PlanOptionError(
+                f"plan.margin={options['margin']!r} is not a fraction.\n  fix: pass e.g. plan.margin=0.1"
+            )
     cfg = compose(overrides)
     from fsdp_exp.models import fetch_model_files
 
@@ -196,8 +213,9 @@ def render_table(result: Plan, overrides: list[str], options: Optional[list[dict
     def fmt(n: float) -> str:
         return f"{n / scale:.3f}" if n < 10 * scale else f"{n / scale:.1f}"
 
-    title = (f"Memory plan per rank: {_count(result.num_params)} parameters, {result.world_size} ranks, "
-             f"{result.device_kind}")
+    title = (
+        f"Memory plan per rank: {_count(result.num_params)} parameters, {result.world_size} ranks, {result.device_kind}"
+    )
     table = Table(title=title, caption=" ".join(overrides) or "(the default config)")
     table.add_column("what")
     table.add_column(unit, justify="right")
@@ -205,29 +223,41 @@ def render_table(result: Plan, overrides: list[str], options: Optional[list[dict
     table.add_row("parameters", fmt(ms["device"]["params"]), ms["described"]["params"])
     table.add_row("gradients", fmt(ms["device"]["grads"]), ms["described"]["grads"])
     table.add_row("optimizer state", fmt(ms["device"]["optimizer"]), ms["described"]["optimizer"])
-    table.add_row("model states", fmt(ms["device"]["total"]), "at rest, on the device",
-                  end_section=not ms["host"]["total"])
+    table.add_row(
+        "model states", fmt(ms["device"]["total"]), "at rest, on the device", end_section=not ms["host"]["total"]
+    )
     if ms["host"]["total"]:
         table.add_row("model states on host", fmt(ms["host"]["total"]), "offload=params", end_section=True)
     table.add_row("activations", fmt(per["activations"]), "at the peak, with their gradients")
-    table.add_row("buffers", fmt(per["buffers"]), f"at the peak: unsharded params {fmt(pk['unsharded'])}, "
-                  f"comm {fmt(pk['comm'])}, module {fmt(pk['module_buffers'])}")
+    table.add_row(
+        "buffers",
+        fmt(per["buffers"]),
+        f"at the peak: unsharded params {fmt(pk['unsharded'])}, "
+        f"comm {fmt(pk['comm'])}, module {fmt(pk['module_buffers'])}",
+    )
     stage = next(ph["stage"] for ph in result.phases if ph["name"] == pk["phase"])
-    table.add_row("peak", fmt(pk["total"]), f"at {pk['phase']} ({STAGE_WORDS[stage]}); "
-                  f"gradients alive then {fmt(pk['grads'])}")
+    table.add_row(
+        "peak", fmt(pk["total"]), f"at {pk['phase']} ({STAGE_WORDS[stage]}); gradients alive then {fmt(pk['grads'])}"
+    )
     table.add_row("allocator margin", fmt(result.margin_bytes), result.margin_rule)
     table.add_row("total", fmt(per["total"]), "peak + margin", end_section=True)
     if result.device:
         dv = result.device
         shared = f" ({dv['ranks_sharing']} ranks share it)" if dv["ranks_sharing"] > 1 else ""
         verdict = "fits" if dv["fits"] else "does NOT fit"
-        table.add_row(dv["name"], fmt(dv["bytes"]),
-                      f"{verdict}{shared}: needs {fmt(dv['needed_bytes'])}, headroom {fmt(dv['headroom_bytes'])}")
+        table.add_row(
+            dv["name"],
+            fmt(dv["bytes"]),
+            f"{verdict}{shared}: needs {fmt(dv['needed_bytes'])}, headroom {fmt(dv['headroom_bytes'])}",
+        )
     for i, option in enumerate(options or []):
         saves = option["saves_bytes"]
-        table.add_row("with " + option["change"], f"{'-' if saves > 0 else '+' if saves else ''}{fmt(abs(saves))}",
-                      f"needs {fmt(option['total_bytes'])}; peak then at {option['peak_phase']}",
-                      end_section=i == len(options) - 1)
+        table.add_row(
+            "with " + option["change"],
+            f"{'-' if saves > 0 else '+' if saves else ''}{fmt(abs(saves))}",
+            f"needs {fmt(option['total_bytes'])}; peak then at {option['peak_phase']}",
+            end_section=i == len(options) - 1,
+        )
     for note in result.assumptions:
         table.add_row("note", "", note)
     return table
@@ -239,8 +269,10 @@ def verdict_line(result: Plan) -> Optional[str]:
         return None
     word = "fits" if dv["fits"] else "does not fit"
     unit, scale = ("GiB", GIB) if dv["needed_bytes"] >= GIB else ("MiB", 2**20)
-    return (f"{word} on {dv['name']} ({dv['description']}): needs {dv['needed_bytes'] / scale:.2f} {unit} of "
-            f"{dv['bytes'] / GIB:.2f} GiB")
+    return (
+        f"{word} on {dv['name']} ({dv['description']}): needs {dv['needed_bytes'] / scale:.2f} {unit} of "
+        f"{dv['bytes'] / GIB:.2f} GiB"
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> int:

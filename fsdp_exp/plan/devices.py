@@ -96,8 +96,12 @@ def _gib(x: float) -> int:
 NVLINK3 = Link(240.0, 3.0, "NVLink 3: 600 GB/s both ways = 300 GB/s each way (A100 data sheet), x0.8 NCCL")
 NVLINK4 = Link(360.0, 3.0, "NVLink 4: 900 GB/s both ways = 450 GB/s each way (H100/H200 data sheets), x0.8 NCCL")
 NVLINK5 = Link(720.0, 3.0, "NVLink 5: 1.8 TB/s both ways = 900 GB/s each way (B200 data sheet), x0.8 NCCL")
-NVLINK_BRIDGE = Link(160.0, 4.0, "H100 PCIe with NVLink bridges: 600 GB/s both ways between pairs; beyond a pair "
-                                 "PCIe Gen5 (64 GB/s each way); taken as 200 GB/s each way, x0.8 (assumed)")
+NVLINK_BRIDGE = Link(
+    160.0,
+    4.0,
+    "H100 PCIe with NVLink bridges: 600 GB/s both ways between pairs; beyond a pair "
+    "PCIe Gen5 (64 GB/s each way); taken as 200 GB/s each way, x0.8 (assumed)",
+)
 PCIE4_P2P = Link(20.0, 8.0, "PCIe Gen4 x16 through the host bridge: 32 GB/s each way, ~20 achieved (assumed)")
 PCIE4_HOST = Link(25.0, 10.0, "PCIe Gen4 x16: 32 GB/s each way, ~25 achieved with pinned memory")
 PCIE5_HOST = Link(50.0, 10.0, "PCIe Gen5 x16: 64 GB/s each way, ~50 achieved with pinned memory")
@@ -106,15 +110,23 @@ PCIE5_HOST = Link(50.0, 10.0, "PCIe Gen5 x16: 64 GB/s each way, ~50 achieved wit
 # one way, x0.8 for NCCL (as the links above). Latency: one network hop of a ring step.
 NETWORKS: dict[str, Link] = {
     "ib_hdr_8x200g": Link(160.0, 6.0, "InfiniBand HDR, 8 x 200 Gb/s per node (DGX A100) = 200 GB/s, x0.8", True),
-    "ib_ndr_8x400g": Link(320.0, 6.0, "InfiniBand NDR, 8 x 400 Gb/s per node (DGX H100/H200/B200) = 400 GB/s, x0.8",
-                          True),
-    "roce_8x200g": Link(160.0, 8.0, "RoCE, 1600 Gb/s per node (8 x 200 Gb/s; llm-foundry's A100 tables) = 200 GB/s, "
-                                    "x0.8; latency assumed above InfiniBand's", True),
+    "ib_ndr_8x400g": Link(
+        320.0, 6.0, "InfiniBand NDR, 8 x 400 Gb/s per node (DGX H100/H200/B200) = 400 GB/s, x0.8", True
+    ),
+    "roce_8x200g": Link(
+        160.0,
+        8.0,
+        "RoCE, 1600 Gb/s per node (8 x 200 Gb/s; llm-foundry's A100 tables) = 200 GB/s, "
+        "x0.8; latency assumed above InfiniBand's",
+        True,
+    ),
     "roce_8x400g": Link(320.0, 8.0, "RoCE, 3200 Gb/s per node (8 x 400 Gb/s) = 400 GB/s, x0.8; latency assumed", True),
-    "efa_3200g": Link(280.0, 15.0, "AWS EFA, 3200 Gb/s per p5 node = 400 GB/s, x0.7 (EFA's NCCL plugin; assumed)",
-                      True),
-    "eth_100g": Link(10.0, 15.0, "100 Gb/s Ethernet per node (AWS g5.48xlarge, GCP g2-standard-96) = 12.5 GB/s, x0.8 "
-                                 "(assumed)", True),
+    "efa_3200g": Link(
+        280.0, 15.0, "AWS EFA, 3200 Gb/s per p5 node = 400 GB/s, x0.7 (EFA's NCCL plugin; assumed)", True
+    ),
+    "eth_100g": Link(
+        10.0, 15.0, "100 Gb/s Ethernet per node (AWS g5.48xlarge, GCP g2-standard-96) = 12.5 GB/s, x0.8 (assumed)", True
+    ),
 }
 
 
@@ -135,8 +147,12 @@ def with_power(perf: "DevicePerf", watts: float) -> "DevicePerf":
     if not perf.tdp_w or watts >= perf.tdp_w:
         return perf
     scale = (watts / perf.tdp_w) ** (1 / 3)
-    return dataclasses.replace(perf, peak_tflops={k: v * scale for k, v in perf.peak_tflops.items()},
-                               tdp_w=watts, source=perf.source + f"; power-limited to {watts:g} W (peak x{scale:.3f})")
+    return dataclasses.replace(
+        perf,
+        peak_tflops={k: v * scale for k, v in perf.peak_tflops.items()},
+        tdp_w=watts,
+        source=perf.source + f"; power-limited to {watts:g} W (peak x{scale:.3f})",
+    )
 
 
 @dataclass(frozen=True)
@@ -162,22 +178,38 @@ class KernelPrior:
 # reaches about 35% of the peak (Shah et al. 2024, the FlashAttention-3 paper, arXiv:2407.08608, against FA3's 75%).
 FA2_A100, FA2_HOPPER = 0.60, 0.35
 A100_SXM = KernelPrior(0.859, FA2_A100, "GEMM: A100 SXM MAMF 267.9/312 (ml-engineering); attention: FA2 on A100")
-A100_PCIE_LIKE = KernelPrior(0.822, FA2_A100, "no published figure for this device: assumed as the A100 PCIe "
-                                              "(MAMF 256.4/312, ml-engineering) and FA2 on A100")
+A100_PCIE_LIKE = KernelPrior(
+    0.822,
+    FA2_A100,
+    "no published figure for this device: assumed as the A100 PCIe (MAMF 256.4/312, ml-engineering) and FA2 on A100",
+)
 # FP8 GEMM (E4M3, cuBLASLt, what torch._scaled_mm calls): tile-lang's benchmark/matmul_fp8/README.md, M = N = 8192
 # on an H800 SXM (the H100 SXM's SMs and clocks, FP8 peak 1979): 1507 TFLOPS at K = 8192 (76.1%), 1541 at K = 16384
 # (77.9%); a public cuBLASLt E4M3 8192^3 cross-check on H100 SXM reached 1609 (81.3%). Taken: 0.76, the K = 8192 shape
 # (Llama's matmuls have K of 4096 to 14336). A Hopper's FP8 GEMMs reach a little less of their peak than its bf16 ones.
 HOPPER_FP8_GEMM = 0.76
-HOPPER = KernelPrior(0.801, FA2_HOPPER, "GEMM: H100 SXM MAMF 792.1/989 (ml-engineering; H200 794.5/989 likewise), "
-                                        "FP8 1507/1979 (tile-lang, H800 SXM, 8192^2 x 8192); attention: FA2 on H100 "
-                                        "(FA3 paper)", HOPPER_FP8_GEMM)
-HOPPER_PCIE = KernelPrior(0.801, FA2_HOPPER, "no published figure for the PCIe board: assumed as the H100 SXM's "
-                                             "(MAMF 792.1/989, FP8 0.76) and FA2 on H100", HOPPER_FP8_GEMM)
-BLACKWELL = KernelPrior(0.776, 0.25, "GEMM: B200 SXM MAMF 1745/2250 (ml-engineering; FP8 assumed the same share of "
-                                     "its 4500, no published figure found); attention assumed 0.25: "
-                                     "FA2 has no Blackwell kernels of its own (Ampere-style MMA on sm_100; "
-                                     "ml-engineering calls it very slow there), no published share found")
+HOPPER = KernelPrior(
+    0.801,
+    FA2_HOPPER,
+    "GEMM: H100 SXM MAMF 792.1/989 (ml-engineering; H200 794.5/989 likewise), "
+    "FP8 1507/1979 (tile-lang, H800 SXM, 8192^2 x 8192); attention: FA2 on H100 "
+    "(FA3 paper)",
+    HOPPER_FP8_GEMM,
+)
+HOPPER_PCIE = KernelPrior(
+    0.801,
+    FA2_HOPPER,
+    "no published figure for the PCIe board: assumed as the H100 SXM's (MAMF 792.1/989, FP8 0.76) and FA2 on H100",
+    HOPPER_FP8_GEMM,
+)
+BLACKWELL = KernelPrior(
+    0.776,
+    0.25,
+    "GEMM: B200 SXM MAMF 1745/2250 (ml-engineering; FP8 assumed the same share of "
+    "its 4500, no published figure found); attention assumed 0.25: "
+    "FA2 has no Blackwell kernels of its own (Ampere-style MMA on sm_100; "
+    "ml-engineering calls it very slow there), no published share found",
+)
 
 # The software's share of what the kernels can reach, fitted on the published record (python -m fsdp_exp.tune
 # tune.calibrate_from=benchmarks/published, the calibration part: llm-foundry's and torchtitan's A100 tables, 231
@@ -186,8 +218,10 @@ BLACKWELL = KernelPrior(0.776, 0.25, "GEMM: B200 SXM MAMF 1745/2250 (ml-engineer
 # priors: what a training step loses to shapes, fusion and launch gaps beyond the best microbenchmark. A device's
 # efficiency is its prior times this; the A100's figures are the fitted ones again.
 FITTED_A100 = {"efficiency": 0.70, "attention_efficiency": 0.32}
-SOFTWARE = {"gemm": FITTED_A100["efficiency"] / A100_SXM.gemm,
-            "attention": FITTED_A100["attention_efficiency"] / A100_SXM.attention}
+SOFTWARE = {
+    "gemm": FITTED_A100["efficiency"] / A100_SXM.gemm,
+    "attention": FITTED_A100["attention_efficiency"] / A100_SXM.attention,
+}
 # Fitted with them, and left at what the record put them: ``gemm_half_dim`` (0: beyond the roofline and the
 # memory-bound operators, the record shows no shape penalty) and ``unit_us`` (0 for both layouts: the runs'
 # FSDP software hides behind their device work). ``memory_efficiency`` is a prior (STREAM-like copies reach
@@ -199,27 +233,49 @@ def kernel_efficiencies(prior: KernelPrior, has_fp8: bool = False) -> dict:
     """``DevicePerf``'s efficiencies of a device: its kernels' prior times the software's fitted share (the FP8
     matmuls' the same share of theirs: the training step around them is the same software)."""
     fp8 = prior.fp8_gemm if prior.fp8_gemm is not None else prior.gemm
-    return {"efficiency": prior.gemm * SOFTWARE["gemm"],
-            "attention_efficiency": prior.attention * SOFTWARE["attention"],
-            "fp8_efficiency": fp8 * SOFTWARE["gemm"] if has_fp8 else 0.0}
+    return {
+        "efficiency": prior.gemm * SOFTWARE["gemm"],
+        "attention_efficiency": prior.attention * SOFTWARE["attention"],
+        "fp8_efficiency": fp8 * SOFTWARE["gemm"] if has_fp8 else 0.0,
+    }
 
 
-def _gpu(description: str, memory_gbps: float, intra: Link, inter: Link, host: Link, host_memory_gbps: float,
-         memory_source: str, kernels: KernelPrior, tdp_w: Optional[float] = None,
-         power_w: Optional[float] = None) -> DevicePerf:
+def _gpu(
+    description: str,
+    memory_gbps: float,
+    intra: Link,
+    inter: Link,
+    host: Link,
+    host_memory_gbps: float,
+    memory_source: str,
+    kernels: KernelPrior,
+    tdp_w: Optional[float] = None,
+    power_w: Optional[float] = None,
+) -> DevicePerf:
     from fsdp_exp.metrics.flops import PEAK_TFLOPS, lookup_peak_tflops
 
     # "fp8": the FP8 tensor cores' dense peak (Ada, Hopper, Blackwell); absent on an A100 or A10G, which have none
     peaks = {dtype: lookup_peak_tflops(description, dtype) for dtype in ("fp32", "bf16", "fp16", "fp8")}
     perf = DevicePerf(
-        peak_tflops={dtype: peak for dtype, peak in peaks.items() if peak}, memory_gbps=memory_gbps,
-        intra=intra, inter=inter, host=host, host_memory_gbps=host_memory_gbps,
-        overlap=0.9, dispatch_us=5.0, async_dispatch=True, step_overhead_ms=2.0,
+        peak_tflops={dtype: peak for dtype, peak in peaks.items() if peak},
+        memory_gbps=memory_gbps,
+        intra=intra,
+        inter=inter,
+        host=host,
+        host_memory_gbps=host_memory_gbps,
+        overlap=0.9,
+        dispatch_us=5.0,
+        async_dispatch=True,
+        step_overhead_ms=2.0,
         source=f"peak dense TFLOPS: the vendor's data sheet (fsdp_exp/metrics/flops.py, "
-               f"{len(PEAK_TFLOPS)} devices); memory: {memory_source}; kernel efficiencies: the device's achievable "
-               f"share of the peak ({kernels.source}) x the software's share fitted on the published A100 record "
-               f"(fsdp_exp/plan/devices.py SOFTWARE)",
-        kernels=True, tdp_w=tdp_w, **kernel_efficiencies(kernels, bool(peaks["fp8"])), **FITTED_SHAPES)
+        f"{len(PEAK_TFLOPS)} devices); memory: {memory_source}; kernel efficiencies: the device's achievable "
+        f"share of the peak ({kernels.source}) x the software's share fitted on the published A100 record "
+        f"(fsdp_exp/plan/devices.py SOFTWARE)",
+        kernels=True,
+        tdp_w=tdp_w,
+        **kernel_efficiencies(kernels, bool(peaks["fp8"])),
+        **FITTED_SHAPES,
+    )
     return with_power(perf, power_w) if power_w else perf
 
 
@@ -227,35 +283,161 @@ CLOUD = NETWORKS["eth_100g"]
 DGX_A100_HOST = "host: 2x EPYC 7742, 16 channels DDR4-3200 = 410 GB/s (DGX A100)"
 DGX_H100_HOST = "host: 2x Xeon 8480C, 16 channels DDR5-4800 = 614 GB/s (DGX H100)"
 DEVICES: dict[str, Device] = {
-    "l4_24gb": Device("l4_24gb", "cuda", _gib(22.0), "NVIDIA L4 (24 GB)", _gpu(
-        "NVIDIA L4", 300.0, PCIE4_P2P, CLOUD, PCIE4_HOST, 200.0, "300 GB/s GDDR6 (L4 data sheet)",
-        A100_PCIE_LIKE, 72.0)),
-    "a10g_24gb": Device("a10g_24gb", "cuda", _gib(22.0), "NVIDIA A10G (24 GB)", _gpu(
-        "NVIDIA A10G", 600.0, PCIE4_P2P, CLOUD, PCIE4_HOST, 200.0, "600 GB/s GDDR6 (A10G data sheet)",
-        A100_PCIE_LIKE, 300.0)),
-    "a100_40gb": Device("a100_40gb", "cuda", _gib(39.4), "NVIDIA A100 40GB", _gpu(
-        "NVIDIA A100", 1555.0, NVLINK3, NETWORKS["ib_hdr_8x200g"], PCIE4_HOST, 400.0,
-        f"1,555 GB/s HBM2 (A100 40GB SXM data sheet, 400 W); {DGX_A100_HOST}", A100_SXM, 400.0)),
-    "a100_80gb": Device("a100_80gb", "cuda", _gib(79.1), "NVIDIA A100 80GB", _gpu(
-        "NVIDIA A100", 2039.0, NVLINK3, NETWORKS["ib_hdr_8x200g"], PCIE4_HOST, 400.0,
-        f"2,039 GB/s HBM2e (A100 80GB SXM data sheet, 400 W); {DGX_A100_HOST}", A100_SXM, 400.0)),
-    "h100_80gb": Device("h100_80gb", "cuda", _gib(79.1), "NVIDIA H100 80GB", _gpu(
-        "NVIDIA H100", 3350.0, NVLINK4, NETWORKS["ib_ndr_8x400g"], PCIE5_HOST, 600.0,
-        f"3.35 TB/s HBM3 (H100 SXM data sheet, 700 W); {DGX_H100_HOST}", HOPPER, 700.0)),
-    "h100_96gb_500w": Device("h100_96gb_500w", "cuda", _gib(94.5), "NVIDIA H100 96GB HBM2e (500 W)", _gpu(
-        "NVIDIA H100", 2460.0, NVLINK4, NETWORKS["roce_8x400g"], PCIE5_HOST, 600.0,
-        "the H100 SXM with 96 GB of HBM2e (six 16 GB stacks at 3.2 Gb/s x 1024 bits = 2.46 TB/s; derived, not a "
-        "data sheet) at a 500 W power limit, as torchtitan's H100 tables describe their cluster",
-        HOPPER, 700.0, 500.0)),
-    "h100_pcie": Device("h100_pcie", "cuda", _gib(79.1), "NVIDIA H100 PCIe 80GB", _gpu(
-        "NVIDIA H100 PCIe", 2000.0, NVLINK_BRIDGE, CLOUD, PCIE5_HOST, 600.0,
-        "2.0 TB/s HBM2e (H100 PCIe data sheet, 350 W)", HOPPER_PCIE, 350.0)),
-    "h200_141gb": Device("h200_141gb", "cuda", _gib(139.8), "NVIDIA H200 141GB", _gpu(
-        "NVIDIA H200", 4800.0, NVLINK4, NETWORKS["ib_ndr_8x400g"], PCIE5_HOST, 600.0,
-        "4.8 TB/s HBM3e (H200 SXM data sheet, 700 W); host as DGX H100", HOPPER, 700.0)),
-    "b200_192gb": Device("b200_192gb", "cuda", _gib(178.4), "NVIDIA B200 192GB", _gpu(
-        "NVIDIA B200", 8000.0, NVLINK5, NETWORKS["ib_ndr_8x400g"], PCIE5_HOST, 700.0, "8 TB/s HBM3e (B200 data "
-        "sheet, 1000 W); host: 2x Xeon 8570, 16 channels DDR5-5600 = 717 GB/s (DGX B200)", BLACKWELL, 1000.0)),
+    "l4_24gb": Device(
+        "l4_24gb",
+        "cuda",
+        _gib(22.0),
+        "NVIDIA L4 (24 GB)",
+        _gpu(
+            "NVIDIA L4",
+            300.0,
+            PCIE4_P2P,
+            CLOUD,
+            PCIE4_HOST,
+            200.0,
+            "300 GB/s GDDR6 (L4 data sheet)",
+            A100_PCIE_LIKE,
+            72.0,
+        ),
+    ),
+    "a10g_24gb": Device(
+        "a10g_24gb",
+        "cuda",
+        _gib(22.0),
+        "NVIDIA A10G (24 GB)",
+        _gpu(
+            "NVIDIA A10G",
+            600.0,
+            PCIE4_P2P,
+            CLOUD,
+            PCIE4_HOST,
+            200.0,
+            "600 GB/s GDDR6 (A10G data sheet)",
+            A100_PCIE_LIKE,
+            300.0,
+        ),
+    ),
+    "a100_40gb": Device(
+        "a100_40gb",
+        "cuda",
+        _gib(39.4),
+        "NVIDIA A100 40GB",
+        _gpu(
+            "NVIDIA A100",
+            1555.0,
+            NVLINK3,
+            NETWORKS["ib_hdr_8x200g"],
+            PCIE4_HOST,
+            400.0,
+            f"1,555 GB/s HBM2 (A100 40GB SXM data sheet, 400 W); {DGX_A100_HOST}",
+            A100_SXM,
+            400.0,
+        ),
+    ),
+    "a100_80gb": Device(
+        "a100_80gb",
+        "cuda",
+        _gib(79.1),
+        "NVIDIA A100 80GB",
+        _gpu(
+            "NVIDIA A100",
+            2039.0,
+            NVLINK3,
+            NETWORKS["ib_hdr_8x200g"],
+            PCIE4_HOST,
+            400.0,
+            f"2,039 GB/s HBM2e (A100 80GB SXM data sheet, 400 W); {DGX_A100_HOST}",
+            A100_SXM,
+            400.0,
+        ),
+    ),
+    "h100_80gb": Device(
+        "h100_80gb",
+        "cuda",
+        _gib(79.1),
+        "NVIDIA H100 80GB",
+        _gpu(
+            "NVIDIA H100",
+            3350.0,
+            NVLINK4,
+            NETWORKS["ib_ndr_8x400g"],
+            PCIE5_HOST,
+            600.0,
+            f"3.35 TB/s HBM3 (H100 SXM data sheet, 700 W); {DGX_H100_HOST}",
+            HOPPER,
+            700.0,
+        ),
+    ),
+    "h100_96gb_500w": Device(
+        "h100_96gb_500w",
+        "cuda",
+        _gib(94.5),
+        "NVIDIA H100 96GB HBM2e (500 W)",
+        _gpu(
+            "NVIDIA H100",
+            2460.0,
+            NVLINK4,
+            NETWORKS["roce_8x400g"],
+            PCIE5_HOST,
+            600.0,
+            "the H100 SXM with 96 GB of HBM2e (six 16 GB stacks at 3.2 Gb/s x 1024 bits = 2.46 TB/s; derived, not a "
+            "data sheet) at a 500 W power limit, as torchtitan's H100 tables describe their cluster",
+            HOPPER,
+            700.0,
+            500.0,
+        ),
+    ),
+    "h100_pcie": Device(
+        "h100_pcie",
+        "cuda",
+        _gib(79.1),
+        "NVIDIA H100 PCIe 80GB",
+        _gpu(
+            "NVIDIA H100 PCIe",
+            2000.0,
+            NVLINK_BRIDGE,
+            CLOUD,
+            PCIE5_HOST,
+            600.0,
+            "2.0 TB/s HBM2e (H100 PCIe data sheet, 350 W)",
+            HOPPER_PCIE,
+            350.0,
+        ),
+    ),
+    "h200_141gb": Device(
+        "h200_141gb",
+        "cuda",
+        _gib(139.8),
+        "NVIDIA H200 141GB",
+        _gpu(
+            "NVIDIA H200",
+            4800.0,
+            NVLINK4,
+            NETWORKS["ib_ndr_8x400g"],
+            PCIE5_HOST,
+            600.0,
+            "4.8 TB/s HBM3e (H200 SXM data sheet, 700 W); host as DGX H100",
+            HOPPER,
+            700.0,
+        ),
+    ),
+    "b200_192gb": Device(
+        "b200_192gb",
+        "cuda",
+        _gib(178.4),
+        "NVIDIA B200 192GB",
+        _gpu(
+            "NVIDIA B200",
+            8000.0,
+            NVLINK5,
+            NETWORKS["ib_ndr_8x400g"],
+            PCIE5_HOST,
+            700.0,
+            "8 TB/s HBM3e (B200 data sheet, 1000 W); host: 2x Xeon 8570, 16 channels DDR5-5600 = 717 GB/s (DGX B200)",
+            BLACKWELL,
+            1000.0,
+        ),
+    ),
     "cpu_host": Device("cpu_host", "cpu", 0, "this machine's RAM (psutil), shared by its ranks"),
 }
 
@@ -301,15 +483,23 @@ def allocator_margin(kind: str, peak: int, margin: Optional[float]) -> tuple[int
         return int(margin * peak), f"plan.margin={margin:g} of the peak"
     if kind == "cpu":
         return 0, "0 on a CPU (no caching allocator)"
-    return (int(CUDA_MARGIN_FRACTION * peak) + CUDA_FIXED_OVERHEAD,
-            f"{CUDA_MARGIN_FRACTION:.0%} of the peak + {CUDA_FIXED_OVERHEAD / GIB:.0f} GiB "
-            "(caching allocator, CUDA context, NCCL and cuBLAS workspaces)")
+    return (
+        int(CUDA_MARGIN_FRACTION * peak) + CUDA_FIXED_OVERHEAD,
+        f"{CUDA_MARGIN_FRACTION:.0%} of the peak + {CUDA_FIXED_OVERHEAD / GIB:.0f} GiB "
+        "(caching allocator, CUDA context, NCCL and cuBLAS workspaces)",
+    )
 
 
 def fits(result, device: Device) -> dict:
     """Whether a ``Plan`` fits ``device``: a host's RAM is shared by its ranks, a GPU is one rank's."""
     need = result.per_rank_bytes["total"]
     ranks = result.world_size if device.kind == "cpu" else 1
-    return {"name": device.name, "description": device.description, "bytes": device.bytes,
-            "ranks_sharing": ranks, "needed_bytes": need * ranks, "fits": need * ranks <= device.bytes,
-            "headroom_bytes": device.bytes - need * ranks}
+    return {
+        "name": device.name,
+        "description": device.description,
+        "bytes": device.bytes,
+        "ranks_sharing": ranks,
+        "needed_bytes": need * ranks,
+        "fits": need * ranks <= device.bytes,
+        "headroom_bytes": device.bytes - need * ranks,
+    }

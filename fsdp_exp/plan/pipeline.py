@@ -50,8 +50,10 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, stages_per_r
         return min(warmup + 1, m * v)
     if schedule == "looped_bfs":
         return m * v
-    fail(f"the planner has no activation model of parallel.pp_schedule={schedule} yet.",
-         f"plan with parallel.pp_schedule={'|'.join(PLANNED)}")
+    fail(
+        f"the planner has no activation model of parallel.pp_schedule={schedule} yet.",
+        f"plan with parallel.pp_schedule={'|'.join(PLANNED)}",
+    )
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -133,12 +135,23 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
         unsharded = 2 * e * int(sum(i.gathered_numel for i in mine)) if dp > 1 else 0
         held = in_flight(s.schedule, s.pp, rank, s.n_microbatches, s.stages_per_rank)
         heaviest = max(per_microbatch(stage) for stage in stages)
-        ranks.append(RankPlan(rank=rank, stages=tuple(stages), blocks=tuple(b for st in stages for b in blocks[st]),
-                              params=sum(i.numel for i in mine), model_states=states, unsharded=unsharded,
-                              per_microbatch=heaviest, in_flight=held, activations=held * heaviest,
-                              state_pieces=dict(pieces)))
-    return PipelinePlan(ranks=tuple(ranks), bubble=bubble_fraction(s.schedule, s.pp, s.n_microbatches,
-                                                                   s.stages_per_rank))
+        ranks.append(
+            RankPlan(
+                rank=rank,
+                stages=tuple(stages),
+                blocks=tuple(b for st in stages for b in blocks[st]),
+                params=sum(i.numel for i in mine),
+                model_states=states,
+                unsharded=unsharded,
+                per_microbatch=heaviest,
+                in_flight=held,
+                activations=held * heaviest,
+                state_pieces=dict(pieces),
+            )
+        )
+    return PipelinePlan(
+        ranks=tuple(ranks), bubble=bubble_fraction(s.schedule, s.pp, s.n_microbatches, s.stages_per_rank)
+    )
 
 
 def with_worst_stage(result, cfg: "RunConfig", topology, margin=None):
@@ -157,22 +170,44 @@ def with_worst_stage(result, cfg: "RunConfig", topology, margin=None):
     try:
         pipeline = pipeline_plan(cfg, settings, topology.dp_size, result.device_kind)
     except ConfigError as exc:  # a schedule without an activation model: the whole model, an upper bound
-        return dataclasses.replace(result, assumptions=[
-            *result.assumptions, f"parallel.pp={settings.pp}: approximate, the whole model on one rank (an upper "
-            f"bound): {exc}"])
+        return dataclasses.replace(
+            result,
+            assumptions=[
+                *result.assumptions,
+                f"parallel.pp={settings.pp}: approximate, the whole model on one rank (an upper bound): {exc}",
+            ],
+        )
     worst = pipeline.peak_rank
     margin_bytes, margin_rule = allocator_margin(result.device_kind, worst.peak, margin)
     pieces = {k: worst.state_pieces[k] for k in ("params", "grads", "optimizer", "total")}
     no_host = {k: 0 for k in pieces}
-    per_rank = {**{k: pieces[k] for k in ("params", "grads", "optimizer")}, "activations": worst.activations,
-                "buffers": worst.unsharded, "total": worst.peak + margin_bytes}
-    peak = {**result.peak, "total": worst.peak, "activations": worst.activations, "unsharded": worst.unsharded,
-            "comm": 0, "module_buffers": 0, "grads": pieces["grads"]}
-    note = (f"parallel.pp={settings.pp}: the per-rank figures are pp rank {worst.rank}'s, the worst of {settings.pp} "
-            f"(stages {list(worst.stages)}, blocks {list(worst.blocks)}; {worst.in_flight} micro-batches of "
-            f"activations in flight under {settings.schedule}, bubble {pipeline.bubble:.0%}; "
-            "fsdp_exp.plan.pipeline); the phases and per-phase peaks are still the whole model's on one rank")
+    per_rank = {
+        **{k: pieces[k] for k in ("params", "grads", "optimizer")},
+        "activations": worst.activations,
+        "buffers": worst.unsharded,
+        "total": worst.peak + margin_bytes,
+    }
+    peak = {
+        **result.peak,
+        "total": worst.peak,
+        "activations": worst.activations,
+        "unsharded": worst.unsharded,
+        "comm": 0,
+        "module_buffers": 0,
+        "grads": pieces["grads"],
+    }
+    note = (
+        f"parallel.pp={settings.pp}: the per-rank figures are pp rank {worst.rank}'s, the worst of {settings.pp} "
+        f"(stages {list(worst.stages)}, blocks {list(worst.blocks)}; {worst.in_flight} micro-batches of "
+        f"activations in flight under {settings.schedule}, bubble {pipeline.bubble:.0%}; "
+        "fsdp_exp.plan.pipeline); the phases and per-phase peaks are still the whole model's on one rank"
+    )
     return dataclasses.replace(
-        result, model_states={**result.model_states, "device": pieces, "host": no_host, "total": pieces["total"]},
-        per_rank_bytes=per_rank, peak=peak, margin_bytes=margin_bytes, margin_rule=margin_rule,
-        assumptions=[*result.assumptions, note])
+        result,
+        model_states={**result.model_states, "device": pieces, "host": no_host, "total": pieces["total"]},
+        per_rank_bytes=per_rank,
+        peak=peak,
+        margin_bytes=margin_bytes,
+        margin_rule=margin_rule,
+        assumptions=[*result.assumptions, note],
+    )

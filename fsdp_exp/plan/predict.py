@@ -45,8 +45,9 @@ class Plan:
         return asdict(self)
 
 
-def plan(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] = None,
-         margin: Optional[float] = None) -> Plan:
+def plan(
+    cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] = None, margin: Optional[float] = None
+) -> Plan:
     """Predict one rank's memory (rank 0, the largest) for ``cfg`` on ``topology``."""
     kind = device_kind or topology.device_type
     backend = backend_for(cfg)
@@ -57,43 +58,74 @@ def plan(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] =
 
     units = unit_names(spec, cfg) if rules.gathers_units else []
     infos = param_infos(inventory, units, rules, shard, topology.tp_size)
-    states = model_states(infos, cfg.offload.params and rules.offloads, kind,
-                          topology.dp_size if rules.shards_optimizer else 1) if rules.zero_stage is None else \
-        zero_model_states(infos, rules.zero_stage, shard, cfg.precision.param_dtype, cfg.offload.params,
-                          cfg.offload.optimizer, kind)  # DeepSpeed's own layout
-    profile = profile_for(cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, topology.tp_size,
-                          cfg.parallel.sequence_parallel)
+    states = (
+        model_states(
+            infos, cfg.offload.params and rules.offloads, kind, topology.dp_size if rules.shards_optimizer else 1
+        )
+        if rules.zero_stage is None
+        else zero_model_states(
+            infos, rules.zero_stage, shard, cfg.precision.param_dtype, cfg.offload.params, cfg.offload.optimizer, kind
+        )
+    )  # DeepSpeed's own layout
+    profile = profile_for(
+        cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, topology.tp_size, cfg.parallel.sequence_parallel
+    )
     setting = StepSetting(
-        kind=kind, param_dtype=cfg.precision.param_dtype, reduce_dtype=cfg.precision.reduce_dtype,
-        grad_accum_steps=topology.grad_accum_steps, tp=topology.tp_size, shard=shard,
-        ac_mode=cfg.ac.mode, ac_every=cfg.ac.every, ac_ops=cfg.ac.ops,
-        prefetch_forward=cfg.prefetch.forward, prefetch_backward=cfg.prefetch.backward,
-        reshard_last_block=cfg.sharding.reshard_last_block, wrap_policy=cfg.wrap.policy,
+        kind=kind,
+        param_dtype=cfg.precision.param_dtype,
+        reduce_dtype=cfg.precision.reduce_dtype,
+        grad_accum_steps=topology.grad_accum_steps,
+        tp=topology.tp_size,
+        shard=shard,
+        ac_mode=cfg.ac.mode,
+        ac_every=cfg.ac.every,
+        ac_ops=cfg.ac.ops,
+        prefetch_forward=cfg.prefetch.forward,
+        prefetch_backward=cfg.prefetch.backward,
+        reshard_last_block=cfg.sharding.reshard_last_block,
+        wrap_policy=cfg.wrap.policy,
         grad_sync=backend.grad_sync(cfg),
-        loss_chunks=cfg.trainer.loss_chunks, loss_parallel=cfg.parallel.loss_parallel,
+        loss_chunks=cfg.trainer.loss_chunks,
+        loss_parallel=cfg.parallel.loss_parallel,
         sequence_parallel=cfg.parallel.sequence_parallel,
-        float8_matmuls=float8.planned_matmuls(cfg, inventory.blocks), float8_all_gather=cfg.precision.float8_all_gather)
+        float8_matmuls=float8.planned_matmuls(cfg, inventory.blocks),
+        float8_all_gather=cfg.precision.float8_all_gather,
+    )
     walk = StepWalk(setting, rules, profile, gathered(infos, inventory), states, inventory.buffer_bytes)
     phases = walk.phases()
 
     peak = max(phases, key=lambda ph: ph.total)
-    stage_peaks = {stage: max((ph for ph in phases if ph.stage == stage), key=lambda ph: ph.total).by_piece()
-                   for stage in STAGES}
+    stage_peaks = {
+        stage: max((ph for ph in phases if ph.stage == stage), key=lambda ph: ph.total).by_piece() for stage in STAGES
+    }
     margin_bytes, margin_rule = allocator_margin(kind, peak.total, margin)
     on_device = states.on_device
-    per_rank = {"params": on_device["params"], "grads": on_device["grads"], "optimizer": on_device["optimizer"],
-                "activations": peak.activations + peak.temporaries + peak.inputs,
-                "buffers": peak.unsharded + peak.comm + peak.module_buffers,
-                "total": peak.total + margin_bytes}
+    per_rank = {
+        "params": on_device["params"],
+        "grads": on_device["grads"],
+        "optimizer": on_device["optimizer"],
+        "activations": peak.activations + peak.temporaries + peak.inputs,
+        "buffers": peak.unsharded + peak.comm + peak.module_buffers,
+        "total": peak.total + margin_bytes,
+    }
     result = Plan(
-        num_params=sum(i.numel for i in infos), world_size=topology.world_size, device_kind=kind,
-        model_states={"device": on_device, "host": states.host, "total": states.at_rest["total"],
-                      "described": states.described},
+        num_params=sum(i.numel for i in infos),
+        world_size=topology.world_size,
+        device_kind=kind,
+        model_states={
+            "device": on_device,
+            "host": states.host,
+            "total": states.at_rest["total"],
+            "described": states.described,
+        },
         per_rank_bytes=per_rank,
-        peak=peak.by_piece(), stage_peaks=stage_peaks,
-        margin_bytes=margin_bytes, margin_rule=margin_rule,
+        peak=peak.by_piece(),
+        stage_peaks=stage_peaks,
+        margin_bytes=margin_bytes,
+        margin_rule=margin_rule,
         phases=[{"name": ph.name, "stage": ph.stage, "total": ph.total} for ph in phases],
-        assumptions=assumptions(cfg, rules.notes, profile.notes(kind, walk.e)))
+        assumptions=assumptions(cfg, rules.notes, profile.notes(kind, walk.e)),
+    )
     if cfg.parallel.pp > 1:  # the worst pipeline rank's figures (fsdp_exp/plan/pipeline.py)
         from fsdp_exp.plan.pipeline import with_worst_stage
 
@@ -125,9 +157,16 @@ def plan_for_run(cfg: "RunConfig", topology: "Topology") -> tuple[dict, dict, di
     try:
         result = plan(cfg, topology)
     except Exception as exc:  # noqa: BLE001 - the prediction is an aside to the run
-        return ({"error": f"{type(exc).__name__}: {exc}"}, dict.fromkeys(PREDICTED_METRICS),
-                dict.fromkeys(PREDICTED_STAGE_METRICS))
-    return (result.to_dict(),
-            {"mem/predicted_model_states_gib": result.model_states["total"] / GIB,
-             "mem/predicted_peak_gib": result.peak["total"] / GIB},
-            {f"mem/predicted_{stage}_peak_gib": result.stage_peaks[stage]["total"] / GIB for stage in STAGES})
+        return (
+            {"error": f"{type(exc).__name__}: {exc}"},
+            dict.fromkeys(PREDICTED_METRICS),
+            dict.fromkeys(PREDICTED_STAGE_METRICS),
+        )
+    return (
+        result.to_dict(),
+        {
+            "mem/predicted_model_states_gib": result.model_states["total"] / GIB,
+            "mem/predicted_peak_gib": result.peak["total"] / GIB,
+        },
+        {f"mem/predicted_{stage}_peak_gib": result.stage_peaks[stage]["total"] / GIB for stage in STAGES},
+    )

@@ -117,17 +117,29 @@ def model_states(infos: list[ParamInfo], offload: bool, kind: str, optimizer_sha
     on_device = {k: 0 for k in at_rest} if offload and kind == "cuda" else dict(at_rest)
     for states in (at_rest, host, on_device):
         states["total"] = states["params"] + states["grads"] + states["optimizer"]
-    groups = ([int(4 * i.local_numel) for i in infos if i.is_matrix],
-              [int(4 * i.local_numel) for i in infos if not i.is_matrix])
+    groups = (
+        [int(4 * i.local_numel) for i in infos if i.is_matrix],
+        [int(4 * i.local_numel) for i in infos if not i.is_matrix],
+    )
     held = "whole on every rank" if local >= sum(i.numel for i in infos) else "this rank's shards"
-    described = {"params": f"fp32, {held}", "grads": f"fp32, {held}, after backward",
-                 "optimizer": "AdamW: two fp32 moments, " + (f"split over {optimizer_shard} ranks" if optimizer_shard > 1
-                                                             else held)}
+    described = {
+        "params": f"fp32, {held}",
+        "grads": f"fp32, {held}, after backward",
+        "optimizer": "AdamW: two fp32 moments, "
+        + (f"split over {optimizer_shard} ranks" if optimizer_shard > 1 else held),
+    }
     return ModelStates(at_rest, host, on_device, at_rest if kind == "cpu" else on_device, groups, described)
 
 
-def zero_model_states(infos: list[ParamInfo], stage: int, shard: int, param_dtype: str, offload_params: bool,
-                      offload_optimizer: bool, kind: str) -> ModelStates:
+def zero_model_states(
+    infos: list[ParamInfo],
+    stage: int,
+    shard: int,
+    param_dtype: str,
+    offload_params: bool,
+    offload_optimizer: bool,
+    kind: str,
+) -> ModelStates:
     """DeepSpeed's layout (``PlannerRules.zero_stage``), as its engine was measured to hold it
     (fsdp_exp/parallel/deepspeed_memory.py), per parameter with e = the compute dtype's bytes and P = the
     partition over the ``shard`` ranks (one flat partition at stages 1-2, each parameter's at stage 3):
@@ -151,19 +163,28 @@ def zero_model_states(infos: list[ParamInfo], stage: int, shard: int, param_dtyp
     grads = e * sum(sized) + (4 * sum(sized) if copies else 0)
     optimizer = 8 * sum(sized) + (4 * sum(sized) if copies else 0)
     at_rest = {"params": int(params), "grads": int(grads), "optimizer": int(optimizer)}
-    host = {"params": at_rest["params"] if offload_params else 0, "grads": 0,
-            "optimizer": at_rest["optimizer"] if offload_params or offload_optimizer else 0}
+    host = {
+        "params": at_rest["params"] if offload_params else 0,
+        "grads": 0,
+        "optimizer": at_rest["optimizer"] if offload_params or offload_optimizer else 0,
+    }
     on_device = {k: (at_rest[k] - host[k] if kind == "cuda" else at_rest[k]) for k in at_rest}
     for states in (at_rest, host, on_device):
         states["total"] = states["params"] + states["grads"] + states["optimizer"]
-    groups = ([int(4 * n) for n, i in zip(sized, infos) if i.is_matrix],
-              [int(4 * n) for n, i in zip(sized, infos) if not i.is_matrix])
+    groups = (
+        [int(4 * n) for n, i in zip(sized, infos) if i.is_matrix],
+        [int(4 * n) for n, i in zip(sized, infos) if not i.is_matrix],
+    )
     part = f"partitioned over {shard} ranks" if shard > 1 else "whole"
-    described = {"params": f"{param_dtype}, " + (part if stage == 3 else "whole on every rank"),
-                 "grads": f"{param_dtype}, " + (part if stage >= 1 else "whole") + (" + the fp32 copy the step makes"
-                                                                                      if copies else ""),
-                 "optimizer": "AdamW: two fp32 moments" + (" + fp32 master" if copies else "")
-                              + (f", {part}" if stage >= 1 else ", whole")}
+    described = {
+        "params": f"{param_dtype}, " + (part if stage == 3 else "whole on every rank"),
+        "grads": f"{param_dtype}, "
+        + (part if stage >= 1 else "whole")
+        + (" + the fp32 copy the step makes" if copies else ""),
+        "optimizer": "AdamW: two fp32 moments"
+        + (" + fp32 master" if copies else "")
+        + (f", {part}" if stage >= 1 else ", whole"),
+    }
     return ModelStates(at_rest, host, on_device, at_rest if kind == "cpu" else on_device, groups, described)
 
 
@@ -218,11 +239,14 @@ def _gathered(infos: list[ParamInfo], inventory: Inventory) -> Gathered:
 
     own = [total([i for i in block_units[j] if i.unit == blocks[j]], "gathered_numel") for j in range(n)]
     nested = [sorted({i.unit for i in block_units[j] if i.unit != blocks[j]}) for j in range(n)]
-    nested_numel = [[total([i for i in block_units[j] if i.unit == u], "gathered_numel") for u in nested[j]]
-                    for j in range(n)]
+    nested_numel = [
+        [total([i for i in block_units[j] if i.unit == u], "gathered_numel") for u in nested[j]] for j in range(n)
+    ]
     early = inventory.input_params  # the input embeddings' gradients come last
     return Gathered(
-        own=own, nested=nested, nested_numel=nested_numel,
+        own=own,
+        nested=nested,
+        nested_numel=nested_numel,
         block_numel=[own[j] + sum(nested_numel[j]) for j in range(n)],
         largest_nested=[max(sizes, default=0) for sizes in nested_numel],
         block_local_bytes=[total(block_units[j], "local_numel", 4) for j in range(n)],

@@ -20,8 +20,7 @@ from fsdp_exp.plan.activations import ActivationProfile
 from fsdp_exp.parallel.backend import PlannerRules
 from fsdp_exp.plan.states import DTYPE_BYTES, Gathered, ModelStates
 
-PIECES = ("params", "grads", "optimizer", "unsharded", "comm", "module_buffers", "activations", "temporaries",
-          "inputs")
+PIECES = ("params", "grads", "optimizer", "unsharded", "comm", "module_buffers", "activations", "temporaries", "inputs")
 
 
 @dataclass
@@ -80,8 +79,15 @@ class StepSetting:
 class StepWalk:
     """One training step of one rank; ``phases()`` lists its phases in order."""
 
-    def __init__(self, s: StepSetting, rules: PlannerRules, x: ActivationProfile, g: Gathered,
-                 states: ModelStates, buffer_bytes: int):
+    def __init__(
+        self,
+        s: StepSetting,
+        rules: PlannerRules,
+        x: ActivationProfile,
+        g: Gathered,
+        states: ModelStates,
+        buffer_bytes: int,
+    ):
         self.s, self.rules, self.x, self.g, self.states = s, rules, x, g, states
         self.L = len(g.own)
         self.e_p, self.e_r = DTYPE_BYTES[s.param_dtype], DTYPE_BYTES[s.reduce_dtype]
@@ -152,16 +158,29 @@ class StepWalk:
         t, w = x.tokens, 0 if s.float8_all_gather else 1
         self.f8_forward = [max((t * i + w * i * o for i, o in mm), default=0) for mm in f8]
         self.f8_backward = [max((2 * t * o + t * i + w * i * o for i, o in mm), default=0) for mm in f8]
-        self.f8_saved = [(self.e_p - 1) * sum(i * o for i, o in mm) if s.float8_all_gather and self.gathers else 0
-                         for mm in f8]  # bytes fewer in block j's gathered unit
+        self.f8_saved = [
+            (self.e_p - 1) * sum(i * o for i, o in mm) if s.float8_all_gather and self.gathers else 0 for mm in f8
+        ]  # bytes fewer in block j's gathered unit
 
     # ------------------------------------------------------------------------------ helpers
     def phase(self, name: str, **pieces) -> Phase:
-        stage = "optimizer" if name.startswith("optimizer") else "forward" if name.startswith(
-            ("forward", "loss forward")) else "backward"
+        stage = (
+            "optimizer"
+            if name.startswith("optimizer")
+            else "forward"
+            if name.startswith(("forward", "loss forward"))
+            else "backward"
+        )
         st = self.states.resident
-        return Phase(name, stage, params=st["params"], optimizer=st["optimizer"],
-                     module_buffers=self.module_buffers, inputs=self.inputs, **pieces)
+        return Phase(
+            name,
+            stage,
+            params=st["params"],
+            optimizer=st["optimizer"],
+            module_buffers=self.module_buffers,
+            inputs=self.inputs,
+            **pieces,
+        )
 
     def accumulated(self, upto: Optional[int]) -> int:
         """Gradient accumulation: what earlier micro-batches left. Under last_micro_batch FSDP2 keeps each
@@ -186,9 +205,10 @@ class StepWalk:
         if not self.reshard or not self.all_gathers:
             return 0
         g = self.g
-        ahead = sum(g.own[max(0, i - self.back_depth):i])
-        return self.e_p * (ahead + (g.largest_nested[i] if len(g.nested[i]) > 1 else 0)) \
-            - sum(self.f8_saved[max(0, i - self.back_depth):i])
+        ahead = sum(g.own[max(0, i - self.back_depth) : i])
+        return self.e_p * (ahead + (g.largest_nested[i] if len(g.nested[i]) > 1 else 0)) - sum(
+            self.f8_saved[max(0, i - self.back_depth) : i]
+        )
 
     def last_gathered(self, i: int) -> int:
         """The all-gather output still held while block i runs forward: the latest unit's up to block i
@@ -216,9 +236,15 @@ class StepWalk:
         if self.all_gathers and first is not None:
             # 0) The first block's all-gather lands while the root's all-gather output is still held (freed at
             # that unit's wait) beside the root's gathered parameters: what a large vocabulary's step peaks at.
-            out.append(self.phase("forward (root gathered)", grads=grads, unsharded=self.e_p * g.root_numel,
-                                  comm=self.e_p * (g.root_numel + g.own[first]) - self.f8_saved[first],
-                                  activations=x.residual(e)))
+            out.append(
+                self.phase(
+                    "forward (root gathered)",
+                    grads=grads,
+                    unsharded=self.e_p * g.root_numel,
+                    comm=self.e_p * (g.root_numel + g.own[first]) - self.f8_saved[first],
+                    activations=x.residual(e),
+                )
+            )
         for i in range(self.L):
             if not self.checkpointed[i]:
                 in_block = self.full_block + h_alive
@@ -229,27 +255,51 @@ class StepWalk:
             if not self.gathers:
                 unsh, comm = sum(self.casts[: i + 1]), self.bucket
             else:
-                unsh = self.e_p * (g.root_numel + (sum(g.block_numel[: i + 1]) if not self.reshard
-                                                   else g.own[i] + g.largest_nested[i])) \
-                    - (sum(self.f8_saved[: i + 1]) if not self.reshard else self.f8_saved[i])
-                comm = self.e_p * (self.last_gathered(i) + sum(g.own[i + 1: i + 1 + self.fwd_depth])) \
-                    - (self.f8_saved[i] if g.own[i] else 0) - sum(self.f8_saved[i + 1: i + 1 + self.fwd_depth]) \
-                    if self.all_gathers else 0
-            out.append(self.phase(f"forward block {i}", grads=grads, unsharded=unsh, comm=comm,
-                                  activations=sum(self.act_block[:i]) + in_block, temporaries=self.f8_forward[i]))
+                unsh = self.e_p * (
+                    g.root_numel + (sum(g.block_numel[: i + 1]) if not self.reshard else g.own[i] + g.largest_nested[i])
+                ) - (sum(self.f8_saved[: i + 1]) if not self.reshard else self.f8_saved[i])
+                comm = (
+                    self.e_p * (self.last_gathered(i) + sum(g.own[i + 1 : i + 1 + self.fwd_depth]))
+                    - (self.f8_saved[i] if g.own[i] else 0)
+                    - sum(self.f8_saved[i + 1 : i + 1 + self.fwd_depth])
+                    if self.all_gathers
+                    else 0
+                )
+            out.append(
+                self.phase(
+                    f"forward block {i}",
+                    grads=grads,
+                    unsharded=unsh,
+                    comm=comm,
+                    activations=sum(self.act_block[:i]) + in_block,
+                    temporaries=self.f8_forward[i],
+                )
+            )
         if not self.gathers:
             unsh, comm = sum(self.casts) + self.output_cast, self.bucket
         else:
-            unsh = self.e_p * (g.root_numel + (sum(g.block_numel) if not self.reshard
-                                               else (g.own[self.L - 1] if self.keep_last else 0))) \
-                - (sum(self.f8_saved) if not self.reshard else (self.f8_saved[-1] if self.keep_last else 0))
-            comm = self.e_p * self.last_gathered(self.L - 1) - (self.f8_saved[-1] if g.own[-1] else 0) \
-                if self.all_gathers else 0
+            unsh = self.e_p * (
+                g.root_numel
+                + (sum(g.block_numel) if not self.reshard else (g.own[self.L - 1] if self.keep_last else 0))
+            ) - (sum(self.f8_saved) if not self.reshard else (self.f8_saved[-1] if self.keep_last else 0))
+            comm = (
+                self.e_p * self.last_gathered(self.L - 1) - (self.f8_saved[-1] if g.own[-1] else 0)
+                if self.all_gathers
+                else 0
+            )
         # Tensor parallel without loss parallel: the column-parallel output is gathered to a replicated one
         # (parallel/tp.py), so the local shard of the logits and the all-gather's output are alive next to it.
         tp_gather = self.logits // self.s.tp + self.logits if self.s.tp > 1 and self.vocab_share == 1 else 0
-        out.append(self.phase("forward (output projection)", grads=grads, unsharded=unsh, comm=comm,
-                              activations=self.all_acts + self.head + self.logits, temporaries=tp_gather))
+        out.append(
+            self.phase(
+                "forward (output projection)",
+                grads=grads,
+                unsharded=unsh,
+                comm=comm,
+                activations=self.all_acts + self.head + self.logits,
+                temporaries=tp_gather,
+            )
+        )
         return out
 
     def loss(self) -> list[Phase]:
@@ -284,20 +334,46 @@ class StepWalk:
         sharded = self.log_softmax if self.vocab_share > 1 else 0
         # Inside the root's forward the last block's all-gather output is still held (as at the projection).
         forward_comm = self.e_p * self.last_gathered(self.L - 1) if chunked and self.all_gathers else comm
-        forward = self.phase("loss forward", grads=grads, unsharded=unsh, comm=forward_comm,
-                             activations=acts + self.logits + self.log_softmax, temporaries=float_copy + sharded)
+        forward = self.phase(
+            "loss forward",
+            grads=grads,
+            unsharded=unsh,
+            comm=forward_comm,
+            activations=acts + self.logits + self.log_softmax,
+            temporaries=float_copy + sharded,
+        )
         if not chunked:
-            return [forward, self.phase("loss backward", grads=grads, unsharded=unsh, comm=comm,
-                                        activations=acts + self.log_softmax,
-                                        temporaries=2 * 4 * self.logit_elements + sharded)]
+            return [
+                forward,
+                self.phase(
+                    "loss backward",
+                    grads=grads,
+                    unsharded=unsh,
+                    comm=comm,
+                    activations=acts + self.log_softmax,
+                    temporaries=2 * 4 * self.logit_elements + sharded,
+                ),
+            ]
         # A slice's recomputed log_softmax output, its gradient and the logits' (fp32), the recomputed logits
         # and their gradient's cast to param_dtype; or the head's weight gradient three times.
         made_again = 3 * self.log_softmax + self.logits + (self.logits if float_copy else 0)
         # (Under autocast the slices share one cast of the weight: the sums are in param_dtype, before the cast.)
-        weight_sums = 3 * (e if self.autocast else self.e_grad_w) * \
-            (g.root_early_numel if self.gathers else g.root_early_full_numel)
-        return [forward, self.phase("loss backward", grads=grads, unsharded=unsh, comm=comm, activations=acts,
-                                    temporaries=max(made_again, weight_sums) + 2 * self.resid_grad + sharded // 2)]
+        weight_sums = (
+            3
+            * (e if self.autocast else self.e_grad_w)
+            * (g.root_early_numel if self.gathers else g.root_early_full_numel)
+        )
+        return [
+            forward,
+            self.phase(
+                "loss backward",
+                grads=grads,
+                unsharded=unsh,
+                comm=comm,
+                activations=acts,
+                temporaries=max(made_again, weight_sums) + 2 * self.resid_grad + sharded // 2,
+            ),
+        ]
 
     def backward(self) -> list[Phase]:
         """4) Each block's backward, last to first, at its peak (the SwiGLU's): the gradient arriving
@@ -310,34 +386,65 @@ class StepWalk:
             acts = sum(self.act_block[:i]) + (0 if self.checkpointed[i] else self.full_block)
             inner = self.resid_grad + x.backward_peak(e) + recompute  # beside the new weight gradients
             if not self.gathers:
-                grads = self.replica_grads or (4 * g.root_early_full_numel + 4 * sum(g.block_full_numel[i + 1:])
-                                               + 4 * x.block_weight_grads)
-                out.append(self.phase(f"block {i} backward", grads=grads, unsharded=sum(self.casts[: i + 1]),
-                                      comm=self.bucket, activations=acts, temporaries=inner + self.f8_backward[i]))
+                grads = self.replica_grads or (
+                    4 * g.root_early_full_numel + 4 * sum(g.block_full_numel[i + 1 :]) + 4 * x.block_weight_grads
+                )
+                out.append(
+                    self.phase(
+                        f"block {i} backward",
+                        grads=grads,
+                        unsharded=sum(self.casts[: i + 1]),
+                        comm=self.bucket,
+                        activations=acts,
+                        temporaries=inner + self.f8_backward[i],
+                    )
+                )
                 continue
             # sharded gradients of the blocks already reduced (offloaded to the host on CUDA); all of them
             # exist already when earlier micro-batches reduced theirs (``accumulated``)
-            done = 0 if self.sharded_before else sum(g.block_local_bytes[i + 1:]) * self.grads_here
+            done = 0 if self.sharded_before else sum(g.block_local_bytes[i + 1 :]) * self.grads_here
             previous_rs = self.e_r * g.block_numel[i + 1] if i + 1 < self.L else 0  # freed at the next one
             new_grads = self.e_p * g.root_early_numel + self.e_grad_w * x.peak_weight_grad
             if self.keeps_unsharded and self.e_r == self.e_p:
                 new_grads = 0  # later micro-batches accumulate into the kept gradients in place
-            out.append(self.phase(f"block {i} backward", grads=done + self.accumulated(i),
-                                  unsharded=self.gathered_in_backward(i), comm=self.prefetched(i) + previous_rs,
-                                  activations=acts, temporaries=new_grads + inner + self.f8_backward[i]))
+            out.append(
+                self.phase(
+                    f"block {i} backward",
+                    grads=done + self.accumulated(i),
+                    unsharded=self.gathered_in_backward(i),
+                    comm=self.prefetched(i) + previous_rs,
+                    activations=acts,
+                    temporaries=new_grads + inner + self.f8_backward[i],
+                )
+            )
             # Post-backward: the block is resharded, its gradients copied into the reduce-scatter input
             # (reduce_dtype), the unsharded ones freed.
             unsh = self.e_p * (g.root_numel + (sum(g.block_numel[:i]) if not self.reshard else 0))
-            rest = dict(unsharded=unsh, activations=sum(self.act_block[:i]),
-                        temporaries=self.e_p * g.root_early_numel + self.resid_grad)
-            out.append(self.phase(f"block {i} reduce-scatter",
-                                  grads=done + self.accumulated(i - 1) + self.e_p * g.block_numel[i],
-                                  comm=self.prefetched(i) + self.e_r * g.block_numel[i], **rest))
+            rest = dict(
+                unsharded=unsh,
+                activations=sum(self.act_block[:i]),
+                temporaries=self.e_p * g.root_early_numel + self.resid_grad,
+            )
+            out.append(
+                self.phase(
+                    f"block {i} reduce-scatter",
+                    grads=done + self.accumulated(i - 1) + self.e_p * g.block_numel[i],
+                    comm=self.prefetched(i) + self.e_r * g.block_numel[i],
+                    **rest,
+                )
+            )
             if self.gloo_copy:  # the last weight's unsharded gradient is still referenced; the output shard exists
-                out.append(self.phase(f"block {i} reduce-scatter (gloo copy)",
-                                      grads=done + self.accumulated(i - 1) + g.block_local_bytes[i] * self.grads_here
-                                      + self.e_p * x.peak_weight_grad,
-                                      comm=self.prefetched(i) + 2 * self.e_r * g.block_numel[i], **rest))
+                out.append(
+                    self.phase(
+                        f"block {i} reduce-scatter (gloo copy)",
+                        grads=done
+                        + self.accumulated(i - 1)
+                        + g.block_local_bytes[i] * self.grads_here
+                        + self.e_p * x.peak_weight_grad,
+                        comm=self.prefetched(i) + 2 * self.e_r * g.block_numel[i],
+                        **rest,
+                    )
+                )
         return out
 
     def root_reduction(self) -> list[Phase]:
@@ -346,9 +453,14 @@ class StepWalk:
         if not self.gathers:
             return []
         g = self.g
-        return [self.phase("root reduce-scatter", grads=self.sharded_before or sum(g.block_local_bytes) * self.grads_here,
-                           comm=self.e_r * g.root_numel * (2 if self.gloo_copy else 1),
-                           temporaries=self.e_p * g.root_numel)]
+        return [
+            self.phase(
+                "root reduce-scatter",
+                grads=self.sharded_before or sum(g.block_local_bytes) * self.grads_here,
+                comm=self.e_r * g.root_numel * (2 if self.gloo_copy else 1),
+                temporaries=self.e_p * g.root_numel,
+            )
+        ]
 
     def optimizer_step(self) -> Phase:
         """7) The optimizer step: CUDA's foreach AdamW makes a temporary the size of all shards. The

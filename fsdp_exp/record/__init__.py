@@ -12,5 +12,16 @@ from fsdp_exp.record.run_record import RUN_RECORD, RunRecord
 from fsdp_exp.record.values import json_safe
 from fsdp_exp.record.wandb_sink import TAGGED_GROUPS, WandbSink, note_failure_in_wandb, run_name, run_tags
 
-__all__ = ["ConsoleSink", "JsonlSink", "METRICS_FILE", "RUN_RECORD", "RunRecord", "TAGGED_GROUPS", "WandbSink",
-           "json_safe", "note_failure_in_wandb", "run_name", "run_tags"]
+__all__ = [
+    "ConsoleSink",
+    "JsonlSink",
+    "METRICS_FILE",
+    "RUN_RECORD",
+    "RunRecord",
+    "TAGGED_GROUPS",
+    "WandbSink",
+    "json_safe",
+    "note_failure_in_wandb",
+    "run_name",
+    "run_tags",
+]

@@ -13,8 +13,9 @@ class ConsoleSink:
         self.bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True, disable=not progress)
 
     def log(self, metrics: dict) -> None:
-        self.bar.set_postfix(loss=f"{metrics['train/loss']:.4f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}",
-                             refresh=False)
+        self.bar.set_postfix(
+            loss=f"{metrics['train/loss']:.4f}", tok_s=f"{metrics['perf/tokens_per_s']:.0f}", refresh=False
+        )
         self.bar.update(metrics["step"] - self.bar.n)
 
     def summary(self, summary: dict, title: str) -> None:

@@ -51,8 +51,19 @@ class Recorder:
         self.open = True
         return list(self.jsonl.kept)
 
-    def start(self, cfg, topology, info, *, applied: dict, labels: "Labels", facts: dict,
-              resumed_from: Optional[dict], init_check: Optional[dict], wandb_run_id: Optional[str]) -> Optional[str]:
+    def start(
+        self,
+        cfg,
+        topology,
+        info,
+        *,
+        applied: dict,
+        labels: "Labels",
+        facts: dict,
+        resumed_from: Optional[dict],
+        init_check: Optional[dict],
+        wandb_run_id: Optional[str],
+    ) -> Optional[str]:
         """The ranks are up: gather the environment (a collective: every rank calls it), open W&B and
         record the run as running (rank 0; the launcher recorded the config, ``labels`` and plan before).
         ``facts``: the step metrics' FLOPs and peaks, in the env.
@@ -63,13 +74,29 @@ class Recorder:
             return wandb_run_id
         if cfg.logger.wandb.mode != "disabled":
             overrides, choices = list(labels.overrides), dict(labels.choices)
-            self.wandb = WandbSink(cfg.logger.wandb, self.run_dir,
-                                   {**plain(cfg), "applied": applied, "topology": topology.as_dict(),
-                                    "env": env, "choices": choices, "overrides": overrides},
-                                   overrides, choices, run_id=wandb_run_id)  # a resumed run continues its W&B run
+            self.wandb = WandbSink(
+                cfg.logger.wandb,
+                self.run_dir,
+                {
+                    **plain(cfg),
+                    "applied": applied,
+                    "topology": topology.as_dict(),
+                    "env": env,
+                    "choices": choices,
+                    "overrides": overrides,
+                },
+                overrides,
+                choices,
+                run_id=wandb_run_id,
+            )  # a resumed run continues its W&B run
         wandb_run_id = self.wandb.run_id if self.wandb else None
-        self.record.running(applied=applied, env=env, wandb={"mode": cfg.logger.wandb.mode, "run_id": wandb_run_id},
-                            resumed_from=resumed_from, init_check=init_check)
+        self.record.running(
+            applied=applied,
+            env=env,
+            wandb={"mode": cfg.logger.wandb.mode, "run_id": wandb_run_id},
+            resumed_from=resumed_from,
+            init_check=init_check,
+        )
         return wandb_run_id
 
     # ------------------------------------------------------------------- during the run (rank 0)
@@ -115,8 +142,9 @@ class Recorder:
             return
         self.open = False
         files = sorted(p for folder in ("traces", "memory") for p in (self.run_dir / folder).glob("rank*_step*.*"))
-        self.record.ended(status, summary=summary, error=error,
-                          artifacts=[str(p.relative_to(self.run_dir)) for p in files])
+        self.record.ended(
+            status, summary=summary, error=error, artifacts=[str(p.relative_to(self.run_dir)) for p in files]
+        )
         self.jsonl.close()
         if self.wandb:
             if files:
@@ -163,8 +191,9 @@ def device_name(device: torch.device) -> str:
 
 def _git_commit() -> Optional[str]:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                             text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None

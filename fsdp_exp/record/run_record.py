@@ -38,12 +38,26 @@ class RunRecord:
         return record
 
     # ------------------------------------------------------------------------- the launcher's
-    def starting(self, *, config: dict, topology: dict, overrides: list, choices: dict,
-                 sweep: Optional[dict] = None, plan: Optional[dict] = None, data: Optional[dict] = None) -> dict:
+    def starting(
+        self,
+        *,
+        config: dict,
+        topology: dict,
+        overrides: list,
+        choices: dict,
+        sweep: Optional[dict] = None,
+        plan: Optional[dict] = None,
+        data: Optional[dict] = None,
+    ) -> dict:
         """Before any rank starts: what will run, the only time it is written (``plan``: the planner's
         prediction; ``data``: what preparing the data found)."""
-        fields = {"status": "starting", "config": config, "topology": topology, "overrides": overrides,
-                  "choices": choices}
+        fields = {
+            "status": "starting",
+            "config": config,
+            "topology": topology,
+            "overrides": overrides,
+            "choices": choices,
+        }
         if plan is not None:
             fields["plan"] = plan
         if sweep is not None:
@@ -78,8 +92,15 @@ class RunRecord:
         return self._write({"wandb": {**(self.read().get("wandb") or {}), "mode": mode, "run_id": run_id}})
 
     # --------------------------------------------------------------------------- rank 0's, in a run
-    def running(self, *, applied: dict, env: dict, wandb: dict, resumed_from: Optional[dict] = None,
-                init_check: Optional[dict] = None) -> dict:
+    def running(
+        self,
+        *,
+        applied: dict,
+        env: dict,
+        wandb: dict,
+        resumed_from: Optional[dict] = None,
+        init_check: Optional[dict] = None,
+    ) -> dict:
         """The ranks are up and about to train: what they learnt (the config, topology and plan are the
         launcher's, written by ``starting``). A run resumed from a checkpoint (``resumed_from``) is no
         longer failed or interrupted; what the earlier attempt left is kept as its ``previous_attempt``."""
@@ -117,8 +138,14 @@ class RunRecord:
         """A signal stopped the run after every rank saved ``checkpoint``."""
         return self._write({"interrupted": {"signal": signal, "checkpoint": checkpoint}})
 
-    def ended(self, status: str, *, summary: Optional[dict] = None, error: Optional[str] = None,
-              artifacts: Optional[list[str]] = None) -> dict:
+    def ended(
+        self,
+        status: str,
+        *,
+        summary: Optional[dict] = None,
+        error: Optional[str] = None,
+        artifacts: Optional[list[str]] = None,
+    ) -> dict:
         """Rank 0 closes the run: its status, the summary, rank 0's error (``error``) and the files of
         its sampled steps. Under torchrun / SLURM the rank whose error is its own records it first
         (fsdp_exp/launch.py); rank 0 usually fails only on its vanished peer and must not overwrite that."""

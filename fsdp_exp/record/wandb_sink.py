@@ -52,8 +52,15 @@ def configuration_job_type(config: dict) -> Optional[str]:
 class WandbSink:
     """One W&B run per experiment, opened by rank 0 in the run directory (offline by default)."""
 
-    def __init__(self, wandb_cfg, run_dir: Path, config: dict, overrides: list[str], choices: dict[str, str],
-                 run_id: Optional[str] = None):
+    def __init__(
+        self,
+        wandb_cfg,
+        run_dir: Path,
+        config: dict,
+        overrides: list[str],
+        choices: dict[str, str],
+        run_id: Optional[str] = None,
+    ):
         import wandb
 
         self.wandb = wandb
@@ -68,7 +75,8 @@ class WandbSink:
             name=wandb_cfg.name or run_name(overrides),
             # Repeats of one configuration (trainer.repeat=0,1,2) share a job type: W&B groups them by it.
             job_type=configuration_job_type(config),
-            tags=run_tags(choices, wandb_cfg.tags) + [f"repeat:{identity.repeat_index(config)}"]
+            tags=run_tags(choices, wandb_cfg.tags)
+            + [f"repeat:{identity.repeat_index(config)}"]
             + ([f"arch:{config['env']['architecture']}"] if (config.get("env") or {}).get("architecture") else []),
             config=json_safe(config),
             dir=str(run_dir),
@@ -95,8 +103,11 @@ class WandbSink:
             call()
         except Exception as exc:  # noqa: BLE001 - any W&B failure: stop using it
             self.error = f"{what}: {type(exc).__name__}: {exc}"
-            print(f"fsdp_exp: W&B stopped working ({self.error}); the run goes on without it, its metrics "
-                  f"stay in metrics.jsonl", file=sys.stderr)
+            print(
+                f"fsdp_exp: W&B stopped working ({self.error}); the run goes on without it, its metrics "
+                f"stay in metrics.jsonl",
+                file=sys.stderr,
+            )
 
     def log(self, metrics: dict) -> None:
         # ``step`` is also in the row: it is the step_metric of every per-step metric (define_metrics).
@@ -109,9 +120,12 @@ class WandbSink:
     def log_files(self, files: list[Path], run_dir: Path) -> None:
         """The run's profiler traces and memory snapshots (every rank's: all in the shared run directory
         by the time rank 0 closes) as one W&B artifact, named by their paths in the run directory."""
-        artifact = self.wandb.Artifact(f"profile-{self.run_id}", type="profile",
-                                       description="torch.profiler chrome traces (traces/) and CUDA memory "
-                                                   "snapshots (memory/) of the sampled steps, every rank")
+        artifact = self.wandb.Artifact(
+            f"profile-{self.run_id}",
+            type="profile",
+            description="torch.profiler chrome traces (traces/) and CUDA memory "
+            "snapshots (memory/) of the sampled steps, every rank",
+        )
         for path in files:
             artifact.add_file(str(path), name=str(Path(path).relative_to(run_dir)))
         self._guarded("log_artifact", lambda: self.run.log_artifact(artifact))
@@ -120,8 +134,15 @@ class WandbSink:
         self._guarded("finish", lambda: self.run.finish(exit_code=exit_code))
 
 
-def note_failure_in_wandb(wandb_cfg, run_dir: Path, config: dict, overrides: list[str], choices: dict[str, str],
-                          run_id: Optional[str], error: dict) -> Optional[str]:
+def note_failure_in_wandb(
+    wandb_cfg,
+    run_dir: Path,
+    config: dict,
+    overrides: list[str],
+    choices: dict[str, str],
+    run_id: Optional[str],
+    error: dict,
+) -> Optional[str]:
     """Put a failed run's error into W&B: into the run rank 0 opened (continued by id), or into a new run
     when the job failed before any rank started (an invalid combination in a sweep). Returns its id."""
     sink = WandbSink(wandb_cfg, run_dir, config, overrides, choices, run_id=run_id)

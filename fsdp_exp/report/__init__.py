@@ -17,6 +17,22 @@ from fsdp_exp.report.load import NoRuns, Run, find_run_dirs, load_runs, read_run
 from fsdp_exp.report.plots import plot_report, plotted_intervals, plotted_point_count, png_bytes
 from fsdp_exp.report.table import METRICS, Report, Row, build_report, print_report
 
-__all__ = ["METRICS", "NoRuns", "Report", "Row", "Run", "build_report", "configuration_key", "find_duplicates",
-           "find_run_dirs", "load_runs", "plot_report", "plotted_intervals", "plotted_point_count", "png_bytes",
-           "print_report", "read_run", "settings_key"]
+__all__ = [
+    "METRICS",
+    "NoRuns",
+    "Report",
+    "Row",
+    "Run",
+    "build_report",
+    "configuration_key",
+    "find_duplicates",
+    "find_run_dirs",
+    "load_runs",
+    "plot_report",
+    "plotted_intervals",
+    "plotted_point_count",
+    "png_bytes",
+    "print_report",
+    "read_run",
+    "settings_key",
+]

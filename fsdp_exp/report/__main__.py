@@ -41,20 +41,35 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_exp.report",
         description="Rank fsdp_exp runs by throughput, flag duplicates, list failures; write report.png, "
-                    "report.html, report.json and report.csv.")
+        "report.html, report.json and report.csv.",
+    )
     parser.add_argument("paths", nargs="*", help="a sweep folder (outputs/sweeps/<time>) or run folders")
-    parser.add_argument("--out", help="where the report files go (default: the folder given, or the runs' "
-                                      "common parent)")
-    parser.add_argument("--metric", choices=list(METRICS), default="tokens_per_s",
-                        help="what ranks the runs and goes on the plots' y axis (default: tokens_per_s)")
-    parser.add_argument("--wandb", metavar="ENTITY/PROJECT[/GROUP]",
-                        help="read the runs from W&B instead (needs network and `wandb login`); requires --out")
+    parser.add_argument(
+        "--out", help="where the report files go (default: the folder given, or the runs' common parent)"
+    )
+    parser.add_argument(
+        "--metric",
+        choices=list(METRICS),
+        default="tokens_per_s",
+        help="what ranks the runs and goes on the plots' y axis (default: tokens_per_s)",
+    )
+    parser.add_argument(
+        "--wandb",
+        metavar="ENTITY/PROJECT[/GROUP]",
+        help="read the runs from W&B instead (needs network and `wandb login`); requires --out",
+    )
     parser.add_argument("--no-files", action="store_true", help="print the table only")
-    parser.add_argument("--wandb-workspace", nargs="?", const="", metavar="ENTITY/PROJECT",
-                        help="also build a W&B workspace comparing the sweep's runs (its W&B group) and save it "
-                             "(default entity/project: the runs'); offline, write its spec to the report folder")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="with --wandb-workspace: write the workspace spec, do not save it in W&B")
+    parser.add_argument(
+        "--wandb-workspace",
+        nargs="?",
+        const="",
+        metavar="ENTITY/PROJECT",
+        help="also build a W&B workspace comparing the sweep's runs (its W&B group) and save it "
+        "(default entity/project: the runs'); offline, write its spec to the report folder",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="with --wandb-workspace: write the workspace spec, do not save it in W&B"
+    )
     args = parser.parse_args(argv)
     if args.dry_run and args.wandb_workspace is None:
         parser.error("--dry-run goes with --wandb-workspace")
@@ -119,8 +134,12 @@ def wandb_workspace(runs, args: argparse.Namespace, console) -> int:
         except Exception as err:  # noqa: BLE001 - not logged in, no such entity, a server error: say it, keep the spec
             why = f"saving it failed: {type(err).__name__}: {err}"
     upload = f"python -m fsdp_exp.sync {' '.join(args.paths)}\n  " if args.paths else ""
-    console.print(f"wrote the W&B workspace spec {spec} (not saved: {why}); once online, upload the runs and "
-                  f"publish it:\n  {upload}{workspaces.publish_command(spec)}", markup=False, highlight=False)
+    console.print(
+        f"wrote the W&B workspace spec {spec} (not saved: {why}); once online, upload the runs and "
+        f"publish it:\n  {upload}{workspaces.publish_command(spec)}",
+        markup=False,
+        highlight=False,
+    )
     return 0
 
 

@@ -12,8 +12,17 @@ import json
 from datetime import datetime, timezone
 from html import escape
 
-from fsdp_exp.report.table import (METRICS, Report, caption, fmt_metric, repeat_cells, repeat_columns, repeated,
-                                   table_cells, table_columns)
+from fsdp_exp.report.table import (
+    METRICS,
+    Report,
+    caption,
+    fmt_metric,
+    repeat_cells,
+    repeat_columns,
+    repeated,
+    table_cells,
+    table_columns,
+)
 
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
@@ -27,22 +36,33 @@ img { max-width: 100%; }
 code { background: #f3f3f3; padding: 0 0.2em; }
 """
 
-_TEXT_COLUMNS = {"run", "peak from", "status", "same as", "error", "group", "option", "folder", "configuration",
-                 "interval over", "vs #1"}
+_TEXT_COLUMNS = {
+    "run",
+    "peak from",
+    "status",
+    "same as",
+    "error",
+    "group",
+    "option",
+    "folder",
+    "configuration",
+    "interval over",
+    "vs #1",
+}
 
 
 def _cls(column: str) -> str:
     return ' class="text"' if column in _TEXT_COLUMNS else ""
 
 
-def _table(columns: list[str], rows: list[list[str]], row_classes: list[str] | None = None,
-           table_id: str = "") -> str:
+def _table(columns: list[str], rows: list[list[str]], row_classes: list[str] | None = None, table_id: str = "") -> str:
     head = "".join(f"<th{_cls(c)}>{escape(c)}</th>" for c in columns)
     body = []
     for index, cells in enumerate(rows):
         cls = f' class="{row_classes[index]}"' if row_classes and row_classes[index] else ""
-        body.append(f"<tr{cls}>" + "".join(
-            f"<td{_cls(c)}>{escape(str(v))}</td>" for c, v in zip(columns, cells)) + "</tr>")
+        body.append(
+            f"<tr{cls}>" + "".join(f"<td{_cls(c)}>{escape(str(v))}</td>" for c, v in zip(columns, cells)) + "</tr>"
+        )
     ident = f' id="{table_id}"' if table_id else ""
     return f"<table{ident}><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
@@ -55,34 +75,64 @@ def render_html(report: Report, png: bytes) -> str:
         f'<img alt="{escape(header)} vs peak memory per rank" src="data:image/png;base64,'
         f'{base64.b64encode(png).decode()}">',
         f"<h2>Ranked by {escape(header)}</h2>",
-        _table(table_columns(report), [table_cells(report, r) for r in report.ranked],
-               ["pareto" if r.pareto else "" for r in report.ranked], table_id="ranked"),
+        _table(
+            table_columns(report),
+            [table_cells(report, r) for r in report.ranked],
+            ["pareto" if r.pareto else "" for r in report.ranked],
+            table_id="ranked",
+        ),
         f'<p class="caption">{escape(caption(report))}</p>',
     ]
     runs = repeated(report)
     if runs:
-        sections += ["<h2>Runs of the configurations measured more than once</h2>",
-                     _table(repeat_columns(report) + ["folder"],
-                            [repeat_cells(report, r) + [r.path] for r in runs], table_id="repeats")]
+        sections += [
+            "<h2>Runs of the configurations measured more than once</h2>",
+            _table(
+                repeat_columns(report) + ["folder"],
+                [repeat_cells(report, r) + [r.path] for r in runs],
+                table_id="repeats",
+            ),
+        ]
     if report.duplicates:
-        sections += ["<h2>Same applied settings as a ranked run (counted once)</h2>",
-                     _table(["run", "same as", header, "folder"],
-                            [[r.label, r.duplicate_of, fmt_metric(report.metric, r.value(report.metric)), r.path]
-                             for r in report.duplicates], table_id="duplicates")]
+        sections += [
+            "<h2>Same applied settings as a ranked run (counted once)</h2>",
+            _table(
+                ["run", "same as", header, "folder"],
+                [
+                    [r.label, r.duplicate_of, fmt_metric(report.metric, r.value(report.metric)), r.path]
+                    for r in report.duplicates
+                ],
+                table_id="duplicates",
+            ),
+        ]
     if report.not_ranked:
-        sections += ["<h2>Not ranked: failed, interrupted or incomplete runs</h2>",
-                     _table(["run", "status", "error", "folder"],
-                            [[r.label, r.status, r.error or "", r.path] for r in report.not_ranked],
-                            table_id="not-ranked")]
+        sections += [
+            "<h2>Not ranked: failed, interrupted or incomplete runs</h2>",
+            _table(
+                ["run", "status", "error", "folder"],
+                [[r.label, r.status, r.error or "", r.path] for r in report.not_ranked],
+                table_id="not-ranked",
+            ),
+        ]
     if report.option_means:
-        sections += [f"<h2>Mean {escape(header)} by option</h2>",
-                     _table(["group", "option", "runs", header],
-                            [[key, o, n, fmt_metric(report.metric, m)]
-                             for key, options in report.option_means.items() for o, m, n in options],
-                            table_id="option-means")]
+        sections += [
+            f"<h2>Mean {escape(header)} by option</h2>",
+            _table(
+                ["group", "option", "runs", header],
+                [
+                    [key, o, n, fmt_metric(report.metric, m)]
+                    for key, options in report.option_means.items()
+                    for o, m, n in options
+                ],
+                table_id="option-means",
+            ),
+        ]
     # "</" inside a script element would end it early; JSON allows the escaped form.
     data = json.dumps(report.as_dict(), indent=1).replace("</", "<\\/")
     sections.append(f'<script type="application/json" id="report-data">\n{data}\n</script>')
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f"<title>fsdp_exp report</title><style>{STYLE}</style></head><body>\n"
-            + "\n".join(sections) + "\n</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>fsdp_exp report</title><style>{STYLE}</style></head><body>\n"
+        + "\n".join(sections)
+        + "\n</body></html>\n"
+    )

@@ -44,8 +44,9 @@ class Estimate:
         return self.low is not None and self.high is not None
 
 
-def bootstrap_median(values: Sequence[float], confidence: float = CONFIDENCE, resamples: int = RESAMPLES,
-                     seed: int = SEED) -> Optional[tuple[float, float]]:
+def bootstrap_median(
+    values: Sequence[float], confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int = SEED
+) -> Optional[tuple[float, float]]:
     """The percentile bootstrap interval of the median of ``values``; None for fewer than two values."""
     data = np.asarray(list(values), dtype=float)
     if data.size < 2:

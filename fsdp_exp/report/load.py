@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from fsdp_exp.record import METRICS_FILE, RUN_RECORD, run_name
+
 # Folders inside a run (or next to runs) that never hold a run of their own; not descending into them
 # keeps discovery fast on sweeps with W&B files and checkpoints.
 _NOT_RUNS = {"wandb", "checkpoints", "export", "errors", ".hydra", ".submitit", "__pycache__"}
@@ -212,6 +213,8 @@ def load_runs(paths: Iterable[str | Path]) -> list[Run]:
         for run_dir in find_run_dirs(path):
             seen.setdefault(run_dir.resolve(), None)
     if not seen:
-        raise NoRuns(f"no runs under {', '.join(map(str, paths))}: a run folder holds {RUN_RECORD} (written by "
-                     f"python -m fsdp_exp); pass a sweep folder (outputs/sweeps/<time>) or run folders")
+        raise NoRuns(
+            f"no runs under {', '.join(map(str, paths))}: a run folder holds {RUN_RECORD} (written by "
+            f"python -m fsdp_exp); pass a sweep folder (outputs/sweeps/<time>) or run folders"
+        )
     return [read_run(run_dir) for run_dir in seen]

@@ -61,12 +61,27 @@ def plot_report(report: Report) -> tuple[Figure, dict]:
     # The repeats sit on their configuration's error bar (same memory): grey with a white rim, above the bar
     # and under the configuration's marker.
     if repeats:
-        ax.scatter([r.peak_gib * scale for r in repeats], [r.value(report.metric) for r in repeats], marker="o",
-                   s=28, color="tab:gray", edgecolors="white", linewidths=0.8, zorder=2.8,
-                   label="one repeat (its run's median)")
+        ax.scatter(
+            [r.peak_gib * scale for r in repeats],
+            [r.value(report.metric) for r in repeats],
+            marker="o",
+            s=28,
+            color="tab:gray",
+            edgecolors="white",
+            linewidths=0.8,
+            zorder=2.8,
+            label="one repeat (its run's median)",
+        )
         for r in repeats:
-            data["points"].append({"kind": "repeat", "label": r.label, "configuration": r.repeat_of,
-                                   "peak": r.peak_gib * scale, "value": r.value(report.metric)})
+            data["points"].append(
+                {
+                    "kind": "repeat",
+                    "label": r.label,
+                    "configuration": r.repeat_of,
+                    "peak": r.peak_gib * scale,
+                    "value": r.value(report.metric),
+                }
+            )
     # One scatter call per (kind of peak, duplicate or not) so that each gets one legend entry.
     for source in MARKERS:
         for duplicate in (False, True):
@@ -74,22 +89,34 @@ def plot_report(report: Report) -> tuple[Figure, dict]:
             if not group:
                 continue
             what = f"peak from {source}" if source else "peak unknown"
-            ax.scatter([r.peak_gib * scale for r in group], [r.value(report.metric) for r in group],
-                       marker=MARKERS[source], s=60, zorder=3,
-                       facecolors="none" if duplicate else "tab:blue", edgecolors="tab:blue",
-                       label=f"{what}, same settings as a ranked run" if duplicate else what)
+            ax.scatter(
+                [r.peak_gib * scale for r in group],
+                [r.value(report.metric) for r in group],
+                marker=MARKERS[source],
+                s=60,
+                zorder=3,
+                facecolors="none" if duplicate else "tab:blue",
+                edgecolors="tab:blue",
+                label=f"{what}, same settings as a ranked run" if duplicate else what,
+            )
     # Error bars: the table's interval of each configuration; dashed where it only resamples one run's steps.
     for over, style in (("repeats", "-"), ("steps", "--")):
         group = [r for r in configurations if r.interval_over == over and r.ci_low is not None]
         if not group:
             continue
         values = [r.value(report.metric) for r in group]
-        bars = ax.errorbar([r.peak_gib * scale for r in group], values,
-                           yerr=[[v - r.ci_low for v, r in zip(values, group)],
-                                 [r.ci_high - v for v, r in zip(values, group)]],
-                           fmt="none", ecolor="tab:blue", elinewidth=1.2, capsize=4, zorder=2.5,
-                           label=f"{int(CONFIDENCE * 100)}% interval over "
-                                 + ("repeats" if over == "repeats" else "one run's steps (within-run only)"))
+        bars = ax.errorbar(
+            [r.peak_gib * scale for r in group],
+            values,
+            yerr=[[v - r.ci_low for v, r in zip(values, group)], [r.ci_high - v for v, r in zip(values, group)]],
+            fmt="none",
+            ecolor="tab:blue",
+            elinewidth=1.2,
+            capsize=4,
+            zorder=2.5,
+            label=f"{int(CONFIDENCE * 100)}% interval over "
+            + ("repeats" if over == "repeats" else "one run's steps (within-run only)"),
+        )
         bars[2][0].set_linestyle(style)
         bars[2][0].set_gid(f"interval-{over}")
     for r in configurations + duplicates:
@@ -101,38 +128,74 @@ def plot_report(report: Report) -> tuple[Figure, dict]:
         else:
             text = f"{r.label} (= {r.duplicate_of})" if named else f"=#{ranks.get(r.duplicate_of)}"
         ax.annotate(text, (x, y), xytext=(5, 5), textcoords="offset points", fontsize=8)
-        point = {"kind": "duplicate" if r.duplicate_of else "configuration", "label": r.label, "peak": x,
-                 "value": y, "peak_source": r.peak_source, "duplicate_of": r.duplicate_of, "pareto": r.pareto}
+        point = {
+            "kind": "duplicate" if r.duplicate_of else "configuration",
+            "label": r.label,
+            "peak": x,
+            "value": y,
+            "peak_source": r.peak_source,
+            "duplicate_of": r.duplicate_of,
+            "pareto": r.pareto,
+        }
         if r.duplicate_of is None:
-            point.update(interval=None if r.ci_low is None else [r.ci_low, r.ci_high],
-                         interval_over=r.interval_over, repeats=r.repeat_count, tied_with_best=r.tied_with_best,
-                         pareto_tied=r.pareto_tied)
+            point.update(
+                interval=None if r.ci_low is None else [r.ci_low, r.ci_high],
+                interval_over=r.interval_over,
+                repeats=r.repeat_count,
+                tied_with_best=r.tied_with_best,
+                pareto_tied=r.pareto_tied,
+            )
         data["points"].append(point)
 
     front = sorted((r for r in report.ranked if r.pareto), key=lambda r: r.peak_gib)
     if front:
         # A staircase: with memory up to the next front run's, the best throughput on offer is this run's.
-        ax.plot([r.peak_gib * scale for r in front], [r.value(report.metric) for r in front], "--", color="tab:red",
-                drawstyle="steps-post", marker="o", markersize=11, markerfacecolor="none", zorder=2,
-                label="Pareto front of the medians (higher throughput, lower memory)")
+        ax.plot(
+            [r.peak_gib * scale for r in front],
+            [r.value(report.metric) for r in front],
+            "--",
+            color="tab:red",
+            drawstyle="steps-post",
+            marker="o",
+            markersize=11,
+            markerfacecolor="none",
+            zorder=2,
+            label="Pareto front of the medians (higher throughput, lower memory)",
+        )
         data["front"] = [r.label for r in front]
     front_ties = [r for r in configurations if r.pareto_tied]
     if front_ties:
-        ax.scatter([r.peak_gib * scale for r in front_ties], [r.value(report.metric) for r in front_ties],
-                   marker="o", s=150, facecolors="none", edgecolors="tab:red", linestyles=":", zorder=2,
-                   label="off the front, tied with what beats it").set_gid("front-ties")
+        ax.scatter(
+            [r.peak_gib * scale for r in front_ties],
+            [r.value(report.metric) for r in front_ties],
+            marker="o",
+            s=150,
+            facecolors="none",
+            edgecolors="tab:red",
+            linestyles=":",
+            zorder=2,
+            label="off the front, tied with what beats it",
+        ).set_gid("front-ties")
         data["front_tied"] = [r.label for r in front_ties]
     if configurations or duplicates:
         ax.legend(loc="best", fontsize=8)
         ax.margins(0.15)
     else:
-        ax.text(0.5, 0.5, f"no completed run with a measured {header} and peak memory", ha="center",
-                va="center", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5,
+            f"no completed run with a measured {header} and peak memory",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+        )
     ax.set_xlabel(f"peak memory per rank ({unit}, max over ranks)")
     ax.set_ylabel(f"{header}: median over repeats of run medians")
     runs = len(report.completed) - len(report.duplicates)
-    ax.set_title(f"{header} vs peak memory per rank: {len(configurations)} configurations from {runs} runs, "
-                 f"{int(CONFIDENCE * 100)}% intervals")
+    ax.set_title(
+        f"{header} vs peak memory per rank: {len(configurations)} configurations from {runs} runs, "
+        f"{int(CONFIDENCE * 100)}% intervals"
+    )
     ax.grid(True, alpha=0.3)
 
     for index, key in enumerate(bar_keys):
@@ -140,10 +203,12 @@ def plot_report(report: Report) -> tuple[Figure, dict]:
         options = report.option_means[key]
         positions = range(len(options))
         bars = bar_ax.bar(positions, [mean for _, mean, _ in options], color="tab:blue")
-        bar_ax.bar_label(bars, labels=[f"{fmt_metric(report.metric, m)}\n{n} run{'s' * (n > 1)}"
-                                       for _, m, n in options], fontsize=7)
-        bar_ax.set_xticks(list(positions), [o for o, _, _ in options], rotation=20 if len(options) > 3 else 0,
-                          fontsize=8)
+        bar_ax.bar_label(
+            bars, labels=[f"{fmt_metric(report.metric, m)}\n{n} run{'s' * (n > 1)}" for _, m, n in options], fontsize=7
+        )
+        bar_ax.set_xticks(
+            list(positions), [o for o, _, _ in options], rotation=20 if len(options) > 3 else 0, fontsize=8
+        )
         bar_ax.set_title(f"{key}: mean {header}", fontsize=9)
         bar_ax.margins(y=0.25)
         data["bars"][key] = [{"option": o, "mean": m, "runs": n} for o, m, n in options]
@@ -160,8 +225,9 @@ def plotted_point_count(fig: Figure) -> int:
     """Markers on the scatter: configurations, duplicates and single repeats (not the Pareto rings, not the
     error bars): what a reader sees as points."""
     ax = next(a for a in fig.axes if a.get_gid() == "scatter")
-    return sum(len(c.get_offsets()) for c in ax.collections
-               if isinstance(c, PathCollection) and c.get_gid() != "front-ties")
+    return sum(
+        len(c.get_offsets()) for c in ax.collections if isinstance(c, PathCollection) and c.get_gid() != "front-ties"
+    )
 
 
 def plotted_intervals(fig: Figure) -> list[tuple[float, float, float]]:
@@ -170,6 +236,8 @@ def plotted_intervals(fig: Figure) -> list[tuple[float, float, float]]:
     bars = []
     for collection in ax.collections:
         if isinstance(collection, LineCollection) and str(collection.get_gid()).startswith("interval-"):
-            bars += [(float(seg[0][0]), float(min(seg[0][1], seg[1][1])), float(max(seg[0][1], seg[1][1])))
-                     for seg in collection.get_segments()]
+            bars += [
+                (float(seg[0][0]), float(min(seg[0][1], seg[1][1])), float(max(seg[0][1], seg[1][1])))
+                for seg in collection.get_segments()
+            ]
     return bars

@@ -44,9 +44,14 @@ def measured_step_values(run: Run, step_key: str) -> tuple[Optional[list[float]]
     warmup = run.config_value("trainer.warmup_steps")
     if not isinstance(warmup, int):
         return None, "the record has no trainer.warmup_steps"
-    values = [row[step_key] for row in run.rows
-              if isinstance(row.get("step"), int) and row["step"] > warmup and "comm/total_s" not in row
-              and isinstance(row.get(step_key), (int, float))]
+    values = [
+        row[step_key]
+        for row in run.rows
+        if isinstance(row.get("step"), int)
+        and row["step"] > warmup
+        and "comm/total_s" not in row
+        and isinstance(row.get(step_key), (int, float))
+    ]
     expected = run.summary.get("summary/steps_measured")
     if isinstance(expected, int) and len(values) != expected:
         return None, f"metrics.jsonl has {len(values)} of the {expected} measured steps"

@@ -37,19 +37,23 @@ class RankMetric:
 # What ranks the runs (--metric); all are higher-is-better medians over the measured steps.
 METRICS = {
     "tokens_per_s": RankMetric("summary/tokens_per_s_median", "tokens/s", "perf/tokens_per_s"),
-    "tokens_per_s_per_rank": RankMetric("summary/tokens_per_s_per_rank_median", "tokens/s/rank",
-                                        "perf/tokens_per_s_per_rank"),
+    "tokens_per_s_per_rank": RankMetric(
+        "summary/tokens_per_s_per_rank_median", "tokens/s/rank", "perf/tokens_per_s_per_rank"
+    ),
     "tflops_per_rank": RankMetric("summary/tflops_per_rank_median", "TFLOPS/rank", "perf/tflops_per_rank"),
     "mfu": RankMetric("summary/mfu_median", "MFU", "perf/mfu"),
 }
 
 # How the ranked rows' intervals are made (report.json "interval"; fsdp_exp.report.intervals).
 INTERVAL_METHOD = {
-    "confidence": CONFIDENCE, "of": "the median over repeats of each run's median over its measured steps",
+    "confidence": CONFIDENCE,
+    "of": "the median over repeats of each run's median over its measured steps",
     "method": f"percentile bootstrap, {RESAMPLES} resamples, seed {SEED}",
-    "over": {"repeats": "the runs' medians, resampled: run-to-run variation on the machine that ran them",
-             "steps": "a configuration measured once: its measured steps, resampled; within-run jitter only, "
-                      "narrower than run-to-run variation"},
+    "over": {
+        "repeats": "the runs' medians, resampled: run-to-run variation on the machine that ran them",
+        "steps": "a configuration measured once: its measured steps, resampled; within-run jitter only, "
+        "narrower than run-to-run variation",
+    },
     "not_covered": "what every run shares (machine, software, seed, data) and drift that lasts the whole sweep",
     "tied_with_best": "the interval overlaps the best configuration's",
     "pareto_tied": "off the Pareto front of medians, but tied with every configuration that beats it",
@@ -134,8 +138,9 @@ class Report:
             "ranked": [asdict(r) for r in self.ranked],
             "duplicates": [asdict(r) for r in self.duplicates],
             "not_ranked": [asdict(r) for r in self.not_ranked],
-            "option_means": {k: [{"option": o, "mean": m, "runs": n} for o, m, n in v]
-                             for k, v in self.option_means.items()},
+            "option_means": {
+                k: [{"option": o, "mean": m, "runs": n} for o, m, n in v] for k, v in self.option_means.items()
+            },
         }
 
 
@@ -168,20 +173,29 @@ def _row(run: Run, label: str) -> Row:
     peak, source = measured_peak(run)
     world = run.topology.get("world_size") or run.env.get("world_size")
     steps = s.get("summary/steps_measured")
-    return Row(label=label, status=run.status, path=run.path, overrides=run.overrides, choices=run.choices,
-               tokens_per_s=_number(s.get("summary/tokens_per_s_median")),
-               tokens_per_s_per_rank=_number(s.get("summary/tokens_per_s_per_rank_median")),
-               tflops_per_rank=_number(s.get("summary/tflops_per_rank_median")),
-               mfu=_number(s.get("summary/mfu_median")),
-               step_time_s=_number(s.get("summary/step_time_s_median")),
-               steps_measured=int(steps) if isinstance(steps, (int, float)) else None,
-               peak_gib=peak, peak_source=source, predicted_peak_gib=predicted_peak(run),
-               final_loss=_number(s.get("summary/final_loss")),
-               world_size=int(world) if isinstance(world, int) else None,
-               tokens_per_s_p10=_number(s.get("summary/tokens_per_s_p10")),
-               tokens_per_s_p90=_number(s.get("summary/tokens_per_s_p90")),
-               repeat=repeat_index(run.config) if run.config else None, config_id=configuration_id(run),
-               flops_convention=run.env.get("flops_convention"))
+    return Row(
+        label=label,
+        status=run.status,
+        path=run.path,
+        overrides=run.overrides,
+        choices=run.choices,
+        tokens_per_s=_number(s.get("summary/tokens_per_s_median")),
+        tokens_per_s_per_rank=_number(s.get("summary/tokens_per_s_per_rank_median")),
+        tflops_per_rank=_number(s.get("summary/tflops_per_rank_median")),
+        mfu=_number(s.get("summary/mfu_median")),
+        step_time_s=_number(s.get("summary/step_time_s_median")),
+        steps_measured=int(steps) if isinstance(steps, (int, float)) else None,
+        peak_gib=peak,
+        peak_source=source,
+        predicted_peak_gib=predicted_peak(run),
+        final_loss=_number(s.get("summary/final_loss")),
+        world_size=int(world) if isinstance(world, int) else None,
+        tokens_per_s_p10=_number(s.get("summary/tokens_per_s_p10")),
+        tokens_per_s_p90=_number(s.get("summary/tokens_per_s_p90")),
+        repeat=repeat_index(run.config) if run.config else None,
+        config_id=configuration_id(run),
+        flops_convention=run.env.get("flops_convention"),
+    )
 
 
 def _why_not_ranked(run: Run, row: Row, metric: str) -> str:
@@ -229,8 +243,10 @@ def labels(runs: list[Run], common: list[str], configuration: bool = False) -> l
         else:
             names.append(run.label)
     clashes = {n for n in names if names.count(n) > 1}
-    return [f"{n} [{run.name or run.path.rstrip('/').rsplit('/', 1)[-1]}]" if n in clashes else n
-            for n, run in zip(names, runs)]
+    return [
+        f"{n} [{run.name or run.path.rstrip('/').rsplit('/', 1)[-1]}]" if n in clashes else n
+        for n, run in zip(names, runs)
+    ]
 
 
 def option_values(runs: list[Run]) -> dict[str, list[Optional[str]]]:
@@ -280,8 +296,11 @@ def option_means(runs: list[Run], rows: list[Row], metric: str) -> dict[str, lis
 
 def dominates(o: Row, r: Row, metric: str) -> bool:
     """``o`` is at least as fast and as small as ``r``, and better on one count."""
-    return o.value(metric) >= r.value(metric) and o.peak_gib <= r.peak_gib \
+    return (
+        o.value(metric) >= r.value(metric)
+        and o.peak_gib <= r.peak_gib
         and (o.value(metric) > r.value(metric) or o.peak_gib < r.peak_gib)
+    )
 
 
 def pareto_front(rows: list[Row], metric: str) -> list[Row]:
@@ -318,19 +337,33 @@ def configuration_row(label: str, members: list[tuple[Run, Row]], metric: str) -
     note = f"one run, and {why}" if why else found.note
     single = len(runs) == 1
     measured = [r.steps_measured for r in runs]
-    row = Row(label=label, status="completed", path=first.path, overrides=without_repeat(first.overrides),
-              choices=first.choices,
-              **{m: _median([r.value(m) for r in runs]) for m in METRICS},
-              step_time_s=_median([r.step_time_s for r in runs]),
-              steps_measured=sum(measured) if None not in measured else None,
-              peak_gib=_median([r.peak_gib for r in runs]), peak_source=first.peak_source,
-              predicted_peak_gib=first.predicted_peak_gib, final_loss=_median([r.final_loss for r in runs]),
-              world_size=first.world_size, duplicates=[d for r in runs for d in r.duplicates],
-              tokens_per_s_p10=first.tokens_per_s_p10 if single else None,
-              tokens_per_s_p90=first.tokens_per_s_p90 if single else None,
-              repeat=first.repeat if single else None, config_id=first.config_id, repeat_count=len(runs),
-              flops_convention=first.flops_convention,
-              ci_low=found.low, ci_high=found.high, interval_over=found.over, interval_note=note, repeats=runs)
+    row = Row(
+        label=label,
+        status="completed",
+        path=first.path,
+        overrides=without_repeat(first.overrides),
+        choices=first.choices,
+        **{m: _median([r.value(m) for r in runs]) for m in METRICS},
+        step_time_s=_median([r.step_time_s for r in runs]),
+        steps_measured=sum(measured) if None not in measured else None,
+        peak_gib=_median([r.peak_gib for r in runs]),
+        peak_source=first.peak_source,
+        predicted_peak_gib=first.predicted_peak_gib,
+        final_loss=_median([r.final_loss for r in runs]),
+        world_size=first.world_size,
+        duplicates=[d for r in runs for d in r.duplicates],
+        tokens_per_s_p10=first.tokens_per_s_p10 if single else None,
+        tokens_per_s_p90=first.tokens_per_s_p90 if single else None,
+        repeat=first.repeat if single else None,
+        config_id=first.config_id,
+        repeat_count=len(runs),
+        flops_convention=first.flops_convention,
+        ci_low=found.low,
+        ci_high=found.high,
+        interval_over=found.over,
+        interval_note=note,
+        repeats=runs,
+    )
     return row, found
 
 
@@ -340,8 +373,9 @@ def build_report(runs: list[Run], metric: str = "tokens_per_s", sources: Optiona
     common = common_overrides(runs)
     names = labels(runs, common)
     rows = [_row(run, name) for run, name in zip(runs, names)]
-    usable = [i for i, (run, row) in enumerate(zip(runs, rows))
-              if run.status == "completed" and row.value(metric) is not None]
+    usable = [
+        i for i, (run, row) in enumerate(zip(runs, rows)) if run.status == "completed" and row.value(metric) is not None
+    ]
     not_ranked = []
     for i, (run, row) in enumerate(zip(runs, rows)):
         if i not in usable:
@@ -376,9 +410,15 @@ def build_report(runs: list[Run], metric: str = "tokens_per_s", sources: Optiona
     for row in pareto_ties(ranked, metric, estimates):
         row.pareto_tied = True
     completed_runs = [runs[i] for i in usable]
-    return Report(sources=sources or [], metric=metric, ranked=ranked, duplicates=duplicates,
-                  not_ranked=not_ranked, common_overrides=[o for o in common if not _excluded(o)],
-                  option_means=option_means(completed_runs, [rows[i] for i in usable], metric))
+    return Report(
+        sources=sources or [],
+        metric=metric,
+        ranked=ranked,
+        duplicates=duplicates,
+        not_ranked=not_ranked,
+        common_overrides=[o for o in common if not _excluded(o)],
+        option_means=option_means(completed_runs, [rows[i] for i in usable], metric),
+    )
 
 
 # ------------------------------------------------------------------------------------ formatting
@@ -453,18 +493,25 @@ def table_cells(report: Report, row: Row) -> list[str]:
         cells.append(fmt_metric(m, row.value(m)))
         if m == report.metric:
             cells += [fmt_interval(m, row), fmt_over(row), fmt_vs_best(row)]
-    return cells + [fmt_gib(row.peak_gib), row.peak_source or "n/a", fmt_gib(row.predicted_peak_gib),
-                    fmt_number(row.final_loss), status]
+    return cells + [
+        fmt_gib(row.peak_gib),
+        row.peak_source or "n/a",
+        fmt_gib(row.predicted_peak_gib),
+        fmt_number(row.final_loss),
+        status,
+    ]
 
 
 def caption(report: Report) -> str:
     header = METRICS[report.metric].header
-    parts = [f"ranked by {header}: per configuration, the median over its repeats (trainer.repeat) of each run's "
-             f"median over its measured steps",
-             f"{int(CONFIDENCE * 100)}% interval of that median: bootstrap over the repeats' medians, or over the "
-             f"steps of a configuration measured once (narrower: it misses run-to-run variation)",
-             "vs #1: tied = the interval overlaps #1's; * = Pareto front of the medians (no other configuration is "
-             "both faster and smaller); ~ = off it, but tied with every configuration that beats it"]
+    parts = [
+        f"ranked by {header}: per configuration, the median over its repeats (trainer.repeat) of each run's "
+        f"median over its measured steps",
+        f"{int(CONFIDENCE * 100)}% interval of that median: bootstrap over the repeats' medians, or over the "
+        f"steps of a configuration measured once (narrower: it misses run-to-run variation)",
+        "vs #1: tied = the interval overlaps #1's; * = Pareto front of the medians (no other configuration is "
+        "both faster and smaller); ~ = off it, but tied with every configuration that beats it",
+    ]
     if report.common_overrides:
         parts.append("all runs: " + " ".join(report.common_overrides))
     sources = {r.peak_source for r in report.ranked if r.peak_source}
@@ -479,8 +526,10 @@ def mfu_note(rows: list[Row]) -> str:
 
     used = sorted({r.flops_convention or DEFAULT_CONVENTION for r in rows})
     if len(used) > 1:
-        return (f"MFU counts FLOPs by different conventions here ({', '.join(used)}: docs/metrics.md): not "
-                "comparable across them; compare tokens/s")
+        return (
+            f"MFU counts FLOPs by different conventions here ({', '.join(used)}: docs/metrics.md): not "
+            "comparable across them; compare tokens/s"
+        )
     return f"MFU counts FLOPs by the {used[0] if used else DEFAULT_CONVENTION} convention (docs/metrics.md)"
 
 
@@ -494,11 +543,19 @@ def repeat_columns(report: Report) -> list[str]:
 
 
 def repeat_cells(report: Report, run: Row) -> list[str]:
-    spread = "n/a" if run.tokens_per_s_p10 is None or run.tokens_per_s_p90 is None else \
-        f"{fmt_metric('tokens_per_s', run.tokens_per_s_p10)} – {fmt_metric('tokens_per_s', run.tokens_per_s_p90)}"
-    return [run.repeat_of or "", "n/a" if run.repeat is None else str(run.repeat),
-            fmt_metric(report.metric, run.value(report.metric)), spread,
-            "n/a" if run.steps_measured is None else str(run.steps_measured), run.label]
+    spread = (
+        "n/a"
+        if run.tokens_per_s_p10 is None or run.tokens_per_s_p90 is None
+        else f"{fmt_metric('tokens_per_s', run.tokens_per_s_p10)} – {fmt_metric('tokens_per_s', run.tokens_per_s_p90)}"
+    )
+    return [
+        run.repeat_of or "",
+        "n/a" if run.repeat is None else str(run.repeat),
+        fmt_metric(report.metric, run.value(report.metric)),
+        spread,
+        "n/a" if run.steps_measured is None else str(run.steps_measured),
+        run.label,
+    ]
 
 
 def print_report(report: Report, console=None) -> None:
@@ -521,14 +578,20 @@ def print_report(report: Report, console=None) -> None:
         # Printed apart from the tables: rich wraps a title to its table's width, and these are short tables.
         console.print(f"[bold]{text}[/bold]", highlight=False)
 
-    heading(f"fsdp_exp report: {len(report.ranked)} configurations ranked, from {len(report.completed)} completed "
-            f"of {total} runs ({escape(', '.join(report.sources))})")
+    heading(
+        f"fsdp_exp report: {len(report.ranked)} configurations ranked, from {len(report.completed)} completed "
+        f"of {total} runs ({escape(', '.join(report.sources))})"
+    )
     # collapse_padding: two spaces between columns, not three; the ranked table has many of them.
     table = Table(caption=Text(caption(report)), caption_justify="left", box=box.SIMPLE_HEAD, collapse_padding=True)
     for column in table_columns(report):
         # Only the label folds: a number, an interval or a status split over two lines reads as two values.
-        table.add_column(column, justify="left" if column in ("run", "peak from", "status") else "right",
-                         overflow="fold", no_wrap=column != "run")
+        table.add_column(
+            column,
+            justify="left" if column in ("run", "peak from", "status") else "right",
+            overflow="fold",
+            no_wrap=column != "run",
+        )
     for row in report.ranked:
         table.add_row(*cells(*table_cells(report, row)))
     console.print(table)
@@ -538,8 +601,7 @@ def print_report(report: Report, console=None) -> None:
         heading("Runs of the configurations measured more than once (the repeats the medians and intervals use)")
         each = Table(box=box.SIMPLE_HEAD)
         for column in repeat_columns(report):
-            each.add_column(column, justify="left" if column in ("configuration", "run") else "right",
-                            overflow="fold")
+            each.add_column(column, justify="left" if column in ("configuration", "run") else "right", overflow="fold")
         for run in runs:
             each.add_row(*cells(*repeat_cells(report, run)))
         console.print(each)

@@ -45,8 +45,13 @@ def _to_run(api_run) -> Run:
         record["error"] = f"W&B state '{state}' (the traceback is in the run's errors/rank<N>.txt, not in W&B)"
     # The summary doubles as the run's only row: each metric's last logged value.
     row = {k: _summary_value(v) for k, v in summary_metrics.items() if k.startswith("mem/")}
-    return Run(path=str(api_run.url), record=record, rows=[row] if row else [], source="wandb",
-               name=str(api_run.name or api_run.id))
+    return Run(
+        path=str(api_run.url),
+        record=record,
+        rows=[row] if row else [],
+        source="wandb",
+        name=str(api_run.name or api_run.id),
+    )
 
 
 def load_wandb(path: str) -> list[Run]:
@@ -60,8 +65,10 @@ def load_wandb(path: str) -> list[Run]:
     try:
         api_runs = list(wandb.Api().runs("/".join(parts[:2]), filters=filters, order="+created_at", lazy=False))
     except Exception as err:  # no network, no API key, no such project: wandb raises several kinds
-        raise NoRuns(f"could not read W&B project {'/'.join(parts[:2])}: {err} (log in with `wandb login`, "
-                     f"or pass the runs' folders instead)") from err
+        raise NoRuns(
+            f"could not read W&B project {'/'.join(parts[:2])}: {err} (log in with `wandb login`, "
+            f"or pass the runs' folders instead)"
+        ) from err
     if not api_runs:
         raise NoRuns(f"no runs in W&B {path}" + (" (is the group name right?)" if filters else ""))
     return [_to_run(r) for r in api_runs]

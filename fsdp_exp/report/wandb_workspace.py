@@ -38,8 +38,18 @@ TOKENS, TOKENS_P10, TOKENS_P90 = "summary/tokens_per_s_median", "summary/tokens_
 COMPARED = (TOKENS, "summary/mfu_median", "summary/peak_gib")
 # The tracked kinds a phase's bar chart splits its peak into (the parts that add up; fsdp_exp.metrics.schema).
 PHASE_KINDS = ("params", "grads", "optim_state", "activations", "temp", "comm_buffers", "buffers", "inputs", "other")
-TABLE_SUMMARY = (TOKENS, TOKENS_P10, TOKENS_P90, "summary/mfu_median", "summary/step_time_s_median", "summary/peak_gib",
-                 "summary/peak_source", "summary/model_states_gib_max", "summary/final_loss", "summary/steps_measured")
+TABLE_SUMMARY = (
+    TOKENS,
+    TOKENS_P10,
+    TOKENS_P90,
+    "summary/mfu_median",
+    "summary/step_time_s_median",
+    "summary/peak_gib",
+    "summary/peak_source",
+    "summary/model_states_gib_max",
+    "summary/final_loss",
+    "summary/steps_measured",
+)
 
 
 def summary_name(metric: str) -> str:
@@ -91,28 +101,36 @@ def sweep_view(runs: list[Run], target: Optional[str] = None) -> SweepView:
     logged = [_wandb_logger(run) for run in runs if run.config]
     groups = sorted({str(w.get("group")) for w in logged if w.get("group")})
     if not logged or not groups:
-        fail("these runs have no W&B group: a workspace compares the runs of one sweep (python -m fsdp_exp -m "
-             "... puts them in one group, named after the sweep folder)",
-             "pass a sweep folder, or run with logger.wandb.group=<name>")
+        fail(
+            "these runs have no W&B group: a workspace compares the runs of one sweep (python -m fsdp_exp -m "
+            "... puts them in one group, named after the sweep folder)",
+            "pass a sweep folder, or run with logger.wandb.group=<name>",
+        )
     if len(groups) > 1 or len([w for w in logged if w.get("group")]) != len(logged):
-        fail(f"these runs belong to more than one W&B group ({', '.join(groups)}, or none): a workspace shows one",
-             "pass the folder of one sweep")
+        fail(
+            f"these runs belong to more than one W&B group ({', '.join(groups)}, or none): a workspace shows one",
+            "pass the folder of one sweep",
+        )
     modes = {w.get("mode") for w in logged}
     if modes == {"disabled"}:
-        fail("these runs did not log to W&B (logger.wandb.mode=disabled)",
-             "rerun with logger.wandb.mode=offline (then python -m fsdp_exp.sync) or online")
+        fail(
+            "these runs did not log to W&B (logger.wandb.mode=disabled)",
+            "rerun with logger.wandb.mode=offline (then python -m fsdp_exp.sync) or online",
+        )
     entity, project = "", ""
     if target:
         parts = target.strip("/").split("/")
         if len(parts) > 2 or not all(parts):
             raise ConfigError(f"--wandb-workspace {target!r}: expected entity/project or project")
-        entity, project = (parts if len(parts) == 2 else ["", parts[0]])
+        entity, project = parts if len(parts) == 2 else ["", parts[0]]
     projects = sorted({str(w.get("project")) for w in logged if w.get("project")})
     entities = sorted({str(w.get("entity")) for w in logged if w.get("entity")})
     if not project:
         if len(projects) != 1:
-            fail(f"the runs logged to {len(projects)} W&B projects ({', '.join(projects)})",
-                 "name one: --wandb-workspace ENTITY/PROJECT")
+            fail(
+                f"the runs logged to {len(projects)} W&B projects ({', '.join(projects)})",
+                "name one: --wandb-workspace ENTITY/PROJECT",
+            )
         project = projects[0]
     if not entity and len(entities) == 1:
         entity = entities[0]
@@ -136,20 +154,25 @@ def build_workspace(view: SweepView):
 
     def bars(title: str, *metrics: str) -> "wr.BarPlot":
         # A configuration's repeats form one group: its bar is their median, the whisker their range.
-        return wr.BarPlot(title=title, metrics=summary(*metrics), groupby_aggfunc="median",
-                          groupby_rangefunc="minmax")
+        return wr.BarPlot(title=title, metrics=summary(*metrics), groupby_aggfunc="median", groupby_rangefunc="minmax")
 
     def lines(title: str, *metrics: str) -> "wr.LinePlot":
         return wr.LinePlot(title=title, x="step", y=[_history(m) for m in metrics])
 
     compare = [
-        wr.ScatterPlot(title="tokens/s (median over measured steps) vs peak memory per rank (GiB)",
-                       x=wr.SummaryMetric(summary_name("summary/peak_gib")), y=wr.SummaryMetric(summary_name(TOKENS))),
+        wr.ScatterPlot(
+            title="tokens/s (median over measured steps) vs peak memory per rank (GiB)",
+            x=wr.SummaryMetric(summary_name("summary/peak_gib")),
+            y=wr.SummaryMetric(summary_name(TOKENS)),
+        ),
         wr.ParallelCoordinatesPlot(
             title="varied choices -> tokens/s, MFU, peak memory per rank",
-            columns=[wr.ParallelCoordinatesPlotColumn(metric=wr.Config(path), display_name=key)
-                     for key, path in view.varied.items()]
-            + [wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(summary_name(m))) for m in COMPARED]),
+            columns=[
+                wr.ParallelCoordinatesPlotColumn(metric=wr.Config(path), display_name=key)
+                for key, path in view.varied.items()
+            ]
+            + [wr.ParallelCoordinatesPlotColumn(metric=wr.SummaryMetric(summary_name(m))) for m in COMPARED],
+        ),
         bars("tokens/s per run: p10, median, p90 of its measured steps", TOKENS_P10, TOKENS, TOKENS_P90),
     ]
     throughput = [
@@ -162,25 +185,54 @@ def build_workspace(view: SweepView):
         bars("MFU and HFU (median)", "summary/mfu_median", "summary/hfu_median"),
     ]
     memory = [
-        bars("peak memory per rank (the report's; summary/peak_source says which) and model states (GiB)",
-             "summary/peak_gib", "summary/model_states_gib_max", "summary/tracked_peak_gib_max"),
-        *[bars(f"{phase}: tracked peak vs the planner's (GiB)", f"mem/tracked_{phase}_total_gib_max",
-               f"mem/predicted_{phase}_peak_gib") for phase in PHASES],
-        *[bars(f"{phase}: what the peak holds (GiB, max over ranks)",
-               *[f"mem/tracked_{phase}_{kind}_gib_max" for kind in PHASE_KINDS]) for phase in PHASES],
+        bars(
+            "peak memory per rank (the report's; summary/peak_source says which) and model states (GiB)",
+            "summary/peak_gib",
+            "summary/model_states_gib_max",
+            "summary/tracked_peak_gib_max",
+        ),
+        *[
+            bars(
+                f"{phase}: tracked peak vs the planner's (GiB)",
+                f"mem/tracked_{phase}_total_gib_max",
+                f"mem/predicted_{phase}_peak_gib",
+            )
+            for phase in PHASES
+        ],
+        *[
+            bars(
+                f"{phase}: what the peak holds (GiB, max over ranks)",
+                *[f"mem/tracked_{phase}_{kind}_gib_max" for kind in PHASE_KINDS],
+            )
+            for phase in PHASES
+        ],
         bars("planner's error on the peak (predicted / tracked - 1)", "summary/planner_peak_error"),
         lines("host RSS (GiB)", "mem/host_rss_gib_max", "mem/host_peak_rss_gib_max"),
     ]
     if view.cuda:
-        memory += [bars("CUDA allocator peaks (GiB)", "summary/peak_allocated_gib_max", "summary/peak_reserved_gib_max",
-                        "summary/peak_active_gib_max"),
-                   bars("CUDA allocator retries and OOMs", "summary/alloc_retries_max", "summary/ooms_max"),
-                   lines("CUDA peak allocated per logging interval (GiB)", "mem/peak_allocated_gib_max")]
+        memory += [
+            bars(
+                "CUDA allocator peaks (GiB)",
+                "summary/peak_allocated_gib_max",
+                "summary/peak_reserved_gib_max",
+                "summary/peak_active_gib_max",
+            ),
+            bars("CUDA allocator retries and OOMs", "summary/alloc_retries_max", "summary/ooms_max"),
+            lines("CUDA peak allocated per logging interval (GiB)", "mem/peak_allocated_gib_max"),
+        ]
     communication = [
-        bars("collectives in flight, median over profiled steps (s)", "summary/comm_total_s_median",
-             "summary/comm_exposed_s_median"),
-        bars("by collective, mean over profiled steps (s)", "comm/all_gather_s", "comm/reduce_scatter_s",
-             "comm/all_reduce_s", "comm/other_s"),
+        bars(
+            "collectives in flight, median over profiled steps (s)",
+            "summary/comm_total_s_median",
+            "summary/comm_exposed_s_median",
+        ),
+        bars(
+            "by collective, mean over profiled steps (s)",
+            "comm/all_gather_s",
+            "comm/reduce_scatter_s",
+            "comm/all_reduce_s",
+            "comm/other_s",
+        ),
         bars("exposed share of the profiled step", "comm/exposed_fraction"),
     ]
     loss = [
@@ -190,23 +242,34 @@ def build_workspace(view: SweepView):
         lines("learning rate", "train/lr"),
         bars("final training loss", "summary/final_loss"),
     ]
-    sections = [ws.Section(name="Compare configurations", panels=compare, is_open=True, pinned=True),
-                ws.Section(name="Throughput", panels=throughput, is_open=True),
-                ws.Section(name="Memory per rank, by phase", panels=memory, is_open=True),
-                ws.Section(name="Communication (profiled steps: trainer.profile_steps)", panels=communication),
-                ws.Section(name="Loss", panels=loss)]
-    columns = ["run:displayName", "run:state",
-               *[f"config:{_column_path(path)}" for path in view.varied.values()],
-               *[f"summary:{summary_name(m)}" for m in TABLE_SUMMARY]]
+    sections = [
+        ws.Section(name="Compare configurations", panels=compare, is_open=True, pinned=True),
+        ws.Section(name="Throughput", panels=throughput, is_open=True),
+        ws.Section(name="Memory per rank, by phase", panels=memory, is_open=True),
+        ws.Section(name="Communication (profiled steps: trainer.profile_steps)", panels=communication),
+        ws.Section(name="Loss", panels=loss),
+    ]
+    columns = [
+        "run:displayName",
+        "run:state",
+        *[f"config:{_column_path(path)}" for path in view.varied.values()],
+        *[f"summary:{summary_name(m)}" for m in TABLE_SUMMARY],
+    ]
     runset = ws.RunsetSettings(
         filters=ws.And(ws.Metric("Group") == view.group),
         groupby=[ws.Config(path) for path in view.varied.values()],
         order=[ws.Ordering(ws.Summary(TOKENS), ascending=False)],
-        pinned_columns=columns)
-    return ws.Workspace(entity=view.entity, project=view.project, name=view.name, sections=sections,
-                        runset_settings=runset,
-                        # W&B's default draws the first 10 runs of the runset in each panel: a sweep has more
-                        settings=ws.WorkspaceSettings(max_runs=100))
+        pinned_columns=columns,
+    )
+    return ws.Workspace(
+        entity=view.entity,
+        project=view.project,
+        name=view.name,
+        sections=sections,
+        runset_settings=runset,
+        # W&B's default draws the first 10 runs of the runset in each panel: a sweep has more
+        settings=ws.WorkspaceSettings(max_runs=100),
+    )
 
 
 def _column_path(path: str) -> str:
@@ -230,8 +293,9 @@ def keep_saved_view(workspace, path: Path) -> None:
     if not Path(path).is_file():
         return
     old = json.loads(Path(path).read_text())
-    same = (old.get("project"), old.get("displayName")) == (workspace.project, workspace.name) and \
-        (not workspace.entity or old.get("entity") in ("", workspace.entity))
+    same = (old.get("project"), old.get("displayName")) == (workspace.project, workspace.name) and (
+        not workspace.entity or old.get("entity") in ("", workspace.entity)
+    )
     if same and old.get("name"):
         if not workspace.entity:
             workspace.entity = old.get("entity") or ""
@@ -272,9 +336,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     """``python -m fsdp_exp.report.wandb_workspace <spec> [--entity E]``: publish a written spec."""
     from fsdp_exp.sync import wandb_unreachable
 
-    parser = argparse.ArgumentParser(prog="python -m fsdp_exp.report.wandb_workspace",
-                                     description="Save a workspace spec written by python -m fsdp_exp.report "
-                                                 "--wandb-workspace as a view in W&B.")
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_exp.report.wandb_workspace",
+        description="Save a workspace spec written by python -m fsdp_exp.report --wandb-workspace as a view in W&B.",
+    )
     parser.add_argument("spec", help=f"the {SPEC_FILE} a report wrote")
     parser.add_argument("--entity", help="the W&B entity to save it in (default: the spec's, else your default)")
     args = parser.parse_args(argv)

@@ -14,17 +14,48 @@ from fsdp_exp.report.html import render_html
 from fsdp_exp.report.plots import png_bytes
 from fsdp_exp.report.table import Report, Row, repeated
 
-CSV_COLUMNS = ["kind", "rank", "label", "status", "tokens_per_s", "tokens_per_s_per_rank", "tflops_per_rank", "mfu",
-               "metric", "ci_low", "ci_high", "interval_over", "interval_note", "repeat_count", "tied_with_best",
-               "pareto_tied", "repeat", "repeat_of", "tokens_per_s_p10", "tokens_per_s_p90", "config_id",
-               "step_time_s", "steps_measured", "peak_gib", "peak_source", "predicted_peak_gib", "final_loss",
-               "world_size", "pareto", "duplicate_of", "error", "overrides", "path"]
+CSV_COLUMNS = [
+    "kind",
+    "rank",
+    "label",
+    "status",
+    "tokens_per_s",
+    "tokens_per_s_per_rank",
+    "tflops_per_rank",
+    "mfu",
+    "metric",
+    "ci_low",
+    "ci_high",
+    "interval_over",
+    "interval_note",
+    "repeat_count",
+    "tied_with_best",
+    "pareto_tied",
+    "repeat",
+    "repeat_of",
+    "tokens_per_s_p10",
+    "tokens_per_s_p90",
+    "config_id",
+    "step_time_s",
+    "steps_measured",
+    "peak_gib",
+    "peak_source",
+    "predicted_peak_gib",
+    "final_loss",
+    "world_size",
+    "pareto",
+    "duplicate_of",
+    "error",
+    "overrides",
+    "path",
+]
 
 
 def csv_rows(report: Report) -> list[dict]:
     """One flat row each: the ranked configurations (in rank order; ``ci_low``/``ci_high`` are the interval of
     ``metric``), the runs of those measured more than once (``repeat``, with ``repeat_of`` naming the
     configuration; a configuration measured once is its run), then duplicates, then the rest."""
+
     def flat(row: Row, kind: str) -> dict:
         values = asdict(row)
         values["kind"] = kind
@@ -32,8 +63,12 @@ def csv_rows(report: Report) -> list[dict]:
         values["overrides"] = " ".join(row.overrides)
         return {k: values.get(k) for k in CSV_COLUMNS}
 
-    return ([flat(r, "ranked") for r in report.ranked] + [flat(r, "repeat") for r in repeated(report)]
-            + [flat(r, "duplicate") for r in report.duplicates] + [flat(r, "not_ranked") for r in report.not_ranked])
+    return (
+        [flat(r, "ranked") for r in report.ranked]
+        + [flat(r, "repeat") for r in repeated(report)]
+        + [flat(r, "duplicate") for r in report.duplicates]
+        + [flat(r, "not_ranked") for r in report.not_ranked]
+    )
 
 
 def _replace(path: Path, data: bytes) -> None:

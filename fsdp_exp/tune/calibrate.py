@@ -43,8 +43,15 @@ if TYPE_CHECKING:
 
 # In the order they are fitted: a sweep of n configurations fits the first n - 1 (fewer figures than
 # measurements, so that the fit cannot merely reproduce them).
-PARAMS = ("efficiency", "intra.latency_us", "step_overhead_ms", "dispatch_us", "intra.gbps", "inter.latency_us",
-          "inter.gbps")
+PARAMS = (
+    "efficiency",
+    "intra.latency_us",
+    "step_overhead_ms",
+    "dispatch_us",
+    "intra.gbps",
+    "inter.latency_us",
+    "inter.gbps",
+)
 PRIOR_WEIGHT = 1e-4  # per (ln 10)^2 of a figure's change, against the relative mean absolute error
 BOUNDS = {"efficiency": (1e-4, 1.0), "attention_efficiency": (1e-4, 1.0)}
 # A published table (benchmarks/published/*.csv) fits the kernel figures the data sheets cannot tell
@@ -84,16 +91,20 @@ def apply(perf: "DevicePerf", params: dict) -> "DevicePerf":
             changes[link] = {**changes.get(link, getattr(perf, link)), field: fitted}
         elif field:
             current = changes.get(link, getattr(perf, link))
-            changes[link] = dataclasses.replace(current, **{field: fitted}, source=current.source + " (calibrated)"
-                                                if "(calibrated)" not in current.source else current.source)
+            changes[link] = dataclasses.replace(
+                current,
+                **{field: fitted},
+                source=current.source + " (calibrated)" if "(calibrated)" not in current.source else current.source,
+            )
         else:
             changes[name] = fitted
     return dataclasses.replace(perf, **changes)
 
 
 # ------------------------------------------------------------------------------------------------- fitting
-def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 0.7, iterations: int = 600,
-                tolerance: float = 1e-10) -> np.ndarray:
+def nelder_mead(
+    f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 0.7, iterations: int = 600, tolerance: float = 1e-10
+) -> np.ndarray:
     """The minimum of ``f`` near ``x0`` by the Nelder-Mead simplex (reflect, expand, contract, shrink)."""
     n = len(x0)
     points = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
@@ -151,8 +162,10 @@ def fit(samples: list, perf: "DevicePerf", names: tuple[str, ...], relative: boo
         return float(error + PRIOR_WEIGHT * np.sum(((x - x0) / math.log(10)) ** 2))
 
     best = nelder_mead(loss, x0)
-    params = {n: min(max(math.exp(v), BOUNDS.get(n, (1e-9, 1e12))[0]), BOUNDS.get(n, (1e-9, 1e12))[1])
-              for n, v in zip(names, best)}
+    params = {
+        n: min(max(math.exp(v), BOUNDS.get(n, (1e-9, 1e12))[0]), BOUNDS.get(n, (1e-9, 1e12))[1])
+        for n, v in zip(names, best)
+    }
     before = float(np.mean(np.abs(predicted(x0) - measured)))
     after = float(np.mean(np.abs(predicted(best) - measured)))
     return params, before, after
@@ -172,8 +185,14 @@ def run_samples(sweep_dir: Path) -> dict[str, dict]:
     from fsdp_exp.tune.probe import cpu_perf, probe_key
 
     groups: dict[str, dict] = {}
-    runs = [r for r in load_runs([sweep_dir]) if r.status == "completed" and r.config and r.topology
-            and isinstance(r.summary.get("summary/tokens_per_s_median"), (int, float))]
+    runs = [
+        r
+        for r in load_runs([sweep_dir])
+        if r.status == "completed"
+        and r.config
+        and r.topology
+        and isinstance(r.summary.get("summary/tokens_per_s_median"), (int, float))
+    ]
     for members in group_repeats(runs):
         run = runs[members[0]]
         tokens = statistics.median(runs[i].summary["summary/tokens_per_s_median"] for i in members)
@@ -209,15 +228,24 @@ def calibrate_published(path: Path) -> dict[str, dict]:
 
     groups = step_samples([Path(path)])
     if not groups:
-        fail(f"tune.calibrate_from={path}: no published run there that fsdp_exp can express.",
-             "pass a table with the columns of benchmarks/published/README.md (e.g. benchmarks/published)")
+        fail(
+            f"tune.calibrate_from={path}: no published run there that fsdp_exp can express.",
+            "pass a table with the columns of benchmarks/published/README.md (e.g. benchmarks/published)",
+        )
     cached = {}
     for key, group in groups.items():
         params, before, after = fit(group["samples"], group["perf"], PUBLISHED_PARAMS, relative=True)
-        entry = {"params": params, "from": str(Path(path).resolve()), "runs": group["runs"],
-                 "configurations": len(group["samples"]), "mae_tokens_per_s_before": before,
-                 "mae_tokens_per_s_after": after, "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                 "prior": {n: value(group["perf"], n) for n in PUBLISHED_PARAMS}, "published": True}
+        entry = {
+            "params": params,
+            "from": str(Path(path).resolve()),
+            "runs": group["runs"],
+            "configurations": len(group["samples"]),
+            "mae_tokens_per_s_before": before,
+            "mae_tokens_per_s_after": after,
+            "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "prior": {n: value(group["perf"], n) for n in PUBLISHED_PARAMS},
+            "published": True,
+        }
         save(key, entry)
         cached[key] = entry
     return cached
@@ -230,19 +258,26 @@ def calibrate_from(sweep_dir: Path) -> dict[str, dict]:
         return calibrate_published(sweep_dir)
     groups = run_samples(sweep_dir)
     if not groups:
-        fail(f"tune.calibrate_from={sweep_dir}: no completed run with a record to fit to.",
-             "pass the folder of a sweep whose runs completed (tune.run=true writes <tune.out>/sweep)")
+        fail(
+            f"tune.calibrate_from={sweep_dir}: no completed run with a record to fit to.",
+            "pass the folder of a sweep whose runs completed (tune.run=true writes <tune.out>/sweep)",
+        )
     cached = {}
     for key, group in groups.items():
         spans_nodes = any(t.nodes > 1 for costs, _ in group["samples"] for t in costs.traffic)
         names = tuple(n for n in PARAMS if spans_nodes or not n.startswith("inter."))
         names = names[: max(1, len(group["samples"]) - 1)]
         params, before, after = fit(group["samples"], group["perf"], names)
-        entry = {"params": params, "from": str(Path(sweep_dir).resolve()), "runs": len(group["runs"]),
-                 "configurations": len(group["samples"]),
-                 "mae_tokens_per_s_before": before, "mae_tokens_per_s_after": after,
-                 "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                 "prior": {n: value(group["perf"], n) for n in names}}
+        entry = {
+            "params": params,
+            "from": str(Path(sweep_dir).resolve()),
+            "runs": len(group["runs"]),
+            "configurations": len(group["samples"]),
+            "mae_tokens_per_s_before": before,
+            "mae_tokens_per_s_after": after,
+            "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "prior": {n: value(group["perf"], n) for n in names},
+        }
         save(key, entry)
         cached[key] = entry
     return cached

@@ -38,9 +38,14 @@ def tune(argv: list[str]) -> tuple[dict, int]:
     ids = measure.choose(tuning, opts)
     measure.write_group(tuning, ids, out)
     command = measure.sweep_command(tuning, ids, out, opts.repeats)
-    plan = {"candidates": ids, "repeats": opts.repeats, "command": measure.shown(command),
-            "sweep_dir": str((out / "sweep").resolve()), "config_group": str((out / "conf").resolve()),
-            "calibrated": calibrated}
+    plan = {
+        "candidates": ids,
+        "repeats": opts.repeats,
+        "command": measure.shown(command),
+        "sweep_dir": str((out / "sweep").resolve()),
+        "config_group": str((out / "conf").resolve()),
+        "calibrated": calibrated,
+    }
     status = 0
     comparison = budget = None
     if opts.run:
@@ -96,24 +101,40 @@ def report(tuning, data: dict, status: int, argv: list[str]) -> int:
         print(json.dumps(data, indent=1, default=str))
         return status
     console = Console(width=None if sys.stdout.isatty() else 200)
-    console.print(f"[bold]fsdp_exp tune[/bold]: the best {min(opts.show, len(tuning.ranked))} of "
-                  f"{len(tuning.ranked):,} candidates that fit, by predicted tokens/s", highlight=False)
+    console.print(
+        f"[bold]fsdp_exp tune[/bold]: the best {min(opts.show, len(tuning.ranked))} of "
+        f"{len(tuning.ranked):,} candidates that fit, by predicted tokens/s",
+        highlight=False,
+    )
     console.print(output.render_table(tuning, opts.show))
     for line in output.summary_lines(tuning):
         console.print(line, highlight=False, markup=False)
     if data.get("spearman") is not None or data.get("winner", {}).get("measured"):
         winner = data["winner"]
-        console.print(f"measured: Spearman {data['spearman']}, mean absolute error "
-                      f"{data['mae_tokens_per_s']:,.0f} tokens/s; {winner['verdict']}", highlight=False, markup=False)
+        console.print(
+            f"measured: Spearman {data['spearman']}, mean absolute error "
+            f"{data['mae_tokens_per_s']:,.0f} tokens/s; {winner['verdict']}",
+            highlight=False,
+            markup=False,
+        )
     check = data.get("budget_check")
     if check:
-        console.print(f"memory vs {check['limit']}: {len(check['held'])} held, {len(check['broken'])} broken, "
-                      f"{len(check['borderline'])} borderline; left out: {check['left_out'] or 'none'}",
-                      highlight=False, markup=False)
-    console.print(f"wrote {path}" + (f", {out / 'tune.html'}" if (out / "tune.html").exists() else ""),
-                  highlight=False, markup=False)
+        console.print(
+            f"memory vs {check['limit']}: {len(check['held'])} held, {len(check['broken'])} broken, "
+            f"{len(check['borderline'])} borderline; left out: {check['left_out'] or 'none'}",
+            highlight=False,
+            markup=False,
+        )
+    console.print(
+        f"wrote {path}" + (f", {out / 'tune.html'}" if (out / "tune.html").exists() else ""),
+        highlight=False,
+        markup=False,
+    )
     if not opts.run:
-        console.print(f"measure the top {opts.top_k} and the baselines ({len(data['measure']['candidates'])} "
-                      f"candidates x {opts.repeats} runs): add tune.run=true, or run\n  {data['measure']['command']}",
-                      highlight=False, markup=False)
+        console.print(
+            f"measure the top {opts.top_k} and the baselines ({len(data['measure']['candidates'])} "
+            f"candidates x {opts.repeats} runs): add tune.run=true, or run\n  {data['measure']['command']}",
+            highlight=False,
+            markup=False,
+        )
     return status

@@ -66,11 +66,15 @@ def choose(tuning: "Tuning", opts: "TuneOptions") -> list[str]:
     known = {w.candidate.id for w in tuning.candidates}
     for cid in opts.extra:
         if cid not in known:
-            fail(f"tune.extra names {cid}, which is not a candidate of this space.",
-                 f"pass ids from tune.json (c0000 to c{len(known) - 1:04d})")
+            fail(
+                f"tune.extra names {cid}, which is not a candidate of this space.",
+                f"pass ids from tune.json (c0000 to c{len(known) - 1:04d})",
+            )
         if tuning.by_id(cid).refused:
-            fail(f"tune.extra names {cid}, which preflight refuses: {tuning.by_id(cid).refused}",
-                 "pass a candidate that can run")
+            fail(
+                f"tune.extra names {cid}, which preflight refuses: {tuning.by_id(cid).refused}",
+                "pass a candidate that can run",
+            )
         take(cid, "extra")
     return list(chosen)
 
@@ -107,8 +111,18 @@ def sweep_command(tuning: "Tuning", ids: list[str], out: Path, repeats: int) -> 
     """``--config-dir`` adds the tune folder to Hydra's search path from the start, so that the sweep's own
     checks (fsdp_exp.sweep) know the group's options as they know the shipped ones."""
     repeat = f"trainer.repeat={','.join(map(str, range(repeats)))}"
-    return [sys.executable, "-m", "fsdp_exp", "--config-dir", str((out / "conf").resolve()), "-m",
-            f"+{GROUP}={','.join(ids)}", repeat, f"hydra.sweep.dir={(out / 'sweep').resolve()}", *tuning.overrides]
+    return [
+        sys.executable,
+        "-m",
+        "fsdp_exp",
+        "--config-dir",
+        str((out / "conf").resolve()),
+        "-m",
+        f"+{GROUP}={','.join(ids)}",
+        repeat,
+        f"hydra.sweep.dir={(out / 'sweep').resolve()}",
+        *tuning.overrides,
+    ]
 
 
 def shown(command: list[str]) -> str:
@@ -141,12 +155,19 @@ def collect(tuning: "Tuning", ids: list[str], sweep_dir: Path) -> dict:
             by_candidate.setdefault(cid, []).append(run)
     for cid in ids:
         weighed = tuning.by_id(cid)
-        done = [r for r in by_candidate.get(cid, [])
-                if r.status == "completed" and isinstance(r.summary.get("summary/tokens_per_s_median"), (int, float))]
+        done = [
+            r
+            for r in by_candidate.get(cid, [])
+            if r.status == "completed" and isinstance(r.summary.get("summary/tokens_per_s_median"), (int, float))
+        ]
         failed = [r for r in by_candidate.get(cid, []) if r not in done]
         if not done:
-            weighed.measured = {"tokens_per_s": None, "tokens_per_s_ci": None, "peak_gib": None,
-                                "errors": [r.error or r.status for r in failed] or ["no run recorded"]}
+            weighed.measured = {
+                "tokens_per_s": None,
+                "tokens_per_s_ci": None,
+                "peak_gib": None,
+                "errors": [r.error or r.status for r in failed] or ["no run recorded"],
+            }
             continue
         medians = [float(r.summary["summary/tokens_per_s_median"]) for r in done]
         steps = measured_step_values(done[0], METRICS["tokens_per_s"].step_key)[0] if len(done) == 1 else None
@@ -156,11 +177,14 @@ def collect(tuning: "Tuning", ids: list[str], sweep_dir: Path) -> dict:
         weighed.measured = {
             "tokens_per_s": found.median,
             "tokens_per_s_ci": [found.low, found.high] if found.has_interval else None,
-            "interval_over": found.over, "runs": len(done), "failed": len(failed),
+            "interval_over": found.over,
+            "runs": len(done),
+            "failed": len(failed),
             "peak_gib": statistics.median(known) if known else None,
             "peak_source": next((s for p, s in peaks if p is not None), None),
             "run_dirs": [r.path for r in done],
-            "errors": [r.error or r.status for r in failed]}
+            "errors": [r.error or r.status for r in failed],
+        }
     return compare(tuning)
 
 
@@ -202,14 +226,27 @@ def compare(tuning: "Tuning") -> dict:
     best = max(done, key=lambda w: w.measured["tokens_per_s"])
     predicted = min(done, key=lambda w: w.rank or 1 << 30)
     ties = True if predicted is best else overlap(_estimate(predicted.measured), _estimate(best.measured))
-    verdict = ("the predicted winner is the measured winner" if predicted is best else
-               "the predicted winner ties with the measured winner (intervals overlap)" if ties else
-               "the predicted winner is slower than the measured winner (intervals apart)" if ties is False else
-               "the predicted winner is slower; no interval to say whether it ties (measure with repeats)")
+    verdict = (
+        "the predicted winner is the measured winner"
+        if predicted is best
+        else "the predicted winner ties with the measured winner (intervals overlap)"
+        if ties
+        else "the predicted winner is slower than the measured winner (intervals apart)"
+        if ties is False
+        else "the predicted winner is slower; no interval to say whether it ties (measure with repeats)"
+    )
     mae = float(np.mean([abs(w.prediction.tokens_per_s - w.measured["tokens_per_s"]) for w in done]))
-    return {"spearman": rho, "winner": {"predicted": predicted.candidate.id, "measured": best.candidate.id,
-                                        "predicted_ties_measured": ties, "verdict": verdict},
-            "mae_tokens_per_s": mae, "measured_candidates": len(done)}
+    return {
+        "spearman": rho,
+        "winner": {
+            "predicted": predicted.candidate.id,
+            "measured": best.candidate.id,
+            "predicted_ties_measured": ties,
+            "verdict": verdict,
+        },
+        "mae_tokens_per_s": mae,
+        "measured_candidates": len(done),
+    }
 
 
 def carry_measurements(tuning: "Tuning", previous: Path) -> int:
@@ -248,15 +285,26 @@ def budget_check(tuning: "Tuning") -> Optional[dict]:
             left_out.setdefault(w.candidate.cfg.sharding.backend, []).append(w.candidate.id)
             continue
         need = w.need_bytes if w.need_bytes is not None else w.floor_bytes
-        entry = {"id": w.candidate.id, "predicted_gib": need / GIB, "measured_gib": m["peak_gib"],
-                 "headroom": w.headroom}
+        entry = {
+            "id": w.candidate.id,
+            "predicted_gib": need / GIB,
+            "measured_gib": m["peak_gib"],
+            "headroom": w.headroom,
+        }
         if w.borderline:
             borderline.append(entry)
         elif (w.fits and m["peak_gib"] <= limit) or (not w.fits and m["peak_gib"] > limit):
             held.append(entry)
         else:
             broken.append(entry)
-    return {"limit": tuning.limit_name, "limit_gib": limit, "held": held, "broken": broken,
-            "borderline": borderline,
-            "left_out": {b: f"{len(ids)} candidate(s): torch's tracker cannot measure sharding.backend={b}"
-                         for b, ids in left_out.items()}}
+    return {
+        "limit": tuning.limit_name,
+        "limit_gib": limit,
+        "held": held,
+        "broken": broken,
+        "borderline": borderline,
+        "left_out": {
+            b: f"{len(ids)} candidate(s): torch's tracker cannot measure sharding.backend={b}"
+            for b, ids in left_out.items()
+        },
+    }

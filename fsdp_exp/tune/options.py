@@ -15,12 +15,21 @@ from typing import Optional
 from fsdp_exp.errors import closest, did_you_mean, fail
 
 # The search space's dimensions, in the order a candidate's overrides list them (fsdp_exp.tune.space).
-SPACE_DIMENSIONS = ("backend", "sharding", "shard_size", "ac", "precision", "offload", "prefetch", "micro_batch_size",
-                    "grad_sync")
+SPACE_DIMENSIONS = (
+    "backend",
+    "sharding",
+    "shard_size",
+    "ac",
+    "precision",
+    "offload",
+    "prefetch",
+    "micro_batch_size",
+    "grad_sync",
+)
 
 OPTIONS = {
     "tune.out": "folder for tune.json, the candidates' config group, the sweep and the report "
-                "(default outputs/tune/<time>)",
+    "(default outputs/tune/<time>)",
     "tune.top_k": "how many of the best predicted candidates the measurement runs (default 3)",
     "tune.budget_gib": "memory per rank a candidate may need (default: the device's)",
     "tune.run": "true: measure the top candidates and the baselines now, with repeats (default false)",
@@ -28,15 +37,15 @@ OPTIONS = {
     "tune.spread": "also measure this many fitting candidates spread over the predicted ranking (default 0)",
     "tune.extra": "also measure these candidates, by id (e.g. tune.extra=[c0012,c0040]), even ones over budget",
     "tune.calibrate_from": "a measured sweep folder: fit the model's efficiency, latencies and bandwidths to it "
-                           "and cache them for this device; or a published table (benchmarks/published, a CSV): "
-                           "fit its devices' matmul and attention efficiencies",
+    "and cache them for this device; or a published table (benchmarks/published, a CSV): "
+    "fit its devices' matmul and attention efficiencies",
     "tune.format": "table | json (default table)",
     "tune.show": "rows of the printed table (default 15)",
     **{f"tune.space.{d}": f"the values of '{d}' to search, e.g. tune.space.{d}=[a,b]" for d in SPACE_DIMENSIONS},
     "plan.device": "the device to plan and time for (default: this machine)",
     "plan.margin": "the allocator margin as a fraction of the peak",
     "plan.network": "the network between nodes, a whole node's (fsdp_exp/plan/devices.py NETWORKS, e.g. "
-                    "ib_ndr_8x400g, roce_8x200g, efa_3200g; default: the device's)",
+    "ib_ndr_8x400g, roce_8x200g, efa_3200g; default: the device's)",
     "plan.device_power_w": "a board power limit in watts: the peak FLOPS scale by (limit / rated)^(1/3)",
 }
 
@@ -108,13 +117,17 @@ def split_argv(argv: list[str]) -> tuple[TuneOptions, list[str]]:
             continue
         if key not in OPTIONS or not sep:
             hint = did_you_mean(closest(key, OPTIONS), "{}=...", after=" ")
-            fail(f"{arg!r} is not an option of the tuner.",
-                 f"{hint}options: {', '.join(OPTIONS)} (python -m fsdp_exp.tune --help)")
+            fail(
+                f"{arg!r} is not an option of the tuner.",
+                f"{hint}options: {', '.join(OPTIONS)} (python -m fsdp_exp.tune --help)",
+            )
         if key.startswith("tune.space."):
             values = _list(key, value)
             if not values:
-                fail(f"{key}={value} leaves nothing to search: the space would be empty.",
-                     f"list at least one value ({key}=[a,b]) or drop {key} to search its default values")
+                fail(
+                    f"{key}={value} leaves nothing to search: the space would be empty.",
+                    f"list at least one value ({key}=[a,b]) or drop {key} to search its default values",
+                )
             opts.space[key.removeprefix("tune.space.")] = values
         elif key == "tune.out":
             opts.out = Path(value)
@@ -132,10 +145,14 @@ def split_argv(argv: list[str]) -> tuple[TuneOptions, list[str]]:
             opts.extra = _list(key, value)
         elif key == "tune.calibrate_from":
             opts.calibrate_from = Path(value)
-            if not (opts.calibrate_from.is_dir() or opts.calibrate_from.suffix == ".csv" and opts.calibrate_from.is_file()):
-                fail(f"tune.calibrate_from={value}: no such folder or published table.",
-                     "pass the folder of a measured sweep (tune.run=true writes <tune.out>/sweep), or a published "
-                     "table (benchmarks/published or one of its CSV files)")
+            if not (
+                opts.calibrate_from.is_dir() or opts.calibrate_from.suffix == ".csv" and opts.calibrate_from.is_file()
+            ):
+                fail(
+                    f"tune.calibrate_from={value}: no such folder or published table.",
+                    "pass the folder of a measured sweep (tune.run=true writes <tune.out>/sweep), or a published "
+                    "table (benchmarks/published or one of its CSV files)",
+                )
         elif key == "tune.format":
             if value not in ("table", "json"):
                 fail(f"tune.format={value!r} is not one of table, json.", "pass tune.format=json")

@@ -27,8 +27,11 @@ def _gib(n: Optional[float]) -> str:
 def _fits(w: "Weighed") -> str:
     if w.fits is None:
         return "refused"
-    text = f"yes, {w.headroom:.0%} left" if w.fits else f"no, over by {-w.headroom:.0%}" + (
-        " (parameters alone)" if w.floor_bytes is not None else "")
+    text = (
+        f"yes, {w.headroom:.0%} left"
+        if w.fits
+        else f"no, over by {-w.headroom:.0%}" + (" (parameters alone)" if w.floor_bytes is not None else "")
+    )
     return text + (" (borderline)" if w.borderline else "")
 
 
@@ -39,32 +42,50 @@ def _tokens(x: Optional[float]) -> str:
 def candidate_json(w: "Weighed", tuning: "Tuning") -> dict:
     p = w.prediction
     return {
-        "id": w.candidate.id, "overrides": tuning.overrides + w.candidate.choices, "choices": w.candidate.choices,
-        "rank": w.rank, "roles": w.roles, "fits": bool(w.fits), "borderline": w.borderline,
-        "headroom": w.headroom, "why_not": w.why_not(tuning.limit_name) or None,
-        "predicted": {"peak_gib": None if w.need_bytes is None else w.need_bytes / GIB,
-                      "peak_at_least_gib": None if w.floor_bytes is None else w.floor_bytes / GIB,
-                      "peak_before_margin_gib": None if w.peak_bytes is None else w.peak_bytes / GIB,
-                      "tokens_per_s": p.tokens_per_s if p else None,
-                      "step_time_s": p.step_time_s if p else None, "mfu": p.mfu if p else None,
-                      "mfu_fp8": p.mfu_fp8 if p else None,  # precision=float8: against the FP8 peak
-                      "breakdown_s": p.breakdown if p else None, "comm_s": p.comm if p else None,
-                      "dominant": p.dominant if p else None, "explain": p.explain() if p else None},
+        "id": w.candidate.id,
+        "overrides": tuning.overrides + w.candidate.choices,
+        "choices": w.candidate.choices,
+        "rank": w.rank,
+        "roles": w.roles,
+        "fits": bool(w.fits),
+        "borderline": w.borderline,
+        "headroom": w.headroom,
+        "why_not": w.why_not(tuning.limit_name) or None,
+        "predicted": {
+            "peak_gib": None if w.need_bytes is None else w.need_bytes / GIB,
+            "peak_at_least_gib": None if w.floor_bytes is None else w.floor_bytes / GIB,
+            "peak_before_margin_gib": None if w.peak_bytes is None else w.peak_bytes / GIB,
+            "tokens_per_s": p.tokens_per_s if p else None,
+            "step_time_s": p.step_time_s if p else None,
+            "mfu": p.mfu if p else None,
+            "mfu_fp8": p.mfu_fp8 if p else None,  # precision=float8: against the FP8 peak
+            "breakdown_s": p.breakdown if p else None,
+            "comm_s": p.comm if p else None,
+            "dominant": p.dominant if p else None,
+            "explain": p.explain() if p else None,
+        },
         "measured": w.measured,
     }
 
 
-def tune_json(tuning: "Tuning", argv: list[str], measure: dict, comparison: Optional[dict],
-              budget: Optional[dict]) -> dict:
+def tune_json(
+    tuning: "Tuning", argv: list[str], measure: dict, comparison: Optional[dict], budget: Optional[dict]
+) -> dict:
     from dataclasses import asdict
 
     order = tuning.ranked + [w for w in tuning.candidates if w.rank is None]
     return {
         "command": "python -m fsdp_exp.tune " + " ".join(argv),
         "overrides": tuning.overrides,
-        "device": {"name": tuning.device.name, "description": tuning.device.description,
-                   "kind": tuning.device.kind, "figures": asdict(tuning.perf), "source": tuning.perf_note,
-                   "calibration": tuning.calibration, "key": tuning.device_key},
+        "device": {
+            "name": tuning.device.name,
+            "description": tuning.device.description,
+            "kind": tuning.device.kind,
+            "figures": asdict(tuning.perf),
+            "source": tuning.perf_note,
+            "calibration": tuning.calibration,
+            "key": tuning.device_key,
+        },
         "limit": {"name": tuning.limit_name, "gib_per_rank": tuning.limit_bytes / GIB},
         "space": {"values": tuning.space.values, "fixed": tuning.space.fixed, "notes": tuning.space.notes},
         "counts": tuning.counts(),
@@ -74,8 +95,8 @@ def tune_json(tuning: "Tuning", argv: list[str], measure: dict, comparison: Opti
         "measure": measure,
         "candidates": [candidate_json(w, tuning) for w in order],
         "spearman": (comparison or {}).get("spearman"),
-        "winner": (comparison or {}).get("winner") or {"predicted": tuning.ranked[0].candidate.id, "measured": None,
-                                                       "predicted_ties_measured": None},
+        "winner": (comparison or {}).get("winner")
+        or {"predicted": tuning.ranked[0].candidate.id, "measured": None, "predicted_ties_measured": None},
         "mae_tokens_per_s": (comparison or {}).get("mae_tokens_per_s"),
         "budget_check": budget,
     }
@@ -110,19 +131,32 @@ def render_table(tuning: "Tuning", show: int):
         columns += ["measured tokens/s", "95% interval", "measured peak"]
     columns.append("role")
     for column in columns:
-        table.add_column(column, justify="left" if column in ("candidate", "fits", "where the time goes", "role", "id")
-                         else "right", overflow="fold", no_wrap=column not in ("candidate", "where the time goes"))
+        table.add_column(
+            column,
+            justify="left" if column in ("candidate", "fits", "where the time goes", "role", "id") else "right",
+            overflow="fold",
+            no_wrap=column not in ("candidate", "where the time goes"),
+        )
     for w in rows_shown(tuning, show):
         p, m = w.prediction, w.measured or {}
-        cells = [str(w.rank or "-"), w.candidate.id, label(w.candidate.choices), _fits(w), _gib(w.need_bytes),
-                 _tokens(p.tokens_per_s) if p else "n/a", f"{p.step_time_s:.3g} s" if p else "n/a",
-                 f"{p.mfu:.0%}" if p and p.mfu is not None else "n/a",
-                 (p.explain() if p else w.why_not(tuning.limit_name))]
+        cells = [
+            str(w.rank or "-"),
+            w.candidate.id,
+            label(w.candidate.choices),
+            _fits(w),
+            _gib(w.need_bytes),
+            _tokens(p.tokens_per_s) if p else "n/a",
+            f"{p.step_time_s:.3g} s" if p else "n/a",
+            f"{p.mfu:.0%}" if p and p.mfu is not None else "n/a",
+            (p.explain() if p else w.why_not(tuning.limit_name)),
+        ]
         if measured:
             ci = m.get("tokens_per_s_ci")
-            cells += [_tokens(m.get("tokens_per_s")) if m else "",
-                      f"{_tokens(ci[0])} – {_tokens(ci[1])}" if ci else ("" if not m else "n/a"),
-                      _gib(m["peak_gib"] * GIB) if m.get("peak_gib") is not None else ""]
+            cells += [
+                _tokens(m.get("tokens_per_s")) if m else "",
+                f"{_tokens(ci[0])} – {_tokens(ci[1])}" if ci else ("" if not m else "n/a"),
+                _gib(m["peak_gib"] * GIB) if m.get("peak_gib") is not None else "",
+            ]
         cells.append(", ".join(w.roles))
         table.add_row(*[Text(c) for c in cells])
     return table
@@ -131,20 +165,26 @@ def render_table(tuning: "Tuning", show: int):
 def summary_lines(tuning: "Tuning") -> list[str]:
     c, t = tuning.counts(), tuning.timing
     rate = t.get("candidates_per_s_after_first")
-    lines = [f"weighed {c['weighed']:,} candidates for {tuning.device.name} ({tuning.device.description}): "
-             f"{c['refused']:,} refused by preflight, {c['over']:,} over {tuning.limit_name} "
-             f"({tuning.limit_bytes / GIB:.3g} GiB per rank), {c['fit']:,} fit ({c['borderline']} within 5% of the "
-             f"limit: borderline); {c['ranked']:,} ranked",
-             f"in {t['total_s']:.1f} s ({t['cpu_s']:.1f} s of CPU): the first candidate {t['first_candidate_s']:.2f} s "
-             f"(model on meta, inventory), then {rate:,.0f} candidates/s ({t['planned_per_s_after_first']:,.0f}/s "
-             f"through the planner; per CPU second {t['candidates_per_cpu_s_after_first']:,.0f} and "
-             f"{t['planned_per_cpu_s_after_first']:,.0f})" if rate else f"in {t['total_s']:.1f} s",
-             "space: " + tuning.space.describe()]
+    lines = [
+        f"weighed {c['weighed']:,} candidates for {tuning.device.name} ({tuning.device.description}): "
+        f"{c['refused']:,} refused by preflight, {c['over']:,} over {tuning.limit_name} "
+        f"({tuning.limit_bytes / GIB:.3g} GiB per rank), {c['fit']:,} fit ({c['borderline']} within 5% of the "
+        f"limit: borderline); {c['ranked']:,} ranked",
+        f"in {t['total_s']:.1f} s ({t['cpu_s']:.1f} s of CPU): the first candidate {t['first_candidate_s']:.2f} s "
+        f"(model on meta, inventory), then {rate:,.0f} candidates/s ({t['planned_per_s_after_first']:,.0f}/s "
+        f"through the planner; per CPU second {t['candidates_per_cpu_s_after_first']:,.0f} and "
+        f"{t['planned_per_cpu_s_after_first']:,.0f})"
+        if rate
+        else f"in {t['total_s']:.1f} s",
+        "space: " + tuning.space.describe(),
+    ]
     ranked = tuning.ranked
     close = [w for w in ranked if w.prediction.tokens_per_s >= 0.98 * ranked[0].prediction.tokens_per_s]
     if len(close) > 1:
-        lines.append(f"{len(close)} candidates are predicted within 2% of the best: the model cannot order them; "
-                     "measuring can (tune.run=true)")
+        lines.append(
+            f"{len(close)} candidates are predicted within 2% of the best: the model cannot order them; "
+            "measuring can (tune.run=true)"
+        )
     from fsdp_exp.tune.search import BASELINES
 
     for name, cid in tuning.baselines.items():
@@ -154,10 +194,16 @@ def summary_lines(tuning: "Tuning") -> list[str]:
         lines.append(f"  refused ({n:,}): {reason}")
     lines += [f"  note: {n}" for n in tuning.space.notes]
     cal = tuning.calibration
-    lines.append(f"model: {tuning.perf_note}" + (
-        f"; calibrated from {cal['runs']} runs ({cal.get('configurations', '?')} configurations) of {cal['from']} "
-        f"(MAE {cal['mae_tokens_per_s_before']:,.0f} -> "
-        f"{cal['mae_tokens_per_s_after']:,.0f} tokens/s)" if cal else "; not calibrated (tune.calibrate_from)"))
+    lines.append(
+        f"model: {tuning.perf_note}"
+        + (
+            f"; calibrated from {cal['runs']} runs ({cal.get('configurations', '?')} configurations) of {cal['from']} "
+            f"(MAE {cal['mae_tokens_per_s_before']:,.0f} -> "
+            f"{cal['mae_tokens_per_s_after']:,.0f} tokens/s)"
+            if cal
+            else "; not calibrated (tune.calibrate_from)"
+        )
+    )
     return lines
 
 
@@ -175,8 +221,9 @@ def figure(tuning: "Tuning", comparison: dict):
         ci = w.measured.get("tokens_per_s_ci")
         err = [[y - ci[0]], [ci[1] - y]] if ci else None
         baseline = any(r.startswith("baseline") for r in w.roles)
-        ax.errorbar([x], [y], yerr=err, fmt="s" if baseline else "o", capsize=3,
-                    color="tab:orange" if baseline else "tab:blue")
+        ax.errorbar(
+            [x], [y], yerr=err, fmt="s" if baseline else "o", capsize=3, color="tab:orange" if baseline else "tab:blue"
+        )
         ax.annotate(f"{w.candidate.id} (#{w.rank})", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     if xs:
         low, high = min(xs + ys) * 0.9, max(xs + ys) * 1.1
@@ -204,23 +251,52 @@ def write_page(tuning: "Tuning", data: dict, out: Path) -> tuple[Path, Path]:
             continue
         p, m = cand["predicted"], cand["measured"] or {}
         ci = m.get("tokens_per_s_ci")
-        rows.append("<tr>" + "".join(f"<td>{escape(str(v))}</td>" for v in (
-            cand["rank"], cand["id"], label(cand["choices"]), ", ".join(cand["roles"]), _tokens(p["tokens_per_s"]),
-            _tokens(m.get("tokens_per_s")), f"{_tokens(ci[0])} – {_tokens(ci[1])}" if ci else "n/a",
-            _gib(p["peak_gib"] * GIB) if p["peak_gib"] is not None else "n/a",
-            _gib(m["peak_gib"] * GIB) if m.get("peak_gib") is not None else "n/a", p["explain"] or "")) + "</tr>")
-    head = "".join(f"<th>{h}</th>" for h in ("#", "id", "candidate", "role", "predicted tokens/s", "measured tokens/s",
-                                              "95% interval", "predicted peak", "measured peak", "predicted time"))
+        rows.append(
+            "<tr>"
+            + "".join(
+                f"<td>{escape(str(v))}</td>"
+                for v in (
+                    cand["rank"],
+                    cand["id"],
+                    label(cand["choices"]),
+                    ", ".join(cand["roles"]),
+                    _tokens(p["tokens_per_s"]),
+                    _tokens(m.get("tokens_per_s")),
+                    f"{_tokens(ci[0])} – {_tokens(ci[1])}" if ci else "n/a",
+                    _gib(p["peak_gib"] * GIB) if p["peak_gib"] is not None else "n/a",
+                    _gib(m["peak_gib"] * GIB) if m.get("peak_gib") is not None else "n/a",
+                    p["explain"] or "",
+                )
+            )
+            + "</tr>"
+        )
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in (
+            "#",
+            "id",
+            "candidate",
+            "role",
+            "predicted tokens/s",
+            "measured tokens/s",
+            "95% interval",
+            "predicted peak",
+            "measured peak",
+            "predicted time",
+        )
+    )
     winner = data.get("winner") or {}
-    html = (f"<!doctype html><html><head><meta charset='utf-8'><title>fsdp_exp tune</title><style>"
-            "body{font-family:system-ui,sans-serif;margin:2em}td,th{border-bottom:1px solid #ddd;padding:.3em .6em;"
-            "text-align:left}table{border-collapse:collapse}img{max-width:100%}</style></head><body>"
-            f"<h1>fsdp_exp tune: predicted vs measured</h1><p><code>{escape(data['command'])}</code></p>"
-            f"<p>Spearman {data.get('spearman')}; {escape(str(winner.get('verdict', '')))}; "
-            f"mean absolute error {data.get('mae_tokens_per_s')} tokens/s</p>"
-            f"<img alt='predicted vs measured tokens/s' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
-            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
-            f"<script type='application/json' id='tune-data'>{escape(json.dumps(data, default=str))}</script>"
-            "</body></html>")
+    html = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>fsdp_exp tune</title><style>"
+        "body{font-family:system-ui,sans-serif;margin:2em}td,th{border-bottom:1px solid #ddd;padding:.3em .6em;"
+        "text-align:left}table{border-collapse:collapse}img{max-width:100%}</style></head><body>"
+        f"<h1>fsdp_exp tune: predicted vs measured</h1><p><code>{escape(data['command'])}</code></p>"
+        f"<p>Spearman {data.get('spearman')}; {escape(str(winner.get('verdict', '')))}; "
+        f"mean absolute error {data.get('mae_tokens_per_s')} tokens/s</p>"
+        f"<img alt='predicted vs measured tokens/s' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+        f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
+        f"<script type='application/json' id='tune-data'>{escape(json.dumps(data, default=str))}</script>"
+        "</body></html>"
+    )
     html_path.write_text(html)
     return png_path, html_path

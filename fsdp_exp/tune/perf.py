@@ -231,44 +231,111 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
         # precision.float8_all_gather: the converted weights travel in float8, 1 byte an element
         gathered = e_p * full_numel - (e_p - 1) * float8_all_gathered_numel(cfg)
         if shard > 1:
-            traffic.append(Traffic("forward all-gather", "all-gather", shard, shard_nodes, G * units,
-                                   G * gathered, "forward", cfg.prefetch.forward > 0))
+            traffic.append(
+                Traffic(
+                    "forward all-gather",
+                    "all-gather",
+                    shard,
+                    shard_nodes,
+                    G * units,
+                    G * gathered,
+                    "forward",
+                    cfg.prefetch.forward > 0,
+                )
+            )
             if regathered:
                 share = regathered / units
-                traffic.append(Traffic("backward re-gather", "all-gather", shard, shard_nodes, G * regathered,
-                                       G * gathered * share, "backward", cfg.prefetch.backward != 0))
-            traffic.append(Traffic("gradient reduce-scatter", "reduce-scatter", shard, shard_nodes, R * units,
-                                   R * e_r * full_numel, "backward", True))
+                traffic.append(
+                    Traffic(
+                        "backward re-gather",
+                        "all-gather",
+                        shard,
+                        shard_nodes,
+                        G * regathered,
+                        G * gathered * share,
+                        "backward",
+                        cfg.prefetch.backward != 0,
+                    )
+                )
+            traffic.append(
+                Traffic(
+                    "gradient reduce-scatter",
+                    "reduce-scatter",
+                    shard,
+                    shard_nodes,
+                    R * units,
+                    R * e_r * full_numel,
+                    "backward",
+                    True,
+                )
+            )
         if replicas > 1:
-            traffic.append(Traffic("replica all-reduce", "all-reduce", replicas, replica_nodes, R * units,
-                                   R * e_r * full_numel / shard, "backward", True))
+            traffic.append(
+                Traffic(
+                    "replica all-reduce",
+                    "all-reduce",
+                    replicas,
+                    replica_nodes,
+                    R * units,
+                    R * e_r * full_numel / shard,
+                    "backward",
+                    True,
+                )
+            )
         if offload:
             offload_f = G * 4 * full_numel / shard
             offload_b = G * 4 * full_numel / shard * (regathered / units) + 4 * full_numel / shard
     elif dp > 1:  # replicas: gradients all-reduced in buckets during backward
         grad_bytes = e_r * full_numel
         units = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
-        traffic.append(Traffic("gradient all-reduce (buckets)", "all-reduce", dp, dp_nodes, R * units,
-                               R * grad_bytes, "backward", True))
+        traffic.append(
+            Traffic(
+                "gradient all-reduce (buckets)", "all-reduce", dp, dp_nodes, R * units, R * grad_bytes, "backward", True
+            )
+        )
     if tp > 1:
         stream = profile_for(cfg.model, topology.micro_batch_size, seq, 1, False).residual(e_p)
         blocks = len(w.block_forward_flops)
         for phase in ("forward", "backward"):
-            traffic.append(Traffic(f"tensor-parallel all-reduce ({phase})", "all-reduce", tp, 1, G * 2 * blocks,
-                                   G * 2 * blocks * stream, phase, False))
+            traffic.append(
+                Traffic(
+                    f"tensor-parallel all-reduce ({phase})",
+                    "all-reduce",
+                    tp,
+                    1,
+                    G * 2 * blocks,
+                    G * 2 * blocks * stream,
+                    phase,
+                    False,
+                )
+            )
     kernels = _kernel_classes(w, cfg, tokens_rank / tp, topology.micro_batch_size * seq, tp, e_p)
     float8 = None
     if float8_on(cfg):
         gathers = (G, G * regathered / units) if rules.gathers_units and units else (0.0, 0.0)
         kernels["gemms"], float8 = float8_costs(cfg, kernels["gemms"], tokens_rank / tp, e_p, shard, gathers)
     return StepCosts(
-        **kernels, param_layout=rules.param_layout if rules.gathers_units else "", float8=float8,
-        tokens_per_step=tokens, micro_batches=G, units=max(units, 1), dtype=cfg.precision.param_dtype,
-        forward_flops=model_flops / 3, backward_flops=2 * model_flops / 3 + recompute,
-        forward_ops=G * ops_f, backward_ops=G * ops_b, optimizer_ops=ADAMW_OPS_PER_TENSOR * tensors,
-        traffic=tuple(traffic), offload_forward_bytes=offload_f, offload_backward_bytes=offload_b,
-        optimizer_bytes=ADAMW_BYTES_PER_PARAM * local_numel, optimizer_on_host=offload,
-        ranks_per_node=nproc, world=topology.world_size, model_flops=model_flops)
+        **kernels,
+        param_layout=rules.param_layout if rules.gathers_units else "",
+        float8=float8,
+        tokens_per_step=tokens,
+        micro_batches=G,
+        units=max(units, 1),
+        dtype=cfg.precision.param_dtype,
+        forward_flops=model_flops / 3,
+        backward_flops=2 * model_flops / 3 + recompute,
+        forward_ops=G * ops_f,
+        backward_ops=G * ops_b,
+        optimizer_ops=ADAMW_OPS_PER_TENSOR * tensors,
+        traffic=tuple(traffic),
+        offload_forward_bytes=offload_f,
+        offload_backward_bytes=offload_b,
+        optimizer_bytes=ADAMW_BYTES_PER_PARAM * local_numel,
+        optimizer_on_host=offload,
+        ranks_per_node=nproc,
+        world=topology.world_size,
+        model_flops=model_flops,
+    )
 
 
 LOSS_BYTES_PER_LOGIT = 24  # cross-entropy in fp32: cast, log-softmax, its gradient and the cast back (read + write)
@@ -282,9 +349,12 @@ def _kernel_classes(w, cfg: "RunConfig", tokens: float, m: int, tp: int, e_p: in
     attention at the FLOPs a causal fused kernel does, the memory-bound operators' bytes in the compute dtype."""
     gemms = tuple((float(m), float(k), float(n) / tp, tokens * f) for k, n, f in w.gemms)
     counted = w.forward_flops_per_token or 1.0
-    return {"gemms": gemms, "attention_flops": tokens * w.attention_flops_per_token / 2,
-            "memory_bytes": tokens * (w.memory_elements_per_token * e_p + LOSS_BYTES_PER_LOGIT * w.logits_per_token),
-            "recompute_share": w.recompute_flops_per_token(cfg) / counted}
+    return {
+        "gemms": gemms,
+        "attention_flops": tokens * w.attention_flops_per_token / 2,
+        "memory_bytes": tokens * (w.memory_elements_per_token * e_p + LOSS_BYTES_PER_LOGIT * w.logits_per_token),
+        "recompute_share": w.recompute_flops_per_token(cfg) / counted,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- float8
@@ -334,8 +404,9 @@ def float8_all_gathered_numel(cfg: "RunConfig") -> float:
     return float(sum(k * n * count for (k, n), count in _converted_shapes(cfg).items()))
 
 
-def float8_costs(cfg: "RunConfig", gemms: tuple, tokens: float, e: int, shard: int,
-                 gathers: tuple[float, float]) -> tuple[tuple, Float8Costs]:
+def float8_costs(
+    cfg: "RunConfig", gemms: tuple, tokens: float, e: int, shard: int, gathers: tuple[float, float]
+) -> tuple[tuple, Float8Costs]:
     """(the matmuls left high precision, what float8 adds and changes): of each linear-layer matmul shape, the share
     of its linears (per token, ``tokens`` of the step on this rank) that torchao converts; the casts' bytes over
     the step. ``gathers``: how many times the step gathers all the weights in forward and in backward (a float8
@@ -361,9 +432,14 @@ def float8_costs(cfg: "RunConfig", gemms: tuple, tokens: float, e: int, shard: i
     gathered = float8_all_gathered_numel(cfg) / max(shard, 1)  # this rank's shard of the converted weights
     shard_cast = FLOAT8_HP_TO_FP32 + 1
     return tuple(kept), Float8Costs(
-        p.float8_recipe, p.float8_emulate, tuple(fp8), 1 if gw_hp else 2,
+        p.float8_recipe,
+        p.float8_emulate,
+        tuple(fp8),
+        1 if gw_hp else 2,
         cast_bytes_forward=forward + gathers[0] * shard_cast * gathered,
-        cast_bytes_backward=backward + gathers[1] * shard_cast * gathered, optimizer_bytes=FLOAT8_HP_TO_FP32 * gathered)
+        cast_bytes_backward=backward + gathers[1] * shard_cast * gathered,
+        optimizer_bytes=FLOAT8_HP_TO_FP32 * gathered,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- timing
@@ -408,10 +484,12 @@ def float8_refusal(costs: StepCosts, perf: "DevicePerf") -> Optional[str]:
     _scaled_mm is no faster)."""
     if costs.float8 is None or costs.float8.emulate or not perf.kernels or perf.peak_tflops.get("fp8"):
         return None
-    return (f"precision.float8_recipe={costs.float8.recipe}: this GPU has no FP8 tensor cores (no fp8 peak in "
-            "fsdp_exp/plan/devices.py; torch._scaled_mm needs compute capability 8.9 or more), so its float8 matmuls "
-            "cannot run; pass precision=bf16, or precision.float8_emulate=true (torchao's emulation: the casts "
-            "without the speed)")
+    return (
+        f"precision.float8_recipe={costs.float8.recipe}: this GPU has no FP8 tensor cores (no fp8 peak in "
+        "fsdp_exp/plan/devices.py; torch._scaled_mm needs compute capability 8.9 or more), so its float8 matmuls "
+        "cannot run; pass precision=bf16, or precision.float8_emulate=true (torchao's emulation: the casts "
+        "without the speed)"
+    )
 
 
 def _float8_seconds(f8: "Float8Costs", perf: "DevicePerf", rate: float, e: int) -> tuple[float, float]:
@@ -419,8 +497,11 @@ def _float8_seconds(f8: "Float8Costs", perf: "DevicePerf", rate: float, e: int) 
     (operands 1 byte, the output in the compute dtype); emulated, at the high-precision rate; the casts by their
     bytes at the memory's rate."""
     high = _gemm_seconds(f8.gemms, perf, rate, e, e)
-    fp8 = high if f8.emulate else _gemm_seconds(f8.gemms, perf, perf.peak_tflops["fp8"] * 1e12 * perf.fp8_efficiency,
-                                                1, e)
+    fp8 = (
+        high
+        if f8.emulate
+        else _gemm_seconds(f8.gemms, perf, perf.peak_tflops["fp8"] * 1e12 * perf.fp8_efficiency, 1, e)
+    )
     bandwidth = perf.memory_gbps * 1e9 * perf.memory_efficiency
     backward = f8.backward_fp8_matmuls * fp8 + (2 - f8.backward_fp8_matmuls) * high
     return fp8 + f8.cast_bytes_forward / bandwidth, backward + f8.cast_bytes_backward / bandwidth
@@ -516,19 +597,40 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
     if not perf.async_dispatch:
         optimizer += costs.optimizer_ops * dispatch
     world_link = _link(perf, 2 if costs.world > costs.ranks_per_node else 1)
-    overhead = perf.step_overhead_ms * 1e-3 + unit_seconds(costs, perf) + collective_seconds(
-        "all-reduce", costs.world, 8.0 * TINY_ALL_REDUCES, TINY_ALL_REDUCES, world_link.latency_us, world_link.gbps)
-    breakdown = {"compute": c_f + c_b, "exposed_comm": exposed_comm, "offload": exposed_offload + offload_opt,
-                 "optimizer": optimizer, "overhead": overhead}
+    overhead = (
+        perf.step_overhead_ms * 1e-3
+        + unit_seconds(costs, perf)
+        + collective_seconds(
+            "all-reduce", costs.world, 8.0 * TINY_ALL_REDUCES, TINY_ALL_REDUCES, world_link.latency_us, world_link.gbps
+        )
+    )
+    breakdown = {
+        "compute": c_f + c_b,
+        "exposed_comm": exposed_comm,
+        "offload": exposed_offload + offload_opt,
+        "optimizer": optimizer,
+        "overhead": overhead,
+    }
     step = sum(breakdown.values())
-    named = {"compute": "compute", "exposed_comm": "exposed comm", "offload": "offload", "optimizer": "optimizer",
-             "overhead": "overhead"}
+    named = {
+        "compute": "compute",
+        "exposed_comm": "exposed comm",
+        "offload": "offload",
+        "optimizer": "optimizer",
+        "overhead": "overhead",
+    }
     dominant = named[max(breakdown, key=breakdown.get)]
     mfu = costs.model_flops / step / (peak * 1e12)
     fp8_peak = perf.peak_tflops.get("fp8") if costs.float8 else None
-    return StepPrediction(step_time_s=step, tokens_per_s=costs.tokens_per_step / step, mfu=mfu,
-                          breakdown=breakdown, comm=comm, dominant=dominant,
-                          mfu_fp8=costs.model_flops / step / (fp8_peak * 1e12) if fp8_peak else None)
+    return StepPrediction(
+        step_time_s=step,
+        tokens_per_s=costs.tokens_per_step / step,
+        mfu=mfu,
+        breakdown=breakdown,
+        comm=comm,
+        dominant=dominant,
+        mfu_fp8=costs.model_flops / step / (fp8_peak * 1e12) if fp8_peak else None,
+    )
 
 
 def predict(cfg: "RunConfig", topology: "Topology", perf: "DevicePerf") -> StepPrediction:
@@ -543,5 +645,4 @@ def counts(costs: StepCosts) -> dict[str, int]:
     return out
 
 
-__all__ = ["StepCosts", "StepPrediction", "Traffic", "collective_seconds", "counts", "predict", "step_costs",
-           "timing"]
+__all__ = ["StepCosts", "StepPrediction", "Traffic", "collective_seconds", "counts", "predict", "step_costs", "timing"]

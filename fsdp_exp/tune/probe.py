@@ -83,15 +83,27 @@ def cpu_perf(ranks_per_node: int, threads: int):
 
     entry = cpu_probe(ranks_per_node, threads)
     where = f"{entry['how']}, {cache_path()} [{entry.get('key', '')}]"
-    busy = "" if entry["core_share"] >= 0.9 else f"; ranks got {entry['core_share']:.0%} of their cores' time: " \
-                                                 "other programs ran, figures pessimistic"
+    busy = (
+        ""
+        if entry["core_share"] >= 0.9
+        else f"; ranks got {entry['core_share']:.0%} of their cores' time: other programs ran, figures pessimistic"
+    )
     gloo = Link(entry["gloo_gbps"], entry["gloo_latency_us"], f"gloo probe, {ranks_per_node} ranks ({where}{busy})")
     copy = Link(entry["copy_gbps"], 0.0, f"64 MiB copy per rank ({where})")
     perf = DevicePerf(
-        peak_tflops=entry["peak_tflops"], memory_gbps=2 * entry["copy_gbps"], intra=gloo, inter=gloo, host=copy,
-        host_memory_gbps=2 * entry["copy_gbps"] * ranks_per_node, efficiency=CPU_EFFICIENCY, overlap=CPU_OVERLAP,
-        dispatch_us=entry["dispatch_us"], async_dispatch=False, step_overhead_ms=CPU_STEP_OVERHEAD_MS,
-        source=f"matmul peak per rank, all ranks at once ({entry['peak_source']}); memory: 64 MiB copies ({where})")
+        peak_tflops=entry["peak_tflops"],
+        memory_gbps=2 * entry["copy_gbps"],
+        intra=gloo,
+        inter=gloo,
+        host=copy,
+        host_memory_gbps=2 * entry["copy_gbps"] * ranks_per_node,
+        efficiency=CPU_EFFICIENCY,
+        overlap=CPU_OVERLAP,
+        dispatch_us=entry["dispatch_us"],
+        async_dispatch=False,
+        step_overhead_ms=CPU_STEP_OVERHEAD_MS,
+        source=f"matmul peak per rank, all ranks at once ({entry['peak_source']}); memory: 64 MiB copies ({where})",
+    )
     return perf, entry
 
 
@@ -109,8 +121,13 @@ def measure(ranks_per_node: int, threads: int) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "probe.json"
-        mp.start_processes(_rank, args=(ranks_per_node, threads, _free_port(), str(out)), nprocs=ranks_per_node,
-                           start_method="spawn", join=True)
+        mp.start_processes(
+            _rank,
+            args=(ranks_per_node, threads, _free_port(), str(out)),
+            nprocs=ranks_per_node,
+            start_method="spawn",
+            join=True,
+        )
         entry = json.loads(out.read_text())
     entry["measured_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return entry
@@ -181,9 +198,20 @@ def _rank(rank: int, world: int, threads: int, port: int, out: str) -> None:
             latency_us = max(float(alpha) * 1e6, 1.0)
             gbps = 1.0 / max(float(inverse_beta), 1e-12) / 1e9
         if rank == 0:
-            Path(out).write_text(json.dumps({
-                "peak_tflops": peaks, "peak_source": "; ".join(sources), "dispatch_us": dispatch * 1e6,
-                "copy_gbps": copy_gbps, "gloo_latency_us": latency_us, "gloo_gbps": min(gbps, 1e4),
-                "core_share": min(shares) if shares else 1.0, "ranks_per_node": world, "threads_per_rank": threads}))
+            Path(out).write_text(
+                json.dumps(
+                    {
+                        "peak_tflops": peaks,
+                        "peak_source": "; ".join(sources),
+                        "dispatch_us": dispatch * 1e6,
+                        "copy_gbps": copy_gbps,
+                        "gloo_latency_us": latency_us,
+                        "gloo_gbps": min(gbps, 1e4),
+                        "core_share": min(shares) if shares else 1.0,
+                        "ranks_per_node": world,
+                        "threads_per_rank": threads,
+                    }
+                )
+            )
     finally:
         dist.destroy_process_group()

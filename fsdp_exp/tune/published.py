@@ -26,8 +26,16 @@ from pathlib import Path
 from typing import Optional
 
 # The published device names -> the device table's (fsdp_exp/plan/devices.py).
-DEVICES = {"A100_80GB": "a100_80gb", "A100_40GB": "a100_40gb", "H100_80GB": "h100_80gb", "H100_SXM": "h100_80gb",
-           "H100_96GB": "h100_96gb_500w", "H100_PCIE": "h100_pcie", "H200": "h200_141gb", "B200": "b200_192gb"}
+DEVICES = {
+    "A100_80GB": "a100_80gb",
+    "A100_40GB": "a100_40gb",
+    "H100_80GB": "h100_80gb",
+    "H100_SXM": "h100_80gb",
+    "H100_96GB": "h100_96gb_500w",
+    "H100_PCIE": "h100_pcie",
+    "H200": "h200_141gb",
+    "B200": "b200_192gb",
+}
 # Each source's MFU convention (fsdp_exp/metrics/flops.py CONVENTIONS) and its peak's dtype.
 CONVENTION = {"llmfoundry": "llmfoundry", "torchtitan": "torchtitan_2024_04"}
 
@@ -67,8 +75,10 @@ class Row:
     @property
     def name(self) -> str:
         f = self.fields
-        return (f"{f['model']} {f['gpu']} x{f['n_gpus']} seq {f['seq_len']} mb {f['micro_batch']} "
-                f"AC {f['activation_checkpointing'].split(' (')[0]} {f['precision']}")
+        return (
+            f"{f['model']} {f['gpu']} x{f['n_gpus']} seq {f['seq_len']} mb {f['micro_batch']} "
+            f"AC {f['activation_checkpointing'].split(' (')[0]} {f['precision']}"
+        )
 
 
 def load(paths: list[Path], rows_per_file: Optional[int] = None) -> list[Row]:
@@ -86,8 +96,9 @@ def load(paths: list[Path], rows_per_file: Optional[int] = None) -> list[Row]:
 # ------------------------------------------------------------------------------------------------ mapping
 def framework(fields: dict) -> str:
     text = fields["framework"].lower()
-    return "llmfoundry" if "llm-foundry" in text or "composer" in text else "torchtitan" if "torchtitan" in text \
-        else text
+    return (
+        "llmfoundry" if "llm-foundry" in text or "composer" in text else "torchtitan" if "torchtitan" in text else text
+    )
 
 
 def _int(text: str, default: int = 0) -> int:
@@ -102,14 +113,32 @@ def model_overrides(f: dict) -> list[str] | str:
     if kind.startswith("GELU MLP") and "learned pos-emb" in kind:
         # MPT as llm-foundry builds it: GPT-2's block (LayerNorm with biases, biases on every linear, a GELU
         # MLP, full multi-head attention), tied embeddings and a learned position table of seq_len rows.
-        fields = {"model_type": "gpt2", "vocab_size": vocab, "n_positions": seq, "n_embd": d, "n_layer": layers,
-                  "n_head": heads, "n_inner": ffn, "activation_function": "gelu", "resid_pdrop": 0.0,
-                  "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True}
+        fields = {
+            "model_type": "gpt2",
+            "vocab_size": vocab,
+            "n_positions": seq,
+            "n_embd": d,
+            "n_layer": layers,
+            "n_head": heads,
+            "n_inner": ffn,
+            "activation_function": "gelu",
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "tie_word_embeddings": True,
+        }
         body = ",".join(f"{k}:{v}" for k, v in fields.items())
         return ["model=hf", "+model.hf_fields={" + body + "}"]
     if kind.startswith("SwiGLU") and "untied" in kind:
-        base = ["model=llama7b", f"model.dim={d}", f"model.n_layers={layers}", f"model.n_heads={heads}",
-                f"model.n_kv_heads={kv or heads}", f"model.vocab_size={vocab}", f"model.max_seq_len={seq}"]
+        base = [
+            "model=llama7b",
+            f"model.dim={d}",
+            f"model.n_layers={layers}",
+            f"model.n_heads={heads}",
+            f"model.n_kv_heads={kv or heads}",
+            f"model.vocab_size={vocab}",
+            f"model.max_seq_len={seq}",
+        ]
         return base + _swiglu_hidden(d, ffn)
     return f"architecture not mapped: {kind}"
 
@@ -165,9 +194,16 @@ NOT_EXPRESSIBLE_FORMATS = {
     "block-wise": "FP8 with blockwise scaling: not one of torchao's float8 recipes that fsdp_exp builds",
 }
 # The scaling recipes as rows name them -> torchao's recipe names (precision.float8_recipe), most specific first.
-FLOAT8_RECIPES = (("rowwise_with_gw_hp", "rowwise_with_gw_hp"), ("gw_hp", "rowwise_with_gw_hp"),
-                  ("rowwise", "rowwise"), ("row-wise", "rowwise"), ("tensorwise", "tensorwise"),
-                  ("tensor-wise", "tensorwise"), ("per-tensor", "tensorwise"), ("current scaling", "tensorwise"))
+FLOAT8_RECIPES = (
+    ("rowwise_with_gw_hp", "rowwise_with_gw_hp"),
+    ("gw_hp", "rowwise_with_gw_hp"),
+    ("rowwise", "rowwise"),
+    ("row-wise", "rowwise"),
+    ("tensorwise", "tensorwise"),
+    ("tensor-wise", "tensorwise"),
+    ("per-tensor", "tensorwise"),
+    ("current scaling", "tensorwise"),
+)
 
 
 def precision_overrides(f: dict) -> list[str] | str:
@@ -190,11 +226,14 @@ def _float8_overrides(f: dict, text: str) -> list[str] | str:
     if recipe is None and framework(f) == "torchtitan":
         recipe = "tensorwise"  # torchtitan's float8 converter without a recipe name: tensorwise dynamic scaling
     if recipe is None:
-        return (f"precision not expressible: {f['precision']} ({f['precision_detail']}): FP8 without a named scaling "
-                "recipe (fsdp_exp needs tensorwise or rowwise)")
+        return (
+            f"precision not expressible: {f['precision']} ({f['precision_detail']}): FP8 without a named scaling "
+            "recipe (fsdp_exp needs tensorwise or rowwise)"
+        )
     gathers = "all-gather" in text or "all_gather" in text
-    return ["precision=float8", f"precision.float8_recipe={recipe}"] + \
-        (["precision.float8_all_gather=true"] if gathers else [])
+    return ["precision=float8", f"precision.float8_recipe={recipe}"] + (
+        ["precision.float8_all_gather=true"] if gathers else []
+    )
 
 
 def compile_overrides(f: dict) -> list[str]:
@@ -229,10 +268,21 @@ def express(row: Row) -> None:
     per_node = _int(f["gpus_per_node"]) or min(8, n_gpus)
     row.device, row.network = gpu, network_of(f, gpu)
     row.model_fields = _model_fields(model)
-    row.overrides = model + sharding + precision + compile_overrides(f) + [
-        ac_override(f), f"trainer.nproc_per_node={per_node}", f"trainer.nnodes={n_gpus // per_node}",
-        f"trainer.global_batch_size={f['global_batch']}", f"trainer.micro_batch_size={f['micro_batch']}",
-        f"trainer.seq_len={f['seq_len']}", "trainer.device=cuda"]
+    row.overrides = (
+        model
+        + sharding
+        + precision
+        + compile_overrides(f)
+        + [
+            ac_override(f),
+            f"trainer.nproc_per_node={per_node}",
+            f"trainer.nnodes={n_gpus // per_node}",
+            f"trainer.global_batch_size={f['global_batch']}",
+            f"trainer.micro_batch_size={f['micro_batch']}",
+            f"trainer.seq_len={f['seq_len']}",
+            "trainer.device=cuda",
+        ]
+    )
 
 
 def _model_fields(model: list[str]) -> dict:
@@ -244,17 +294,24 @@ def _model_fields(model: list[str]) -> dict:
     for override in model:
         key, _, value = override.lstrip("+").partition("=")
         if key.startswith("model."):
-            out[key.removeprefix("model.")] = yaml.safe_load(value.replace(":", ": ").replace(",", ", ")) \
-                if value.startswith("{") else yaml.safe_load(value)
+            out[key.removeprefix("model.")] = (
+                yaml.safe_load(value.replace(":", ": ").replace(",", ", "))
+                if value.startswith("{")
+                else yaml.safe_load(value)
+            )
     return out
 
 
 def _trainer_fields(row: Row) -> dict:
     values = dict(o.partition("=")[::2] for o in row.overrides if o.startswith("trainer."))
-    return {"nproc_per_node": values["trainer.nproc_per_node"], "nnodes": int(values["trainer.nnodes"]),
-            "global_batch_size": int(values["trainer.global_batch_size"]),
-            "micro_batch_size": int(values["trainer.micro_batch_size"]), "seq_len": int(values["trainer.seq_len"]),
-            "device": values["trainer.device"]}
+    return {
+        "nproc_per_node": values["trainer.nproc_per_node"],
+        "nnodes": int(values["trainer.nnodes"]),
+        "global_batch_size": int(values["trainer.global_batch_size"]),
+        "micro_batch_size": int(values["trainer.micro_batch_size"]),
+        "seq_len": int(values["trainer.seq_len"]),
+        "device": values["trainer.device"],
+    }
 
 
 class Configs:
@@ -269,14 +326,18 @@ class Configs:
     def __call__(self, row: Row):
         # the model's field names belong to the key: a field one row sets and another leaves at its preset's
         # value must not be carried over from the row composed first
-        groups = tuple(o for o in row.overrides if not o.lstrip("+").startswith(("model.", "trainer."))) + \
-            tuple(sorted(row.model_fields))
+        groups = tuple(o for o in row.overrides if not o.lstrip("+").startswith(("model.", "trainer."))) + tuple(
+            sorted(row.model_fields)
+        )
         if groups not in self.bases:
             self.bases[groups] = self.compose(row.overrides)
             return self.bases[groups]
         base = self.bases[groups]
-        return dataclasses.replace(base, model=dataclasses.replace(base.model, **row.model_fields),
-                                   trainer=dataclasses.replace(base.trainer, **_trainer_fields(row)))
+        return dataclasses.replace(
+            base,
+            model=dataclasses.replace(base.model, **row.model_fields),
+            trainer=dataclasses.replace(base.trainer, **_trainer_fields(row)),
+        )
 
 
 def step_samples(paths: list[Path]) -> dict[str, dict]:
@@ -309,7 +370,12 @@ def step_samples(paths: list[Path]) -> dict[str, dict]:
                 continue
             perf = table[row.device].perf
             group = groups.setdefault(row.device, {"samples": [], "perf": perf, "runs": 0})
-            group["samples"].append((step_costs(cfg, topology), row.published_tokens * topology.world_size,
-                                     with_network(perf, row.network) if row.network else perf))
+            group["samples"].append(
+                (
+                    step_costs(cfg, topology),
+                    row.published_tokens * topology.world_size,
+                    with_network(perf, row.network) if row.network else perf,
+                )
+            )
             group["runs"] += 1
     return groups

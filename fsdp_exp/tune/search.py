@@ -107,12 +107,14 @@ class Tuning:
         raise KeyError(cid)
 
     def counts(self) -> dict:
-        return {"weighed": len(self.candidates),
-                "refused": sum(w.refused is not None for w in self.candidates),
-                "over": sum(w.fits is False for w in self.candidates),
-                "fit": sum(bool(w.fits) for w in self.candidates),
-                "ranked": sum(w.rank is not None for w in self.candidates),
-                "borderline": sum(w.borderline for w in self.candidates)}
+        return {
+            "weighed": len(self.candidates),
+            "refused": sum(w.refused is not None for w in self.candidates),
+            "over": sum(w.fits is False for w in self.candidates),
+            "fit": sum(bool(w.fits) for w in self.candidates),
+            "ranked": sum(w.rank is not None for w in self.candidates),
+            "borderline": sum(w.borderline for w in self.candidates),
+        }
 
     def refusals(self, top: int = 3) -> list[tuple[str, int]]:
         return Counter(w.refused for w in self.candidates if w.refused).most_common(top)
@@ -138,8 +140,10 @@ def resolve_device(name: Optional[str], base: "RunConfig") -> tuple["Device", in
     local = local_cuda_device()
     known = table_device(local.description, local.bytes)  # the table's entry for this GPU
     if known is None:
-        fail(f"this machine's GPU ({local.description}) has no entry with peak FLOPS and bandwidths.",
-             f"pass plan.device=<the closest of {', '.join(n for n, d in table.items() if d.perf)}>")
+        fail(
+            f"this machine's GPU ({local.description}) has no entry with peak FLOPS and bandwidths.",
+            f"pass plan.device=<the closest of {', '.join(n for n, d in table.items() if d.perf)}>",
+        )
     return known, count
 
 
@@ -152,8 +156,11 @@ def device_perf(device: "Device", base: "RunConfig", nproc: int) -> tuple["Devic
 
     threads = base.trainer.threads_per_rank or default_threads(nproc)
     perf, entry = cpu_perf(nproc, threads)
-    return perf, f"this CPU, {nproc} ranks x {threads} threads: {perf.source}; gloo: {perf.intra.source}", \
-        probe_key(nproc, threads)
+    return (
+        perf,
+        f"this CPU, {nproc} ranks x {threads} threads: {perf.source}; gloo: {perf.intra.source}",
+        probe_key(nproc, threads),
+    )
 
 
 def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
@@ -194,8 +201,10 @@ def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
     if opts.budget_gib is not None and opts.budget_gib * GIB < capacity:
         limit, limit_name = int(opts.budget_gib * GIB), f"tune.budget_gib={opts.budget_gib:g}"
     elif opts.budget_gib is not None:  # a budget cannot give a rank more memory than its device has: say so
-        space.notes.append(f"tune.budget_gib={opts.budget_gib:g} is above what {limit_name} has "
-                           f"({capacity / GIB:.3g} GiB per rank): the device's memory is the limit")
+        space.notes.append(
+            f"tune.budget_gib={opts.budget_gib:g} is above what {limit_name} has "
+            f"({capacity / GIB:.3g} GiB per rank): the device's memory is the limit"
+        )
 
     weighed: list[Weighed] = []
     first_done = first_cpu = None
@@ -226,8 +235,10 @@ def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
             first_done, first_cpu = time.perf_counter(), time.process_time()
     finished, finished_cpu = time.perf_counter(), time.process_time()
     if not weighed:
-        fail("the search space holds no candidate: " + (space.describe() or "every dimension is fixed"),
-             "widen it: drop a tune.space.<dimension>, or an override that fixes one")
+        fail(
+            "the search space holds no candidate: " + (space.describe() or "every dimension is fixed"),
+            "widen it: drop a tune.space.<dimension>, or an override that fixes one",
+        )
 
     ranked = sorted((w for w in weighed if w.ranked), key=lambda w: (-w.prediction.tokens_per_s, w.need_bytes))
     for position, w in enumerate(ranked, start=1):
@@ -238,19 +249,35 @@ def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
     n_after = len(weighed) - 1
     rest = finished - (first_done or finished)
     rest_cpu = finished_cpu - (first_cpu or finished_cpu)  # what this process got of a busy machine
-    timing = {"compose_s": composed - started, "device_s": probed - composed,
-              "first_candidate_s": (first_done or finished) - probed, "weigh_s": finished - probed,
-              "candidates_per_s_after_first": n_after / rest if rest > 0 else None,
-              # walked through the planner (refusals and parameter floors cost less): a conservative rate
-              "planned_per_s_after_first": (len(planned) - 1) / rest if rest > 0 else None,
-              "candidates_per_cpu_s_after_first": n_after / rest_cpu if rest_cpu > 0 else None,
-              "planned_per_cpu_s_after_first": (len(planned) - 1) / rest_cpu if rest_cpu > 0 else None,
-              "total_s": finished - started,
-              "cpu_s": time.process_time() - cpu_started}
+    timing = {
+        "compose_s": composed - started,
+        "device_s": probed - composed,
+        "first_candidate_s": (first_done or finished) - probed,
+        "weigh_s": finished - probed,
+        "candidates_per_s_after_first": n_after / rest if rest > 0 else None,
+        # walked through the planner (refusals and parameter floors cost less): a conservative rate
+        "planned_per_s_after_first": (len(planned) - 1) / rest if rest > 0 else None,
+        "candidates_per_cpu_s_after_first": n_after / rest_cpu if rest_cpu > 0 else None,
+        "planned_per_cpu_s_after_first": (len(planned) - 1) / rest_cpu if rest_cpu > 0 else None,
+        "total_s": finished - started,
+        "cpu_s": time.process_time() - cpu_started,
+    }
     baselines = {name: _baseline(weighed, base, node, space) for name, node in presets.items()}
-    return Tuning(overrides=overrides, base=base, space=space, device=device, perf=perf, perf_note=perf_note,
-                  calibration=calibration, limit_name=limit_name, limit_bytes=limit, candidates=weighed,
-                  timing=timing, baselines=baselines, device_key=device_key)
+    return Tuning(
+        overrides=overrides,
+        base=base,
+        space=space,
+        device=device,
+        perf=perf,
+        perf_note=perf_note,
+        calibration=calibration,
+        limit_name=limit_name,
+        limit_bytes=limit,
+        candidates=weighed,
+        timing=timing,
+        baselines=baselines,
+        device_key=device_key,
+    )
 
 
 def _cluster(perf: "DevicePerf", note: str, opts: "TuneOptions") -> tuple["DevicePerf", str]:
@@ -263,8 +290,10 @@ def _cluster(perf: "DevicePerf", note: str, opts: "TuneOptions") -> tuple["Devic
         note += f"; between nodes: {perf.inter.source}"
     if opts.power_w:
         if not perf.tdp_w:
-            fail(f"plan.device_power_w={opts.power_w:g}: this device has no rated power to scale from.",
-                 "drop plan.device_power_w, or pass a plan.device=<a GPU of the table>")
+            fail(
+                f"plan.device_power_w={opts.power_w:g}: this device has no rated power to scale from.",
+                "drop plan.device_power_w, or pass a plan.device=<a GPU of the table>",
+            )
         perf = with_power(perf, opts.power_w)
         note += f"; power-limited to {opts.power_w:g} W"
     return perf, note
@@ -280,38 +309,55 @@ def _nothing_ranked(weighed: list[Weighed], limit: int, limit_name: str, budget_
         least = min(sized, key=lambda w: w.need_bytes if w.need_bytes is not None else w.floor_bytes)
         need = least.need_bytes if least.need_bytes is not None else least.floor_bytes
         smallest = "the only candidate" if len(sized) == 1 else "the smallest"
-        room = (f"raise tune.budget_gib to at least {need / GIB:.3g}" if budget_is_limit else
-                f"a device with at least {need / GIB:.3g} GiB per rank (plan.device=...)")
-        fail(f"no candidate fits {limit_name} ({limit / GIB:.3g} GiB per rank): {smallest}, "
-             f"{label(least.candidate.choices)}, needs {need / GIB:.3g} GiB.",
-             f"{room}, or add ranks (trainer.nnodes / trainer.nproc_per_node), or a smaller "
-             "trainer.global_batch_size")
+        room = (
+            f"raise tune.budget_gib to at least {need / GIB:.3g}"
+            if budget_is_limit
+            else f"a device with at least {need / GIB:.3g} GiB per rank (plan.device=...)"
+        )
+        fail(
+            f"no candidate fits {limit_name} ({limit / GIB:.3g} GiB per rank): {smallest}, "
+            f"{label(least.candidate.choices)}, needs {need / GIB:.3g} GiB.",
+            f"{room}, or add ranks (trainer.nnodes / trainer.nproc_per_node), or a smaller trainer.global_batch_size",
+        )
     untimed = [w for w in weighed if w.no_prediction]
     if untimed:  # a reason that names its own fix (float8 on a GPU without FP8 tensor cores) gives that one
         reason, _, fix = untimed[0].no_prediction.partition("; pass ")
-        fail(f"no candidate that fits can be timed: {reason}",
-             f"pass {fix}" if fix else "pass a tune.space.precision the device has a peak for, or another plan.device")
+        fail(
+            f"no candidate that fits can be timed: {reason}",
+            f"pass {fix}" if fix else "pass a tune.space.precision the device has a peak for, or another plan.device",
+        )
     reasons = Counter(w.refused for w in weighed if w.refused).most_common(1)
     if reasons[0][1] == len(weighed) and weighed[0].refused_fix:
         # One reason for every candidate: no dimension of the search changes it (a model the run cannot
         # build, say), so the fix is preflight's own, not a wider space.
-        fail(f"every one of the {len(weighed)} candidates is refused by preflight for one reason, which no "
-             f"dimension of the search changes: {reasons[0][0]}", weighed[0].refused_fix)
-    fail(f"every one of the {len(weighed)} candidates is refused by preflight, most often: {reasons[0][0]}",
-         "fix the run's overrides so that the run itself passes (python -m fsdp_exp.plan <overrides>), "
-         "or widen the space (tune.space.<dimension>)")
+        fail(
+            f"every one of the {len(weighed)} candidates is refused by preflight for one reason, which no "
+            f"dimension of the search changes: {reasons[0][0]}",
+            weighed[0].refused_fix,
+        )
+    fail(
+        f"every one of the {len(weighed)} candidates is refused by preflight, most often: {reasons[0][0]}",
+        "fix the run's overrides so that the run itself passes (python -m fsdp_exp.plan <overrides>), "
+        "or widen the space (tune.space.<dimension>)",
+    )
 
 
 def leave_out_scaled_precisions(space: Space, nodes: dict, perf: "DevicePerf", device: str) -> None:
     """Leave out of the default space the precisions that need a loss scaler (fp16) where bf16 computes as fast:
     they cannot be faster and add the scaler's work and its risk of skipped steps."""
     bf16 = perf.peak_tflops.get("bf16") or 0
-    dropped = [o for o in space.values["precision"] if nodes[("precision", o)].loss_scaler != "none"
-               and bf16 >= (perf.peak_tflops.get(nodes[("precision", o)].param_dtype) or 0)]
+    dropped = [
+        o
+        for o in space.values["precision"]
+        if nodes[("precision", o)].loss_scaler != "none"
+        and bf16 >= (perf.peak_tflops.get(nodes[("precision", o)].param_dtype) or 0)
+    ]
     if dropped and len(dropped) < len(space.values["precision"]):
         space.values["precision"] = [o for o in space.values["precision"] if o not in dropped]
-        space.notes.append(f"precision={','.join(dropped)} left out: {device} computes bf16 as fast, without a loss "
-                           f"scaler (tune.space.precision=[...,{dropped[0]}] searches it anyway)")
+        space.notes.append(
+            f"precision={','.join(dropped)} left out: {device} computes bf16 as fast, without a loss "
+            f"scaler (tune.space.precision=[...,{dropped[0]}] searches it anyway)"
+        )
 
 
 def parameter_floor(cfg: "RunConfig", topology, backend, kind: str) -> int:
@@ -341,10 +387,13 @@ def _baseline(weighed: list[Weighed], base: "RunConfig", sharding, space: Space)
     """The candidate that is the run as given with a preset's sharding; if that one cannot run or fit, the best
     ranked candidate with that sharding. None: no candidate has it."""
     same = [w for w in weighed if w.candidate.cfg.sharding == sharding]
-    exact = [w for w in same if all(getattr(w.candidate.cfg, g) == getattr(base, g)
-                                    for g in ("ac", "precision", "offload", "prefetch"))
-             and w.candidate.cfg.trainer.micro_batch_size in (base.trainer.micro_batch_size,
-                                                             base.trainer.global_batch_size // space.dp)]
+    exact = [
+        w
+        for w in same
+        if all(getattr(w.candidate.cfg, g) == getattr(base, g) for g in ("ac", "precision", "offload", "prefetch"))
+        and w.candidate.cfg.trainer.micro_batch_size
+        in (base.trainer.micro_batch_size, base.trainer.global_batch_size // space.dp)
+    ]
     for w in exact:
         if w.rank is not None:
             return w.candidate.id

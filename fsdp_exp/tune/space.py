@@ -50,7 +50,10 @@ FIXED_BY = {
     "backend": ("sharding", "sharding.backend"),
     "sharding": ("sharding", "sharding.strategy"),
     "shard_size": ("sharding.shard_size", "sharding.replicate_size"),
-    "ac": ("ac",), "precision": ("precision",), "offload": ("offload",), "prefetch": ("prefetch",),
+    "ac": ("ac",),
+    "precision": ("precision",),
+    "offload": ("offload",),
+    "prefetch": ("prefetch",),
     "micro_batch_size": ("trainer.micro_batch_size",),
     "grad_sync": ("trainer.grad_sync",),
 }
@@ -104,19 +107,27 @@ def _check_values(dim: str, values: list[str], allowed: list[str]) -> None:
     for value in values:
         if value not in allowed:
             hint = did_you_mean(closest(value, allowed), after=" ")
-            fail(f"tune.space.{dim} lists {value!r}, which is not one of {', '.join(allowed)}.",
-                 f"{hint}pass tune.space.{dim}=[{','.join(allowed[:3])}]")
+            fail(
+                f"tune.space.{dim} lists {value!r}, which is not one of {', '.join(allowed)}.",
+                f"{hint}pass tune.space.{dim}=[{','.join(allowed[:3])}]",
+            )
 
 
 def _positive(dim: str, values: list[str]) -> None:
     for value in values:
         if not value.isdigit() or int(value) < 1:
-            fail(f"tune.space.{dim} lists {value!r}, not a positive whole number.",
-                 f"pass e.g. tune.space.{dim}=[1,2,4]")
+            fail(
+                f"tune.space.{dim} lists {value!r}, not a positive whole number.", f"pass e.g. tune.space.{dim}=[1,2,4]"
+            )
 
 
-def build_space(base: "RunConfig", overrides: list[str], requested: dict[str, list[str]],
-                group_options: dict[str, list[str]], world: int) -> Space:
+def build_space(
+    base: "RunConfig",
+    overrides: list[str],
+    requested: dict[str, list[str]],
+    group_options: dict[str, list[str]],
+    world: int,
+) -> Space:
     """The space for this run: ``requested`` (``tune.space.*``) where given, else the defaults of the table above,
     less the dimensions ``overrides`` fix."""
     from fsdp_exp.preflight import STRATEGIES
@@ -125,8 +136,10 @@ def build_space(base: "RunConfig", overrides: list[str], requested: dict[str, li
     fixed = fixed_dimensions(overrides)
     for dim in requested:
         if dim in fixed:
-            fail(f"tune.space.{dim} searches what {fixed[dim]} fixes.",
-                 f"drop {fixed[dim]} to search it, or drop tune.space.{dim} to keep it")
+            fail(
+                f"tune.space.{dim} searches what {fixed[dim]} fixes.",
+                f"drop {fixed[dim]} to search it, or drop tune.space.{dim} to keep it",
+            )
     dp = max(1, world // max(base.parallel.tp, 1))
     values: dict[str, list[str]] = {}
     notes: list[str] = []
@@ -150,8 +163,10 @@ def build_space(base: "RunConfig", overrides: list[str], requested: dict[str, li
     _check_values("grad_sync", values["grad_sync"], GRAD_SYNC_VALUES)
     searched_strategies = values["sharding"] if "sharding" not in fixed else [base.sharding.strategy]
     if HYBRID in searched_strategies and "shard_size" not in fixed and not values["shard_size"]:
-        notes.append(f"sharding={HYBRID}: no shard group size divides {dp} data-parallel ranks into more than one "
-                     "group of more than one rank")
+        notes.append(
+            f"sharding={HYBRID}: no shard group size divides {dp} data-parallel ranks into more than one "
+            "group of more than one rank"
+        )
     for dim in fixed:
         values.pop(dim, None)
     if HYBRID not in searched_strategies:
@@ -168,8 +183,10 @@ def leave_out_float8(space: Space, nodes: dict, perf: "DevicePerf", device: str)
     dropped = [o for o in space.values["precision"] if nodes[("precision", o)].float8_recipe is not None]
     if dropped and len(dropped) < len(space.values["precision"]):
         space.values["precision"] = [o for o in space.values["precision"] if o not in dropped]
-        space.notes.append(f"precision={','.join(dropped)} left out: {device} has no FP8 tensor cores, so float8 "
-                           f"matmuls are no faster (tune.space.precision=[...,{dropped[0]}] searches it anyway)")
+        space.notes.append(
+            f"precision={','.join(dropped)} left out: {device} has no FP8 tensor cores, so float8 "
+            f"matmuls are no faster (tune.space.precision=[...,{dropped[0]}] searches it anyway)"
+        )
 
 
 # ------------------------------------------------------------------------------------------ the candidates
@@ -222,15 +239,19 @@ def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterat
                     for dim, option in rest:
                         if dim in ("micro_batch_size", "grad_sync"):
                             value = int(option) if dim == "micro_batch_size" else option
-                            changes["trainer"] = dataclasses.replace(changes.get("trainer", base.trainer),
-                                                                     **{dim: value})
+                            changes["trainer"] = dataclasses.replace(
+                                changes.get("trainer", base.trainer), **{dim: value}
+                            )
                             choices.append(f"trainer.{dim}={option}")
                         else:
                             changes[dim] = nodes[(dim, option)]
                             choices.append(f"{dim}={option}")
                     trainer = changes.get("trainer", base.trainer)
-                    if "grad_sync" in v and trainer.grad_sync != v["grad_sync"][0] \
-                            and not _accumulates(trainer, space.dp):
+                    if (
+                        "grad_sync" in v
+                        and trainer.grad_sync != v["grad_sync"][0]
+                        and not _accumulates(trainer, space.dp)
+                    ):
                         continue  # one micro-batch per step: every grad_sync is the same run
                     yield Candidate(f"c{index:04d}", choices, dataclasses.replace(base, **changes))
                     index += 1

@@ -156,23 +156,28 @@ def _count(cfg: "RunConfig") -> Work:
         block_flops.append(counts.get(prefix, 0) / seq)
         last.append(counts[leaves[-1]] / seq if leaves else 0.0)  # leaves appear in the order they first ran
     total = counter.get_total_flops() / seq + (len(twin.skipped) * block_flops[twin.index] if twin.skipped else 0.0)
-    return Work(flops_per_token=float(spec.flops_per_token(cfg.model, seq)),
-                forward_flops_per_token=total,
-                block_forward_flops=tuple(block_flops), block_last_matmul_flops=tuple(last),
-                forward_ops=CountOps.count, block_forward_ops=tuple(block_ops),
-                gemms=tuple((k, n, f) for (k, n), f in gemms.items()),
-                attention_flops_per_token=max(0.0, total - sum(gemms.values())),
-                memory_elements_per_token=moved[0] / seq, block_unsaved_matmul_flops=tuple(unsaved),
-                logits_per_token=_numel(output) / seq)
+    return Work(
+        flops_per_token=float(spec.flops_per_token(cfg.model, seq)),
+        forward_flops_per_token=total,
+        block_forward_flops=tuple(block_flops),
+        block_last_matmul_flops=tuple(last),
+        forward_ops=CountOps.count,
+        block_forward_ops=tuple(block_ops),
+        gemms=tuple((k, n, f) for (k, n), f in gemms.items()),
+        attention_flops_per_token=max(0.0, total - sum(gemms.values())),
+        memory_elements_per_token=moved[0] / seq,
+        block_unsaved_matmul_flops=tuple(unsaved),
+        logits_per_token=_numel(output) / seq,
+    )
 
 
 class _Repeats:
     """Count a stack of identical blocks by two of them: every block after the second with the second's class and
-    parameter shapes is not run (it returns the second's output at once, which has the shapes the next block
-    takes) and is credited with what the second did: its operators, matmuls by shape and bytes moved. A 70B
-    model's 80 blocks then cost as much to count as two. Blocks that differ only in what their parameters do not
-show (an alternating sliding window) count as their twin does: the meta device runs attention over the whole
-sequence either way."""
+        parameter shapes is not run (it returns the second's output at once, which has the shapes the next block
+        takes) and is credited with what the second did: its operators, matmuls by shape and bytes moved. A 70B
+        model's 80 blocks then cost as much to count as two. Blocks that differ only in what their parameters do not
+    show (an alternating sliding window) count as their twin does: the meta device runs attention over the whole
+    sequence either way."""
 
     index = 1
 
@@ -227,8 +232,18 @@ def _numel(output) -> float:
 
 _GEMMS = ("mm", "addmm")
 _COUNTED = ("bmm", "baddbmm", "_scaled_dot_product", "convolution")  # FLOPs the counter has: not memory-bound
-_FREE = ("empty", "zeros", "ones", "full", "scalar_tensor", "arange", "lift_fresh", "_local_scalar_dense",
-         "_unsafe_view", "alias")
+_FREE = (
+    "empty",
+    "zeros",
+    "ones",
+    "full",
+    "scalar_tensor",
+    "arange",
+    "lift_fresh",
+    "_local_scalar_dense",
+    "_unsafe_view",
+    "alias",
+)
 
 
 def _classify(func, args, out, seq: int, gemms: dict, moved: list) -> None:
@@ -247,8 +262,7 @@ def _classify(func, args, out, seq: int, gemms: dict, moved: list) -> None:
         return
     if name.startswith(_COUNTED) or name.startswith(_FREE) or getattr(func, "is_view", False):
         return
-    tensors = [t for t in (*args, *(out if isinstance(out, (tuple, list)) else (out,)))
-               if isinstance(t, torch.Tensor)]
+    tensors = [t for t in (*args, *(out if isinstance(out, (tuple, list)) else (out,))) if isinstance(t, torch.Tensor)]
     if seq > 1 and any(t.dim() >= 2 and t.shape[-1] == seq and t.shape[-2] == seq for t in tensors):
         return  # attention's scores (on the meta device SDPA runs as math): a fused kernel never writes them
     moved[0] += float(sum(t.numel() for t in tensors))

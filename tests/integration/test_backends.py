@@ -16,9 +16,7 @@ from conftest import TINY_BATCH, TINY_MODEL, read_metrics, run_config, run_exper
 from reference import reference_losses
 
 STEPS = 4
-SMALL = [*TINY_MODEL, *TINY_BATCH,
-         f"trainer.steps={STEPS}", "trainer.warmup_steps=1",
-         "logger.wandb.mode=disabled"]
+SMALL = [*TINY_MODEL, *TINY_BATCH, f"trainer.steps={STEPS}", "trainer.warmup_steps=1", "logger.wandb.mode=disabled"]
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-3}
 DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -27,10 +25,18 @@ CASES = {
     "fsdp2-full-fp16-scaler": ["sharding=full", "precision=fp16"],
     "fsdp2-grad_op-bf16": ["sharding=grad_op", "precision=bf16"],
     "fsdp2-full-bf16_pure-output-fp32": ["precision=bf16_pure", "precision.output_dtype=fp32"],
-    "fsdp2-offload-deep-prefetch-size-wrap": ["offload=params", "prefetch=deep", "wrap=size",
-                                              "wrap.min_num_params=10000", "model.n_layers=3"],
-    "fsdp2-no-forward-prefetch-implicit-backward-reshard-last": ["prefetch=none", "model.n_layers=3",
-                                                                  "sharding.reshard_last_block=true"],
+    "fsdp2-offload-deep-prefetch-size-wrap": [
+        "offload=params",
+        "prefetch=deep",
+        "wrap=size",
+        "wrap.min_num_params=10000",
+        "model.n_layers=3",
+    ],
+    "fsdp2-no-forward-prefetch-implicit-backward-reshard-last": [
+        "prefetch=none",
+        "model.n_layers=3",
+        "sharding.reshard_last_block=true",
+    ],
     "fsdp2-ac-full": ["ac=full"],
     "fsdp2-ac-selective-every-2": ["ac=selective", "model.n_layers=3"],
     "fsdp2-ac-selective-op": ["ac=selective_op", "sharding=grad_op"],
@@ -38,15 +44,35 @@ CASES = {
     "fsdp2-no-wrap": ["wrap=none", "sharding=no_shard"],
     # FSDP1
     "fsdp1-full-pre-forward-prefetch": ["sharding=full", "sharding.backend=fsdp1"],
-    "fsdp1-grad_op-bf16-post-size": ["sharding=grad_op", "sharding.backend=fsdp1", "precision=bf16",
-                                     "prefetch.backward_timing=post", "prefetch.limit_all_gathers=false",
-                                     "wrap=size", "wrap.min_num_params=10000"],
-    "fsdp1-no_shard-fp16-no-prefetch": ["sharding=no_shard", "sharding.backend=fsdp1", "precision=fp16",
-                                        "prefetch=none", "prefetch.backward=0"],
-    "fsdp1-flat-params-no-decay": ["sharding.backend=fsdp1", "sharding.use_orig_params=false",
-                                   "optim.weight_decay=0", "ac=full"],
-    "fsdp1-moe-experts-bf16-buffers": ["sharding.backend=fsdp1", "model=moe_tiny", "wrap=experts",
-                                       "precision=bf16", "precision.buffer_dtype=fp32"],
+    "fsdp1-grad_op-bf16-post-size": [
+        "sharding=grad_op",
+        "sharding.backend=fsdp1",
+        "precision=bf16",
+        "prefetch.backward_timing=post",
+        "prefetch.limit_all_gathers=false",
+        "wrap=size",
+        "wrap.min_num_params=10000",
+    ],
+    "fsdp1-no_shard-fp16-no-prefetch": [
+        "sharding=no_shard",
+        "sharding.backend=fsdp1",
+        "precision=fp16",
+        "prefetch=none",
+        "prefetch.backward=0",
+    ],
+    "fsdp1-flat-params-no-decay": [
+        "sharding.backend=fsdp1",
+        "sharding.use_orig_params=false",
+        "optim.weight_decay=0",
+        "ac=full",
+    ],
+    "fsdp1-moe-experts-bf16-buffers": [
+        "sharding.backend=fsdp1",
+        "model=moe_tiny",
+        "wrap=experts",
+        "precision=bf16",
+        "precision.buffer_dtype=fp32",
+    ],
     # DDP
     "ddp-fp32": ["sharding=ddp"],
     "ddp-bf16-autocast": ["sharding=ddp", "precision=bf16"],
@@ -86,8 +112,11 @@ def _expected_units(cfg) -> list[str]:
 def _check_fsdp2(cfg, units):
     by_name = {u["module"]: u for u in units}
     assert sorted(by_name) == sorted(_expected_units(cfg))
-    chain = [u["module"] for u in units if u["module"] != "<root>"
-             and not any(u["module"].startswith(o["module"] + ".") for o in units if o is not u)]
+    chain = [
+        u["module"]
+        for u in units
+        if u["module"] != "<root>" and not any(u["module"].startswith(o["module"] + ".") for o in units if o is not u)
+    ]
     reshard = {"full": True, "grad_op": False, "hybrid": True, "no_shard": False}[cfg.sharding.strategy]
     for unit in units:
         if "mp_policy" not in unit:
@@ -96,30 +125,35 @@ def _check_fsdp2(cfg, units):
         assert mp["param_dtype"] == DTYPE[cfg.precision.param_dtype]
         assert mp["reduce_dtype"] == DTYPE[cfg.precision.reduce_dtype]
         root = unit["module"] == "<root>"
-        assert mp["output_dtype"] == (DTYPE[cfg.precision.output_dtype] if cfg.precision.output_dtype and root
-                                      else None)
+        assert mp["output_dtype"] == (
+            DTYPE[cfg.precision.output_dtype] if cfg.precision.output_dtype and root else None
+        )
         assert unit["offload"] == ("CPUOffloadPolicy" if cfg.offload.params else "OffloadPolicy")
         if unit["module"] in chain:
             keep = unit["module"] == chain[-1] and reshard and not cfg.sharding.reshard_last_block
             assert unit["reshard_after_forward"] == (False if keep else reshard), unit
     for i, name in enumerate(chain):
-        assert by_name[name]["forward_prefetch"] == chain[i + 1:i + 1 + cfg.prefetch.forward]
-        backward = [] if cfg.prefetch.backward is None else chain[max(0, i - cfg.prefetch.backward):i][::-1]
+        assert by_name[name]["forward_prefetch"] == chain[i + 1 : i + 1 + cfg.prefetch.forward]
+        backward = [] if cfg.prefetch.backward is None else chain[max(0, i - cfg.prefetch.backward) : i][::-1]
         assert by_name[name]["backward_prefetch"] == backward
 
 
 def _check_fsdp1(cfg, units):
     assert sorted(u["module"] for u in units) == sorted(_expected_units(cfg))
-    strategy = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD",
-                "hybrid": "HYBRID_SHARD"}[cfg.sharding.strategy]
+    strategy = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD", "hybrid": "HYBRID_SHARD"}[
+        cfg.sharding.strategy
+    ]
     for unit in units:
         assert unit["sharding_strategy"] == strategy
         mp = unit["mixed_precision"]["MixedPrecision"]
         lowp = cfg.precision.param_dtype != "fp32" or cfg.precision.buffer_dtype
         assert mp["param_dtype"] == (DTYPE[cfg.precision.param_dtype] if lowp else None)
         assert mp["buffer_dtype"] == (DTYPE[cfg.precision.buffer_dtype] if cfg.precision.buffer_dtype else None)
-        expected_bwd = None if cfg.prefetch.backward == 0 else (
-            "BACKWARD_POST" if cfg.prefetch.backward_timing == "post" else "BACKWARD_PRE")
+        expected_bwd = (
+            None
+            if cfg.prefetch.backward == 0
+            else ("BACKWARD_POST" if cfg.prefetch.backward_timing == "post" else "BACKWARD_PRE")
+        )
         assert unit["backward_prefetch"] == expected_bwd
         assert unit["forward_prefetch"] == (cfg.prefetch.forward > 0)
         assert unit["limit_all_gathers"] == (cfg.prefetch.limit_all_gathers is not False)
@@ -149,8 +183,12 @@ def test_backend_matrix(tmp_path, name):
 
 
 FOUR_RANKS = {
-    "fsdp1-hybrid-2x2": ["sharding=hybrid", "sharding.backend=fsdp1", "sharding.replicate_size=2",
-                         "sharding.shard_size=2"],
+    "fsdp1-hybrid-2x2": [
+        "sharding=hybrid",
+        "sharding.backend=fsdp1",
+        "sharding.replicate_size=2",
+        "sharding.shard_size=2",
+    ],
     "fsdp2-full-reshard-to-2": ["sharding=full", "sharding.reshard_after_forward=2"],
     "fsdp2-tp2-sequence-parallel": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "fsdp2-hybrid-tp2": ["sharding=hybrid", "parallel.tp=2", "sharding.replicate_size=2", "sharding.shard_size=1"],
@@ -193,28 +231,31 @@ def test_compiled_blocks_match(tmp_path, monkeypatch):
     _check_losses(tmp_path, overrides)
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["prefetch.limit_all_gathers=true"], "FSDP2 always bounds in-flight all-gathers"),
-    (["prefetch.backward_timing=post"], "pass sharding.backend=fsdp1"),
-    (["sharding.use_orig_params=false"], "drop sharding.use_orig_params"),
-    (["precision.buffer_dtype=bf16"], "drop precision.buffer_dtype"),
-    (["sharding.backend=fsdp1", "sharding.reshard_after_forward=2"], "FULL_SHARD reshards"),
-    (["sharding.backend=fsdp1", "precision.output_dtype=fp32"], "only FSDP2"),
-    (["sharding.backend=fsdp1", "prefetch=deep"], "FSDP1 prefetches exactly one unit"),
-    (["sharding.backend=fsdp1", "offload=params"], "CPUOffload pins host memory"),
-    (["sharding.backend=fsdp1", "sharding.sync_module_states=true"], "refuses to broadcast CPU"),
-    (["sharding.backend=fsdp1", "sharding.use_orig_params=false"], "pass optim.weight_decay=0"),
-    (["sharding.backend=fsdp1", "parallel.tp=2"], "FSDP2 only"),
-    (["sharding=ddp", "prefetch=deep"], "DDP has no all-gathers"),
-    (["sharding=ddp", "wrap=none"], "DDP has no wrapped units"),
-    (["sharding=ddp", "offload=params"], "DDP keeps full replicas"),
-    (["sharding=ddp", "sharding.strategy=full"], "DDP replicates"),
-    (["sharding=ddp", "precision=bf16_pure"], "needs NCCL"),
-    (["wrap=experts"], "model=moe_tiny"),
-    (["parallel.tp=3"], "parallel.tp="),
-    (["ac.ops=every_matmul"], "ac=selective_op"),
-    (["ac=selective_op", "ac.ops=matmul_save"], "ac.ops=every_matmul"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["prefetch.limit_all_gathers=true"], "FSDP2 always bounds in-flight all-gathers"),
+        (["prefetch.backward_timing=post"], "pass sharding.backend=fsdp1"),
+        (["sharding.use_orig_params=false"], "drop sharding.use_orig_params"),
+        (["precision.buffer_dtype=bf16"], "drop precision.buffer_dtype"),
+        (["sharding.backend=fsdp1", "sharding.reshard_after_forward=2"], "FULL_SHARD reshards"),
+        (["sharding.backend=fsdp1", "precision.output_dtype=fp32"], "only FSDP2"),
+        (["sharding.backend=fsdp1", "prefetch=deep"], "FSDP1 prefetches exactly one unit"),
+        (["sharding.backend=fsdp1", "offload=params"], "CPUOffload pins host memory"),
+        (["sharding.backend=fsdp1", "sharding.sync_module_states=true"], "refuses to broadcast CPU"),
+        (["sharding.backend=fsdp1", "sharding.use_orig_params=false"], "pass optim.weight_decay=0"),
+        (["sharding.backend=fsdp1", "parallel.tp=2"], "FSDP2 only"),
+        (["sharding=ddp", "prefetch=deep"], "DDP has no all-gathers"),
+        (["sharding=ddp", "wrap=none"], "DDP has no wrapped units"),
+        (["sharding=ddp", "offload=params"], "DDP keeps full replicas"),
+        (["sharding=ddp", "sharding.strategy=full"], "DDP replicates"),
+        (["sharding=ddp", "precision=bf16_pure"], "needs NCCL"),
+        (["wrap=experts"], "model=moe_tiny"),
+        (["parallel.tp=3"], "parallel.tp="),
+        (["ac.ops=every_matmul"], "ac=selective_op"),
+        (["ac=selective_op", "ac.ops=matmul_save"], "ac.ops=every_matmul"),
+    ],
+)
 def test_knobs_a_backend_cannot_honour_are_refused(overrides, needle):
     with pytest.raises(ConfigError) as err:
         validate(run_config(overrides), cuda_devices=0)
@@ -228,7 +269,9 @@ def test_vocabulary_docs_are_generated_from_the_backends():
     from fsdp_exp.parallel.vocabulary import render_markdown, sharding_rows
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "vocabulary.md"
-    assert docs.read_text() == render_markdown(), "regenerate: python -m fsdp_exp.parallel.vocabulary > docs/vocabulary.md"
+    assert docs.read_text() == render_markdown(), (
+        "regenerate: python -m fsdp_exp.parallel.vocabulary > docs/vocabulary.md"
+    )
     rows = {row[0]: row for row in sharding_rows()}
     for strategy in ("full", "grad_op", "hybrid", "no_shard"):
         row = rows[f"`sharding={strategy}`"]
@@ -261,4 +304,7 @@ def test_model_states_by_strategy_match_theory(tmp_path):
     assert peak["full"] < peak["grad_op"] < peak["no_shard"], peak
     assert abs(tracked["grad_op"]["mem/tracked_unsharded_params_gib_max"] * gib / P - 1) < 0.02
     # full reshards blocks after forward: at its peak only the root and the block in flight are whole.
-    assert tracked["full"]["mem/tracked_unsharded_params_gib_max"] < tracked["grad_op"]["mem/tracked_unsharded_params_gib_max"]
+    assert (
+        tracked["full"]["mem/tracked_unsharded_params_gib_max"]
+        < tracked["grad_op"]["mem/tracked_unsharded_params_gib_max"]
+    )

@@ -22,11 +22,21 @@ from fsdp_exp.debug import compare_init_digests
 from fsdp_exp.preflight import validate
 from fsdp_exp.launch import RunFailed
 
-from conftest import TINY_BATCH, TINY_MODEL, BASE_ENV, MARKER, QUIET, REPO, leftover_processes, read_metrics, run_config, run_experiment
+from conftest import (
+    TINY_BATCH,
+    TINY_MODEL,
+    BASE_ENV,
+    MARKER,
+    QUIET,
+    REPO,
+    leftover_processes,
+    read_metrics,
+    run_config,
+    run_experiment,
+)
 
 STEPS = 24
-TINY = [*TINY_MODEL, *TINY_BATCH,
-        "trainer.warmup_steps=1"]
+TINY = [*TINY_MODEL, *TINY_BATCH, "trainer.warmup_steps=1"]
 BASE = [*TINY, f"trainer.steps={STEPS}", "logger.wandb.mode=disabled"]
 EVERY = 3
 
@@ -58,8 +68,9 @@ def reference(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         for key, value in BASE_ENV.items():
             mp.setenv(key, value)
-        record = run_experiment([*BASE, f"checkpoint.every={EVERY}", "checkpoint.keep=2",
-                                 "checkpoint.async_save=true"], run_dir)
+        record = run_experiment(
+            [*BASE, f"checkpoint.every={EVERY}", "checkpoint.keep=2", "checkpoint.async_save=true"], run_dir
+        )
     assert record["status"] == "completed"
     return run_dir, _losses(run_dir)
 
@@ -113,8 +124,9 @@ def test_resume_after_a_killed_rank_is_bit_identical(tmp_path, reference):
 def _wandb_history(folder: Path) -> list[dict]:
     wandb_bin = Path(sys.executable).with_name("wandb")
     (log,) = folder.glob("*.wandb")
-    records = subprocess.run([str(wandb_bin), "leet", "inspect", "--json", str(log)], capture_output=True,
-                             text=True, check=True).stdout.splitlines()
+    records = subprocess.run(
+        [str(wandb_bin), "leet", "inspect", "--json", str(log)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     return [r["history"]["item"] for r in map(json.loads, records) if r["type"] == "history"]
 
 
@@ -124,8 +136,16 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference):
     step_6.tmp exists, resume ignores it and continues from step_3, bit-identically."""
     _, expected = reference
     overrides = [*BASE, f"checkpoint.every={EVERY}"]
-    failure = _fails([*overrides, "debug.fail_during=save", "debug.fail_at_step=6", "debug.fail_rank=0",
-                      "debug.fail_signal=SIGKILL"], tmp_path)
+    failure = _fails(
+        [
+            *overrides,
+            "debug.fail_during=save",
+            "debug.fail_at_step=6",
+            "debug.fail_rank=0",
+            "debug.fail_signal=SIGKILL",
+        ],
+        tmp_path,
+    )
     assert failure.rank == 0 and "SIGKILL" in failure.summary
     root = tmp_path / "checkpoints"
     assert [s for s, _ in complete_checkpoints(root)] == [3]
@@ -142,8 +162,9 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path, reference):
 @pytest.mark.slow
 def test_two_rank_checkpoint_resumes_at_another_world_size(tmp_path, reference, nproc):
     ref_dir, expected = reference
-    record = run_experiment([*BASE, f"trainer.nproc_per_node={nproc}",
-                             f"checkpoint.resume={ref_dir / 'checkpoints' / 'step_21'}"], tmp_path)
+    record = run_experiment(
+        [*BASE, f"trainer.nproc_per_node={nproc}", f"checkpoint.resume={ref_dir / 'checkpoints' / 'step_21'}"], tmp_path
+    )
     resumed = record["resumed_from"]
     assert resumed["resharded"] and resumed["saved_layout"]["world_size"] == 2
     assert resumed["layout"]["world_size"] == nproc
@@ -163,11 +184,16 @@ def test_fsdp2_checkpoint_resumes_under_another_backend(tmp_path, reference, bac
         assert abs(loss - expected[step]) / abs(expected[step]) < 1e-5, (step, loss, expected[step])
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["model.n_layers=3"], "another architecture (model.n_layers: 2 in the checkpoint, 3 now)"),
-    (["sharding.backend=fsdp1", "sharding.use_orig_params=false", "optim.weight_decay=0"],
-     "cannot convert checkpoint"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["model.n_layers=3"], "another architecture (model.n_layers: 2 in the checkpoint, 3 now)"),
+        (
+            ["sharding.backend=fsdp1", "sharding.use_orig_params=false", "optim.weight_decay=0"],
+            "cannot convert checkpoint",
+        ),
+    ],
+)
 @pytest.mark.slow
 def test_what_cannot_be_converted_is_refused(tmp_path, reference, overrides, needle):
     ref_dir, _ = reference
@@ -179,15 +205,26 @@ def test_what_cannot_be_converted_is_refused(tmp_path, reference, overrides, nee
 def _launcher_children(pid: int) -> list:
     import psutil
 
-    return sorted((p for p in psutil.Process(pid).children()
-                   if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())),
-                  key=lambda p: (p.create_time(), p.pid))
+    return sorted(
+        (
+            p
+            for p in psutil.Process(pid).children()
+            if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())
+        ),
+        key=lambda p: (p.create_time(), p.pid),
+    )
 
 
 def _start_cli(overrides: list[str], run_dir: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "fsdp_exp", *overrides, *QUIET, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=REPO, env={**os.environ, MARKER: str(run_dir)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, MARKER: str(run_dir)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_rows(run_dir: Path, proc: subprocess.Popen, rows: int, timeout: float = 120) -> None:
@@ -274,8 +311,17 @@ def test_exports_and_identical_init_check(tmp_path, monkeypatch):
     from fsdp_exp.export import main as export_main
     from reference import hf_export_logits_gap
 
-    record = run_experiment([*TINY, "trainer.steps=2", "logger.wandb.mode=disabled", "checkpoint.every=2",
-                             "checkpoint.export=hf", "debug.check_identical_init=true"], tmp_path)
+    record = run_experiment(
+        [
+            *TINY,
+            "trainer.steps=2",
+            "logger.wandb.mode=disabled",
+            "checkpoint.every=2",
+            "checkpoint.export=hf",
+            "debug.check_identical_init=true",
+        ],
+        tmp_path,
+    )
     assert record["init_check"]["result"] == "identical" and record["init_check"]["shards_checked"] > 0
     assert record["export"]["format"] == "hf"
     # Offline for this test only: a variable left set changes how later tests' hub names are refused.
@@ -299,9 +345,18 @@ def test_tied_embeddings_stay_one_tensor(tmp_path, sharding):
     import torch
     from safetensors.torch import load_file
 
-    record = run_experiment([*TINY, "model.tie_embeddings=true", f"sharding={sharding}", "trainer.steps=2",
-                             "logger.wandb.mode=disabled", "checkpoint.export=safetensors",
-                             "debug.check_identical_init=true"], tmp_path)
+    record = run_experiment(
+        [
+            *TINY,
+            "model.tie_embeddings=true",
+            f"sharding={sharding}",
+            "trainer.steps=2",
+            "logger.wandb.mode=disabled",
+            "checkpoint.export=safetensors",
+            "debug.check_identical_init=true",
+        ],
+        tmp_path,
+    )
     assert record["init_check"]["result"] == "identical"
     state = load_file(tmp_path / "export" / "model.safetensors")
     assert "output.weight" not in state or torch.equal(state["output.weight"], state["tok_embeddings.weight"])
@@ -319,15 +374,18 @@ def test_init_digest_comparison_names_ranks_and_tensors():
     assert compare_init_digests([[shard0], [shard1]]) == []  # different slices are not replicas
 
 
-@pytest.mark.parametrize("overrides,fix", [
-    (["checkpoint.every=-1"], "checkpoint.every=0"),
-    (["checkpoint.keep=-2"], "checkpoint.keep=2"),
-    (["checkpoint.export=onnx"], "checkpoint.export=safetensors"),
-    (["checkpoint.export=hf", "model=moe_tiny"], "checkpoint.export=safetensors"),
-    (["checkpoint.signals=[SIGKILL]"], "checkpoint.signals=[SIGTERM,SIGUSR1]"),
-    (["debug.fail_during=save", "debug.fail_at_step=3"], "checkpoint.every=N"),
-    (["debug.fail_signal=KILL"], "debug.fail_signal=SIGKILL"),
-])
+@pytest.mark.parametrize(
+    "overrides,fix",
+    [
+        (["checkpoint.every=-1"], "checkpoint.every=0"),
+        (["checkpoint.keep=-2"], "checkpoint.keep=2"),
+        (["checkpoint.export=onnx"], "checkpoint.export=safetensors"),
+        (["checkpoint.export=hf", "model=moe_tiny"], "checkpoint.export=safetensors"),
+        (["checkpoint.signals=[SIGKILL]"], "checkpoint.signals=[SIGTERM,SIGUSR1]"),
+        (["debug.fail_during=save", "debug.fail_at_step=3"], "checkpoint.every=N"),
+        (["debug.fail_signal=KILL"], "debug.fail_signal=SIGKILL"),
+    ],
+)
 def test_checkpoint_knobs_are_validated(overrides, fix):
     with pytest.raises(ConfigError) as info:
         validate(run_config(overrides), cuda_devices=0)

@@ -14,19 +14,33 @@ from fsdp_exp.parallel.deepspeed import installed
 from conftest import leftover_processes, run_cli
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["model=llama8b"], "model"),
-    (["trainer.stepz=3"], "stepz"),
-    (["trainer.steps=many"], "trainer.steps"),
-    (["trainer.global_batch_size=5"], "trainer.global_batch_size=6"),
-    (["sharding=hybrid", "trainer.nproc_per_node=4", "sharding.shard_size=3"], "sharding.shard_size"),
-    (["precision=fp16", "precision.loss_scaler=none"], "precision.loss_scaler=dynamic"),
-    (["optim.lr=-0.1"], "optim.lr"),
-    # the model family's own check (models/llama_spec.py): 9 of 4 experts is refused, not met by torch's topk in a rank
-    (["model=moe_tiny", "model.experts_top_k=9"], "model.experts_top_k=9 routes each token to that many experts, "
-     "and the model has 4"),
-], ids=["unknown-option", "unknown-key", "wrong-type", "batch", "hybrid-mesh", "fp16-no-scaler", "negative-lr",
-        "moe-top-k"])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["model=llama8b"], "model"),
+        (["trainer.stepz=3"], "stepz"),
+        (["trainer.steps=many"], "trainer.steps"),
+        (["trainer.global_batch_size=5"], "trainer.global_batch_size=6"),
+        (["sharding=hybrid", "trainer.nproc_per_node=4", "sharding.shard_size=3"], "sharding.shard_size"),
+        (["precision=fp16", "precision.loss_scaler=none"], "precision.loss_scaler=dynamic"),
+        (["optim.lr=-0.1"], "optim.lr"),
+        # the model family's own check (models/llama_spec.py): 9 of 4 experts is refused, not met by torch's topk in a rank
+        (
+            ["model=moe_tiny", "model.experts_top_k=9"],
+            "model.experts_top_k=9 routes each token to that many experts, and the model has 4",
+        ),
+    ],
+    ids=[
+        "unknown-option",
+        "unknown-key",
+        "wrong-type",
+        "batch",
+        "hybrid-mesh",
+        "fp16-no-scaler",
+        "negative-lr",
+        "moe-top-k",
+    ],
+)
 def test_bad_input_on_the_command_line(tmp_path: Path, overrides, needle):
     result = run_cli(overrides, tmp_path / "run")
     assert result.returncode == 2, result.stderr  # bad input (fsdp_exp.errors.EXIT_BAD_CONFIG)
@@ -46,8 +60,11 @@ def test_an_unknown_backend_is_refused_with_the_closest_name(tmp_path):
     assert "did you mean sharding.backend=fsdp2?" in output
 
 
-@pytest.mark.skipif(not installed(), reason="DeepSpeed is not installed (pip install 'fsdp_exp[deepspeed]'; the "
-                    "README's test command and CI install it)")
+@pytest.mark.skipif(
+    not installed(),
+    reason="DeepSpeed is not installed (pip install 'fsdp_exp[deepspeed]'; the "
+    "README's test command and CI install it)",
+)
 def test_a_deepspeed_refusal_exits_2_before_any_rank_starts(tmp_path):
     result = run_cli(["sharding=zero2", "prefetch=deep"], tmp_path / "run", timeout=120)
     assert result.returncode == 2, result.stderr[-2000:]

@@ -75,7 +75,7 @@ def test_packing_cuts_the_token_stream_with_document_separators(cache):
     n = (len(stream) - 1) // L
     assert blocks.shape == (n, L + 1)
     for i in (0, 1, n // 2, n - 1):  # consecutive blocks overlap by one token: no (input, target) pair lost
-        assert (blocks[i] == stream[i * L:i * L + L + 1]).all()
+        assert (blocks[i] == stream[i * L : i * L + L + 1]).all()
     meta = data.source.packed.meta
     assert meta["num_docs"] == len(TRAIN_DOCS) and meta["num_tokens"] == len(stream)
     assert (blocks == 0).sum() >= len(TRAIN_DOCS) - 2  # separators (the last ones fall in the dropped tail)
@@ -91,8 +91,9 @@ def test_packing_is_done_once_and_cached(cache, tmp_path):
     again = prepare_data(cfg, log=None)["train"]
     assert first["built_now"] and not again["built_now"] and again["path"] == first["path"]
     # Another seq_len is another packing; so is a changed file.
-    other = prepare_data(run_config(["data=text", f"data.cache_dir={cache}", *overrides[:2], "trainer.seq_len=32"]),
-                         log=None)["train"]
+    other = prepare_data(
+        run_config(["data=text", f"data.cache_dir={cache}", *overrides[:2], "trainer.seq_len=32"]), log=None
+    )["train"]
     assert other["built_now"] and other["path"] != first["path"]
     corpus.write_text("\n\n".join(TRAIN_DOCS[:12]))
     changed = prepare_data(cfg, log=None)["train"]
@@ -116,13 +117,30 @@ def test_text_json_parquet_hub_folder_and_streaming_give_the_same_blocks(cache, 
     variants = {
         "text": ["data=text", f"data.files=[{tmp_path / 'd.txt'}]"],
         "json": ["data=json", f"data.files=[{tmp_path / 'd.jsonl'}]", "data.text_field=body"],
-        "json-streaming": ["data=json", f"data.files=[{tmp_path / 'd.jsonl'}]", "data.text_field=body",
-                           "data.streaming=true"],
+        "json-streaming": [
+            "data=json",
+            f"data.files=[{tmp_path / 'd.jsonl'}]",
+            "data.text_field=body",
+            "data.streaming=true",
+        ],
         "parquet": ["data=parquet", f"data.files=[{tmp_path / 'd.parquet'}]", "data.text_field=body"],
-        "hf-folder": ["data=hf", f"data.dataset={hub}", "data.split=train", "data.val_split=null",
-                      "data.text_field=body", "data.max_blocks=null"],
-        "hf-folder-streaming": ["data=hf", f"data.dataset={hub}", "data.split=train", "data.val_split=null",
-                                "data.text_field=body", "data.max_blocks=null", "data.streaming=true"],
+        "hf-folder": [
+            "data=hf",
+            f"data.dataset={hub}",
+            "data.split=train",
+            "data.val_split=null",
+            "data.text_field=body",
+            "data.max_blocks=null",
+        ],
+        "hf-folder-streaming": [
+            "data=hf",
+            f"data.dataset={hub}",
+            "data.split=train",
+            "data.val_split=null",
+            "data.text_field=body",
+            "data.max_blocks=null",
+            "data.streaming=true",
+        ],
     }
     blocks = {}
     for name, overrides in variants.items():
@@ -139,7 +157,7 @@ def test_text_json_parquet_hub_folder_and_streaming_give_the_same_blocks(cache, 
     info = prepare_data(cfg, log=None)["train"]
     assert info["num_blocks"] == 9
     prefix = np.fromfile(Path(info["path"]) / "blocks.bin", dtype=np.uint16)
-    assert np.array_equal(prefix, blocks["text"][:prefix.size])
+    assert np.array_equal(prefix, blocks["text"][: prefix.size])
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +168,15 @@ def bpe_tokenizer(tmp_path_factory) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(TRAIN_DOCS, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train_from_iterator(
+        TRAIN_DOCS,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
     tok.save(str(path))
     return path
@@ -191,10 +215,10 @@ def test_every_block_exactly_once_per_epoch_on_2_and_4_ranks(cache):
         # The same global order at any world size, and each rank's share is different data.
         assert torch.equal(stream, reference)
         ids = _block_ids(stream, blocks)
-        epochs = [ids[:n], ids[n:2 * n]]
+        epochs = [ids[:n], ids[n : 2 * n]]
         for epoch in epochs:
             assert sorted(epoch) == list(range(n))  # every packed block exactly once per epoch
-        step0 = [ids[r * 8 // world:(r + 1) * 8 // world] for r in range(world)]
+        step0 = [ids[r * 8 // world : (r + 1) * 8 // world] for r in range(world)]
         assert len({i for share in step0 for i in share}) == 8
     assert epochs[0] != epochs[1] and epochs[0] != sorted(epochs[0])  # a new shuffle each epoch
 
@@ -209,8 +233,12 @@ def test_every_block_exactly_once_per_epoch_on_2_and_4_ranks(cache):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_resume_mid_epoch_continues_the_same_batches(cache, num_workers):
-    overrides = ["trainer.global_batch_size=8", "trainer.micro_batch_size=2", f"data.num_workers={num_workers}",
-                 "trainer.steps=50"]
+    overrides = [
+        "trainer.global_batch_size=8",
+        "trainer.micro_batch_size=2",
+        f"data.num_workers={num_workers}",
+        "trainer.steps=50",
+    ]
     cfg, topology = _setup(cache, overrides, world=2)
     total, stop = 50, 23  # an epoch is 313 blocks / 8 = 39.1 steps: stop mid-epoch 0, run into epoch 1
 
@@ -254,8 +282,14 @@ class _SlowSource:
 
 def test_workers_overlap_loading_with_compute_and_data_time_shows_starvation(cache):
     def mean_wait(num_workers: int) -> tuple[float, list[int]]:
-        cfg = run_config(["trainer.global_batch_size=2", "trainer.steps=8", f"data.num_workers={num_workers}",
-                          "data.prefetch_factor=2"])
+        cfg = run_config(
+            [
+                "trainer.global_batch_size=2",
+                "trainer.steps=8",
+                f"data.num_workers={num_workers}",
+                "data.prefetch_factor=2",
+            ]
+        )
         topology = validate(cfg, cuda_devices=0)
         data = StepData(_SlowSource(0.05), cfg, topology, dp_rank=1, device=CPU)
         waits, seen = [], []
@@ -276,8 +310,16 @@ def test_workers_overlap_loading_with_compute_and_data_time_shows_starvation(cac
 # ------------------------------------------------------------------------------- training for real
 @pytest.mark.slow
 def test_two_rank_run_on_the_corpus_learns_and_logs_val_loss(cache, tmp_path):
-    overrides = ["data=text", f"data.cache_dir={cache}", "trainer.steps=200", "trainer.warmup_steps=5",
-                 "trainer.eval_every=100", "optim.lr=3e-3", "data.num_workers=1", "logger.wandb.mode=disabled"]
+    overrides = [
+        "data=text",
+        f"data.cache_dir={cache}",
+        "trainer.steps=200",
+        "trainer.warmup_steps=5",
+        "trainer.eval_every=100",
+        "optim.lr=3e-3",
+        "data.num_workers=1",
+        "logger.wandb.mode=disabled",
+    ]
     record = run_experiment(overrides, tmp_path)
     assert record["status"] == "completed"
     assert record["data"]["train"]["num_blocks"] > 300 and record["data"]["val"]["val_batches"] == 4
@@ -305,8 +347,9 @@ def _refused(overrides: list[str], run_dir: Path) -> str:
 
 
 def test_missing_file_is_refused_before_workers_spawn(cache, tmp_path):
-    message = _refused(["data=text", f"data.cache_dir={cache}", f"data.files=[{tmp_path / 'nope.txt'}]"],
-                       tmp_path / "run")
+    message = _refused(
+        ["data=text", f"data.cache_dir={cache}", f"data.files=[{tmp_path / 'nope.txt'}]"], tmp_path / "run"
+    )
     assert "nope.txt" in message and "does not exist" in message and "fix: pass data.files=" in message
     message = _refused(["data=json", f"data.cache_dir={cache}", f"data.files=[{tmp_path}/*.jsonl]"], tmp_path / "run")
     assert "matches no file" in message
@@ -314,13 +357,15 @@ def test_missing_file_is_refused_before_workers_spawn(cache, tmp_path):
 
 def test_empty_file_is_refused_before_workers_spawn(cache, tmp_path):
     (tmp_path / "empty.txt").write_text("")
-    message = _refused(["data=text", f"data.cache_dir={cache}", f"data.val_files=[{tmp_path / 'empty.txt'}]"],
-                       tmp_path / "run")
+    message = _refused(
+        ["data=text", f"data.cache_dir={cache}", f"data.val_files=[{tmp_path / 'empty.txt'}]"], tmp_path / "run"
+    )
     assert "empty.txt is empty" in message and "data.val_files" in message
     # Text that is all blank lines has no document: it cannot fill one block.
     (tmp_path / "blank.txt").write_text("\n\n   \n\n")
-    message = _refused(["data=text", f"data.cache_dir={cache}", f"data.files=[{tmp_path / 'blank.txt'}]"],
-                       tmp_path / "run")
+    message = _refused(
+        ["data=text", f"data.cache_dir={cache}", f"data.files=[{tmp_path / 'blank.txt'}]"], tmp_path / "run"
+    )
     assert "yields 0 tokens" in message and "fewer than one global batch" in message
 
 
@@ -330,21 +375,25 @@ def test_tokenizer_larger_than_the_model_vocabulary_is_refused(cache, tmp_path, 
     assert "fix: pass model.vocab_size=400" in message
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["trainer.eval_every=5", "data.val_files=[]"], "pass data.val_files="),
-    (["data=json", "data.text_field=body"], "pass data.text_field=<one of id, text>"),
-    (["trainer.seq_len=256", "trainer.global_batch_size=256"], "fewer than one global batch"),
-    (["data.tokenizer=/no/such/tokenizer.json"], "pass data.tokenizer=byte"),
-    (["data=synthetic", "trainer.eval_every=5"], "pass trainer.eval_every=0"),
-    (["data=hf", "data.dataset=./no/such/folder"], "data.dataset="),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["trainer.eval_every=5", "data.val_files=[]"], "pass data.val_files="),
+        (["data=json", "data.text_field=body"], "pass data.text_field=<one of id, text>"),
+        (["trainer.seq_len=256", "trainer.global_batch_size=256"], "fewer than one global batch"),
+        (["data.tokenizer=/no/such/tokenizer.json"], "pass data.tokenizer=byte"),
+        (["data=synthetic", "trainer.eval_every=5"], "pass trainer.eval_every=0"),
+        (["data=hf", "data.dataset=./no/such/folder"], "data.dataset="),
+    ],
+)
 def test_other_bad_data_configs_name_the_fix(cache, tmp_path, overrides, needle):
     assert needle in _refused(["data=text", f"data.cache_dir={cache}", *overrides], tmp_path / "run")
 
 
 def test_bad_data_on_the_command_line_exits_2_without_a_traceback(tmp_path):
-    result = run_cli(["data=text", f"data.cache_dir={tmp_path / 'cache'}", f"data.files=[{tmp_path / 'nope.txt'}]"],
-                     tmp_path / "run")
+    result = run_cli(
+        ["data=text", f"data.cache_dir={tmp_path / 'cache'}", f"data.files=[{tmp_path / 'nope.txt'}]"], tmp_path / "run"
+    )
     assert result.returncode == 2, result.stderr
     assert "does not exist" in result.stderr and "fix: pass data.files=" in result.stderr
     assert "Traceback" not in result.stderr

@@ -24,13 +24,26 @@ from fsdp_exp.parallel.deepspeed import installed
 from conftest import read_metrics, run_cli, run_config
 from reference import reference_losses
 
-pytestmark = pytest.mark.skipif(not installed(), reason="DeepSpeed is not installed (pip install "
-                                "'fsdp_exp[deepspeed]'; the README's test command and CI install it)")
+pytestmark = pytest.mark.skipif(
+    not installed(),
+    reason="DeepSpeed is not installed (pip install "
+    "'fsdp_exp[deepspeed]'; the README's test command and CI install it)",
+)
 
 STEPS = 5
-SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
-         "trainer.seq_len=32", "trainer.global_batch_size=8", f"trainer.steps={STEPS}", "trainer.warmup_steps=1",
-         "logger.wandb.mode=disabled", "trainer.digest_shards=false"]
+SMALL = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.vocab_size=256",
+    "trainer.seq_len=32",
+    "trainer.global_batch_size=8",
+    f"trainer.steps={STEPS}",
+    "trainer.warmup_steps=1",
+    "logger.wandb.mode=disabled",
+    "trainer.digest_shards=false",
+]
 QUIET = ["logger.progress=false", "logger.summary_table=false"]  # run_cli adds these itself
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-3}
 # The pair whose exports are compared (ZeRO-3, DDP + ZeroRedundancyOptimizer) trains with AdamW's eps raised
@@ -42,14 +55,24 @@ CASES = {
     "zero0-fp32": ["sharding=no_shard", "sharding.backend=deepspeed"],
     "zero1-fp32-identical-init": ["sharding=zero1", "debug.check_identical_init=true"],
     "zero2-fp32-accumulation": ["sharding=zero2", "trainer.micro_batch_size=2"],
-    "zero3-fp32-identical-init": ["sharding=zero3", "debug.check_identical_init=true",
-                                  "checkpoint.export=safetensors", PARITY_EPS],
-    "ddp-zero_redundancy_optimizer-fp32": ["sharding=optimizer", "checkpoint.every=3",
-                                           "checkpoint.export=safetensors", PARITY_EPS],
+    "zero3-fp32-identical-init": [
+        "sharding=zero3",
+        "debug.check_identical_init=true",
+        "checkpoint.export=safetensors",
+        PARITY_EPS,
+    ],
+    "ddp-zero_redundancy_optimizer-fp32": [
+        "sharding=optimizer",
+        "checkpoint.every=3",
+        "checkpoint.export=safetensors",
+        PARITY_EPS,
+    ],
     # resumes the run above from its step_3 checkpoint (model in DCP, optimizer consolidated on rank 0)
-    "ddp-zero_redundancy_optimizer-resumed": ["sharding=optimizer", PARITY_EPS,
-                                              "checkpoint.resume={root}/ddp-zero_redundancy_optimizer-fp32/"
-                                              "checkpoints/step_3"],
+    "ddp-zero_redundancy_optimizer-resumed": [
+        "sharding=optimizer",
+        PARITY_EPS,
+        "checkpoint.resume={root}/ddp-zero_redundancy_optimizer-fp32/checkpoints/step_3",
+    ],
     "zero3-bf16-ac-deep-prefetch": ["sharding=zero3", "precision=bf16", "ac=full", "prefetch=deep"],
     "zero1-bf16": ["sharding=zero1", "precision=bf16"],
     "zero3-offload-params-no-prefetch": ["sharding=zero3", "offload=params", "prefetch=none"],
@@ -71,8 +94,14 @@ def with_defaults(overrides: list[str]) -> list[str]:
 # ------------------------------------------------------------------------ one group, many runs
 def _rank(local_rank: int, nprocs: int, port: int, contexts: list) -> None:
     """One rank: join the group once, then train every run context with fsdp_exp's Trainer."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+    )
     import torch.distributed as dist
 
     from fsdp_exp.dist import init_distributed
@@ -106,8 +135,9 @@ def run_cases(cases: dict[str, list[str]], root: Path, nprocs: int = 2) -> dict[
         topology = validate(cfg, cuda_devices=0)
         run_dir = dirs[name] = root / name
         context = run_context(cfg, topology, run_dir, Labels(overrides=tuple(overrides)))
-        RunRecord(run_dir).starting(config=plain(cfg), topology=topology.as_dict(), plan=context.prediction.record,
-                                    **context.labels.as_record())
+        RunRecord(run_dir).starting(
+            config=plain(cfg), topology=topology.as_dict(), plan=context.prediction.record, **context.labels.as_record()
+        )
         contexts.append(context)
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(root / "inductor-cache")  # compile=true: never the user's cache
@@ -206,7 +236,9 @@ def test_the_engine_holds_what_the_config_asked_for(parity_runs, name):
         assert held["param_elements_local"] * 2 == pytest.approx(held["param_elements_total"], rel=1e-3)
         bucket = {"none": 0, "default": 50_000_000, "deep": 100_000_000}[
             next(n for n in ("none", "default", "deep") if f"prefetch={n}" in " ".join(CASES[name]))
-            if "prefetch=" in " ".join(CASES[name]) else "default"]
+            if "prefetch=" in " ".join(CASES[name])
+            else "default"
+        ]
         assert held["stage3_prefetch_bucket_size"] == bucket
     else:
         assert held["param_elements_local"] == held["param_elements_total"]
@@ -233,8 +265,9 @@ def test_resume_after_a_killed_rank_is_bit_identical(parity_runs, tmp_path):
     common = with_defaults(CHECKPOINTED)
     base = [o for o in common if not o.startswith("sharding")]
     whole = read_metrics(parity_runs["zero3-checkpointed"])
-    killed = run_cli([*common, "debug.fail_at_step=3", "debug.fail_rank=1", "debug.fail_signal=SIGKILL"],
-                     tmp_path / "resumed")
+    killed = run_cli(
+        [*common, "debug.fail_at_step=3", "debug.fail_rank=1", "debug.fail_signal=SIGKILL"], tmp_path / "resumed"
+    )
     assert killed.returncode != 0
     resumed = run_cli(common, tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -245,12 +278,16 @@ def test_resume_after_a_killed_rank_is_bit_identical(parity_runs, tmp_path):
     # Another backend or world size cannot read it: refused, naming why, before any step. The two refusals
     # are independent start-ups of Python and torch: run together.
     with ThreadPoolExecutor(max_workers=2) as pool:
-        other = pool.submit(run_cli, [*base, "sharding=full",
-                                      "checkpoint.resume=" + str(tmp_path / "resumed" / "checkpoints")],
-                            tmp_path / "fsdp2")
-        one_rank = pool.submit(run_cli, [*common, "trainer.nproc_per_node=1",
-                                         "checkpoint.resume=" + str(tmp_path / "resumed" / "checkpoints")],
-                               tmp_path / "one_rank")
+        other = pool.submit(
+            run_cli,
+            [*base, "sharding=full", "checkpoint.resume=" + str(tmp_path / "resumed" / "checkpoints")],
+            tmp_path / "fsdp2",
+        )
+        one_rank = pool.submit(
+            run_cli,
+            [*common, "trainer.nproc_per_node=1", "checkpoint.resume=" + str(tmp_path / "resumed" / "checkpoints")],
+            tmp_path / "one_rank",
+        )
         other, one_rank = other.result(), one_rank.result()
     assert other.returncode != 0 and "sharding.backend=deepspeed" in other.stderr + other.stdout
     assert one_rank.returncode != 0
@@ -258,16 +295,30 @@ def test_resume_after_a_killed_rank_is_bit_identical(parity_runs, tmp_path):
 
 
 # ----------------------------------------------------------------------------- model states
-STATE_MODEL = ["model.dim=128", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256",
-               "model.multiple_of=32", "trainer.seq_len=16", "trainer.global_batch_size=4", "logger.wandb.mode=disabled"]
+STATE_MODEL = [
+    "model.dim=128",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.vocab_size=256",
+    "model.multiple_of=32",
+    "trainer.seq_len=16",
+    "trainer.global_batch_size=4",
+    "logger.wandb.mode=disabled",
+]
 LARGEST = 256 * 128  # the embedding's (and the output projection's) elements
 STATE_CASES = [("no_shard", "bf16"), ("zero1", "bf16"), ("zero2", "fp32"), ("zero3", "bf16"), ("zero3", "fp32")]
 
 
 def _states_rank(local_rank: int, nprocs: int, port: int, out: str) -> None:
     """Every case's measured states after one real step, by category (fsdp_exp/parallel/deepspeed_memory.py)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
-                      LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nprocs),
+    )
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -281,8 +332,15 @@ def _states_rank(local_rank: int, nprocs: int, port: int, out: str) -> None:
     dist.init_process_group("gloo")
     results = {}
     for sharding, precision in STATE_CASES:
-        cfg = run_config([*STATE_MODEL, f"sharding={sharding}", "sharding.backend=deepspeed",
-                          f"precision={precision}", f"trainer.nproc_per_node={nprocs}"])
+        cfg = run_config(
+            [
+                *STATE_MODEL,
+                f"sharding={sharding}",
+                "sharding.backend=deepspeed",
+                f"precision={precision}",
+                f"trainer.nproc_per_node={nprocs}",
+            ]
+        )
         topology = validate(cfg, cuda_devices=0)
         mesh = init_device_mesh("cpu", topology.mesh_shape, mesh_dim_names=topology.mesh_dim_names)
         engine, _ = BACKEND.apply(build_meta(cfg.model), cfg, mesh, torch.device("cpu"))
@@ -293,8 +351,10 @@ def _states_rank(local_rank: int, nprocs: int, port: int, out: str) -> None:
         BACKEND.backward(engine, loss, None)
         BACKEND.optimizer_step(engine, None, None, 1.0)
         measured = counter.breakdown()
-        results[f"{sharding}-{precision}"] = {**{k: v for k, v in measured.items() if k != "where"},
-                                              "states": counter()}
+        results[f"{sharding}-{precision}"] = {
+            **{k: v for k, v in measured.items() if k != "where"},
+            "states": counter(),
+        }
     if local_rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -328,8 +388,15 @@ def test_model_states_fall_as_the_zero_papers_formulas(tmp_path, nprocs):
     results = json.loads(out.read_text())
     for sharding, precision in STATE_CASES:
         m = results[f"{sharding}-{precision}"]
-        cfg = run_config([*STATE_MODEL, f"sharding={sharding}", "sharding.backend=deepspeed",
-                          f"precision={precision}", f"trainer.nproc_per_node={nprocs}"])
+        cfg = run_config(
+            [
+                *STATE_MODEL,
+                f"sharding={sharding}",
+                "sharding.backend=deepspeed",
+                f"precision={precision}",
+                f"trainer.nproc_per_node={nprocs}",
+            ]
+        )
         predicted = plan(cfg, validate(cfg, cuda_devices=0))
         psi = predicted.num_params
         stage = {"no_shard": 0, "zero1": 1, "zero2": 2, "zero3": 3}[sharding]
@@ -338,8 +405,9 @@ def test_model_states_fall_as_the_zero_papers_formulas(tmp_path, nprocs):
         case = f"{sharding} {precision} on {nprocs} ranks"
         assert m["params"] / psi == pytest.approx(paper["params"], rel=0.03), case
         master = 4 / (nprocs if stage else 1) if (stage or e != 4) else 0  # DeepSpeed's fp32 copy
-        assert (m["master"] + m["moments"]) / psi == pytest.approx(paper["optim"] + (master if e == 4 else 0),
-                                                                    rel=0.03), case
+        assert (m["master"] + m["moments"]) / psi == pytest.approx(
+            paper["optim"] + (master if e == 4 else 0), rel=0.03
+        ), case
         boundary_grads = e / nprocs if stage >= 1 else e  # stage 1: the partition, at the boundary
         # Stages 1-2 keep each partition's gradients as views into the parameters' gradients: a parameter that
         # straddles a partition boundary keeps its whole gradient (at most n - 1 of them per parameter group).
@@ -351,8 +419,9 @@ def test_model_states_fall_as_the_zero_papers_formulas(tmp_path, nprocs):
             assert step_copy >= 0.9 * 4 / (nprocs if stage else 1), case
         assert m["buffers"] < 0.01 * psi, case  # no hidden model state outside the four kinds
         # The planner's DeepSpeed rules, against the same measurement (the straddling gradients aside).
-        assert m["states"]["model_states"] == pytest.approx(predicted.model_states["total"],
-                                                            rel=0.03, abs=straddling * psi), case
+        assert m["states"]["model_states"] == pytest.approx(
+            predicted.model_states["total"], rel=0.03, abs=straddling * psi
+        ), case
 
 
 def test_planner_and_deepspeeds_estimators_for_a_7b_model():
@@ -367,8 +436,17 @@ def test_planner_and_deepspeeds_estimators_for_a_7b_model():
     from fsdp_exp.plan.predict import plan
 
     def planned(sharding):
-        cfg = run_config(["model=llama7b", f"sharding={sharding}", "precision=bf16", "trainer.nproc_per_node=8",
-                          "trainer.global_batch_size=8", "trainer.seq_len=128", "trainer.check_fit=false"])
+        cfg = run_config(
+            [
+                "model=llama7b",
+                f"sharding={sharding}",
+                "precision=bf16",
+                "trainer.nproc_per_node=8",
+                "trainer.global_batch_size=8",
+                "trainer.seq_len=128",
+                "trainer.check_fit=false",
+            ]
+        )
         return plan(cfg, validate(cfg, cuda_devices=0), device_kind="cuda")
 
     zero2, zero3 = planned("zero2"), planned("zero3")
@@ -376,7 +454,6 @@ def test_planner_and_deepspeeds_estimators_for_a_7b_model():
     _, ds2 = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=8, cpu_offload=False)
     assert zero2.model_states["total"] == pytest.approx(ds2, rel=0.01)
     largest = 32000 * 4096  # the embedding (and the output projection)
-    _, ds3, largest_bytes = estimate_zero3_model_states_mem_needs(psi, largest, num_gpus_per_node=8,
-                                                                 cpu_offload=False)
+    _, ds3, largest_bytes = estimate_zero3_model_states_mem_needs(psi, largest, num_gpus_per_node=8, cpu_offload=False)
     assert ds3 - largest_bytes == pytest.approx(18 * psi / 8, rel=1e-6)
     assert zero3.model_states["total"] == pytest.approx(20 * psi / 8, rel=0.01)

@@ -19,19 +19,20 @@ from reference import reference_losses
 STEPS = 5
 # Large enough that sharding is not all padding, small enough for seconds per run; every
 # dimension divides by 4 so shards are exactly equal at 1, 2 and 4 ranks.
-SMALL = [*TINY_MODEL, *TINY_BATCH,
-         f"trainer.steps={STEPS}", "trainer.warmup_steps=1",
-         "logger.wandb.mode=disabled"]
+SMALL = [*TINY_MODEL, *TINY_BATCH, f"trainer.steps={STEPS}", "trainer.warmup_steps=1", "logger.wandb.mode=disabled"]
 
 
 def _losses(run_dir: Path) -> list[float]:
     return [m["train/loss"] for m in read_metrics(run_dir)]
 
 
-@pytest.mark.parametrize("sharding,extra", [
-    ("full", []),
-    ("grad_op", ["trainer.micro_batch_size=2"]),  # with gradient accumulation, 2 micro-batches per rank
-])
+@pytest.mark.parametrize(
+    "sharding,extra",
+    [
+        ("full", []),
+        ("grad_op", ["trainer.micro_batch_size=2"]),  # with gradient accumulation, 2 micro-batches per rank
+    ],
+)
 def test_two_rank_losses_match_single_process(tmp_path, sharding, extra):
     overrides = [*SMALL, f"sharding={sharding}", *extra]
     record = run_experiment(overrides, tmp_path)
@@ -46,8 +47,13 @@ def test_two_rank_losses_match_single_process(tmp_path, sharding, extra):
 
 @pytest.mark.slow
 def test_hybrid_on_four_ranks_matches_single_process(tmp_path):
-    overrides = [*SMALL, "sharding=hybrid", "trainer.nproc_per_node=4", "sharding.replicate_size=2",
-                 "sharding.shard_size=2"]
+    overrides = [
+        *SMALL,
+        "sharding=hybrid",
+        "trainer.nproc_per_node=4",
+        "sharding.replicate_size=2",
+        "sharding.shard_size=2",
+    ]
     record = run_experiment(overrides, tmp_path)
     assert record["applied"]["mesh"] == {"shape": [2, 2], "dim_names": ["replicate", "shard"]}
     digests = record["shard_digests"]  # replicas (ranks r and r+2) hold identical shards after training
@@ -61,8 +67,10 @@ def test_hybrid_on_four_ranks_matches_single_process(tmp_path):
 def test_model_states_per_rank_fall_as_one_over_n(tmp_path):
     per_rank = {}
     for n in (1, 2, 4):
-        run_experiment([*SMALL, "sharding=full", f"trainer.nproc_per_node={n}", "trainer.steps=2",
-                        "trainer.warmup_steps=0"], tmp_path / str(n))
+        run_experiment(
+            [*SMALL, "sharding=full", f"trainer.nproc_per_node={n}", "trainer.steps=2", "trainer.warmup_steps=0"],
+            tmp_path / str(n),
+        )
         last = read_metrics(tmp_path / str(n))[-1]
         per_rank[n] = {k: last[f"mem/{k}_gib_max"] for k in ("params", "grads", "optim_state", "model_states")}
     # fp32 AdamW: params + grads + two moments = 4 copies of the parameters.
@@ -82,8 +90,13 @@ GROUP_OPTIONS = {
     "wrap": ["block", "none"],
 }
 # The big presets keep their structure (GQA ratio, FFN multiplier, RoPE theta) at tiny width.
-TINY_WIDTH = {"llama_tiny": [], "llama7b": ["model.n_heads=8"], "llama13b": ["model.n_heads=8"],
-              "llama70b": ["model.n_heads=8", "model.n_kv_heads=1"], "llama3_8b": ["model.n_heads=8", "model.n_kv_heads=2"]}
+TINY_WIDTH = {
+    "llama_tiny": [],
+    "llama7b": ["model.n_heads=8"],
+    "llama13b": ["model.n_heads=8"],
+    "llama70b": ["model.n_heads=8", "model.n_kv_heads=1"],
+    "llama3_8b": ["model.n_heads=8", "model.n_kv_heads=2"],
+}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -129,11 +142,18 @@ def _read_wandb(run_dir: Path) -> tuple[dict, list[dict]]:
     """What an offline W&B run holds, read back with W&B's own reader (no server)."""
     (run_folder,) = (run_dir / "wandb").glob("offline-run-*")
     wandb_bin = Path(sys.executable).with_name("wandb")
-    summary = json.loads(subprocess.run([str(wandb_bin), "leet", "inspect", "--summary", "--json", str(run_folder)],
-                                        capture_output=True, text=True, check=True).stdout)
+    summary = json.loads(
+        subprocess.run(
+            [str(wandb_bin), "leet", "inspect", "--summary", "--json", str(run_folder)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     (log,) = run_folder.glob("*.wandb")
-    records = subprocess.run([str(wandb_bin), "leet", "inspect", "--json", str(log)],
-                             capture_output=True, text=True, check=True).stdout.splitlines()
+    records = subprocess.run(
+        [str(wandb_bin), "leet", "inspect", "--json", str(log)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     history = [r["history"]["item"] for r in map(json.loads, records) if r["type"] == "history"]
     return summary, history
 
@@ -149,8 +169,10 @@ def test_default_experiment_from_the_command_line(tmp_path):
     assert record["topology"]["world_size"] == 2
     assert record["env"]["torch_version"] and record["env"]["devices"]
     assert record["applied"]["api"] == "torch.distributed.fsdp.fully_shard"
-    assert record["summary"]["summary/steps_measured"] == record["config"]["trainer"]["steps"] - \
-        record["config"]["trainer"]["warmup_steps"]
+    assert (
+        record["summary"]["summary/steps_measured"]
+        == record["config"]["trainer"]["steps"] - record["config"]["trainer"]["warmup_steps"]
+    )
 
     cpu_step_metrics = {m.name for m in STEP_METRICS if m.device != "cuda"}
     metrics = result.metrics
@@ -177,8 +199,16 @@ def test_default_experiment_from_the_command_line(tmp_path):
 
 
 def test_a_rank_that_raises_ends_the_run_naming_it(tmp_path):
-    result = run_cli(["debug=fail_rank", "debug.fail_at_step=2", "debug.fail_rank=1", "trainer.steps=50",
-                      "logger.wandb.mode=disabled"], tmp_path / "run")
+    result = run_cli(
+        [
+            "debug=fail_rank",
+            "debug.fail_at_step=2",
+            "debug.fail_rank=1",
+            "trainer.steps=50",
+            "logger.wandb.mode=disabled",
+        ],
+        tmp_path / "run",
+    )
     assert result.returncode == 1
     assert result.seconds < 30, f"took {result.seconds:.1f}s"
     assert "rank 1" in result.stderr and "InjectedFailure" in result.stderr, result.stderr
@@ -209,13 +239,21 @@ def test_a_run_goes_on_when_wandb_dies(tmp_path):
     from conftest import MARKER, QUIET, REPO
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "fsdp_exp", "trainer.steps=300", "logger.wandb.mode=offline", *QUIET,
-           f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fsdp_exp",
+        "trainer.steps=300",
+        "logger.wandb.mode=offline",
+        *QUIET,
+        f"hydra.run.dir={run_dir}",
+    ]
     # Without WANDB_SERVICE: an earlier in-process wandb.init of this pytest session (a launcher noting a
     # failure) leaves it set, and the run would log through pytest's own service instead of starting one.
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**env, MARKER: str(run_dir)})
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**env, MARKER: str(run_dir)}
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -226,8 +264,9 @@ def test_a_run_goes_on_when_wandb_dies(tmp_path):
         services = []  # this run's W&B service: found by the environment marker it inherited
         for candidate in psutil.process_iter(["cmdline"]):
             try:
-                if "wandb-core" in " ".join(candidate.info["cmdline"] or []) and \
-                        candidate.environ().get(MARKER) == str(run_dir):
+                if "wandb-core" in " ".join(candidate.info["cmdline"] or []) and candidate.environ().get(MARKER) == str(
+                    run_dir
+                ):
                     services.append(candidate)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue

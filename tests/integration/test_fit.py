@@ -78,14 +78,31 @@ def test_a_v1_memory_cgroup_yields_the_tightest_limit_above_it_and_its_oom_kills
     (tmp_path / "cgroup").write_text("9:name=systemd:/\n4:memory:/jobs/job7\n1:cpu:/\n0::/\n")
     (tmp_path / "mountinfo").write_text(V1_MOUNTS.format(top=top))
     unlimited = "9223372036854771712\n"
-    _write(top / "memory", {"memory.limit_in_bytes": unlimited, "memory.usage_in_bytes": "8000000000\n",
-                            "memory.stat": V1_STAT.format(hierarchical=unlimited.strip(), inactive=0)})
-    _write(top / "memory" / "jobs", {"memory.limit_in_bytes": f"{6 * GIB}\n", "memory.usage_in_bytes": f"{GIB}\n",
-                                     "memory.stat": V1_STAT.format(hierarchical=6 * GIB, inactive=GIB // 4)})
-    _write(top / "memory" / "jobs" / "job7", {
-        "memory.limit_in_bytes": unlimited, "memory.usage_in_bytes": f"{GIB // 2}\n",
-        "memory.stat": V1_STAT.format(hierarchical=6 * GIB, inactive=0),
-        "memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n"})
+    _write(
+        top / "memory",
+        {
+            "memory.limit_in_bytes": unlimited,
+            "memory.usage_in_bytes": "8000000000\n",
+            "memory.stat": V1_STAT.format(hierarchical=unlimited.strip(), inactive=0),
+        },
+    )
+    _write(
+        top / "memory" / "jobs",
+        {
+            "memory.limit_in_bytes": f"{6 * GIB}\n",
+            "memory.usage_in_bytes": f"{GIB}\n",
+            "memory.stat": V1_STAT.format(hierarchical=6 * GIB, inactive=GIB // 4),
+        },
+    )
+    _write(
+        top / "memory" / "jobs" / "job7",
+        {
+            "memory.limit_in_bytes": unlimited,
+            "memory.usage_in_bytes": f"{GIB // 2}\n",
+            "memory.stat": V1_STAT.format(hierarchical=6 * GIB, inactive=0),
+            "memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n",
+        },
+    )
     cgroup = memory_cgroup(str(tmp_path / "cgroup"), str(tmp_path / "mountinfo"))
     assert cgroup is not None and cgroup.version == 1 and cgroup.name == "/jobs/job7"
     assert cgroup.folder == top / "memory" / "jobs" / "job7" and cgroup.top == top / "memory"
@@ -103,11 +120,23 @@ def test_a_v2_memory_cgroup_in_a_container_reads_its_own_root_and_events(tmp_pat
     (tmp_path / "cgroup").write_text("0::/docker/abc/worker\n")
     escaped = str(top).replace(" ", "\\040")
     (tmp_path / "mountinfo").write_text(f"50 40 0:30 /docker/abc {escaped} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n")
-    _write(top, {"memory.max": f"{4 * GIB}\n", "memory.current": f"{GIB}\n",
-                 "memory.stat": f"anon {GIB}\nfile 0\ninactive_file {GIB // 2}\nactive_file 0\n"})
-    _write(top / "worker", {"memory.max": "max\n", "memory.current": f"{GIB // 4}\n",
-                            "memory.stat": "anon 1\ninactive_file 0\n",
-                            "memory.events": "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n"})
+    _write(
+        top,
+        {
+            "memory.max": f"{4 * GIB}\n",
+            "memory.current": f"{GIB}\n",
+            "memory.stat": f"anon {GIB}\nfile 0\ninactive_file {GIB // 2}\nactive_file 0\n",
+        },
+    )
+    _write(
+        top / "worker",
+        {
+            "memory.max": "max\n",
+            "memory.current": f"{GIB // 4}\n",
+            "memory.stat": "anon 1\ninactive_file 0\n",
+            "memory.events": "low 0\nhigh 0\nmax 12\noom 2\noom_kill 2\noom_group_kill 0\n",
+        },
+    )
     cgroup = memory_cgroup(str(tmp_path / "cgroup"), str(tmp_path / "mountinfo"))
     assert cgroup is not None and cgroup.version == 2 and cgroup.folder == top / "worker"
     assert cgroup.tightest_limit() == (4 * GIB, GIB // 2, "/")
@@ -154,12 +183,26 @@ def test_the_headline_command_is_refused_with_what_it_needs_what_the_machine_has
     assert len(depth) == 1, offered
     need, n = planned_total([*HEADLINE, f"model.n_layers={depth[0] + 1}"])
     assert need * n > room, (depth, need, room)
-    gpus = re.search(r"On GPUs it would fit (.*?): see python -m fsdp_exp.plan <these overrides> "
-                     r"plan.device=(\w+) trainer.nproc_per_node=(\d+)", fix)
+    gpus = re.search(
+        r"On GPUs it would fit (.*?): see python -m fsdp_exp.plan <these overrides> "
+        r"plan.device=(\w+) trainer.nproc_per_node=(\d+)",
+        fix,
+    )
     assert gpus, fix
-    planner = subprocess.run([sys.executable, "-m", "fsdp_exp.plan", *HEADLINE, f"plan.device={gpus.group(2)}",
-                              f"trainer.nproc_per_node={gpus.group(3)}"], cwd=REPO, capture_output=True, text=True,
-                             timeout=120)
+    planner = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsdp_exp.plan",
+            *HEADLINE,
+            f"plan.device={gpus.group(2)}",
+            f"trainer.nproc_per_node={gpus.group(3)}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert planner.returncode == 0 and "fits on" in planner.stdout, planner.stdout[-1500:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists() and not leftover_processes(tmp_path / "run")
 
@@ -224,8 +267,9 @@ def memory_limited(limit: int):
 def run_limited(prefix: list[str], overrides: list[str], run_dir: Path, timeout: float = 240):
     cmd = [*prefix, sys.executable, "-m", "fsdp_exp", *overrides, *QUIET, f"hydra.run.dir={run_dir}"]
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, MARKER: str(run_dir)})
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, MARKER: str(run_dir)}
+    )
     return proc, time.monotonic() - start
 
 
@@ -246,25 +290,37 @@ def test_under_a_memory_cgroup_its_limit_is_what_the_machine_has(tmp_path):
     assert 0 < left < limit / GIB
     # Outside the cgroup the same run passes the check (where this machine has the room right now).
     if host_memory().usable < per_rank * 1.1:
-        pytest.skip(f"this machine has {gib(host_memory().usable)} available now, too little to check the run "
-                    f"passes outside the cgroup")
+        pytest.skip(
+            f"this machine has {gib(host_memory().usable)} available now, too little to check the run "
+            f"passes outside the cgroup"
+        )
     from fsdp_exp.launch import prepare
 
     prepare(run_config(SEVEN_B_2_LAYERS))
 
 
 # An ~220M-parameter Llama on one rank: about 4 GiB at its peak, far more than 1.5 GiB.
-TOO_BIG = ["trainer.nproc_per_node=1", "model.dim=1024", "model.n_layers=12", "model.n_heads=16",
-           "model.n_kv_heads=16", "model.vocab_size=32000", "model.multiple_of=256", "trainer.check_fit=false",
-           *TINY]
+TOO_BIG = [
+    "trainer.nproc_per_node=1",
+    "model.dim=1024",
+    "model.n_layers=12",
+    "model.n_heads=16",
+    "model.n_kv_heads=16",
+    "model.vocab_size=32000",
+    "model.multiple_of=256",
+    "trainer.check_fit=false",
+    *TINY,
+]
 
 
 def test_a_rank_the_oom_killer_kills_is_reported_as_out_of_memory(tmp_path):
     with memory_limited(3 * GIB // 2) as prefix:
         proc, took = run_limited(prefix, TOO_BIG, tmp_path / "run")
     assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "rank 0 failed: the process was killed by SIGKILL: out of memory: the kernel's OOM killer killed it" \
-        in proc.stderr, proc.stderr[-3000:]
+    assert (
+        "rank 0 failed: the process was killed by SIGKILL: out of memory: the kernel's OOM killer killed it"
+        in proc.stderr
+    ), proc.stderr[-3000:]
     assert f"{gib(psutil.virtual_memory().total)} of RAM, 1.50 GiB of it for the memory cgroup" in proc.stderr
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["status"] == "failed" and "out of memory" in record["error"]["message"]
@@ -272,8 +328,9 @@ def test_a_rank_the_oom_killer_kills_is_reported_as_out_of_memory(tmp_path):
 
 
 def test_a_rank_killed_by_sigkill_otherwise_is_not_called_out_of_memory(tmp_path):
-    result = run_cli([*TINY, "debug.fail_at_step=1", "debug.fail_rank=1", "debug.fail_signal=SIGKILL"],
-                     tmp_path / "run")
+    result = run_cli(
+        [*TINY, "debug.fail_at_step=1", "debug.fail_rank=1", "debug.fail_signal=SIGKILL"], tmp_path / "run"
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     assert "rank 1 failed: the process was killed by SIGKILL: " in result.stderr
     if memory_cgroup() is None and not Path("/proc/vmstat").exists():
@@ -286,11 +343,21 @@ def test_a_rank_killed_by_sigkill_otherwise_is_not_called_out_of_memory(tmp_path
 @pytest.mark.slow
 def test_a_sweep_announces_the_jobs_that_do_not_fit_and_records_them_failed_without_running(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    cmd = [sys.executable, "-m", "fsdp_exp", "-m", "model=llama_tiny,llama7b", *TINY, *QUIET,
-           f"hydra.sweep.dir={sweep_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fsdp_exp",
+        "-m",
+        "model=llama_tiny,llama7b",
+        *TINY,
+        *QUIET,
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stderr[-3000:]
-    announced = proc.stderr.index("1 combination(s) of this sweep cannot run (1 of them do not fit this machine's memory)")
+    announced = proc.stderr.index(
+        "1 combination(s) of this sweep cannot run (1 of them do not fit this machine's memory)"
+    )
     assert re.search(r"\n  model=llama7b: does not fit: the 2 ranks", proc.stderr)
     records = {p.parent.name: json.loads(p.read_text()) for p in sorted(sweep_dir.glob("*/run.json"))}
     assert [r["status"] for r in records.values()] == ["completed", "failed"]

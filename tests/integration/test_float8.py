@@ -32,8 +32,14 @@ def runs(tmp_path_factory):
         records = {
             "bf16": run_experiment([*BASE, "precision=bf16"], folders["bf16"]),
             "float8": run_experiment([*FLOAT8, "checkpoint.every=10", "checkpoint.export=hf"], folders["float8"]),
-            "resumed": run_experiment([*FLOAT8, f"checkpoint.resume={folders['float8'] / 'checkpoints' / 'step_10'}",
-                                       f"checkpoint.dir={folders['resumed'] / 'checkpoints'}"], folders["resumed"]),
+            "resumed": run_experiment(
+                [
+                    *FLOAT8,
+                    f"checkpoint.resume={folders['float8'] / 'checkpoints' / 'step_10'}",
+                    f"checkpoint.dir={folders['resumed'] / 'checkpoints'}",
+                ],
+                folders["resumed"],
+            ),
         }
     assert all(r["status"] == "completed" for r in records.values()), {k: r["status"] for k, r in records.items()}
     return folders, records
@@ -46,10 +52,22 @@ def test_a_float8_run_trains_within_5_percent_of_bf16_and_records_its_converted_
     assert float8 != bf16  # the matmuls really ran in float8
     assert abs(float8[STEPS] - bf16[STEPS]) < 0.05 * bf16[STEPS], (float8[STEPS], bf16[STEPS])
     applied = records["float8"]["applied"]["float8"]
-    blocks = [f"layers.{i}.{part}" for i in (0, 1) for part in (
-        "attention.wq", "attention.wk", "attention.wv", "attention.wo",
-        "feed_forward.w1", "feed_forward.w3", "feed_forward.w2")]
-    assert applied["converted"] == blocks and applied["kept_high_precision"] == {"output": "precision.float8_filter_fqns"}
+    blocks = [
+        f"layers.{i}.{part}"
+        for i in (0, 1)
+        for part in (
+            "attention.wq",
+            "attention.wk",
+            "attention.wv",
+            "attention.wo",
+            "feed_forward.w1",
+            "feed_forward.w3",
+            "feed_forward.w2",
+        )
+    ]
+    assert applied["converted"] == blocks and applied["kept_high_precision"] == {
+        "output": "precision.float8_filter_fqns"
+    }
     assert applied["enable_fsdp_float8_all_gather"] and applied["precompute_float8_dynamic_scale_for_fsdp"]
     # MFU against the FP8 peak is its own, labelled metric; a CPU has none, and the record says so.
     env, summary = records["float8"]["env"], records["float8"]["summary"]

@@ -34,9 +34,25 @@ def gpu_check():
 
 def run_script(tmp_path: Path, *args: str, timeout: float = 600) -> tuple[subprocess.CompletedProcess, list[dict]]:
     out = tmp_path / "gpu_check.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--size", "tiny", "--out", str(out),
-                           "--work", str(tmp_path / "work"), *args],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--device",
+            "cpu",
+            "--size",
+            "tiny",
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+            *args,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.exists(), f"no JSON written (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc, json.loads(out.read_text())["checks"]
 
@@ -47,8 +63,11 @@ def test_cpu_mode_passes_every_check_that_exists_on_a_cpu(tmp_path, gpu_check):
     proc, results = run_script(tmp_path, "--jobs", "2")
     by_name = {r["check"]: r for r in results}
     assert list(by_name) == [c.name for c in gpu_check.CHECKS]
-    failed = {name: f"{r['status']}: {r['note']}" for name, r in by_name.items() if r["status"] != "pass"
-              and r["cpu"] and r["status"] not in AVAILABILITY_SKIPS.get(name, ())}
+    failed = {
+        name: f"{r['status']}: {r['note']}"
+        for name, r in by_name.items()
+        if r["status"] != "pass" and r["cpu"] and r["status"] not in AVAILABILITY_SKIPS.get(name, ())
+    }
     assert not failed, f"{failed}\n(run logs: {tmp_path / 'work'}/<run>.log)\n{proc.stdout[-4000:]}"
     assert all(r["status"] == "skipped: needs CUDA" for r in results if not r["cpu"]), results
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -69,8 +88,13 @@ def test_a_run_that_fails_fails_the_script(tmp_path):
 def test_every_gpu_run_is_a_valid_configuration_that_fits_an_h200(tmp_path):
     # The overrides only a GPU machine runs, composed and validated by the planner here: a misspelt or
     # refused override must not wait for the next GPU loan to be found.
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--gpus", "1", "--work", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--gpus", "1", "--work", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.stdout.count("fits: needs") >= 8, proc.stdout
 
@@ -82,20 +106,25 @@ def test_every_cuda_only_place_is_named_by_a_check(gpu_check):
     stale = sorted(named - set(places))
     message = []
     if missing:
-        message.append("CUDA-only places of fsdp_exp that no check of benchmarks/gpu_check.py names; add each to "
-                       "the covers of the check whose run goes through it (or, if it only reads a config string "
-                       "and a CPU test covers it, to RUN_ELSEWHERE with the reason):\n" +
-                       "\n".join(f"  {p}  (lines {', '.join(map(str, lines))})" for p, lines in missing.items()))
+        message.append(
+            "CUDA-only places of fsdp_exp that no check of benchmarks/gpu_check.py names; add each to "
+            "the covers of the check whose run goes through it (or, if it only reads a config string "
+            "and a CPU test covers it, to RUN_ELSEWHERE with the reason):\n"
+            + "\n".join(f"  {p}  (lines {', '.join(map(str, lines))})" for p, lines in missing.items())
+        )
     if stale:
-        message.append("names in benchmarks/gpu_check.py (covers / RUN_ELSEWHERE) that are not CUDA-only places "
-                       "any more (moved or renamed: name the new place):\n" + "\n".join(f"  {p}" for p in stale))
+        message.append(
+            "names in benchmarks/gpu_check.py (covers / RUN_ELSEWHERE) that are not CUDA-only places "
+            "any more (moved or renamed: name the new place):\n" + "\n".join(f"  {p}" for p in stale)
+        )
     assert not message, "\n".join(message) + "\n`python benchmarks/gpu_check.py --inventory` prints the whole map."
 
 
 def test_the_inventory_finds_each_kind_of_cuda_branch_and_nothing_else(tmp_path, gpu_check):
     package = tmp_path / "pkg"
     package.mkdir()
-    (package / "mod.py").write_text(textwrap.dedent('''
+    (package / "mod.py").write_text(
+        textwrap.dedent('''
         """Prose never counts: torch.cuda.synchronize(), device.type == "cuda", "nccl"."""
         import torch
         from torch.profiler import ProfilerActivity
@@ -136,11 +165,13 @@ def test_the_inventory_finds_each_kind_of_cuda_branch_and_nothing_else(tmp_path,
 
         if torch.cuda.is_available():
             pass
-        '''))
+        ''')
+    )
     (package / "sub").mkdir()
     # Imported by name, torch.cuda counts where it is imported and where the name is used.
-    (package / "sub" / "peek.py").write_text("from torch import cuda\n\n\ndef count():\n"
-                                             "    return cuda.device_count()\n")
+    (package / "sub" / "peek.py").write_text(
+        "from torch import cuda\n\n\ndef count():\n    return cuda.device_count()\n"
+    )
     places = gpu_check.cuda_places(package)
     assert places == {
         "pkg/mod.py:Runner.step": [19, 20],

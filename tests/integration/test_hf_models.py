@@ -27,12 +27,24 @@ from wandb_files import offline_folders, records  # noqa: E402
 
 STEPS = 5
 COMMON = ["trainer.seq_len=32", f"trainer.steps={STEPS}", "trainer.warmup_steps=2", "checkpoint.on_signal=false"]
-SHRINK = ["+model.hf_overrides.num_hidden_layers=2", "+model.hf_overrides.hidden_size=64",
-          "+model.hf_overrides.intermediate_size=128", "+model.hf_overrides.num_attention_heads=4",
-          "+model.hf_overrides.num_key_value_heads=2", "+model.hf_overrides.vocab_size=256"]
-GPT2 = ["model=hf_gpt2_xl", "+model.hf_overrides.n_layer=2", "+model.hf_overrides.n_embd=64",
-        "+model.hf_overrides.n_head=4", "+model.hf_overrides.vocab_size=256", "+model.hf_overrides.resid_pdrop=0",
-        "+model.hf_overrides.embd_pdrop=0", "+model.hf_overrides.attn_pdrop=0"]
+SHRINK = [
+    "+model.hf_overrides.num_hidden_layers=2",
+    "+model.hf_overrides.hidden_size=64",
+    "+model.hf_overrides.intermediate_size=128",
+    "+model.hf_overrides.num_attention_heads=4",
+    "+model.hf_overrides.num_key_value_heads=2",
+    "+model.hf_overrides.vocab_size=256",
+]
+GPT2 = [
+    "model=hf_gpt2_xl",
+    "+model.hf_overrides.n_layer=2",
+    "+model.hf_overrides.n_embd=64",
+    "+model.hf_overrides.n_head=4",
+    "+model.hf_overrides.vocab_size=256",
+    "+model.hf_overrides.resid_pdrop=0",
+    "+model.hf_overrides.embd_pdrop=0",
+    "+model.hf_overrides.attn_pdrop=0",
+]
 PLANNER_TOLERANCE = 0.10
 
 
@@ -89,8 +101,14 @@ def test_a_multirun_of_shrunk_presets_matches_the_reference_the_planner_and_shar
     is in the W&B tags."""
     sweep = Path(os.environ["XDG_CACHE_HOME"]).parent / "hf_sweep"
     args = ["model=hf_mistral_7b,hf_qwen2_7b", *SHRINK, *COMMON, "sharding=full", "precision=fp32"]
-    proc = subprocess.run([sys.executable, "-m", "fsdp_exp", "-m", *args, *QUIET, f"hydra.sweep.dir={sweep}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=400, env=dict(os.environ))
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp", "-m", *args, *QUIET, f"hydra.sweep.dir={sweep}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=dict(os.environ),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted(p.parent for p in sweep.glob("*/run.json"))
     assert len(jobs) == 2
@@ -115,8 +133,15 @@ def test_gpt2_keeps_its_tie_through_sharding_resume_and_export(tmp_path):
     uninterrupted run's last losses exactly; the export loads with from_pretrained, tied, with the trained
     model's logits; the planner is within 10%."""
     first, resumed = tmp_path / "first", tmp_path / "resumed"
-    overrides = [*GPT2, *COMMON, "checkpoint.every=3", "checkpoint.keep=0", "checkpoint.export=hf",
-                 "debug.check_identical_init=true", "logger.wandb.mode=disabled"]
+    overrides = [
+        *GPT2,
+        *COMMON,
+        "checkpoint.every=3",
+        "checkpoint.keep=0",
+        "checkpoint.export=hf",
+        "debug.check_identical_init=true",
+        "logger.wandb.mode=disabled",
+    ]
     record = run_experiment(overrides, first)
     assert record["status"] == "completed"
     assert record["init_check"]["result"] == "identical" and record["init_check"]["shards_checked"] > 0
@@ -144,8 +169,14 @@ def test_gpt2_keeps_its_tie_through_sharding_resume_and_export(tmp_path):
 def test_tensor_parallel_from_the_models_own_plan_matches_the_reference(tmp_path):
     """Gemma's plan (transformers' base_model_tp_plan and its output projection): parallel.tp=2 on 4 ranks
     (2 x 2 mesh, FSDP2 over dp) gives the single-process reference's losses; the planner is within 10%."""
-    overrides = ["model=hf_gemma_7b", *SHRINK, *COMMON, "trainer.nproc_per_node=4", "parallel.tp=2",
-                 "logger.wandb.mode=disabled"]
+    overrides = [
+        "model=hf_gemma_7b",
+        *SHRINK,
+        *COMMON,
+        "trainer.nproc_per_node=4",
+        "parallel.tp=2",
+        "logger.wandb.mode=disabled",
+    ]
     record = run_experiment(overrides, tmp_path / "run")
     assert record["status"] == "completed"
     assert record["applied"]["tp"]["block_plan"]["self_attn.o_proj"] == "RowwiseParallel"
@@ -159,12 +190,29 @@ def test_a_saved_config_of_an_unshipped_architecture_compiles_trains_exports_and
     compile=true: it trains, and its export loads with from_pretrained with the trained model's logits."""
     from transformers import Starcoder2Config
 
-    Starcoder2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=256, residual_dropout=0.0,
-                     embedding_dropout=0.0).save_pretrained(tmp_path / "starcoder2")
+    Starcoder2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        residual_dropout=0.0,
+        embedding_dropout=0.0,
+    ).save_pretrained(tmp_path / "starcoder2")
     run = tmp_path / "run"
-    record = run_experiment(["model=hf", f"model.hf_config={tmp_path / 'starcoder2'}", *COMMON, "compile=true",
-                             "checkpoint.every=5", "checkpoint.export=hf", "logger.wandb.mode=disabled"], run)
+    record = run_experiment(
+        [
+            "model=hf",
+            f"model.hf_config={tmp_path / 'starcoder2'}",
+            *COMMON,
+            "compile=true",
+            "checkpoint.every=5",
+            "checkpoint.export=hf",
+            "logger.wandb.mode=disabled",
+        ],
+        run,
+    )
     assert record["status"] == "completed"
     assert record["applied"]["compile"]["modules"] == ["model.layers.0", "model.layers.1"]
     assert record["env"]["architecture"] == "Starcoder2ForCausalLM"
@@ -176,11 +224,26 @@ def test_a_tiny_mixtral_trains_on_2_ranks_and_the_planner_is_within_10_percent_o
     takes bf16 only, so the planner crashed and the run's planner error was n/a. Now within 10%."""
     from transformers import MixtralConfig
 
-    MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256, num_local_experts=4,
-                  num_experts_per_tok=2).save_pretrained(tmp_path / "mixtral")
-    record = run_experiment(["model=hf", f"model.hf_config={tmp_path / 'mixtral'}", *COMMON, "precision=fp32",
-                             "logger.wandb.mode=disabled"], tmp_path / "run")
+    MixtralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    ).save_pretrained(tmp_path / "mixtral")
+    record = run_experiment(
+        [
+            "model=hf",
+            f"model.hf_config={tmp_path / 'mixtral'}",
+            *COMMON,
+            "precision=fp32",
+            "logger.wandb.mode=disabled",
+        ],
+        tmp_path / "run",
+    )
     assert record["status"] == "completed"
     assert record["env"]["architecture"] == "MixtralForCausalLM"
     assert abs(record["summary"]["summary/planner_peak_error"]) <= PLANNER_TOLERANCE
@@ -193,19 +256,44 @@ def test_a_hub_name_resolves_through_the_hub_cache_and_offline_without_a_copy_ex
 
     hub = Path(os.environ["HF_HOME"]) / "hub" / "models--acme--tiny-mistral"
     commit = "0" * 40
-    MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=256).save_pretrained(hub / "snapshots" / commit)
+    MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ).save_pretrained(hub / "snapshots" / commit)
     (hub / "refs").mkdir(parents=True)
     (hub / "refs" / "main").write_text(commit)
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    planned = subprocess.run([sys.executable, "-m", "fsdp_exp.plan", "model=hf", "model.hf_config=acme/tiny-mistral",
-                              "trainer.seq_len=32"], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    planned = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp.plan", "model=hf", "model.hf_config=acme/tiny-mistral", "trainer.seq_len=32"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert planned.returncode == 0, planned.stderr[-2000:]
 
     start = time.monotonic()
-    refused = subprocess.run([sys.executable, "-m", "fsdp_exp", "model=hf", "model.hf_config=acme/absent", *QUIET,
-                              f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
-                             timeout=60, env=env)
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsdp_exp",
+            "model=hf",
+            "model.hf_config=acme/absent",
+            *QUIET,
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert refused.returncode == 2
     assert time.monotonic() - start < 10
     assert "model.hf_config='acme/absent'" in refused.stderr and "HF_HUB_OFFLINE" in refused.stderr

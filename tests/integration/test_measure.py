@@ -22,9 +22,14 @@ from fsdp_exp.tune.work import work
 
 from conftest import TINY_MODEL, read_metrics, run_config, run_experiment
 
-SMALL = [*TINY_MODEL,
-         "model.multiple_of=32", "trainer.seq_len=32", "trainer.global_batch_size=8", "checkpoint.on_signal=false",
-         "trainer.digest_shards=false"]
+SMALL = [
+    *TINY_MODEL,
+    "model.multiple_of=32",
+    "trainer.seq_len=32",
+    "trainer.global_batch_size=8",
+    "checkpoint.on_signal=false",
+    "trainer.digest_shards=false",
+]
 
 # The SMALL model by hand: dim 64, 4 query heads and 2 key/value heads of 16, SwiGLU width
 # 32 * ceil(int(2 * 4 * 64 / 3) / 32) = 192, vocab 256, 2 layers, sequences of 32.
@@ -81,8 +86,15 @@ def test_profiled_fsdp2_run_comm_mfu_hfu_and_summary(tmp_path, cache_home):
     and reduce-scatter times, the row's comm/* are the ranks' maxima of what the trace files give,
     MFU and HFU follow from the measured CPU peak, and the summary leaves the profiled step out."""
     run = tmp_path / "run"
-    overrides = [*SMALL, "ac=full", "trainer.steps=6", "trainer.warmup_steps=2", "trainer.profile_steps=[3]",
-                 "logger.wandb.mode=offline", "trainer.flops_convention=torchtitan"]
+    overrides = [
+        *SMALL,
+        "ac=full",
+        "trainer.steps=6",
+        "trainer.warmup_steps=2",
+        "trainer.profile_steps=[3]",
+        "logger.wandb.mode=offline",
+        "trainer.flops_convention=torchtitan",
+    ]
     run_experiment(overrides, run)
     record = json.loads((run / "run.json").read_text())
     rows = read_metrics(run)
@@ -91,7 +103,9 @@ def test_profiled_fsdp2_run_comm_mfu_hfu_and_summary(tmp_path, cache_home):
     from fsdp_exp.metrics.flops import convention_flops_per_token
 
     assert record["env"]["flops_convention"] == "torchtitan"
-    assert record["env"]["flops_per_token"] == convention_flops_per_token("torchtitan", run_config(overrides).model, SEQ)
+    assert record["env"]["flops_per_token"] == convention_flops_per_token(
+        "torchtitan", run_config(overrides).model, SEQ
+    )
 
     # Communication, recomputed from the artifacts.
     traces = [run / "traces" / f"rank{r}_step4.json" for r in (0, 1)]
@@ -148,8 +162,20 @@ def test_profiled_fsdp2_run_comm_mfu_hfu_and_summary(tmp_path, cache_home):
         assert whole["total"] == max(phase_totals)
         for p in PHASES:
             kinds = breakdown["phases"][p]["per_rank"][rank]
-            parts = sum(kinds[k] for k in ("params", "grads", "optim_state", "activations", "temp", "comm_buffers",
-                                           "buffers", "inputs", "other"))
+            parts = sum(
+                kinds[k]
+                for k in (
+                    "params",
+                    "grads",
+                    "optim_state",
+                    "activations",
+                    "temp",
+                    "comm_buffers",
+                    "buffers",
+                    "inputs",
+                    "other",
+                )
+            )
             assert parts == pytest.approx(kinds["total"], rel=1e-9), p
             assert tracked[f"mem/tracked_{p}_total_gib_max"] >= kinds["total"]
     forward, backward = breakdown["phases"]["forward"]["max"], breakdown["phases"]["backward"]["max"]
@@ -162,8 +188,18 @@ def test_profiled_fsdp2_run_comm_mfu_hfu_and_summary(tmp_path, cache_home):
 def test_ddp_profile_finds_the_all_reduces(tmp_path, cache_home):
     """DDP reduces gradients with all-reduces (one bucket here), no all-gather or reduce-scatter."""
     run = tmp_path / "run"
-    run_experiment([*SMALL, "sharding=ddp", "trainer.steps=4", "trainer.warmup_steps=1",
-                    "trainer.profile_steps=[2]", "trainer.peak_tflops=1.0", "logger.wandb.mode=disabled"], run)
+    run_experiment(
+        [
+            *SMALL,
+            "sharding=ddp",
+            "trainer.steps=4",
+            "trainer.warmup_steps=1",
+            "trainer.profile_steps=[2]",
+            "trainer.peak_tflops=1.0",
+            "logger.wandb.mode=disabled",
+        ],
+        run,
+    )
     record = json.loads((run / "run.json").read_text())
     assert record["env"]["peak_tflops_source"] == "trainer.peak_tflops" and not cache_home.exists()
     for r in (0, 1):
@@ -173,8 +209,20 @@ def test_ddp_profile_finds_the_all_reduces(tmp_path, cache_home):
 
 
 def _trace(events):
-    return {"traceEvents": [{"ph": "X", "pid": 1, "tid": 1, "name": "fsdp_exp/step", "cat": "user_annotation",
-                             "ts": 0.0, "dur": 1000.0}, *({"ph": "X", "pid": 1, **e} for e in events)]}
+    return {
+        "traceEvents": [
+            {
+                "ph": "X",
+                "pid": 1,
+                "tid": 1,
+                "name": "fsdp_exp/step",
+                "cat": "user_annotation",
+                "ts": 0.0,
+                "dur": 1000.0,
+            },
+            *({"ph": "X", "pid": 1, **e} for e in events),
+        ]
+    }
 
 
 def test_exposed_communication_on_a_known_cpu_timeline():
@@ -182,14 +230,16 @@ def test_exposed_communication_on_a_known_cpu_timeline():
     all-gather runs on a gloo thread over [200, 600], a reduce-scatter (gloo runs it as an all-reduce)
     over [550, 950]. Comm in flight: [200, 950] = 750 us; not under compute: [300, 500] and
     [900, 950] = 250 us."""
-    trace = _trace([
-        {"tid": 1, "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 300},
-        {"tid": 1, "cat": "cpu_op", "name": "c10d::_allgather_base_", "ts": 150, "dur": 10},
-        {"tid": 7, "cat": "user_annotation", "name": "gloo:all_gather", "ts": 200, "dur": 400},
-        {"tid": 1, "cat": "cpu_op", "name": "aten::mm", "ts": 500, "dur": 400},
-        {"tid": 1, "cat": "cpu_op", "name": "c10d::_reduce_scatter_base_", "ts": 540, "dur": 5},
-        {"tid": 8, "cat": "user_annotation", "name": "gloo:all_reduce", "ts": 550, "dur": 400},
-    ])
+    trace = _trace(
+        [
+            {"tid": 1, "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 300},
+            {"tid": 1, "cat": "cpu_op", "name": "c10d::_allgather_base_", "ts": 150, "dur": 10},
+            {"tid": 7, "cat": "user_annotation", "name": "gloo:all_gather", "ts": 200, "dur": 400},
+            {"tid": 1, "cat": "cpu_op", "name": "aten::mm", "ts": 500, "dur": 400},
+            {"tid": 1, "cat": "cpu_op", "name": "c10d::_reduce_scatter_base_", "ts": 540, "dur": 5},
+            {"tid": 8, "cat": "user_annotation", "name": "gloo:all_reduce", "ts": 550, "dur": 400},
+        ]
+    )
     comm = comm_from_trace(trace)
     assert comm["all_gather_s"] == pytest.approx(400e-6) and comm["reduce_scatter_s"] == pytest.approx(400e-6)
     assert comm["all_reduce_s"] == 0 and comm["total_s"] == pytest.approx(750e-6)
@@ -198,13 +248,20 @@ def test_exposed_communication_on_a_known_cpu_timeline():
 
 def test_exposed_communication_on_a_known_cuda_timeline():
     """NCCL kernels are the collectives, every other kernel is compute, on whichever stream."""
-    trace = _trace([
-        {"tid": 7, "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
-         "ts": 100, "dur": 200},
-        {"tid": 7, "cat": "kernel", "name": "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "ts": 700, "dur": 200},
-        {"tid": 9, "cat": "kernel", "name": "ampere_sgemm_128x64_tn", "ts": 0, "dur": 250},
-        {"tid": 9, "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 750, "dur": 100},
-    ])
+    trace = _trace(
+        [
+            {
+                "tid": 7,
+                "cat": "kernel",
+                "name": "ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+                "ts": 100,
+                "dur": 200,
+            },
+            {"tid": 7, "cat": "kernel", "name": "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", "ts": 700, "dur": 200},
+            {"tid": 9, "cat": "kernel", "name": "ampere_sgemm_128x64_tn", "ts": 0, "dur": 250},
+            {"tid": 9, "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 750, "dur": 100},
+        ]
+    )
     comm = comm_from_trace(trace)
     assert comm["device"] == "cuda"
     assert comm["all_gather_s"] == pytest.approx(200e-6) and comm["reduce_scatter_s"] == pytest.approx(200e-6)

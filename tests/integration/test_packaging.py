@@ -37,8 +37,11 @@ def _checkout_files() -> list[Path]:
     """What a clone of this checkout holds (tracked files, and new ones git does not ignore)."""
     if shutil.which("git") is None:
         pytest.skip("git is not installed: cannot tell the checkout's files from build leftovers")
-    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            capture_output=True, text=True)
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        text=True,
+    )
     if listed.returncode != 0:
         pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
     return [Path(name) for name in listed.stdout.split("\0") if name and (REPO / name).is_file()]
@@ -63,18 +66,50 @@ def installed(tmp_path_factory) -> Installed:
     for name in _checkout_files():
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, source / name)
-    _ok(_run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index",
-              "-w", base / "dist", source], cwd=base))
+    _ok(
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                "-q",
+                "--no-deps",
+                "--no-build-isolation",
+                "--no-index",
+                "-w",
+                base / "dist",
+                source,
+            ],
+            cwd=base,
+        )
+    )
     (wheel,) = (base / "dist").glob("fsdp_exp-*.whl")
 
     _ok(_run([sys.executable, "-m", "venv", "--without-pip", base / "venv"], cwd=base))
     python = base / "venv" / "bin" / "python"
-    purelib = Path(_ok(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                            cwd=base)).strip())
+    purelib = Path(
+        _ok(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=base)).strip()
+    )
     (purelib / "_test_environment.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     # --ignore-installed: pip sees this checkout's editable fsdp_exp through that path and must leave it be
-    _ok(_run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed",
-              "--no-compile", wheel], cwd=base))
+    _ok(
+        _run(
+            [
+                python,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-index",
+                "--ignore-installed",
+                "--no-compile",
+                wheel,
+            ],
+            cwd=base,
+        )
+    )
     elsewhere = base / "elsewhere"
     elsewhere.mkdir()
     return Installed(python=python, scripts=python.parent, package=purelib / "fsdp_exp", elsewhere=elsewhere)
@@ -86,8 +121,16 @@ def _composed(installed: Installed, *overrides: str) -> dict:
 
 
 def test_the_installed_package_is_the_one_imported_and_ships_every_config_file(installed):
-    out = _ok(_run([installed.python, "-c", "import fsdp_exp, hydra_plugins.fsdp_exp_launcher as l; "
-                    "print(fsdp_exp.__file__); print(l.__file__)"], cwd=installed.elsewhere))
+    out = _ok(
+        _run(
+            [
+                installed.python,
+                "-c",
+                "import fsdp_exp, hydra_plugins.fsdp_exp_launcher as l; print(fsdp_exp.__file__); print(l.__file__)",
+            ],
+            cwd=installed.elsewhere,
+        )
+    )
     package_file, launcher_file = (Path(line) for line in out.split())
     assert package_file.parent == installed.package, "the checkout's fsdp_exp was imported, not the wheel's"
     assert installed.package.parent in launcher_file.parents
@@ -102,30 +145,34 @@ def test_the_installed_package_is_the_one_imported_and_ships_every_config_file(i
 
 @pytest.mark.parametrize("entry", ["python -m fsdp_exp", "fsdp-exp"])
 def test_the_installed_package_composes_a_preset_from_outside_the_checkout(installed, entry):
-    command = ([installed.python, "-m", "fsdp_exp"] if entry.startswith("python")
-               else [installed.scripts / "fsdp-exp"])
+    command = [installed.python, "-m", "fsdp_exp"] if entry.startswith("python") else [installed.scripts / "fsdp-exp"]
     cfg = yaml.safe_load(_ok(_run([*command, "--cfg", "job", "model=llama7b"], cwd=installed.elsewhere)))
     assert (cfg["model"]["dim"], cfg["model"]["n_layers"], cfg["model"]["vocab_size"]) == (4096, 32, 32000)
     assert cfg["sharding"]["backend"] == "fsdp2"  # the rest of config.yaml's defaults came along
 
 
 def test_the_installed_package_finds_the_slurm_launcher_preset(installed):
-    out = _ok(_run([installed.python, "-m", "fsdp_exp", "--cfg", "hydra", "hydra/launcher=slurm"],
-                   cwd=installed.elsewhere))
+    out = _ok(
+        _run([installed.python, "-m", "fsdp_exp", "--cfg", "hydra", "hydra/launcher=slurm"], cwd=installed.elsewhere)
+    )
     launcher = yaml.safe_load(out)["hydra"]["launcher"]
     assert launcher["_target_"] == "hydra_plugins.fsdp_exp_launcher.SlurmLauncher"
     assert launcher["signal_delay_s"] == 120  # conf/hydra/launcher/slurm.yaml, over submitit's defaults
 
 
 def test_the_installed_planner_composes_from_outside_the_checkout(installed):
-    out = _ok(_run([installed.python, "-m", "fsdp_exp.plan", "model=llama7b", "plan.format=json"],
-                   cwd=installed.elsewhere))
+    out = _ok(
+        _run([installed.python, "-m", "fsdp_exp.plan", "model=llama7b", "plan.format=json"], cwd=installed.elsewhere)
+    )
     assert "6738415616" in json.dumps(json.loads(out))  # Llama-2 7B's parameter count
 
 
 def test_the_installed_package_runs_the_default_experiment(installed):
-    result = _run([installed.python, "-m", "fsdp_exp", "trainer.steps=3", "logger.wandb.mode=disabled", *QUIET],
-                  cwd=installed.elsewhere, timeout=240)
+    result = _run(
+        [installed.python, "-m", "fsdp_exp", "trainer.steps=3", "logger.wandb.mode=disabled", *QUIET],
+        cwd=installed.elsewhere,
+        timeout=240,
+    )
     _ok(result)
     (record,) = (installed.elsewhere / "outputs" / "runs").glob("*/run.json")
     assert json.loads(record.read_text())["status"] == "completed"
@@ -141,8 +188,7 @@ def my_conf(tmp_path) -> Path:
 
 @pytest.mark.parametrize("how", ["hydra.searchpath", "--config-dir"])
 def test_a_users_own_preset_joins_through_hydras_search_path(installed, my_conf, how):
-    added = ([f"hydra.searchpath=[{my_conf.as_uri()}]"] if how == "hydra.searchpath"
-             else ["--config-dir", str(my_conf)])
+    added = [f"hydra.searchpath=[{my_conf.as_uri()}]"] if how == "hydra.searchpath" else ["--config-dir", str(my_conf)]
     model = _composed(installed, *added, "model=my_model")["model"]
     assert (model["n_layers"], model["dim"]) == (3, 64)  # its own change over the shipped llama_tiny
 

@@ -105,8 +105,11 @@ def _train_case(cfg, name: str, mesh, batches: list, out: Path, rank: int) -> No
     if dp_rank == 0:
         torch.save(params, out / f"{name}-params-{rank}.pt")
     if mesh["pp"].get_local_rank() == 0 and dp_rank == 0:
-        (out / f"{name}.json").write_text(json.dumps({"losses": losses, "stages": engine.stage_indices,
-                                                      "stage_blocks": engine.applied["stage_blocks"]}))
+        (out / f"{name}.json").write_text(
+            json.dumps(
+                {"losses": losses, "stages": engine.stage_indices, "stage_blocks": engine.applied["stage_blocks"]}
+            )
+        )
 
 
 def _train_all(out: Path) -> dict:
@@ -117,8 +120,9 @@ def _train_all(out: Path) -> dict:
 
     cfg = run_config(OVERRIDES)
     batches = _global_batches(cfg, STEPS)
-    mp.start_processes(_rank, args=(NPROCS, free_port(), plain(cfg), batches, str(out)), nprocs=NPROCS,
-                       start_method="spawn")
+    mp.start_processes(
+        _rank, args=(NPROCS, free_port(), plain(cfg), batches, str(out)), nprocs=NPROCS, start_method="spawn"
+    )
     results = {}
     for name in CASES:
         results[name] = json.loads((out / f"{name}.json").read_text())
@@ -167,8 +171,14 @@ def test_two_stages_with_fsdp2_over_two_dp_ranks_train_like_one_process(runs, re
 
 # The command line's pipeline run (fsdp_exp's launcher, trainer and preflight: parallel.pp*), checked against
 # the same single-process reference: interleaved 1F1B, so each rank trains two stages under one optimizer.
-CLI_PP = ["trainer.nproc_per_node=2", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
-          "parallel.pp_stages_per_rank=2", "parallel.pp_microbatches=4", "logger.wandb.mode=disabled"]
+CLI_PP = [
+    "trainer.nproc_per_node=2",
+    "parallel.pp=2",
+    "parallel.pp_schedule=interleaved_1f1b",
+    "parallel.pp_stages_per_rank=2",
+    "parallel.pp_microbatches=4",
+    "logger.wandb.mode=disabled",
+]
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +194,9 @@ def test_a_pipeline_run_resumed_from_its_step_4_checkpoint_trains_step_5_bit_ide
     resumed = run_cli([*OVERRIDES, *CLI_PP, f"checkpoint.resume={step_4}"], tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.record["resumed_from"]["step"] == 4
-    assert [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in resumed.metrics] == \
-        [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in cli_run.metrics if r["step"] == STEPS]
+    assert [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in resumed.metrics] == [
+        (r["step"], r["train/loss"], r["train/grad_norm"]) for r in cli_run.metrics if r["step"] == STEPS
+    ]
 
 
 def test_the_command_line_pipeline_run_trains_like_one_process_and_records_its_cut(reference, cli_run):

@@ -20,18 +20,30 @@ from fsdp_exp.preflight import validate
 from conftest import TINY_BATCH, TINY_MODEL, REPO, read_metrics, run_config, run_experiment
 
 GIB = 2**30
-TINY = [*TINY_MODEL, *TINY_BATCH,
-        "trainer.steps=3", "trainer.warmup_steps=2",
-        "logger.wandb.mode=disabled", "checkpoint.on_signal=false", "trainer.digest_shards=false",
-        "trainer.peak_tflops=1.0"]  # MFU is not under test here: skip measuring this CPU's peak
+TINY = [
+    *TINY_MODEL,
+    *TINY_BATCH,
+    "trainer.steps=3",
+    "trainer.warmup_steps=2",
+    "logger.wandb.mode=disabled",
+    "checkpoint.on_signal=false",
+    "trainer.digest_shards=false",
+    "trainer.peak_tflops=1.0",
+]  # MFU is not under test here: skip measuring this CPU's peak
 
 # (sharding, precision, ac, world): each pair of factor values is covered at least once.
 MATRIX = [
-    ("full", "fp32", "none", 1), ("grad_op", "bf16", "full", 1), ("no_shard", "bf16", "none", 1),
+    ("full", "fp32", "none", 1),
+    ("grad_op", "bf16", "full", 1),
+    ("no_shard", "bf16", "none", 1),
     ("ddp", "fp32", "full", 1),
-    ("full", "bf16", "full", 2), ("grad_op", "fp32", "none", 2), ("no_shard", "fp32", "full", 2),
+    ("full", "bf16", "full", 2),
+    ("grad_op", "fp32", "none", 2),
+    ("no_shard", "fp32", "full", 2),
     ("ddp", "bf16", "none", 2),
-    ("full", "fp32", "full", 4), ("grad_op", "bf16", "none", 4), ("no_shard", "bf16", "full", 4),
+    ("full", "fp32", "full", 4),
+    ("grad_op", "bf16", "none", 4),
+    ("no_shard", "bf16", "full", 4),
     ("ddp", "fp32", "none", 4),
 ]
 MODEL_STATES_TOLERANCE = 0.03
@@ -68,8 +80,9 @@ def _run_and_compare(overrides, run_dir, tracked=True):
     row = next(r for r in rows if "mem/tracked_total_gib_max" in r)
     measured, peak = row["mem/tracked_total_gib_max"] * GIB, row["mem/predicted_peak_gib"] * GIB
     error = peak / measured - 1
-    assert abs(error) < PEAK_TOLERANCE, (f"predicted peak {peak:.0f} B ({predicted.peak['phase']}) vs tracked "
-                                         f"{measured:.0f} B: {error:+.1%}")
+    assert abs(error) < PEAK_TOLERANCE, (
+        f"predicted peak {peak:.0f} B ({predicted.peak['phase']}) vs tracked {measured:.0f} B: {error:+.1%}"
+    )
     # The whole step's peak is its largest phase's, on both sides.
     assert row["mem/tracked_total_gib_max"] == max(row[f"mem/tracked_{s}_total_gib_max"] for s in STAGES)
     assert predicted.peak["total"] == max(p["total"] for p in predicted.stage_peaks.values())
@@ -80,8 +93,10 @@ def _run_and_compare(overrides, run_dir, tracked=True):
         measured = row[f"mem/tracked_{stage}_total_gib_max"] * GIB
         errors[stage] = planned["total"] / measured - 1
         tolerance = OPTIMIZER_PHASE_TOLERANCE if stage == "optimizer" else PEAK_TOLERANCE
-        assert abs(errors[stage]) < tolerance, (f"{stage}: predicted {planned['total']} B ({planned['phase']}) "
-                                                     f"vs tracked {measured:.0f} B: {errors[stage]:+.1%}")
+        assert abs(errors[stage]) < tolerance, (
+            f"{stage}: predicted {planned['total']} B ({planned['phase']}) "
+            f"vs tracked {measured:.0f} B: {errors[stage]:+.1%}"
+        )
     # In the optimizer phase nothing is gathered: the model states the tracker sees are the states at
     # rest, plus the optimizer's own temporaries (its tensors count as optimizer state while it steps)
     # when the phase's largest total falls inside the step. It may fall just before it instead (gradient
@@ -103,11 +118,12 @@ def _run_and_compare(overrides, run_dir, tracked=True):
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding,precision,ac,world", MATRIX, ids=["-".join(map(str, c)) for c in MATRIX])
 def test_planner_matches_the_tracker(tmp_path, sharding, precision, ac, world):
-    overrides = [*TINY, f"sharding={sharding}", f"precision={precision}", f"ac={ac}",
-                 f"trainer.nproc_per_node={world}"]
+    overrides = [*TINY, f"sharding={sharding}", f"precision={precision}", f"ac={ac}", f"trainer.nproc_per_node={world}"]
     errors = _run_and_compare(overrides, tmp_path / "run")
-    print(f"planner vs tracker, {sharding}-{precision}-{ac}-world{world}: "
-          + ", ".join(f"{k} {v:+.2%}" for k, v in errors.items()))
+    print(
+        f"planner vs tracker, {sharding}-{precision}-{ac}-world{world}: "
+        + ", ".join(f"{k} {v:+.2%}" for k, v in errors.items())
+    )
 
 
 FLOAT8_TOLERANCE = 0.05
@@ -117,7 +133,9 @@ def test_planner_matches_the_tracker_for_a_float8_run_within_5_percent(tmp_path)
     """precision=float8 (torchao) on 2 ranks: the converted matmuls' float8 casts of their operands are in the
     planned peak (without them the step's peak was 7.7% under the tracker's)."""
     pytest.importorskip("torchao", reason='float8 training needs torchao: pip install "fsdp_exp[float8]"')
-    errors = _run_and_compare([*TINY, "sharding=full", "precision=float8", "trainer.nproc_per_node=2"], tmp_path / "run")
+    errors = _run_and_compare(
+        [*TINY, "sharding=full", "precision=float8", "trainer.nproc_per_node=2"], tmp_path / "run"
+    )
     print("planner vs tracker, full-float8-none-world2: " + ", ".join(f"{k} {v:+.2%}" for k, v in errors.items()))
     assert abs(errors["step"]) < FLOAT8_TOLERANCE, errors
 
@@ -126,14 +144,18 @@ def test_planner_matches_the_tracker_for_a_float8_run_within_5_percent(tmp_path)
 def test_uneven_shards_and_fsdp1_model_states(tmp_path):
     """dim 72, vocab 250 over 3 ranks: torch.chunk gives rank 0 the ceil rows (FSDP2) and FSDP1 pads
     each flat unit; the planner reports the largest rank."""
-    uneven = [*TINY, "model.dim=72", "model.vocab_size=250", "trainer.nproc_per_node=3",
-              "trainer.global_batch_size=6"]
+    uneven = [*TINY, "model.dim=72", "model.vocab_size=250", "trainer.nproc_per_node=3", "trainer.global_batch_size=6"]
     _run_and_compare(uneven, tmp_path / "fsdp2")
     _run_and_compare([*uneven, "sharding.backend=fsdp1"], tmp_path / "fsdp1", tracked=False)
 
 
-ACCUMULATING = [*TINY, "model.dim=256", "trainer.seq_len=8", "trainer.micro_batch_size=1",  # 4 micro-batches
-                "trainer.nproc_per_node=2"]  # parameters (1.6 M) dominate the activations of 8 tokens
+ACCUMULATING = [
+    *TINY,
+    "model.dim=256",
+    "trainer.seq_len=8",
+    "trainer.micro_batch_size=1",  # 4 micro-batches
+    "trainer.nproc_per_node=2",
+]  # parameters (1.6 M) dominate the activations of 8 tokens
 
 
 @pytest.mark.slow
@@ -143,8 +165,11 @@ def test_accumulation_reduces_into_the_gradient_shard_by_default_and_the_planner
     unsharded gradient. The planner predicts both forwards within 3%, and the losses are the same (fp32)."""
     GRAD_TOLERANCE = 0.03
     runs = {}
-    for name, extra in (("default", []), ("last", ["trainer.grad_sync=last_micro_batch"]),
-                        ("fsdp1", ["sharding.backend=fsdp1"])):
+    for name, extra in (
+        ("default", []),
+        ("last", ["trainer.grad_sync=last_micro_batch"]),
+        ("fsdp1", ["sharding.backend=fsdp1"]),
+    ):
         overrides = [*ACCUMULATING, *extra]
         tracked = name != "fsdp1"  # torch's tracker cannot hook FSDP1
         errors = _run_and_compare(overrides, tmp_path / name, tracked=tracked)
@@ -168,7 +193,8 @@ def test_accumulation_reduces_into_the_gradient_shard_by_default_and_the_planner
     assert forward[1]["mem/tracked_forward_unsharded_grads_gib_max"] * GIB == pytest.approx(2 * shard, rel=0.01)
     for name in ("last", "fsdp1"):
         assert [r["train/loss"] for r in runs[name]["rows"]] == pytest.approx(
-            [r["train/loss"] for r in default["rows"]], rel=1e-6, abs=0)
+            [r["train/loss"] for r in default["rows"]], rel=1e-6, abs=0
+        )
 
 
 def test_llama7b_full_shard_is_the_zero3_figure():
@@ -213,13 +239,21 @@ def test_planner_options_never_reach_the_run_config():
 
 
 def _cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "fsdp_exp.plan", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_exp.plan", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_cli_json_for_llama7b_on_h100():
-    proc = _cli("model=llama7b", "precision=bf16", "trainer.nproc_per_node=8", "trainer.seq_len=4096",
-                "trainer.global_batch_size=8", "plan.format=json", "plan.device=h100_80gb")
+    proc = _cli(
+        "model=llama7b",
+        "precision=bf16",
+        "trainer.nproc_per_node=8",
+        "trainer.seq_len=4096",
+        "trainer.global_batch_size=8",
+        "plan.format=json",
+        "plan.device=h100_80gb",
+    )
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert set(plan["per_rank_bytes"]) == {"params", "grads", "optimizer", "activations", "buffers", "total"}
@@ -268,8 +302,10 @@ def _tracked_and_planned(overrides, run_dir):
     planned = _plan(overrides)
     tracked = {stage: row[f"mem/tracked_{stage}_total_gib_max"] * GIB for stage in ("forward", "backward")}
     tracked["step"] = row["mem/tracked_total_gib_max"] * GIB
-    predicted = {**{stage: planned.stage_peaks[stage]["total"] for stage in ("forward", "backward")},
-                 "step": planned.peak["total"]}
+    predicted = {
+        **{stage: planned.stage_peaks[stage]["total"] for stage in ("forward", "backward")},
+        "step": planned.peak["total"],
+    }
     for key, value in tracked.items():
         assert abs(predicted[key] / value - 1) < LOSS_TOLERANCE, (key, predicted[key], value, planned.peak["phase"])
     return tracked, planned, [r["train/loss"] for r in rows], record
@@ -287,8 +323,10 @@ def test_the_chunked_loss_lowers_the_tracked_peak_by_what_the_planner_says(tmp_p
     saved, planned = whole["step"] - sliced["step"], whole_plan.peak["total"] - sliced_plan.peak["total"]
     assert saved > 0.3 * whole["step"], (saved, whole["step"])
     assert abs(planned - saved) < LOSS_TOLERANCE * whole["step"], (planned, saved)
-    print(f"chunked loss: tracked peak {whole['step'] / 2**20:.2f} -> {sliced['step'] / 2**20:.2f} MiB, planned "
-          f"{whole_plan.peak['total'] / 2**20:.2f} -> {sliced_plan.peak['total'] / 2**20:.2f} MiB")
+    print(
+        f"chunked loss: tracked peak {whole['step'] / 2**20:.2f} -> {sliced['step'] / 2**20:.2f} MiB, planned "
+        f"{whole_plan.peak['total'] / 2**20:.2f} -> {sliced_plan.peak['total'] / 2**20:.2f} MiB"
+    )
     for a, b in zip(sliced_losses, whole_losses):
         assert abs(a / b - 1) < 1e-5, (sliced_losses, whole_losses)
 

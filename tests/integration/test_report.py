@@ -29,8 +29,15 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_exp.report import (build_report, load_runs, plot_report, plotted_intervals, plotted_point_count, png_bytes,
-                             settings_key)
+from fsdp_exp.report import (
+    build_report,
+    load_runs,
+    plot_report,
+    plotted_intervals,
+    plotted_point_count,
+    png_bytes,
+    settings_key,
+)
 from fsdp_exp.report.intervals import bootstrap_median
 from fsdp_exp.report.__main__ import main as report_main
 
@@ -42,14 +49,20 @@ NOTEBOOK = REPO / "notebooks" / "sweep_analysis.ipynb"
 
 def _env(home: Path) -> dict:
     # The module's fixture runs before the per-test environment fixture, so it isolates itself.
-    return {**os.environ, **BASE_ENV, "WANDB_CONFIG_DIR": str(home / "wandb_config"),
-            "WANDB_CACHE_DIR": str(home / "wandb_cache"), "WANDB_DATA_DIR": str(home / "wandb_data"),
-            "HF_HOME": str(home / "hf")}
+    return {
+        **os.environ,
+        **BASE_ENV,
+        "WANDB_CONFIG_DIR": str(home / "wandb_config"),
+        "WANDB_CACHE_DIR": str(home / "wandb_cache"),
+        "WANDB_DATA_DIR": str(home / "wandb_data"),
+        "HF_HOME": str(home / "hf"),
+    }
 
 
 def _fsdp_exp(args: list[str], env: dict, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_exp", *args, *FAST], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_exp", *args, *FAST], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +75,9 @@ def sweep(tmp_path_factory) -> Path:
     # after the multirun: its end-of-sweep check counts every run in its folder that started since it did.
     with ThreadPoolExecutor(max_workers=2) as pool:
         # Quoted: an unquoted '=' inside an override's value is a Hydra grammar error.
-        single = pool.submit(_fsdp_exp, ["sharding=grad_op", f"hydra.run.dir='{sweep_dir}/2_sharding=grad_op'"],
-                             env, root)
+        single = pool.submit(
+            _fsdp_exp, ["sharding=grad_op", f"hydra.run.dir='{sweep_dir}/2_sharding=grad_op'"], env, root
+        )
         failed = pool.submit(_fsdp_exp, ["debug=fail_rank", f"hydra.run.dir={sweep_dir}/3_failed"], env, root)
         single, failed = single.result(), failed.result()
     assert single.returncode == 0, single.stderr[-3000:]
@@ -74,8 +88,14 @@ def sweep(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def cli(sweep) -> subprocess.CompletedProcess:
     """``python -m fsdp_exp.report <sweep>`` as a user runs it: files land in the sweep folder."""
-    proc = subprocess.run([sys.executable, "-m", "fsdp_exp.report", str(sweep)], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **BASE_ENV})
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp.report", str(sweep)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **BASE_ENV},
+    )
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -139,8 +159,9 @@ def test_pareto_front_and_option_means(sweep, cli):
     assert set(means) == {"prefetch", "sharding"}
     for group, options in means.items():
         for option, mean in options.items():
-            expected = statistics.fmean(r["summary"]["summary/tokens_per_s_median"] for r in records
-                                        if r["choices"][group] == option)
+            expected = statistics.fmean(
+                r["summary"]["summary/tokens_per_s_median"] for r in records if r["choices"][group] == option
+            )
             assert mean == pytest.approx(expected)
 
 
@@ -203,11 +224,12 @@ def test_html_is_self_contained_and_shows_the_same_rows(sweep, cli):
     assert [row[2] for row in rows] == [f"{r['tokens_per_s']:,.0f}" for r in report["ranked"]]
     # The page's embedded data: the same rows, and the points the figure drew.
     start = page.index('<script type="application/json" id="report-data">')
-    embedded = json.loads(page[page.index(">", start) + 1:page.index("</script>", start)])
+    embedded = json.loads(page[page.index(">", start) + 1 : page.index("</script>", start)])
     assert embedded["ranked"] == report["ranked"] and embedded["not_ranked"] == report["not_ranked"]
     _, shown = plot_report(build_report(load_runs([sweep])))
-    assert sorted(r["label"] for r in embedded["ranked"] + embedded["duplicates"]) == \
-        sorted(p["label"] for p in shown["points"])
+    assert sorted(r["label"] for r in embedded["ranked"] + embedded["duplicates"]) == sorted(
+        p["label"] for p in shown["points"]
+    )
     assert [row[0] for row in parsed.tables["duplicates"][1:]] == ["prefetch=deep"]
     assert parsed.tables["not-ranked"][1][:2] == ["debug=fail_rank", "failed"]
 
@@ -239,7 +261,7 @@ def test_failed_run_is_listed_with_its_error(sweep, cli):
     assert row["label"] == "debug=fail_rank" and row["status"] == "failed"
     assert row["error"] == f"rank 1: {record['error']['message']}"
     assert "InjectedFailure" in row["error"]
-    not_ranked = cli.stdout[cli.stdout.index("Not ranked"):]
+    not_ranked = cli.stdout[cli.stdout.index("Not ranked") :]
     assert "debug=fail_rank" in not_ranked and "InjectedFailure" in not_ranked
 
 
@@ -323,8 +345,9 @@ def test_notebook_executes_on_the_sweep(sweep, monkeypatch, tmp_path):
     # `ipykernel install` step: the spec is written here, from ipykernel itself.
     write_kernel_spec(tmp_path / "kernels" / "python3")
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
-    nbclient.NotebookClient(notebook, timeout=120, kernel_name="python3",
-                            resources={"metadata": {"path": str(sweep)}}).execute()
+    nbclient.NotebookClient(
+        notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(sweep)}}
+    ).execute()
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
@@ -335,8 +358,14 @@ def test_notebook_executes_on_the_sweep(sweep, monkeypatch, tmp_path):
 
 
 # ------------------------------------------------------------------------------------ repeats
-REPEATS = ["sharding=full,grad_op", "trainer.repeat=0,1", "trainer.steps=3", "trainer.warmup_steps=1",
-           "logger.wandb.mode=offline", *QUIET]
+REPEATS = [
+    "sharding=full,grad_op",
+    "trainer.repeat=0,1",
+    "trainer.steps=3",
+    "trainer.warmup_steps=1",
+    "logger.wandb.mode=offline",
+    *QUIET,
+]
 
 
 @pytest.fixture(scope="module")
@@ -344,11 +373,23 @@ def repeated(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """A real sweep of 2 configurations x 2 repeats, then ``python -m fsdp_exp.report`` on it."""
     root = tmp_path_factory.mktemp("repeats")
     sweep_dir, env = root / "sweep", _env(root / "home")
-    multirun = subprocess.run([sys.executable, "-m", "fsdp_exp", "-m", *REPEATS, f"hydra.sweep.dir={sweep_dir}"],
-                              cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    multirun = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp", "-m", *REPEATS, f"hydra.sweep.dir={sweep_dir}"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert multirun.returncode == 0, multirun.stderr[-3000:]
-    report = subprocess.run([sys.executable, "-m", "fsdp_exp.report", str(sweep_dir)], cwd=REPO, capture_output=True,
-                            text=True, timeout=120, env={**os.environ, **BASE_ENV})
+    report = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp.report", str(sweep_dir)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **BASE_ENV},
+    )
     assert report.returncode == 0, report.stderr[-3000:]
     return sweep_dir, report
 
@@ -368,8 +409,12 @@ def test_a_multirun_orders_repeats_interleaved(repeated):
     sweep, _ = repeated
     assert _job_order(sweep) == [("full", 0), ("grad_op", 0), ("full", 1), ("grad_op", 1)]
     # Each job keeps its overrides, and so its folder name.
-    assert sorted(p.parent.name.split(",")[0] for p in sweep.glob("*/run.json")) == \
-        ["0_sharding=full", "1_sharding=grad_op", "2_sharding=full", "3_sharding=grad_op"]
+    assert sorted(p.parent.name.split(",")[0] for p in sweep.glob("*/run.json")) == [
+        "0_sharding=full",
+        "1_sharding=grad_op",
+        "2_sharding=full",
+        "3_sharding=grad_op",
+    ]
 
 
 @pytest.mark.slow
@@ -430,8 +475,9 @@ def _wandb_run(run_dir: Path) -> dict:
     """The run record (name, group, job type, tags) of a job's offline W&B run."""
     wandb_bin = Path(sys.executable).with_name("wandb")
     (log,) = (run_dir / "wandb").glob("offline-run-*/*.wandb")
-    lines = subprocess.run([str(wandb_bin), "leet", "inspect", "--json", str(log)], capture_output=True, text=True,
-                           check=True).stdout.splitlines()
+    lines = subprocess.run(
+        [str(wandb_bin), "leet", "inspect", "--json", str(log)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     return next(r["run"] for r in map(json.loads, lines) if r["type"] == "run")
 
 

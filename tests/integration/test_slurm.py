@@ -20,8 +20,13 @@ from slurm_cluster import Sweep, cluster, job_env
 TINY = ["trainer.steps=4", "trainer.warmup_steps=1", "hydra.launcher.timeout_min=5"]
 # The rank that fails (debug=fail_rank: rank 1 raises at step 2) and the job sizes of that sweep: each
 # job's tasks come from its own trainer.nproc_per_node.
-FAILING = ["debug=fail_rank", "trainer.nproc_per_node=2,3", "trainer.global_batch_size=12", "trainer.steps=6",
-           "hydra.launcher.timeout_min=5"]
+FAILING = [
+    "debug=fail_rank",
+    "trainer.nproc_per_node=2,3",
+    "trainer.global_batch_size=12",
+    "trainer.steps=6",
+    "hydra.launcher.timeout_min=5",
+]
 # Rank 1 killed by SIGKILL at step 2: no Python error, no result of its task.
 KILLED = ["debug=fail_rank", "debug.fail_signal=SIGKILL", "trainer.steps=6", "hydra.launcher.timeout_min=5"]
 
@@ -117,8 +122,13 @@ def test_a_failing_rank_ends_its_job_fast_and_is_named(sweeps):
     assert len(slurm_jobs) == 2
     deadline = time.monotonic() + 30
     while True:
-        squeue = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i|%T|%M", "-j", ",".join(slurm_jobs)],
-                                capture_output=True, text=True, env=sweep.env, check=True)
+        squeue = subprocess.run(
+            ["squeue", "-h", "-t", "all", "-o", "%i|%T|%M", "-j", ",".join(slurm_jobs)],
+            capture_output=True,
+            text=True,
+            env=sweep.env,
+            check=True,
+        )
         states = [line.split("|") for line in squeue.stdout.split()]
         if all(state in ("COMPLETED", "FAILED") for _, state, _ in states) or time.monotonic() > deadline:
             break

@@ -34,9 +34,13 @@ def _exists(kind: str, name: str) -> bool:
 
 
 def _daemons(conf: str) -> list[str]:
-    return [" ".join(p.info["cmdline"]) for p in psutil.process_iter(["cmdline"])
-            if p.info["cmdline"] and p.info["cmdline"][0].split("/")[-1] in ("slurmctld", "slurmd")
-            and conf in p.info["cmdline"]]
+    return [
+        " ".join(p.info["cmdline"])
+        for p in psutil.process_iter(["cmdline"])
+        if p.info["cmdline"]
+        and p.info["cmdline"][0].split("/")[-1] in ("slurmctld", "slurmd")
+        and conf in p.info["cmdline"]
+    ]
 
 
 @pytest.mark.slow
@@ -46,19 +50,30 @@ def test_a_second_cluster_stands_up_beside_the_first_and_down_removes_only_its_o
         assert first_links, "the 2-node cluster records the links it made"
         # Names come from a checksum of the folder (.ci/slurm/names): pick one whose key differs from the
         # first cluster's, as a user would (up refuses a clash, naming the fix).
-        folder = next(tmp_path / f"second{i}" for i in range(20)
-                      if _key(tmp_path / f"second{i}") != _key(Path(first["FSDP_EXP_SLURM_DIR"])))
+        folder = next(
+            tmp_path / f"second{i}"
+            for i in range(20)
+            if _key(tmp_path / f"second{i}") != _key(Path(first["FSDP_EXP_SLURM_DIR"]))
+        )
         env = {**os.environ, "FSDP_EXP_SLURM_DIR": str(folder)}
         up = subprocess.run([str(SCRIPTS / "up"), "--nodes", "2"], capture_output=True, text=True, env=env, timeout=180)
         try:
             assert up.returncode == 0, up.stderr
-            exported = dict(line.split("#")[0].strip().removeprefix("export ").split("=", 1)
-                            for line in up.stdout.splitlines() if line.startswith("export "))
+            exported = dict(
+                line.split("#")[0].strip().removeprefix("export ").split("=", 1)
+                for line in up.stdout.splitlines()
+                if line.startswith("export ")
+            )
             second_env = {**env, "SLURM_CONF": exported["SLURM_CONF"]}
             ours = _links(folder)
             assert {kind for kind, _ in ours} == {"link", "netns"} and not set(ours) & set(first_links), ours
-            hosts = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", "--time=1", "hostname"], capture_output=True,
-                                   text=True, env=second_env, timeout=60)
+            hosts = subprocess.run(
+                ["srun", "-N2", "--ntasks-per-node=1", "--time=1", "hostname"],
+                capture_output=True,
+                text=True,
+                env=second_env,
+                timeout=60,
+            )
             assert hosts.returncode == 0 and sorted(hosts.stdout.split()) == ["node1", "node2"], hosts.stderr
             assert _daemons(exported["SLURM_CONF"])
         finally:
@@ -68,8 +83,13 @@ def test_a_second_cluster_stands_up_beside_the_first_and_down_removes_only_its_o
         assert _daemons(str(folder / "slurm.conf")) == []
         # The first cluster is untouched and still takes jobs.
         assert all(_exists(kind, name) for kind, name in first_links)
-        still = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", "--time=1", "hostname"], capture_output=True,
-                               text=True, env={**os.environ, **first}, timeout=60)
+        still = subprocess.run(
+            ["srun", "-N2", "--ntasks-per-node=1", "--time=1", "hostname"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **first},
+            timeout=60,
+        )
         assert still.returncode == 0 and sorted(still.stdout.split()) == ["node1", "node2"], still.stderr
 
 
@@ -85,10 +105,12 @@ def test_standing_up_a_cluster_in_its_default_folder_leaves_the_others_running()
             assert up.returncode == 0, up.stderr
             assert len(_daemons(single["SLURM_CONF"])) == 2, "up --nodes 3 stopped the 1-node cluster"
         finally:
-            down = subprocess.run([str(SCRIPTS / "down"), "--nodes", "3"], capture_output=True, text=True, env=env,
-                                  timeout=120)
+            down = subprocess.run(
+                [str(SCRIPTS / "down"), "--nodes", "3"], capture_output=True, text=True, env=env, timeout=120
+            )
         assert down.returncode == 0, down.stderr
         assert len(_daemons(single["SLURM_CONF"])) == 2, "down --nodes 3 stopped the 1-node cluster"
-        idle = subprocess.run(["srun", "--time=1", "hostname"], capture_output=True, text=True,
-                              env={**os.environ, **single}, timeout=60)
+        idle = subprocess.run(
+            ["srun", "--time=1", "hostname"], capture_output=True, text=True, env={**os.environ, **single}, timeout=60
+        )
         assert idle.returncode == 0, idle.stderr

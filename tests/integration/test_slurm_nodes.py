@@ -66,11 +66,17 @@ def sweeps(two_nodes, tmp_path_factory):
     started = {
         # trainer.repeat changes nothing in a run: two jobs that must train alike.
         "two_by_two": Sweep([*TWO_BY_TWO, "trainer.repeat=0,1", *SHORT], base / "two_by_two", env),
-        "dead_node": Sweep([*TWO_BY_TWO, "trainer.steps=1000", "trainer.collective_timeout_s=30",
-                            "checkpoint.on_signal=false", *SLOW], base / "dead_node", env),
+        "dead_node": Sweep(
+            [*TWO_BY_TWO, "trainer.steps=1000", "trainer.collective_timeout_s=30", "checkpoint.on_signal=false", *SLOW],
+            base / "dead_node",
+            env,
+        ),
         # node2's ranks are frozen (SIGSTOP): no connection closes, so only the collective timeout ends it.
-        "stuck_node": Sweep([*TWO_BY_TWO, "trainer.steps=1000", "trainer.collective_timeout_s=15",
-                             "checkpoint.on_signal=false", *SLOW], base / "stuck_node", env),
+        "stuck_node": Sweep(
+            [*TWO_BY_TWO, "trainer.steps=1000", "trainer.collective_timeout_s=15", "checkpoint.on_signal=false", *SLOW],
+            base / "stuck_node",
+            env,
+        ),
         "resumed": Sweep(RESUMED, base / "resumed", env),
         # Held in the queue (sbatch --hold) until the test releases it: the sweep must say that it waits.
         "held": Sweep([*SHORT, "+hydra.launcher.additional_parameters.hold=true"], base / "held", env),
@@ -80,10 +86,19 @@ def sweeps(two_nodes, tmp_path_factory):
         # started), while the ranks may still be importing (up to ~19 s and more under this file's load):
         # the signal waits, blocked, until their handlers are in place. The job never finishes, so
         # it is requeued once (max_num_timeout=1), then stops.
-        "time_limit": Sweep(["trainer.nproc_per_node=2", "trainer.steps=100000", "debug.step_sleep_s=0.4",
-                             "trainer.warmup_steps=1", "hydra.launcher.timeout_min=2",
-                             "hydra.launcher.signal_delay_s=60", "hydra.launcher.max_num_timeout=1"],
-                            base / "time_limit", env),
+        "time_limit": Sweep(
+            [
+                "trainer.nproc_per_node=2",
+                "trainer.steps=100000",
+                "debug.step_sleep_s=0.4",
+                "trainer.warmup_steps=1",
+                "hydra.launcher.timeout_min=2",
+                "hydra.launcher.signal_delay_s=60",
+                "hydra.launcher.max_num_timeout=1",
+            ],
+            base / "time_limit",
+            env,
+        ),
     }
     started["torchrun"] = _start_torchrun_on_two_nodes(two_nodes, base / "torchrun")
     slurm_env = {**os.environ, **started["resumed"].env}
@@ -120,18 +135,32 @@ def _start_torchrun_on_two_nodes(cluster_env: dict, run_dir: Path) -> subprocess
     """One torchrun per node (node rank = the task's SLURM_NODEID), 2 ranks each, meeting on node1's
     address; static rendezvous, so node rank i holds ranks 2i and 2i+1."""
     env = {**os.environ, **cluster_env, "OMP_NUM_THREADS": "1", MARKER: str(run_dir)}
-    out = subprocess.run(["scontrol", "show", "node", "--oneliner", "node1"], capture_output=True, text=True,
-                         timeout=30, env=env)
+    out = subprocess.run(
+        ["scontrol", "show", "node", "--oneliner", "node1"], capture_output=True, text=True, timeout=30, env=env
+    )
     fields = dict(item.split("=", 1) for item in out.stdout.split() if "=" in item)
     assert out.returncode == 0 and fields.get("NodeAddr"), f"scontrol show node node1: {out.stdout}{out.stderr}"
     torchrun = Path(sys.executable).with_name("torchrun")
     # Any port: node1's network namespace has its own, where only slurmd and the jobs' ranks listen.
-    node_cmd = (f"exec {torchrun} --nnodes 2 --nproc-per-node 2 --node-rank $SLURM_NODEID "
-                f"--master-addr {fields['NodeAddr']} --master-port {free_port()} -m fsdp_exp "
-                f"{' '.join([*TRAINING, *QUIET, 'logger.wandb.mode=disabled'])} hydra.run.dir={run_dir}")
+    node_cmd = (
+        f"exec {torchrun} --nnodes 2 --nproc-per-node 2 --node-rank $SLURM_NODEID "
+        f"--master-addr {fields['NodeAddr']} --master-port {free_port()} -m fsdp_exp "
+        f"{' '.join([*TRAINING, *QUIET, 'logger.wandb.mode=disabled'])} hydra.run.dir={run_dir}"
+    )
     # srun passes its environment (the marker too) to the tasks: leftover_processes finds them on any node.
-    cmd = ["srun", "--nodes=2", "--ntasks-per-node=1", "--nodelist=node1,node2", f"--job-name={TORCHRUN_JOB}",
-           "--kill-on-bad-exit=1", "--time=5", "--label", "bash", "-c", node_cmd]
+    cmd = [
+        "srun",
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--nodelist=node1,node2",
+        f"--job-name={TORCHRUN_JOB}",
+        "--kill-on-bad-exit=1",
+        "--time=5",
+        "--label",
+        "bash",
+        "-c",
+        node_cmd,
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     proc.run_dir, proc.master = run_dir, fields["NodeAddr"]  # type: ignore[attr-defined]
     return proc
@@ -197,8 +226,9 @@ def _wait_for_step(sweep: Sweep, number: int, step: int, timeout: float = 180) -
         for run_dir in sweep.dir.glob(f"{number}_*"):
             if (run_dir / "metrics.jsonl").exists() and len(read_metrics(run_dir)) >= step:
                 return run_dir
-        assert sweep.proc.poll() is None, f"the sweep {sweep.dir.name} ended (exit {sweep.proc.returncode}) " \
-                                          f"before job {number} reached step {step}"
+        assert sweep.proc.poll() is None, (
+            f"the sweep {sweep.dir.name} ended (exit {sweep.proc.returncode}) before job {number} reached step {step}"
+        )
         time.sleep(0.5)
     raise AssertionError(f"job {number} of {sweep.dir.name} did not reach step {step} in {timeout} s")
 
@@ -298,8 +328,9 @@ def test_a_sweep_says_when_its_job_waits_in_the_queue_and_why(sweeps):
     job_id = acted["released"].result(timeout=240)
     code, stderr = sweep.wait()
     assert code == 0, stderr[-3000:]
-    assert re.search(rf"SLURM job {job_id} has waited 1\d s in the queue \(reason: JobHeldUser\)", sweep.stdout), \
+    assert re.search(rf"SLURM job {job_id} has waited 1\d s in the queue \(reason: JobHeldUser\)", sweep.stdout), (
         sweep.stdout[-3000:]
+    )
     assert f"SLURM job {job_id} is running" in sweep.stdout
     ((_, record),) = sweep.jobs().values()
     assert record["status"] == "completed", record.get("error")
@@ -313,8 +344,9 @@ def test_a_job_that_slurm_stops_comes_back_and_completes_bit_identical(sweeps, t
     for bit; the record counts the restart; the sweep counts both completed."""
     started, acted = sweeps
     sweep = started["resumed"]
-    local = _local_losses(["trainer.nproc_per_node=2", "trainer.steps=16", "trainer.warmup_steps=1"],
-                          tmp_path / "local")
+    local = _local_losses(
+        ["trainer.nproc_per_node=2", "trainer.steps=16", "trainer.warmup_steps=1"], tmp_path / "local"
+    )
     acted["requeued"].result(timeout=240)
     acted["usr1"].result(timeout=240)
     code, stderr = sweep.wait(timeout=240)
@@ -346,8 +378,9 @@ def test_the_time_limit_requeues_a_job_until_max_num_timeout(sweeps):
     assert record["status"] == "interrupted", record.get("error")
     slurm = record["slurm"]
     assert slurm["restarts"] == 1, slurm
-    assert [(s["signal"], s["reason"], s["requeued"]) for s in slurm["stops"]] == \
-        [("SIGUSR1", "time limit", True)], slurm
+    assert [(s["signal"], s["reason"], s["requeued"]) for s in slurm["stops"]] == [("SIGUSR1", "time limit", True)], (
+        slurm
+    )
     assert "hydra.launcher.max_num_timeout=1" in slurm["not_requeued"], slurm
     # The second start resumed from the first one's checkpoint and went further.
     assert record["resumed_from"]["step"] == slurm["stops"][0]["saved_step"]
@@ -360,12 +393,27 @@ def test_sweeps_that_could_never_run_are_refused_before_submission(two_nodes, tm
     ranks can handle it would kill them. Both are refused (exit 2) naming the fix; nothing is submitted."""
     env = {**os.environ, **job_env(two_nodes, tmp_path)}
     for name, overrides, said in (
-            ("too_large", ["trainer.nnodes=1,3"],
-             ["trainer.nnodes=3", "the default partition has 2 node(s)", "pass trainer.nnodes=2 or less"]),
-            ("early_signal", ["hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=90"],
-             ["would come 30 s after a job starts", "hydra.launcher.signal_delay_s=60"])):
-        cmd = [sys.executable, "-m", "fsdp_exp", "-m", "hydra/launcher=slurm", *overrides, *QUIET,
-               f"hydra.sweep.dir={tmp_path / name}"]
+        (
+            "too_large",
+            ["trainer.nnodes=1,3"],
+            ["trainer.nnodes=3", "the default partition has 2 node(s)", "pass trainer.nnodes=2 or less"],
+        ),
+        (
+            "early_signal",
+            ["hydra.launcher.timeout_min=2", "hydra.launcher.signal_delay_s=90"],
+            ["would come 30 s after a job starts", "hydra.launcher.signal_delay_s=60"],
+        ),
+    ):
+        cmd = [
+            sys.executable,
+            "-m",
+            "fsdp_exp",
+            "-m",
+            "hydra/launcher=slurm",
+            *overrides,
+            *QUIET,
+            f"hydra.sweep.dir={tmp_path / name}",
+        ]
         result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=120)
         assert result.returncode == 2, result.stderr[-3000:]
         assert "nothing was submitted" in result.stderr, result.stderr[-3000:]

@@ -23,9 +23,13 @@ def test_a_sweep_with_an_unknown_key_starts_no_job(tmp_path):
 
     from conftest import REPO
 
-    proc = subprocess.run([sys.executable, "-m", "fsdp_exp", "-m", "+trainer.stpes=5,6",
-                           f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp", "-m", "+trainer.stpes=5,6", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "did you mean trainer.steps?" in proc.stderr
     assert not (tmp_path / "sweep").exists() or not any((tmp_path / "sweep").iterdir())
@@ -41,9 +45,14 @@ def test_a_key_in_a_users_yaml_that_the_schema_lacks_exits_2_with_the_closest_ke
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("override,needle", [("trainer.stpes=3", "did you mean trainer.steps?"),
-                                             ("model=llama_tin", "did you mean model=llama_tiny?"),
-                                             ("trainer.steps=abc", "trainer.steps")])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("trainer.stpes=3", "did you mean trainer.steps?"),
+        ("model=llama_tin", "did you mean model=llama_tiny?"),
+        ("trainer.steps=abc", "trainer.steps"),
+    ],
+)
 def test_hydras_own_refusals_are_bad_input_too(override, needle, tmp_path):
     result = run_cli([override], tmp_path / "run", timeout=60)
     assert result.returncode == 2, result.stderr

@@ -41,21 +41,32 @@ def wandb_run(run_dir: Path) -> tuple[dict, dict]:
     folders = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len({f.name.rsplit("-", 1)[1] for f in folders}) == 1, folders
     folder = folders[-1]
-    inspected = json.loads(subprocess.run([str(wandb_bin), "leet", "inspect", "--summary", "--json", str(folder)],
-                                          capture_output=True, text=True, check=True).stdout)
+    inspected = json.loads(
+        subprocess.run(
+            [str(wandb_bin), "leet", "inspect", "--summary", "--json", str(folder)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     (log,) = folder.glob("*.wandb")
-    lines = subprocess.run([str(wandb_bin), "leet", "inspect", "--json", str(log)], capture_output=True, text=True,
-                           check=True).stdout.splitlines()
+    lines = subprocess.run(
+        [str(wandb_bin), "leet", "inspect", "--json", str(log)], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
     run = next(r["run"] for r in map(json.loads, lines) if r["type"] == "run")
     return run, inspected
 
 
 # The multiruns of the two slow tests below: {key: (the test that reads it, its arguments besides TINY)}.
 SLOW_SWEEPS = {
-    "cannot_run": ("test_a_job_that_cannot_run_is_recorded_and_the_sweep_goes_on",
-                   ["sharding=full,grad_op,no_shard,ddp", "offload=params"]),
-    "crashed_rank": ("test_a_crashed_rank_fails_its_job_not_the_sweep",
-                     ["debug.fail_at_step=null,2", "debug.fail_rank=1"]),
+    "cannot_run": (
+        "test_a_job_that_cannot_run_is_recorded_and_the_sweep_goes_on",
+        ["sharding=full,grad_op,no_shard,ddp", "offload=params"],
+    ),
+    "crashed_rank": (
+        "test_a_crashed_rank_fails_its_job_not_the_sweep",
+        ["debug.fail_at_step=null,2", "debug.fail_rank=1"],
+    ),
 }
 
 
@@ -64,8 +75,7 @@ def slow_sweeps(request, tmp_path_factory):
     """``sweep(key) -> (sweep dir, finished multirun)`` for SLOW_SWEEPS. The first call starts the multiruns of
     every such test this session runs, together (under that test's isolated environment): one keeps about
     1.3 of this machine's 2 cores busy (rank start-ups, gloo and W&B waits), so both end in ~30 s, not ~45."""
-    selected = {item.originalname for item in request.session.items
-                if getattr(item, "module", None) is request.module}
+    selected = {item.originalname for item in request.session.items if getattr(item, "module", None) is request.module}
     pool = ThreadPoolExecutor(max_workers=len(SLOW_SWEEPS))
     started = {}
 
@@ -92,7 +102,7 @@ def test_a_job_that_cannot_run_is_recorded_and_the_sweep_goes_on(slow_sweeps):
     assert len(records) == 4
     status = {name.split("_", 1)[0]: r["status"] for name, r in records.items()}
     assert status == {"0": "completed", "1": "completed", "2": "completed", "3": "failed"}
-    (failed_name, failed), = [(n, r) for n, r in records.items() if r["status"] == "failed"]
+    ((failed_name, failed),) = [(n, r) for n, r in records.items() if r["status"] == "failed"]
     assert "sharding=ddp" in failed_name and failed["choices"]["sharding"] == "ddp"
     assert failed["error"]["rank"] is None and "offload=params cannot be honoured" in failed["error"]["message"]
     # announced before the first job, and named again at the end
@@ -105,8 +115,9 @@ def test_a_job_that_cannot_run_is_recorded_and_the_sweep_goes_on(slow_sweeps):
             assert [row["step"] for row in read_metrics(sweep_dir / name)] == [1, 2, 3, 4]
 
     # The report ranks the 3 completed runs by throughput and lists the failed one with its error.
-    report = subprocess.run([sys.executable, "-m", "fsdp_exp.report", str(sweep_dir)], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp.report", str(sweep_dir)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert report.returncode == 0, report.stderr[-2000:]
     ranked = json.loads((sweep_dir / "report.json").read_text())
     ranked_rows = [r for r in ranked["ranked"]]
@@ -147,13 +158,19 @@ def test_a_crashed_rank_fails_its_job_not_the_sweep(slow_sweeps):
     assert f"1 of 2 jobs failed: {name}" in proc.stderr
 
 
-@pytest.mark.parametrize("args, says", [
-    (["sharding=full,grad_opp"], "sharding=grad_opp: no such option; did you mean sharding=grad_op?"),
-    (["sharding=[]"], "sharding=[] selects no option of the group; pick one of: ddp, fsdp1, full"),
-    (["precision=fp32,bf16,fp32"], "precision: fp32 listed twice"),
-    (["trainer.steps=choice()"], "empty choice is not legal"),  # Hydra's own refusal, also before any job
-    (["trainer.stepz=3,4"], "trainer.stepz is not a setting of fsdp_exp (did you mean trainer.steps?)"),  # ours, before Hydra's
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["sharding=full,grad_opp"], "sharding=grad_opp: no such option; did you mean sharding=grad_op?"),
+        (["sharding=[]"], "sharding=[] selects no option of the group; pick one of: ddp, fsdp1, full"),
+        (["precision=fp32,bf16,fp32"], "precision: fp32 listed twice"),
+        (["trainer.steps=choice()"], "empty choice is not legal"),  # Hydra's own refusal, also before any job
+        (
+            ["trainer.stepz=3,4"],
+            "trainer.stepz is not a setting of fsdp_exp (did you mean trainer.steps?)",
+        ),  # ours, before Hydra's
+    ],
+)
 def test_bad_sweep_input_fails_before_any_job(tmp_path, args, says):
     sweep_dir = tmp_path / "sweep"
     proc = run_sweep([*args, *TINY], sweep_dir, timeout=120)
@@ -289,7 +306,6 @@ def test_a_preset_sweep_names_its_jobs_by_what_varies(tmp_path):
         refused = invalid_combinations(["sharding=full,ddp", "offload=params"])
     assert [label for label, _ in refused] == ["sharding=ddp"]
     assert "offload=params cannot be honoured" in refused[0][1]
-
 
 
 def test_repeats_are_not_duplicates_but_a_repeat_listed_twice_is():

@@ -19,11 +19,29 @@ ARGS = [*MULTI_NODE_TRAINING, "checkpoint.on_signal=false"]
 
 def _torchrun_node(node_rank: int, port: int, run_dir: Path, log: Path) -> subprocess.Popen:
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node_rank),
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "fsdp-exp-test",
-           "-m", "fsdp_exp", *ARGS, *QUIET, f"hydra.run.dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        str(torchrun),
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--node-rank",
+        str(node_rank),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "fsdp-exp-test",
+        "-m",
+        "fsdp_exp",
+        *ARGS,
+        *QUIET,
+        f"hydra.run.dir={run_dir}",
+    ]
+    return subprocess.Popen(
+        cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
 
 
 @pytest.mark.slow
@@ -58,10 +76,21 @@ def test_a_failing_rank_under_torchrun_is_named_in_the_record(tmp_path):
     and rank 0 (which only saw its peer vanish) names that rank too. Without hydra.run.dir, every rank
     picks the same folder (named by torchrun's run id, not each rank's clock)."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "fsdp_exp", *ARGS, "debug=fail_rank",
-           "logger.wandb.mode=disabled", *QUIET]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        str(torchrun),
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "fsdp_exp",
+        *ARGS,
+        "debug=fail_rank",
+        "logger.wandb.mode=disabled",
+        *QUIET,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode != 0
     (run_dir,) = (tmp_path / "outputs" / "runs").iterdir()
     assert run_dir.name.startswith("torchrun-")

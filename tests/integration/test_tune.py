@@ -22,13 +22,23 @@ from conftest import QUIET, REPO, run_config
 # What the measured tune trains and searches: the default tiny Llama, FSDP2 only (no baselines then: the
 # backend is the run's), fp32, two AC settings, every micro-batch size: 3 strategies x 2 x 3 = 18 candidates.
 RUN = ["sharding.backend=fsdp2", "trainer.steps=6", "trainer.warmup_steps=2", "logger.wandb.mode=disabled", *QUIET]
-SPACE = ["tune.space.precision=[fp32]", "tune.space.offload=[none]", "tune.space.prefetch=[default]",
-         "tune.space.ac=[none,full]"]
+SPACE = [
+    "tune.space.precision=[fp32]",
+    "tune.space.offload=[none]",
+    "tune.space.prefetch=[default]",
+    "tune.space.ac=[none,full]",
+]
 
 
 def tune_cli(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_exp.tune", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ))
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_exp.tune", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ),
+    )
 
 
 def tune_here(args: list[str], capsys) -> subprocess.CompletedProcess:
@@ -52,8 +62,12 @@ def test_the_cpu_probe_measures_once_then_reads_its_cache():
     assert first.dispatch_us > 0 and first.memory_gbps > 0 and not first.async_dispatch
     again, entry = cpu_perf(2, 1)
     assert entry["how"] == "cached" and "cached" in again.intra.source
-    assert (again.peak_tflops, again.intra.latency_us, again.intra.gbps, again.dispatch_us) == \
-        (first.peak_tflops, first.intra.latency_us, first.intra.gbps, first.dispatch_us)
+    assert (again.peak_tflops, again.intra.latency_us, again.intra.gbps, again.dispatch_us) == (
+        first.peak_tflops,
+        first.intra.latency_us,
+        first.intra.gbps,
+        first.dispatch_us,
+    )
     assert entry["key"] in json.loads(cache_path().read_text())
 
 
@@ -68,8 +82,9 @@ def test_a_measured_tune_on_this_cpu_keeps_its_budget_and_calibration_lowers_the
     budget = needs[len(needs) // 2]
 
     # 2. With the budget: the best fitting two, and one candidate predicted over it by 5% or more, measured anyway.
-    planned = tune_here([*RUN, *SPACE, f"tune.budget_gib={budget}", f"tune.out={tmp_path / 'plan'}",
-                         "tune.format=json"], capsys)
+    planned = tune_here(
+        [*RUN, *SPACE, f"tune.budget_gib={budget}", f"tune.out={tmp_path / 'plan'}", "tune.format=json"], capsys
+    )
     assert planned.returncode == 0, planned.stderr
     data = json.loads(planned.stdout)
     over = [c for c in data["candidates"] if not c["fits"] and c["headroom"] <= -0.05]
@@ -85,8 +100,11 @@ def test_a_measured_tune_on_this_cpu_keeps_its_budget_and_calibration_lowers_the
     assert sorted(c["id"] for c in chosen) == sorted(result["measure"]["candidates"]) and len(chosen) == 3
     for c in chosen:
         m = c["measured"]
-        assert m["runs"] == 2 and m["tokens_per_s"] > 0 and m["tokens_per_s_ci"][0] <= m["tokens_per_s"] <= \
-            m["tokens_per_s_ci"][1]
+        assert (
+            m["runs"] == 2
+            and m["tokens_per_s"] > 0
+            and m["tokens_per_s_ci"][0] <= m["tokens_per_s"] <= m["tokens_per_s_ci"][1]
+        )
         assert m["peak_source"] == "tracked" and m["peak_gib"] == pytest.approx(c["predicted"]["peak_gib"], rel=0.03)
     check = result["budget_check"]
     assert check["broken"] == [] and check["left_out"] == {}
@@ -101,8 +119,9 @@ def test_a_measured_tune_on_this_cpu_keeps_its_budget_and_calibration_lowers_the
     assert len(sweep_runs) == 6 and all("+tune_candidate=" in name for name in sweep_runs)
 
     # 3. Calibrate from that sweep: the same space predicted again is closer to the same measurements.
-    calibrated = tune_here([*args, f"tune.out={tmp_path / 'calibrated'}", f"tune.calibrate_from={out / 'sweep'}"],
-                           capsys)
+    calibrated = tune_here(
+        [*args, f"tune.out={tmp_path / 'calibrated'}", f"tune.calibrate_from={out / 'sweep'}"], capsys
+    )
     assert calibrated.returncode == 0, calibrated.stderr
     again = json.loads((tmp_path / "calibrated" / "tune.json").read_text())
     assert again["device"]["calibration"]["runs"] == 6
@@ -118,12 +137,25 @@ def test_each_candidate_is_the_config_hydra_composes_from_its_overrides():
     from fsdp_exp.tune.options import split_argv
     from fsdp_exp.tune.search import weigh
 
-    run_overrides = ["model=llama7b", "trainer.nproc_per_node=8", "trainer.nnodes=2", "trainer.global_batch_size=64",
-                     "trainer.seq_len=2048"]
-    opts, overrides = split_argv([*run_overrides, "plan.device=h100_80gb", "tune.space.ac=[none,full]",
-                                  "tune.space.precision=[bf16]", "tune.space.offload=[none,params]",
-                                  "tune.space.prefetch=[default]", "tune.space.micro_batch_size=[1,4]",
-                                  "tune.budget_gib=12"])
+    run_overrides = [
+        "model=llama7b",
+        "trainer.nproc_per_node=8",
+        "trainer.nnodes=2",
+        "trainer.global_batch_size=64",
+        "trainer.seq_len=2048",
+    ]
+    opts, overrides = split_argv(
+        [
+            *run_overrides,
+            "plan.device=h100_80gb",
+            "tune.space.ac=[none,full]",
+            "tune.space.precision=[bf16]",
+            "tune.space.offload=[none,params]",
+            "tune.space.prefetch=[default]",
+            "tune.space.micro_batch_size=[1,4]",
+            "tune.budget_gib=12",
+        ]
+    )
     tuning = weigh(overrides, opts)
     sample = tuning.candidates[:: max(1, len(tuning.candidates) // 12)]
     for weighed in sample:
@@ -140,8 +172,18 @@ def test_the_70b_example_weighs_thousands_of_candidates_without_a_process_group(
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     start = time.perf_counter()
-    status = main(["model=llama70b", "trainer.nproc_per_node=8", "trainer.nnodes=8", "trainer.global_batch_size=256",
-                   "trainer.seq_len=4096", "plan.device=h100_80gb", "tune.format=json", f"tune.out={tmp_path}"])
+    status = main(
+        [
+            "model=llama70b",
+            "trainer.nproc_per_node=8",
+            "trainer.nnodes=8",
+            "trainer.global_batch_size=256",
+            "trainer.seq_len=4096",
+            "plan.device=h100_80gb",
+            "tune.format=json",
+            f"tune.out={tmp_path}",
+        ]
+    )
     seconds = time.perf_counter() - start
     assert status == 0 and not dist.is_initialized()
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
@@ -150,5 +192,7 @@ def test_the_70b_example_weighs_thousands_of_candidates_without_a_process_group(
     assert counts["weighed"] > 1000 and counts["refused"] and counts["over"] and counts["ranked"]
     top = data["candidates"][0]
     assert top["fits"] and top["predicted"]["explain"].startswith(("compute", "exposed comm"))
-    print(f"70B example: {counts['weighed']} candidates in {seconds:.1f} s ({data['timing']['cpu_s']:.1f} s of CPU), "
-          f"{data['timing']['candidates_per_s_after_first']:.0f} candidates/s after the first")
+    print(
+        f"70B example: {counts['weighed']} candidates in {seconds:.1f} s ({data['timing']['cpu_s']:.1f} s of CPU), "
+        f"{data['timing']['candidates_per_s_after_first']:.0f} candidates/s after the first"
+    )

@@ -29,8 +29,15 @@ from fsdp_exp.record import WandbSink, note_failure_in_wandb
 from fsdp_exp.sync import find_offline_runs
 
 from conftest import BASE_ENV, QUIET, REPO, TINY_BATCH, TINY_MODEL, run_config, run_experiment
-from wandb_files import (defined_metrics, group_filter, logged_config, offline_folders, records, summary,
-                         unknown_references)
+from wandb_files import (
+    defined_metrics,
+    group_filter,
+    logged_config,
+    offline_folders,
+    records,
+    summary,
+    unknown_references,
+)
 
 GRID = ["sharding=full,grad_op", "precision=fp32,bf16"]
 FAST = [*TINY_MODEL, *TINY_BATCH, "trainer.steps=4", "trainer.warmup_steps=1", "logger.wandb.mode=offline", *QUIET]
@@ -38,17 +45,29 @@ FAST = [*TINY_MODEL, *TINY_BATCH, "trainer.steps=4", "trainer.warmup_steps=1", "
 
 def _env(home: Path) -> dict:
     # The module's fixtures run before the per-test environment fixture, so they isolate themselves.
-    return {**os.environ, **BASE_ENV, "WANDB_CONFIG_DIR": str(home / "wandb_config"),
-            "WANDB_CACHE_DIR": str(home / "wandb_cache"), "WANDB_DATA_DIR": str(home / "wandb_data"),
-            "HF_HOME": str(home / "hf"), "XDG_CACHE_HOME": str(home / "xdg_cache")}
+    return {
+        **os.environ,
+        **BASE_ENV,
+        "WANDB_CONFIG_DIR": str(home / "wandb_config"),
+        "WANDB_CACHE_DIR": str(home / "wandb_cache"),
+        "WANDB_DATA_DIR": str(home / "wandb_data"),
+        "HF_HOME": str(home / "hf"),
+        "XDG_CACHE_HOME": str(home / "xdg_cache"),
+    }
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("wandb_sweep")
     sweep_dir = root / "sweep"
-    proc = subprocess.run([sys.executable, "-m", "fsdp_exp", "-m", *GRID, *FAST, f"hydra.sweep.dir={sweep_dir}"],
-                          cwd=root, env=_env(root / "home"), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp", "-m", *GRID, *FAST, f"hydra.sweep.dir={sweep_dir}"],
+        cwd=root,
+        env=_env(root / "home"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list(sweep_dir.glob("*/run.json"))) == 4
     return sweep_dir
@@ -101,8 +120,13 @@ def test_each_offline_run_declares_every_metric_and_its_summary_equals_run_json(
 @pytest.mark.slow
 def test_the_sweeps_workspace_is_written_offline_and_names_only_what_its_runs_logged(sweep, tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "-m", "fsdp_exp.report", str(sweep), "--out", str(out),
-                           "--wandb-workspace", "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp.report", str(sweep), "--out", str(out), "--wandb-workspace", "--dry-run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     spec_path = out / "wandb_workspace.json"
     assert f"python -m fsdp_exp.report.wandb_workspace {spec_path}" in proc.stdout
@@ -137,8 +161,14 @@ def _sync(paths: list[Path], env: dict, cwd: Path, *args: str) -> tuple[subproce
     # No proxy, no login: the server each test names is the one tried.
     env = {k: v for k, v in env.items() if k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "wandb_api_key")}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "fsdp_exp.sync", *map(str, paths), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp.sync", *map(str, paths), *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return proc, time.monotonic() - start
 
 
@@ -182,8 +212,12 @@ def test_sync_skips_uploaded_runs_and_reports_why_wandb_sync_failed(sweep, tmp_p
     server = ThreadingHTTPServer(("127.0.0.1", 0), _NotWandb)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        env = {**os.environ, "WANDB_BASE_URL": f"http://127.0.0.1:{server.server_port}",
-               "WANDB_CONFIG_DIR": str(tmp_path / "no_login"), "NETRC": str(tmp_path / "no_netrc")}
+        env = {
+            **os.environ,
+            "WANDB_BASE_URL": f"http://127.0.0.1:{server.server_port}",
+            "WANDB_CONFIG_DIR": str(tmp_path / "no_login"),
+            "NETRC": str(tmp_path / "no_netrc"),
+        }
         proc, _ = _sync([copy], env, tmp_path, "--jobs", "3")
     finally:
         server.shutdown()
@@ -225,8 +259,13 @@ def test_sync_finds_every_folder_of_a_run_started_several_times_within_one_secon
     assert base.endswith(f"-{first.run_id}") and [f.name for f in folders] == [base, f"{base}-1", f"{base}-2"]
     (run,) = find_offline_runs([tmp_path])
     assert run.run_id == first.run_id and [f.parent for f in run.files] == folders
-    listed = subprocess.run([sys.executable, "-m", "fsdp_exp.sync", str(tmp_path), "--dry-run"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+    listed = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp.sync", str(tmp_path), "--dry-run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listed.returncode == 0, listed.stderr
     assert run.run_id in listed.stdout and "3 of 3 file(s)" in listed.stdout
 
@@ -237,11 +276,16 @@ def test_a_resumed_run_is_one_wandb_run_and_its_summary_equals_run_json(tmp_path
     id (the first attempt, the launcher's note of the failure, the resumed attempt): sync sends them
     together, oldest first; each declares every metric; replayed in order, their summary/* keys are
     run.json's."""
-    overrides = [*TINY_MODEL, *TINY_BATCH, "trainer.steps=8", "trainer.warmup_steps=1", "checkpoint.every=3",
-                 "logger.wandb.mode=offline"]
+    overrides = [
+        *TINY_MODEL,
+        *TINY_BATCH,
+        "trainer.steps=8",
+        "trainer.warmup_steps=1",
+        "checkpoint.every=3",
+        "logger.wandb.mode=offline",
+    ]
     with pytest.raises(RunFailed):
-        run_experiment([*overrides, "debug.fail_at_step=5", "debug.fail_rank=1", "debug.fail_signal=SIGKILL"],
-                       tmp_path)
+        run_experiment([*overrides, "debug.fail_at_step=5", "debug.fail_rank=1", "debug.fail_signal=SIGKILL"], tmp_path)
     record = run_experiment(overrides, tmp_path)
     assert record["status"] == "completed" and record["resumed_from"]["step"] == 3
 
@@ -256,7 +300,12 @@ def test_a_resumed_run_is_one_wandb_run_and_its_summary_equals_run_json(tmp_path
     assert replayed == record["summary"]
     assert {k: v for k, v in summary(each[-1:]).items() if k.startswith("summary/")} == record["summary"]
 
-    listed = subprocess.run([sys.executable, "-m", "fsdp_exp.sync", str(tmp_path), "--dry-run"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+    listed = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp.sync", str(tmp_path), "--dry-run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listed.returncode == 0, listed.stderr
     assert run.run_id in listed.stdout and "would upload" in listed.stdout and "3 of 3 file(s)" in listed.stdout

@@ -135,8 +135,9 @@ def _product(shape) -> int:
     return out
 
 
-@pytest.mark.parametrize("name,row", [(name, row) for name in backend_names() for row in ROWS
-                                      if row not in get_backend(name).vocabulary()])
+@pytest.mark.parametrize(
+    "name,row", [(name, row) for name in backend_names() for row in ROWS if row not in get_backend(name).vocabulary()]
+)
 def test_a_knob_the_vocabulary_calls_refused_is_refused_by_the_backend(name, row):
     backend, cfg = get_backend(name), default_config(name)
     backend.check(cfg, "cpu")
@@ -162,8 +163,10 @@ def test_grad_sync_auto_is_each_backends_own_rule_and_a_setting_it_cannot_honour
             get_backend(name).check(cfg, "cpu")
             assert get_backend(name).grad_sync(cfg) == value
     deepspeed = get_backend("deepspeed")
-    for strategy, rule, other in (("full", "every_micro_batch", "last_micro_batch"),
-                                  ("optimizer", "last_micro_batch", "every_micro_batch")):
+    for strategy, rule, other in (
+        ("full", "every_micro_batch", "last_micro_batch"),
+        ("optimizer", "last_micro_batch", "every_micro_batch"),
+    ):
         cfg = with_values(default_config("deepspeed"), {"sharding.strategy": strategy})
         assert deepspeed.grad_sync(cfg) == rule
         deepspeed.check(with_values(cfg, {"trainer.grad_sync": rule}), "cpu")

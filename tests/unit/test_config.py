@@ -15,8 +15,18 @@ OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((REPO / "conf" / g).glob(
 
 
 def test_groups_are_the_documented_ones():
-    assert {"model", "sharding", "precision", "offload", "prefetch", "wrap", "optim", "data", "trainer",
-            "logger"} <= set(GROUPS)
+    assert {
+        "model",
+        "sharding",
+        "precision",
+        "offload",
+        "prefetch",
+        "wrap",
+        "optim",
+        "data",
+        "trainer",
+        "logger",
+    } <= set(GROUPS)
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -47,25 +57,29 @@ def test_auto_nproc_and_batch_split():
     t = validate(run_config(["trainer.global_batch_size=16", "trainer.micro_batch_size=2"]), cuda_devices=0)
     assert (t.nproc_per_node, t.micro_batch_size, t.grad_accum_steps) == (2, 2, 4)
     assert validate(run_config([]), cuda_devices=8).nproc_per_node == 8
-    assert validate(run_config(["sharding=hybrid", "trainer.nproc_per_node=4", "sharding.shard_size=2"]),
-                    cuda_devices=0).mesh_shape == (2, 2)
+    assert validate(
+        run_config(["sharding=hybrid", "trainer.nproc_per_node=4", "sharding.shard_size=2"]), cuda_devices=0
+    ).mesh_shape == (2, 2)
     assert validate(run_config(["sharding=no_shard"]), cuda_devices=0).mesh_shape == (2, 1)
 
 
-@pytest.mark.parametrize("overrides,fix", [
-    (["trainer.global_batch_size=5"], "trainer.global_batch_size=6"),
-    (["trainer.micro_batch_size=3"], "trainer.micro_batch_size="),
-    (["sharding=hybrid", "trainer.nproc_per_node=4", "sharding.shard_size=3"], "sharding.shard_size"),
-    (["precision=fp16", "precision.loss_scaler=none"], "precision.loss_scaler=dynamic"),
-    (["optim.lr=-0.1"], "optim.lr="),
-    (["trainer.seq_len=4096"], "trainer.seq_len="),
-    (["offload.pin_memory=true", "offload=params"], "offload.pin_memory"),
-    (["prefetch.backward=0"], "prefetch.backward=null"),
-    (["trainer.nproc_per_node=zero"], "trainer.nproc_per_node=auto"),
-    (["model.n_kv_heads=3"], "model.n_kv_heads"),
-    (["trainer.loss_chunks=0"], "trainer.loss_chunks=8"),
-    (["precision=bf16_pure", "precision.output_dtype=bf16"], "trainer.loss_chunks=1"),
-])
+@pytest.mark.parametrize(
+    "overrides,fix",
+    [
+        (["trainer.global_batch_size=5"], "trainer.global_batch_size=6"),
+        (["trainer.micro_batch_size=3"], "trainer.micro_batch_size="),
+        (["sharding=hybrid", "trainer.nproc_per_node=4", "sharding.shard_size=3"], "sharding.shard_size"),
+        (["precision=fp16", "precision.loss_scaler=none"], "precision.loss_scaler=dynamic"),
+        (["optim.lr=-0.1"], "optim.lr="),
+        (["trainer.seq_len=4096"], "trainer.seq_len="),
+        (["offload.pin_memory=true", "offload=params"], "offload.pin_memory"),
+        (["prefetch.backward=0"], "prefetch.backward=null"),
+        (["trainer.nproc_per_node=zero"], "trainer.nproc_per_node=auto"),
+        (["model.n_kv_heads=3"], "model.n_kv_heads"),
+        (["trainer.loss_chunks=0"], "trainer.loss_chunks=8"),
+        (["precision=bf16_pure", "precision.output_dtype=bf16"], "trainer.loss_chunks=1"),
+    ],
+)
 def test_validation_messages_name_the_fix(overrides, fix):
     with pytest.raises(ConfigError) as err:
         validate(run_config(overrides), cuda_devices=0)

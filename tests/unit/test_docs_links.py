@@ -12,8 +12,12 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PAGES = [REPO / "README.md", REPO / "benchmarks" / "RESULTS.md", REPO / "tests" / "README.md",
-         *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [
+    REPO / "README.md",
+    REPO / "benchmarks" / "RESULTS.md",
+    REPO / "tests" / "README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+]
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 CODE_SPAN = re.compile(r"`[^`\n]*`")

@@ -20,16 +20,31 @@ def test_float8_converts_the_block_linears_and_keeps_the_output_and_odd_sized_la
     from fsdp_exp.models import build_meta
     from fsdp_exp.parallel import float8
 
-    cfg = run_config(["model.dim=80", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
-                      "model.vocab_size=256", "precision=float8", "precision.float8_recipe=rowwise"])
+    cfg = run_config(
+        [
+            "model.dim=80",
+            "model.n_layers=1",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.vocab_size=256",
+            "precision=float8",
+            "precision.float8_recipe=rowwise",
+        ]
+    )
     model = build_meta(cfg.model)
     applied = float8.apply(model, cfg)
     assert applied["kept_high_precision"] == {
         "output": "precision.float8_filter_fqns",
         "layers.0.attention.wk": "dims 80x40 not multiples of 16",
-        "layers.0.attention.wv": "dims 80x40 not multiples of 16"}
-    assert applied["converted"] == ["layers.0.attention.wq", "layers.0.attention.wo", "layers.0.feed_forward.w1",
-                                    "layers.0.feed_forward.w3", "layers.0.feed_forward.w2"]
+        "layers.0.attention.wv": "dims 80x40 not multiples of 16",
+    }
+    assert applied["converted"] == [
+        "layers.0.attention.wq",
+        "layers.0.attention.wo",
+        "layers.0.feed_forward.w1",
+        "layers.0.feed_forward.w3",
+        "layers.0.feed_forward.w2",
+    ]
     assert all(isinstance(model.get_submodule(n), Float8Linear) for n in applied["converted"])
     assert applied["recipe"] == "rowwise" and applied["emulate"] is False
     # The parameters keep their dtype: only the matmuls run in float8.
@@ -43,7 +58,9 @@ def test_float8_filter_setting_names_the_layers_kept_high_precision():
     cfg = run_config([*TINY_MODEL, "precision=float8", "precision.float8_filter_fqns=[feed_forward]"])
     applied = float8.apply(build_meta(cfg.model), cfg)
     assert "output" in applied["converted"] and not any("feed_forward" in n for n in applied["converted"])
-    assert set(applied["kept_high_precision"]) == {f"layers.{i}.feed_forward.{w}" for i in (0, 1) for w in ("w1", "w2", "w3")}
+    assert set(applied["kept_high_precision"]) == {
+        f"layers.{i}.feed_forward.{w}" for i in (0, 1) for w in ("w1", "w2", "w3")
+    }
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
@@ -55,8 +72,14 @@ def test_float8_layers_train_on_the_cpu_with_and_without_emulation(recipe, emula
     from fsdp_exp.models import spec_for
     from fsdp_exp.parallel import float8
 
-    cfg = run_config([*TINY_MODEL, "precision=float8", f"precision.float8_recipe={recipe}",
-                      f"precision.float8_emulate={str(emulate).lower()}"])
+    cfg = run_config(
+        [
+            *TINY_MODEL,
+            "precision=float8",
+            f"precision.float8_recipe={recipe}",
+            f"precision.float8_emulate={str(emulate).lower()}",
+        ]
+    )
     torch.manual_seed(0)
     reference = spec_for(cfg.model).build(cfg.model)
     model = spec_for(cfg.model).build(cfg.model)
@@ -72,17 +95,22 @@ def test_float8_layers_train_on_the_cpu_with_and_without_emulation(recipe, emula
     assert (logits.detach() - exact).abs().max() < 0.1 * exact.abs().max()
 
 
-@pytest.mark.parametrize("overrides,named", [
-    (["sharding.backend=fsdp1"], "precision.float8_recipe=tensorwise cannot be honoured by sharding.backend=fsdp1"),
-    (["sharding=zero2"], "precision.float8_recipe=tensorwise cannot be honoured by sharding.backend=deepspeed"),
-    (["sharding=ddp", "precision.float8_all_gather=true"],
-     "precision.float8_all_gather=true cannot be honoured by sharding.backend=ddp"),
-    (["precision.float8_recipe=rowwise", "precision.float8_all_gather=true"], "precision.float8_recipe=tensorwise"),
-    (["precision.float8_recipe=mxfp8"], "precision.float8_recipe=mxfp8"),
-    (["precision.float8_recipe=tensorwize"], "precision.float8_recipe=tensorwise"),
-    (["trainer.nproc_per_node=4", "parallel.tp=2"], "parallel.tp=1"),
-    (["precision=bf16", "precision.float8_all_gather=true"], "precision=float8"),
-])
+@pytest.mark.parametrize(
+    "overrides,named",
+    [
+        (["sharding.backend=fsdp1"], "precision.float8_recipe=tensorwise cannot be honoured by sharding.backend=fsdp1"),
+        (["sharding=zero2"], "precision.float8_recipe=tensorwise cannot be honoured by sharding.backend=deepspeed"),
+        (
+            ["sharding=ddp", "precision.float8_all_gather=true"],
+            "precision.float8_all_gather=true cannot be honoured by sharding.backend=ddp",
+        ),
+        (["precision.float8_recipe=rowwise", "precision.float8_all_gather=true"], "precision.float8_recipe=tensorwise"),
+        (["precision.float8_recipe=mxfp8"], "precision.float8_recipe=mxfp8"),
+        (["precision.float8_recipe=tensorwize"], "precision.float8_recipe=tensorwise"),
+        (["trainer.nproc_per_node=4", "parallel.tp=2"], "parallel.tp=1"),
+        (["precision=bf16", "precision.float8_all_gather=true"], "precision=float8"),
+    ],
+)
 def test_float8_refusals_name_the_setting_and_the_fix(overrides, named):
     with pytest.raises(ConfigError) as err:
         validate(run_config([*TINY_MODEL, *TINY_BATCH, "precision=float8", *overrides]), cuda_devices=0)

@@ -26,25 +26,56 @@ from fsdp_exp.plan.activations import profile_for  # noqa: E402
 from conftest import REPO, run_config  # noqa: E402
 
 # Llama-shaped presets (Mistral, Qwen2, Gemma) shrunk to CPU size; Gemma keeps its head_dim of 256.
-SHRINK = ["+model.hf_overrides.num_hidden_layers=2", "+model.hf_overrides.hidden_size=64",
-          "+model.hf_overrides.intermediate_size=128", "+model.hf_overrides.num_attention_heads=4",
-          "+model.hf_overrides.num_key_value_heads=2", "+model.hf_overrides.vocab_size=256"]
-SHRINK_GPT2 = ["+model.hf_overrides.n_layer=2", "+model.hf_overrides.n_embd=64", "+model.hf_overrides.n_head=4",
-               "+model.hf_overrides.vocab_size=256"]
+SHRINK = [
+    "+model.hf_overrides.num_hidden_layers=2",
+    "+model.hf_overrides.hidden_size=64",
+    "+model.hf_overrides.intermediate_size=128",
+    "+model.hf_overrides.num_attention_heads=4",
+    "+model.hf_overrides.num_key_value_heads=2",
+    "+model.hf_overrides.vocab_size=256",
+]
+SHRINK_GPT2 = [
+    "+model.hf_overrides.n_layer=2",
+    "+model.hf_overrides.n_embd=64",
+    "+model.hf_overrides.n_head=4",
+    "+model.hf_overrides.vocab_size=256",
+]
 SHRUNK = {"hf_mistral_7b": SHRINK, "hf_qwen2_7b": SHRINK, "hf_gemma_7b": SHRINK, "hf_gpt2_xl": SHRINK_GPT2}
-PUBLISHED = {"hf_mistral_7b": 7_241_732_096, "hf_qwen2_7b": 7_615_616_512, "hf_gemma_7b": 8_537_680_896,
-             "hf_gpt2_xl": 1_557_611_200}
+PUBLISHED = {
+    "hf_mistral_7b": 7_241_732_096,
+    "hf_qwen2_7b": 7_615_616_512,
+    "hf_gemma_7b": 8_537_680_896,
+    "hf_gpt2_xl": 1_557_611_200,
+}
 
 
 # transformers' mixture-of-experts architectures at the same size: 4 experts, top-2 (DeepSeek-V3: a dense first
 # block, then routed experts beside a shared one, picked by group).
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=256)
-MOE = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
-       "qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
-       "deepseek_v3": dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
-                           first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-                           qk_nope_head_dim=8, v_head_dim=16)}
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
+MOE = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    ),
+}
 
 
 def shrunk(preset: str, *extra: str):
@@ -123,8 +154,9 @@ def test_flops_per_token_agree_with_torchs_flop_counter(preset):
     inventory = spec.inventory(cfg.model)
     not_matmuls = sum(p.numel for p in inventory.params if len(p.shape) < 2 and p.name not in inventory.input_params)
     assert flops_per_token(cfg.model, 32) - counted_flops_per_token(cfg, 32) == 6 * not_matmuls
-    assert counted_flops_per_token(shrunk(preset, "ac=full"), 32, apply_checkpointing) > \
-        counted_flops_per_token(cfg, 32)
+    assert counted_flops_per_token(shrunk(preset, "ac=full"), 32, apply_checkpointing) > counted_flops_per_token(
+        cfg, 32
+    )
 
 
 @pytest.mark.parametrize("preset", ["hf_mistral_7b", "hf_gemma_7b", "hf_gpt2_xl", "mixtral"])
@@ -179,8 +211,18 @@ def test_mixture_of_experts_architectures_are_planned_in_every_precision(model_t
 def test_a_config_whose_class_derives_its_layer_types_is_measured_on_two_blocks(tmp_path):
     """Jamba (Mamba blocks, experts every other one) derives ``layer_types`` from its depth: the two-block
     measurement used to set it and crash (a property without a setter)."""
-    folder = saved_config(tmp_path, "jamba", **TINY, num_experts=4, num_experts_per_tok=2, mamba_d_state=4,
-                          mamba_dt_rank=8, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    folder = saved_config(
+        tmp_path,
+        "jamba",
+        **TINY,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=4,
+        mamba_dt_rank=8,
+        pad_token_id=0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     cfg = run_config(["model=hf", f"model.hf_config={folder}", "trainer.seq_len=8"])
     assert profile_for(cfg.model, 2, 8, 1, False).block_saved(4)["total"] > 0
 
@@ -188,9 +230,20 @@ def test_a_config_whose_class_derives_its_layer_types_is_measured_on_two_blocks(
 def test_experts_sized_by_the_routed_tokens_are_refused_by_the_planner_naming_the_op_and_a_run_to_measure(tmp_path):
     """JetMoe sizes each expert's batch from the routing's values (``tolist``), which fake tensors do not have:
     the planner refuses it (exit 2 in the plan CLI; a run records no plan and trains) instead of crashing."""
-    folder = saved_config(tmp_path, "jetmoe", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_key_value_heads=2, kv_channels=16, num_local_experts=4, num_experts_per_tok=2,
-                          vocab_size=256, bos_token_id=0, eos_token_id=0)
+    folder = saved_config(
+        tmp_path,
+        "jetmoe",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        kv_channels=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=256,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     cfg = run_config(["model=hf", f"model.hf_config={folder}", "trainer.seq_len=32"])
     with pytest.raises(ConfigError, match="JetMoeForCausalLM's activations on fake tensors") as err:
         profile_for(cfg.model, 4, 32, 1, False).block_saved(4)
@@ -220,8 +273,9 @@ def test_the_planners_measurement_of_a_model_repeats_itself_exactly_here_and_in_
     here = io.StringIO()
     with contextlib.redirect_stdout(here):
         exec(REPEATED_MEASUREMENT, {})
-    fresh = subprocess.run([sys.executable, "-c", REPEATED_MEASUREMENT], cwd=REPO, capture_output=True, text=True,
-                           timeout=120)
+    fresh = subprocess.run(
+        [sys.executable, "-c", REPEATED_MEASUREMENT], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     results = here.getvalue().splitlines() + fresh.stdout.splitlines()
     assert len(results) == 6 and len(set(results)) == 1, results
@@ -229,16 +283,24 @@ def test_the_planners_measurement_of_a_model_repeats_itself_exactly_here_and_in_
 
 def test_tensor_parallel_comes_from_the_models_plan_or_is_refused():
     plan = spec_for(shrunk("hf_mistral_7b").model).tensor_parallel_plan(shrunk("hf_mistral_7b").model)
-    assert plan.block == {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-                          "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-                          "mlp.down_proj": "rowwise"}
+    assert plan.block == {
+        "self_attn.q_proj": "colwise",
+        "self_attn.k_proj": "colwise",
+        "self_attn.v_proj": "colwise",
+        "self_attn.o_proj": "rowwise",
+        "mlp.gate_proj": "colwise",
+        "mlp.up_proj": "colwise",
+        "mlp.down_proj": "rowwise",
+    }
     assert plan.root == {"lm_head": "colwise", "model.embed_tokens": "rowwise"}
     with pytest.raises(ConfigError, match="GPT2LMHeadModel carries no tensor-parallel plan") as err:
         validate(shrunk("hf_gpt2_xl", "parallel.tp=2", "trainer.nproc_per_node=2"), cuda_devices=0)
     assert "parallel.tp=1" in str(err.value)
     with pytest.raises(ConfigError, match="plan names none"):
-        validate(shrunk("hf_mistral_7b", "parallel.tp=2", "trainer.nproc_per_node=2", "parallel.sequence_parallel=true"),
-                 cuda_devices=0)
+        validate(
+            shrunk("hf_mistral_7b", "parallel.tp=2", "trainer.nproc_per_node=2", "parallel.sequence_parallel=true"),
+            cuda_devices=0,
+        )
     with pytest.raises(ConfigError, match="does not divide num_key_value_heads=2"):
         validate(shrunk("hf_mistral_7b", "parallel.tp=4", "trainer.nproc_per_node=4"), cuda_devices=0)
 
@@ -248,23 +310,36 @@ def test_the_export_is_the_identity_less_tied_duplicates_and_the_config_round_tr
 
     cfg = shrunk("hf_gpt2_xl")
     spec = spec_for(cfg.model)
-    state = {"transformer.wte.weight": torch.ones(2), "lm_head.weight": torch.ones(2), "transformer.ln_f.bias": torch.zeros(2)}
+    state = {
+        "transformer.wte.weight": torch.ones(2),
+        "lm_head.weight": torch.ones(2),
+        "transformer.ln_f.bias": torch.zeros(2),
+    }
     assert set(spec.to_hf(state, cfg.model)) == {"transformer.wte.weight", "transformer.ln_f.bias"}
     config = AutoConfig.for_model(**spec.hf_config(cfg.model))
     assert (config.n_layer, config.n_embd, config.architectures) == (2, 64, ["GPT2LMHeadModel"])
 
 
 def test_a_saved_config_of_an_unshipped_architecture_builds_and_plans(tmp_path):
-    folder = saved_config(tmp_path, "starcoder2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    folder = saved_config(
+        tmp_path,
+        "starcoder2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
     cfg = run_config(["model=hf", f"model.hf_config={folder}", "trainer.seq_len=32"])
     validate(cfg, cuda_devices=0)
     spec = spec_for(cfg.model)
     assert spec.architecture(cfg.model) == "Starcoder2ForCausalLM"
     assert spec.inventory(cfg.model).blocks == ("model.layers.0", "model.layers.1")
     # the same file named directly, not its folder
-    assert count_params(run_config(["model=hf", f"model.hf_config={folder / 'config.json'}"]).model) == \
-        count_params(cfg.model)
+    assert count_params(run_config(["model=hf", f"model.hf_config={folder / 'config.json'}"]).model) == count_params(
+        cfg.model
+    )
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -283,8 +358,9 @@ def test_bad_configs_are_refused_by_name_before_any_rank(tmp_path):
     vit = saved_config(tmp_path / "vit", "vit", hidden_size=32, num_hidden_layers=1, num_attention_heads=2)
     assert "no causal language model" in refusal(["model=hf", f"model.hf_config={vit}"])
     assert "needs exactly one of model.hf_config" in refusal(["model=hf"])
-    assert "has no field 'num_hiden_layers' (did you mean num_hidden_layers?)" in \
-        refusal(["model=hf_mistral_7b", "+model.hf_overrides.num_hiden_layers=2"])
+    assert "has no field 'num_hiden_layers' (did you mean num_hidden_layers?)" in refusal(
+        ["model=hf_mistral_7b", "+model.hf_overrides.num_hiden_layers=2"]
+    )
     wrong_type = refusal(["model=hf_mistral_7b", "+model.hf_overrides.num_hidden_layers=two"])
     assert "model.hf_overrides.num_hidden_layers" in wrong_type and "int" in wrong_type
     (tmp_path / "odd.json").write_text(json.dumps({"model_type": "mistrall"}))
@@ -315,10 +391,23 @@ def test_data_tokenizer_model_is_the_models_own_where_it_is_here_else_bytes(tmp_
 
     from fsdp_exp.data import check_config, tokenizer_name
 
-    folder = saved_config(tmp_path / "model", "mistral", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
-    text = ["model=hf", f"model.hf_config={folder}", "data=text", "data.tokenizer=model",
-            "data.files=[pkg://fsdp_exp/data/corpus/train.txt]"]
+    folder = saved_config(
+        tmp_path / "model",
+        "mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    )
+    text = [
+        "model=hf",
+        f"model.hf_config={folder}",
+        "data=text",
+        "data.tokenizer=model",
+        "data.files=[pkg://fsdp_exp/data/corpus/train.txt]",
+    ]
     assert tokenizer_name(run_config(text)) == "byte"  # none beside the config: bytes fit 256 ids
     tokenizer = Tokenizer(WordLevel({"<|endoftext|>": 0, "[UNK]": 1, "the": 2}, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = Whitespace()
@@ -344,6 +433,7 @@ def test_a_sweep_jobs_folder_name_stays_a_valid_file_name_with_many_overrides():
 def test_a_mixture_of_experts_counts_the_flops_of_its_routed_experts_only(model_type, tmp_path):
     """6 N counts what a token computes with: more experts at the same top-k add only the router's columns,
     one more routed expert per token adds one expert's matmuls."""
+
     def flops(name, **moe):
         folder = saved_config(tmp_path / name, model_type, **TINY, **{**MOE[model_type], **moe})
         cfg = run_config(["model=hf", f"model.hf_config={folder}", "trainer.seq_len=32"])
@@ -402,6 +492,7 @@ def test_a_model_built_on_meta_draws_no_values_and_is_the_same_model():
     assert Draws.ops == []
     with torch.device("meta"):
         plain = AutoModelForCausalLM.from_config(copy.deepcopy(spec.config(cfg.model)), dtype=torch.float32)
+
     def shapes(model):
         return [(n, p.shape, p.dtype) for n, p in model.named_parameters(remove_duplicate=False)]
 

@@ -58,8 +58,16 @@ def test_with_hf_datasets_offline_a_copy_in_datasets_cache_is_read_at_once(tmp_p
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # set after datasets read it at import: fsdp_exp reads it
 
-    cfg = run_config(["data=hf", "data.dataset=acme/tiny", "data.streaming=false", "data.val_split=null",
-                      "trainer.seq_len=32", f"data.cache_dir={tmp_path / 'blocks'}"])
+    cfg = run_config(
+        [
+            "data=hf",
+            "data.dataset=acme/tiny",
+            "data.streaming=false",
+            "data.val_split=null",
+            "trainer.seq_len=32",
+            f"data.cache_dir={tmp_path / 'blocks'}",
+        ]
+    )
     started = time.monotonic()
     info = prepare_data(cfg, log=None)
     assert info["train"]["num_blocks"] >= cfg.trainer.global_batch_size
@@ -70,10 +78,14 @@ def test_with_hf_datasets_offline_a_copy_in_datasets_cache_is_read_at_once(tmp_p
     assert "unset HF_DATASETS_OFFLINE" in str(err.value)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["data=text", "data.tokenizer=nonexistent_org/x"], "data.tokenizer='nonexistent_org/x'"),
-    (["model=hf", "model.hf_config=nonexistent_org/x"], "model.hf_config='nonexistent_org/x'"),
-], ids=["tokenizer", "model-config"])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["data=text", "data.tokenizer=nonexistent_org/x"], "data.tokenizer='nonexistent_org/x'"),
+        (["model=hf", "model.hf_config=nonexistent_org/x"], "model.hf_config='nonexistent_org/x'"),
+    ],
+    ids=["tokenizer", "model-config"],
+)
 def test_a_tokenizer_or_a_model_config_out_of_reach_is_refused_within_seconds(overrides, key):
     """The launcher's other hub names: the model's config.json (fetched before preflight) and the tokenizer
     (loaded by preflight's data check)."""

@@ -21,24 +21,43 @@ from fsdp_exp.sweep import interleave_repeats
 WARMUP = 2
 
 
-def crafted(sharding: str, repeat: int, steps: list[float], peak_mib: float = 8.0, job: int = 0,
-            rows: bool = True) -> Run:
+def crafted(
+    sharding: str, repeat: int, steps: list[float], peak_mib: float = 8.0, job: int = 0, rows: bool = True
+) -> Run:
     """A completed run as run.json and metrics.jsonl describe it: ``steps`` are its per-step tokens/s after
     the warm-up (the summary's median is theirs, as the trainer computes it)."""
     warmup_rows = [{"step": s, "perf/tokens_per_s": 1.0} for s in range(1, WARMUP + 1)]  # slow: left out
     measured = [{"step": WARMUP + 1 + i, "perf/tokens_per_s": v} for i, v in enumerate(steps)]
-    config = {"model": {"dim": 64}, "trainer": {"steps": WARMUP + len(steps), "warmup_steps": WARMUP, "seed": 0,
-                                                "repeat": repeat, "nproc_per_node": "auto"},
-              "logger": {"wandb": {"mode": "offline"}}}
-    record = {
-        "status": "completed", "overrides": [f"sharding={sharding}", f"trainer.repeat={repeat}"],
-        "choices": {"sharding": sharding}, "config": config, "applied": {"strategy": sharding},
-        "topology": {"world_size": 2}, "env": {"device_type": "cpu", "torch_version": "2.13.0"},
-        "summary": {"summary/tokens_per_s_median": statistics.median(steps), "summary/steps_measured": len(steps),
-                    "summary/tracked_peak_gib_max": peak_mib / 1024},
+    config = {
+        "model": {"dim": 64},
+        "trainer": {
+            "steps": WARMUP + len(steps),
+            "warmup_steps": WARMUP,
+            "seed": 0,
+            "repeat": repeat,
+            "nproc_per_node": "auto",
+        },
+        "logger": {"wandb": {"mode": "offline"}},
     }
-    return Run(path=f"/sweep/{job}_sharding={sharding},trainer.repeat={repeat}", record=record,
-               rows=warmup_rows + measured if rows else [])
+    record = {
+        "status": "completed",
+        "overrides": [f"sharding={sharding}", f"trainer.repeat={repeat}"],
+        "choices": {"sharding": sharding},
+        "config": config,
+        "applied": {"strategy": sharding},
+        "topology": {"world_size": 2},
+        "env": {"device_type": "cpu", "torch_version": "2.13.0"},
+        "summary": {
+            "summary/tokens_per_s_median": statistics.median(steps),
+            "summary/steps_measured": len(steps),
+            "summary/tracked_peak_gib_max": peak_mib / 1024,
+        },
+    }
+    return Run(
+        path=f"/sweep/{job}_sharding={sharding},trainer.repeat={repeat}",
+        record=record,
+        rows=warmup_rows + measured if rows else [],
+    )
 
 
 def sweep(medians: dict[str, list[float]], peaks: dict[str, float] | None = None) -> list[Run]:
@@ -131,8 +150,9 @@ def test_one_repeat_falls_back_to_the_steps_interval_and_says_so():
 
 
 def test_a_single_run_without_its_steps_has_no_interval_and_says_why():
-    report = build_report([crafted("full", 0, [900.0, 1000.0, 1100.0], rows=False),
-                           crafted("grad_op", 0, [800.0, 850.0, 900.0], job=1)])
+    report = build_report(
+        [crafted("full", 0, [900.0, 1000.0, 1100.0], rows=False), crafted("grad_op", 0, [800.0, 850.0, 900.0], job=1)]
+    )
     full, grad_op = report.ranked
     assert full.ci_low is None and full.interval_over is None
     assert "metrics.jsonl has 0 of the 3 measured steps" in full.interval_note
@@ -154,8 +174,12 @@ def test_a_run_repeated_with_the_same_repeat_index_is_a_duplicate():
 def test_the_pareto_front_uses_medians_and_marks_ties():
     # ddp: fastest, biggest. full: smallest, slow. grad_op: between on memory, slower than ddp but within
     # ddp's interval; no_shard: as big as ddp and clearly slower.
-    medians = {"ddp": [3000, 3300, 3600], "grad_op": [2900, 3200, 3500], "full": [1000, 1010, 1020],
-               "no_shard": [2000, 2010, 2020]}
+    medians = {
+        "ddp": [3000, 3300, 3600],
+        "grad_op": [2900, 3200, 3500],
+        "full": [1000, 1010, 1020],
+        "no_shard": [2000, 2010, 2020],
+    }
     peaks = {"ddp": 10.0, "grad_op": 10.0, "full": 8.0, "no_shard": 10.0}
     report = build_report(sweep(medians, peaks))
     marks = {r.label.split("=")[1]: (r.pareto, r.pareto_tied) for r in report.ranked}
@@ -177,8 +201,9 @@ def test_the_figure_draws_the_tables_intervals():
     for bar, expected in zip(drawn, table):
         assert bar == pytest.approx(expected)
     configurations = [p for p in shown["points"] if p["kind"] == "configuration"]
-    assert {p["label"]: tuple(p["interval"]) for p in configurations} == \
-        {r.label: (r.ci_low, r.ci_high) for r in report.ranked}
+    assert {p["label"]: tuple(p["interval"]) for p in configurations} == {
+        r.label: (r.ci_low, r.ci_high) for r in report.ranked
+    }
     assert sum(p["kind"] == "repeat" for p in shown["points"]) == 6  # the single ddp run is its marker
 
 
@@ -187,23 +212,38 @@ def test_w_and_b_job_type_is_the_reports_configuration_id():
     """The W&B sink gets the run's config with applied, topology and env beside it; the report reads the same
     from run.json. Both name the configuration alike, and the repeat does not change the name."""
     runs = [crafted("full", 0, [1.0, 2.0]), crafted("full", 1, [1.0, 2.0]), crafted("grad_op", 0, [1.0, 2.0])]
-    logged = [{**run.config, "applied": run.applied, "topology": run.topology, "env": run.env,
-               "choices": run.choices, "overrides": run.overrides} for run in runs]
+    logged = [
+        {
+            **run.config,
+            "applied": run.applied,
+            "topology": run.topology,
+            "env": run.env,
+            "choices": run.choices,
+            "overrides": run.overrides,
+        }
+        for run in runs
+    ]
     job_types = [configuration_job_type(config) for config in logged]
     assert job_types[0] == job_types[1] != job_types[2]
     assert job_types[0].startswith("cfg-") and len(job_types[0]) <= 64  # W&B's limit on a job type
     report = build_report(runs)
-    assert {r.label: r.config_id for r in report.ranked} == {"sharding=full": job_types[0],
-                                                             "sharding=grad_op": job_types[2]}
+    assert {r.label: r.config_id for r in report.ranked} == {
+        "sharding=full": job_types[0],
+        "sharding=grad_op": job_types[2],
+    }
     assert configuration_id({"trainer": {}}, None, {}, {}) is None  # no applied settings yet: no job type
 
 
 def test_repeats_interleave_in_the_order_listed():
     jobs = [[f"sharding={s}", f"trainer.repeat={r}", "trainer.steps=3"] for s in ("full", "grad_op") for r in (2, 0, 1)]
     assert [(j[0], j[1]) for j in interleave_repeats(jobs)] == [
-        ("sharding=full", "trainer.repeat=2"), ("sharding=grad_op", "trainer.repeat=2"),
-        ("sharding=full", "trainer.repeat=0"), ("sharding=grad_op", "trainer.repeat=0"),
-        ("sharding=full", "trainer.repeat=1"), ("sharding=grad_op", "trainer.repeat=1")]
+        ("sharding=full", "trainer.repeat=2"),
+        ("sharding=grad_op", "trainer.repeat=2"),
+        ("sharding=full", "trainer.repeat=0"),
+        ("sharding=grad_op", "trainer.repeat=0"),
+        ("sharding=full", "trainer.repeat=1"),
+        ("sharding=grad_op", "trainer.repeat=1"),
+    ]
     plain = [["sharding=full", "precision=fp32"], ["sharding=full", "precision=bf16"]]
     assert interleave_repeats(plain) == plain  # no repeats: Hydra's order
 

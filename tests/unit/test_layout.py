@@ -142,7 +142,9 @@ def test_the_part_graph_counts_imports_inside_functions_and_under_type_checking(
         (root / module).write_text(text)
     edges, where = part_graph(root)
     assert edges == {"pkg": set(), "pkg.low": {"pkg.high"}, "pkg.high": {"pkg.low"}, "pkg.top": {"pkg.high"}}
-    assert where["pkg.low", "pkg.high"] == ["pkg/low/spec.py:2"] and where["pkg.high", "pkg.low"] == ["pkg/high/model.py:3"]
+    assert where["pkg.low", "pkg.high"] == ["pkg/low/spec.py:2"] and where["pkg.high", "pkg.low"] == [
+        "pkg/high/model.py:3"
+    ]
     assert cycles(edges) == [["pkg.high", "pkg.low"]]
 
 
@@ -150,8 +152,10 @@ def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-BACKEND_NAME = re.compile(r"""(==|!=|in \(|in \[|in \{)\s*["'](fsdp1|fsdp2|ddp|deepspeed)["']"""
-                          r"""|["'](fsdp1|fsdp2|ddp|deepspeed)["']\s*(==|!=)|backend\s*(==|!=|in )""")
+BACKEND_NAME = re.compile(
+    r"""(==|!=|in \(|in \[|in \{)\s*["'](fsdp1|fsdp2|ddp|deepspeed)["']"""
+    r"""|["'](fsdp1|fsdp2|ddp|deepspeed)["']\s*(==|!=)|backend\s*(==|!=|in )"""
+)
 
 
 def test_no_code_outside_parallel_compares_a_backend_name():

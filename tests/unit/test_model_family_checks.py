@@ -26,21 +26,32 @@ LLAMA_CASES = {
     "kv-heads-positive": (["model.n_kv_heads=-2"], "model.n_kv_heads=-2", "model.n_kv_heads=null"),
     "head-dim-even": (["model.dim=96", "model.n_heads=32"], "model.dim/model.n_heads=3", "model.n_heads"),
     "multiple-of-positive": (["model.multiple_of=0"], "model.multiple_of=0", "model.multiple_of=256"),
-    "ffn-multiplier-positive": (["model.ffn_dim_multiplier=-1.0"], "model.ffn_dim_multiplier=-1.0",
-                                "model.ffn_dim_multiplier=null"),
+    "ffn-multiplier-positive": (
+        ["model.ffn_dim_multiplier=-1.0"],
+        "model.ffn_dim_multiplier=-1.0",
+        "model.ffn_dim_multiplier=null",
+    ),
     "norm-eps-not-negative": (["model.norm_eps=-1e-5"], "model.norm_eps=-1e-05", "model.norm_eps=1e-5"),
     "rope-theta-positive": (["model.rope_theta=0"], "model.rope_theta=0.0", "model.rope_theta=10000"),
     "init-std-not-negative": (["model.init_std=-0.02"], "model.init_std=-0.02", "model.init_std=0.02"),
     "experts-not-negative": (["model.n_experts=-1"], "model.n_experts=-1", "model.n_experts=0"),
-    "top-k-at-most-experts": (["model=moe_tiny", "model.experts_top_k=9"], "model.experts_top_k=9",
-                              "model.experts_top_k=4"),
-    "top-k-positive": (["model=moe_tiny", "model.experts_top_k=0"], "model.experts_top_k=0",
-                       "model.experts_top_k=2"),
-    "tp-divides-heads": ([*TP4, "model.n_heads=2", "model.n_kv_heads=null"],
-                         "parallel.tp=4 does not divide model.n_heads (2)", "parallel.tp=2"),
+    "top-k-at-most-experts": (
+        ["model=moe_tiny", "model.experts_top_k=9"],
+        "model.experts_top_k=9",
+        "model.experts_top_k=4",
+    ),
+    "top-k-positive": (["model=moe_tiny", "model.experts_top_k=0"], "model.experts_top_k=0", "model.experts_top_k=2"),
+    "tp-divides-heads": (
+        [*TP4, "model.n_heads=2", "model.n_kv_heads=null"],
+        "parallel.tp=4 does not divide model.n_heads (2)",
+        "parallel.tp=2",
+    ),
     "tp-divides-kv-heads": ([*TP4], "parallel.tp=4 does not divide model.n_kv_heads (2)", "parallel.tp=2"),
-    "tp-divides-swiglu": ([*TP4, "model.n_kv_heads=null", "model.multiple_of=1"],
-                          "parallel.tp=4 does not divide the SwiGLU width (170", "model.multiple_of=4"),
+    "tp-divides-swiglu": (
+        [*TP4, "model.n_kv_heads=null", "model.multiple_of=1"],
+        "parallel.tp=4 does not divide the SwiGLU width (170",
+        "model.multiple_of=4",
+    ),
 }
 
 
@@ -64,11 +75,26 @@ def test_the_shipped_mixture_of_experts_passes_its_checks():
 
 
 # ------------------------------------------------------------------------------ Hugging Face (model=hf)
-MISTRAL = ["model=hf_mistral_7b", "+model.hf_overrides.num_hidden_layers=2", "+model.hf_overrides.hidden_size=64",
-           "+model.hf_overrides.intermediate_size=128", "+model.hf_overrides.num_attention_heads=4",
-           "+model.hf_overrides.num_key_value_heads=2", "+model.hf_overrides.vocab_size=256", "trainer.seq_len=32"]
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=256, max_position_embeddings=128)
+MISTRAL = [
+    "model=hf_mistral_7b",
+    "+model.hf_overrides.num_hidden_layers=2",
+    "+model.hf_overrides.hidden_size=64",
+    "+model.hf_overrides.intermediate_size=128",
+    "+model.hf_overrides.num_attention_heads=4",
+    "+model.hf_overrides.num_key_value_heads=2",
+    "+model.hf_overrides.vocab_size=256",
+    "trainer.seq_len=32",
+]
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=128,
+)
 
 
 @pytest.fixture(scope="module")
@@ -86,26 +112,59 @@ def hf_cases(saved):
     gemma2 = ["model=hf", f"model.hf_config={saved / 'gemma2'}"]
     mixtral = ["model=hf", f"model.hf_config={saved / 'mixtral'}", "trainer.seq_len=32"]
     return {
-        "attention-kernel-known": ([*MISTRAL, "model.attn_implementation=flash"], "model.attn_implementation='flash'",
-                                   "model.attn_implementation=sdpa"),
+        "attention-kernel-known": (
+            [*MISTRAL, "model.attn_implementation=flash"],
+            "model.attn_implementation='flash'",
+            "model.attn_implementation=sdpa",
+        ),
         "sdpa-path-exists": (gemma2, "Gemma2ForCausalLM", "model.attn_implementation=eager"),
-        "kv-heads-divide-heads": ([*MISTRAL, "++model.hf_overrides.num_key_value_heads=3"],
-                                  "num_key_value_heads=3", "model.hf_overrides.num_key_value_heads=2"),
-        "experts-per-token-at-most-experts": ([*mixtral, "+model.hf_overrides.num_experts_per_tok=9"],
-                                              "num_experts_per_tok=9", "model.hf_overrides.num_experts_per_tok=4"),
-        "experts-per-token-positive": ([*mixtral, "+model.hf_overrides.num_experts_per_tok=0"],
-                                       "num_experts_per_tok=0", "model.hf_overrides.num_experts_per_tok=2"),
-        "config-class-refusal-names-the-override": ([*MISTRAL, "+model.hf_overrides.head_dim=7"],
-                                                    "model.hf_overrides.head_dim", "model.hf_overrides.head_dim"),
-        "tp-has-a-plan": (["model=hf_gpt2_xl", "+model.hf_overrides.n_layer=1", "+model.hf_overrides.n_embd=64",
-                           "+model.hf_overrides.n_head=4", "trainer.seq_len=32", "parallel.tp=2",
-                           "trainer.nproc_per_node=2"], "parallel.tp=2", "parallel.tp=1"),
+        "kv-heads-divide-heads": (
+            [*MISTRAL, "++model.hf_overrides.num_key_value_heads=3"],
+            "num_key_value_heads=3",
+            "model.hf_overrides.num_key_value_heads=2",
+        ),
+        "experts-per-token-at-most-experts": (
+            [*mixtral, "+model.hf_overrides.num_experts_per_tok=9"],
+            "num_experts_per_tok=9",
+            "model.hf_overrides.num_experts_per_tok=4",
+        ),
+        "experts-per-token-positive": (
+            [*mixtral, "+model.hf_overrides.num_experts_per_tok=0"],
+            "num_experts_per_tok=0",
+            "model.hf_overrides.num_experts_per_tok=2",
+        ),
+        "config-class-refusal-names-the-override": (
+            [*MISTRAL, "+model.hf_overrides.head_dim=7"],
+            "model.hf_overrides.head_dim",
+            "model.hf_overrides.head_dim",
+        ),
+        "tp-has-a-plan": (
+            [
+                "model=hf_gpt2_xl",
+                "+model.hf_overrides.n_layer=1",
+                "+model.hf_overrides.n_embd=64",
+                "+model.hf_overrides.n_head=4",
+                "trainer.seq_len=32",
+                "parallel.tp=2",
+                "trainer.nproc_per_node=2",
+            ],
+            "parallel.tp=2",
+            "parallel.tp=1",
+        ),
         "tp-divides-heads": ([*MISTRAL, *TP4], "does not divide num_key_value_heads=2", "parallel.tp"),
     }
 
 
-HF_CASES = ("attention-kernel-known", "sdpa-path-exists", "kv-heads-divide-heads", "experts-per-token-at-most-experts",
-            "experts-per-token-positive", "config-class-refusal-names-the-override", "tp-has-a-plan", "tp-divides-heads")
+HF_CASES = (
+    "attention-kernel-known",
+    "sdpa-path-exists",
+    "kv-heads-divide-heads",
+    "experts-per-token-at-most-experts",
+    "experts-per-token-positive",
+    "config-class-refusal-names-the-override",
+    "tp-has-a-plan",
+    "tp-divides-heads",
+)
 
 
 @pytest.mark.parametrize("case", HF_CASES)
@@ -117,18 +176,37 @@ def test_each_hugging_face_check_refuses_its_bad_value_naming_the_key_and_the_fi
 
 
 def test_an_architecture_without_sdpa_passes_with_eager_attention_and_the_moe_with_its_own_top_k(saved):
-    validate(run_config(["model=hf", f"model.hf_config={saved / 'gemma2'}", "model.attn_implementation=eager"]),
-             cuda_devices=0)
+    validate(
+        run_config(["model=hf", f"model.hf_config={saved / 'gemma2'}", "model.attn_implementation=eager"]),
+        cuda_devices=0,
+    )
     validate(run_config(["model=hf", f"model.hf_config={saved / 'mixtral'}", "trainer.seq_len=32"]), cuda_devices=0)
 
 
 def test_tune_passes_on_a_refusal_no_dimension_of_its_search_changes_with_its_own_fix(saved, tmp_path, capsys):
     from fsdp_exp.tune.cli import main
 
-    narrow = ["tune.space.backend=[fsdp2]", "tune.space.ac=[none,full]", "tune.space.precision=[bf16]",
-              "tune.space.offload=[none]", "tune.space.prefetch=[default]", "tune.space.micro_batch_size=[1]"]
-    assert main(["model=hf", f"model.hf_config={saved / 'gemma2'}", "trainer.nproc_per_node=8",
-                 "plan.device=h100_80gb", *narrow, f"tune.out={tmp_path}"]) == 2
+    narrow = [
+        "tune.space.backend=[fsdp2]",
+        "tune.space.ac=[none,full]",
+        "tune.space.precision=[bf16]",
+        "tune.space.offload=[none]",
+        "tune.space.prefetch=[default]",
+        "tune.space.micro_batch_size=[1]",
+    ]
+    assert (
+        main(
+            [
+                "model=hf",
+                f"model.hf_config={saved / 'gemma2'}",
+                "trainer.nproc_per_node=8",
+                "plan.device=h100_80gb",
+                *narrow,
+                f"tune.out={tmp_path}",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "Gemma2ForCausalLM has no SDPA attention" in err and "fix: pass model.attn_implementation=eager" in err, err
     assert "tune.space" not in err, err

@@ -41,24 +41,35 @@ def test_the_planner_and_tensor_parallel_shard_the_same_dims(sequence_parallel):
     from fsdp_exp.parallel import tp
     from fsdp_exp.plan.states import tp_shape
 
-    cfg = run_config(["model=llama_tiny", "model.vocab_size=251", "parallel.tp=2", "trainer.nproc_per_node=2",
-                      f"parallel.sequence_parallel={str(sequence_parallel).lower()}"])
+    cfg = run_config(
+        [
+            "model=llama_tiny",
+            "model.vocab_size=251",
+            "parallel.tp=2",
+            "trainer.nproc_per_node=2",
+            f"parallel.sequence_parallel={str(sequence_parallel).lower()}",
+        ]
+    )
     spec = spec_for(cfg.model)
     plan = spec.tensor_parallel_plan(cfg.model)
     root_styles, block_styles = tp.styles(plan, sequence_parallel)
     kinds = {COLWISE: "ColwiseParallel", ROWWISE: "RowwiseParallel"}
-    assert {k: type(v).__name__ for k, v in block_styles.items() if k in plan.block} == \
-        {k: kinds[v] for k, v in plan.block.items()}
-    assert {k: type(v).__name__ for k, v in root_styles.items() if k in plan.root} == \
-        {k: kinds[v] for k, v in plan.root.items()}
+    assert {k: type(v).__name__ for k, v in block_styles.items() if k in plan.block} == {
+        k: kinds[v] for k, v in plan.block.items()
+    }
+    assert {k: type(v).__name__ for k, v in root_styles.items() if k in plan.root} == {
+        k: kinds[v] for k, v in plan.root.items()
+    }
 
     assert not dist.is_initialized()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         model = build_meta(cfg.model)
         tp.apply(model, cfg, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
-        shapes = {name: tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape)
-                  for name, p in model.named_parameters()}
+        shapes = {
+            name: tuple(p.to_local().shape if isinstance(p, DTensor) else p.shape)
+            for name, p in model.named_parameters()
+        }
     finally:
         dist.destroy_process_group()
     inventory = spec.inventory(cfg.model)
@@ -122,8 +133,9 @@ def test_every_model_spec_method_belongs_to_exactly_one_role():
     assert not public_methods(ModelSpec)
     per_role = [public_methods(role) for role in SPEC_ROLES]
     assert sum(map(len, per_role)) == len(set().union(*per_role))
-    every_method = {name for name, value in inspect.getmembers(ModelSpec, inspect.isfunction)
-                    if not name.startswith("_")}
+    every_method = {
+        name for name, value in inspect.getmembers(ModelSpec, inspect.isfunction) if not name.startswith("_")
+    }
     assert every_method == set().union(*per_role)
 
 

@@ -88,13 +88,31 @@ def test_the_chunked_loss_equals_the_loss_on_all_logits_with_the_same_gradients(
     else:
         transformers = pytest.importorskip("transformers")
         if family == "hf-gpt2-tied":
-            overrides = _saved_config(tmp_path, "gpt2", transformers.GPT2Config(
-                n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0))
+            overrides = _saved_config(
+                tmp_path,
+                "gpt2",
+                transformers.GPT2Config(
+                    n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, bos_token_id=0, eos_token_id=0
+                ),
+            )
         else:
-            overrides = [*_saved_config(tmp_path, "gemma2", transformers.Gemma2Config(
-                hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, vocab_size=256, final_logit_softcapping=5.0)),
-                "model.attn_implementation=eager"]
+            overrides = [
+                *_saved_config(
+                    tmp_path,
+                    "gemma2",
+                    transformers.Gemma2Config(
+                        hidden_size=64,
+                        intermediate_size=128,
+                        num_hidden_layers=2,
+                        num_attention_heads=4,
+                        num_key_value_heads=2,
+                        head_dim=16,
+                        vocab_size=256,
+                        final_logit_softcapping=5.0,
+                    ),
+                ),
+                "model.attn_implementation=eager",
+            ]
     model = _model_of(overrides)
     tokens, targets = torch.randint(0, 256, (2, 2, 32), generator=torch.Generator().manual_seed(1))
 
@@ -105,7 +123,8 @@ def test_the_chunked_loss_equals_the_loss_on_all_logits_with_the_same_gradients(
         return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
     whole, whole_grads = loss_and_grads(
-        lambda: torch.nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten()))
+        lambda: torch.nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
+    )
     chunked, chunked_grads = loss_and_grads(lambda: mean_cross_entropy(model, tokens, targets, 7))
     assert abs(chunked / whole - 1) < 1e-6, (chunked, whole)
     assert set(chunked_grads) == set(whole_grads)

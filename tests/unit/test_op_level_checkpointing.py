@@ -26,8 +26,9 @@ def _tracked_saved(cfg, ops: str, dtype: torch.dtype) -> int:
     """Activation bytes the tracker sees alive after the block's forward, less its input, its output and the
     rotary tables it was handed: what the checkpointed block saved for backward."""
     torch.manual_seed(0)
-    block = checkpoint_wrapper(TransformerBlock(cfg.model).to(dtype), preserve_rng_state=False,
-                               context_fn=partial(_op_level_context, ops))
+    block = checkpoint_wrapper(
+        TransformerBlock(cfg.model).to(dtype), preserve_rng_state=False, context_fn=partial(_op_level_context, ops)
+    )
     cos, sin = rope_tables(cfg.model.dim // cfg.model.n_heads, SEQ, cfg.model.rope_theta)
     x = torch.randn(BATCH, SEQ, cfg.model.dim, dtype=dtype, requires_grad=True)
     tracker = MemTracker()
@@ -46,8 +47,7 @@ def _tracked_saved(cfg, ops: str, dtype: torch.dtype) -> int:
 @pytest.mark.parametrize("ops", ["every_other_matmul", "every_matmul"])
 def test_op_level_checkpointing_saves_what_the_planner_counts(ops, precision, model):
     extra = ["model.n_experts=4", "model.experts_top_k=2"] if model == "moe" else []
-    cfg = run_config([*TINY_MODEL, *TINY_BATCH, *extra, f"precision={precision}", "ac=selective_op",
-                      f"ac.ops={ops}"])
+    cfg = run_config([*TINY_MODEL, *TINY_BATCH, *extra, f"precision={precision}", "ac=selective_op", f"ac.ops={ops}"])
     e = DTYPES[precision].itemsize
     planned = profile_for(cfg.model, BATCH, SEQ, 1, False).op_level_saved(e, ops)
     tracked = _tracked_saved(cfg, ops, DTYPES[precision])
@@ -59,8 +59,15 @@ def test_torchtitans_rule_saves_every_other_matmul_and_every_attention_kernel():
     collective; a fresh saver starts the count again (one per block forward and one per recompute)."""
     aten = torch.ops.aten
     saver = OpSaver("every_other_matmul")
-    sequence = [aten.mm.default, aten.addmm.default, aten.mul.Tensor, aten.mm.default,
-                aten._scaled_dot_product_flash_attention_for_cpu.default, aten.mm.default, aten.bmm.default]
+    sequence = [
+        aten.mm.default,
+        aten.addmm.default,
+        aten.mul.Tensor,
+        aten.mm.default,
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten.mm.default,
+        aten.bmm.default,
+    ]
     assert [saver.saves(op) for op in sequence] == [True, False, False, True, True, False, False]
     assert OpSaver("every_other_matmul").saves(aten.mm.default)
     everything = OpSaver("every_matmul")

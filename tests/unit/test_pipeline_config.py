@@ -14,27 +14,40 @@ from conftest import run_cli, run_config
 
 
 def test_a_pipeline_run_is_a_pp_by_dp_mesh_whose_dp_ranks_take_their_whole_batch_at_once():
-    cfg = run_config(["trainer.nproc_per_node=4", "parallel.pp=2", "trainer.global_batch_size=8",
-                      "trainer.micro_batch_size=2", "model.n_layers=4"])
+    cfg = run_config(
+        [
+            "trainer.nproc_per_node=4",
+            "parallel.pp=2",
+            "trainer.global_batch_size=8",
+            "trainer.micro_batch_size=2",
+            "model.n_layers=4",
+        ]
+    )
     topology = validate(cfg, cuda_devices=0)
     assert (topology.mesh_shape, topology.mesh_dim_names, topology.dp_size) == ((2, 2), ("pp", "dp"), 2)
     assert (topology.micro_batch_size, topology.grad_accum_steps) == (4, 1)  # one batch a step to the schedule
     assert settings_from(cfg, 4).n_microbatches == 2  # trainer.micro_batch_size is the pipeline's micro-batch
 
 
-@pytest.mark.parametrize("overrides,fix", [
-    (["parallel.pp=3"], "parallel.pp=2"),
-    (["parallel.pp=2", "sharding.backend=fsdp1"], "sharding=full (FSDP2), or parallel.pp=1"),
-    (["parallel.pp=2", "sharding=zero2"], "sharding=full (FSDP2), or parallel.pp=1"),
-    (["parallel.pp=2", "sharding=ddp"], "sharding=full (FSDP2), or parallel.pp=1"),
-    (["parallel.pp=2", "parallel.tp=2", "trainer.nproc_per_node=4"], "parallel.tp=1"),
-    (["parallel.pp=2", "checkpoint.export=safetensors"], "checkpoint.export=none"),
-    (["parallel.pp=2", "parallel.pp_schedule=zigzag"], "parallel.pp_schedule=gpipe|1f1b"),
-    (["parallel.pp=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches"),
-    (["parallel.pp=2", "parallel.pp_stages_per_rank=2"], "parallel.pp_stages_per_rank=1"),
-    (["parallel.pp=2", "parallel.pp_split=[5]"], "parallel.pp_split=null"),
-    (["parallel.pp=2", "trainer.micro_batch_size=2", "parallel.pp_microbatches=2"], "trainer.micro_batch_size=null"),
-])
+@pytest.mark.parametrize(
+    "overrides,fix",
+    [
+        (["parallel.pp=3"], "parallel.pp=2"),
+        (["parallel.pp=2", "sharding.backend=fsdp1"], "sharding=full (FSDP2), or parallel.pp=1"),
+        (["parallel.pp=2", "sharding=zero2"], "sharding=full (FSDP2), or parallel.pp=1"),
+        (["parallel.pp=2", "sharding=ddp"], "sharding=full (FSDP2), or parallel.pp=1"),
+        (["parallel.pp=2", "parallel.tp=2", "trainer.nproc_per_node=4"], "parallel.tp=1"),
+        (["parallel.pp=2", "checkpoint.export=safetensors"], "checkpoint.export=none"),
+        (["parallel.pp=2", "parallel.pp_schedule=zigzag"], "parallel.pp_schedule=gpipe|1f1b"),
+        (["parallel.pp=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches"),
+        (["parallel.pp=2", "parallel.pp_stages_per_rank=2"], "parallel.pp_stages_per_rank=1"),
+        (["parallel.pp=2", "parallel.pp_split=[5]"], "parallel.pp_split=null"),
+        (
+            ["parallel.pp=2", "trainer.micro_batch_size=2", "parallel.pp_microbatches=2"],
+            "trainer.micro_batch_size=null",
+        ),
+    ],
+)
 def test_pipeline_settings_that_cannot_run_are_refused_naming_the_override(overrides, fix):
     with pytest.raises(ConfigError) as err:
         validate(run_config(overrides), cuda_devices=0)

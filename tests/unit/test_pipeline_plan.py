@@ -60,8 +60,12 @@ def test_the_balanced_cut_gives_the_embeddings_stage_fewer_blocks():
 def test_stages_split_balanced_by_parameters_or_at_the_given_blocks(cfg):
     assert stage_blocks(PipelineSettings(pp=2), cfg.model) == [[0, 1], [2, 3]]
     assert stage_blocks(PipelineSettings(pp=2, split=(1,)), cfg.model) == [[0], [1, 2, 3]]
-    assert stage_blocks(PipelineSettings(pp=2, schedule="interleaved_1f1b", stages_per_rank=2),
-                        cfg.model) == [[0], [1], [2], [3]]
+    assert stage_blocks(PipelineSettings(pp=2, schedule="interleaved_1f1b", stages_per_rank=2), cfg.model) == [
+        [0],
+        [1],
+        [2],
+        [3],
+    ]
     assert stages_of_rank(PipelineSettings(pp=2, schedule="interleaved_1f1b", stages_per_rank=2), 1) == [1, 3]
     assert stages_of_rank(PipelineSettings(pp=2, schedule="zbv_zero_bubble", stages_per_rank=2), 0) == [0, 3]
 
@@ -84,8 +88,9 @@ def test_gpipe_peaks_on_the_last_stage_holding_every_micro_batch_and_the_logits(
 
 
 def test_interleaving_holds_more_but_smaller_micro_batches(cfg):
-    plan = pipeline_plan(cfg, PipelineSettings(pp=2, schedule="interleaved_1f1b", microbatches=4,
-                                               stages_per_rank=2), dp=1)
+    plan = pipeline_plan(
+        cfg, PipelineSettings(pp=2, schedule="interleaved_1f1b", microbatches=4, stages_per_rank=2), dp=1
+    )
     first, last = plan.ranks
     assert (first.stages, last.stages) == ((0, 2), (1, 3))
     assert (first.activations, last.activations) == (5 * BLOCK, 3 * (BLOCK + HEAD))
@@ -100,15 +105,18 @@ def test_fsdp2_over_dp_halves_the_states_and_keeps_the_stage_unsharded_through_t
     assert first.per_microbatch == 2 * BLOCK  # still 2 sequences a micro-batch: 8 / dp 2 / 2 micro-batches
 
 
-@pytest.mark.parametrize("settings, fix", [
-    (PipelineSettings(pp=2, schedule="1f1b", stages_per_rank=2), "parallel.pp_stages_per_rank=1"),
-    (PipelineSettings(pp=2, schedule="zbv_zero_bubble"), "parallel.pp_stages_per_rank=2"),
-    (PipelineSettings(pp=2, microbatches=3), "parallel.pp_microbatches that divides"),
-    (PipelineSettings(pp=2, microbatches=1), "parallel.pp_microbatches>=2"),
-    (PipelineSettings(pp=8), "model.n_layers>=8"),
-    (PipelineSettings(pp=2, split=(4,)), "parallel.pp_split=null"),
-    (PipelineSettings(pp=2, schedule="chimera"), "parallel.pp_schedule=gpipe|1f1b"),
-])
+@pytest.mark.parametrize(
+    "settings, fix",
+    [
+        (PipelineSettings(pp=2, schedule="1f1b", stages_per_rank=2), "parallel.pp_stages_per_rank=1"),
+        (PipelineSettings(pp=2, schedule="zbv_zero_bubble"), "parallel.pp_stages_per_rank=2"),
+        (PipelineSettings(pp=2, microbatches=3), "parallel.pp_microbatches that divides"),
+        (PipelineSettings(pp=2, microbatches=1), "parallel.pp_microbatches>=2"),
+        (PipelineSettings(pp=8), "model.n_layers>=8"),
+        (PipelineSettings(pp=2, split=(4,)), "parallel.pp_split=null"),
+        (PipelineSettings(pp=2, schedule="chimera"), "parallel.pp_schedule=gpipe|1f1b"),
+    ],
+)
 def test_a_pipeline_it_cannot_run_is_refused_naming_the_fix(cfg, settings, fix):
     with pytest.raises(ConfigError, match="fix: .*" + fix.replace("|", r"\|")):
         check(settings, cfg.model, local_batch=8)
@@ -139,8 +147,10 @@ def test_the_in_flight_rules_are_what_torch_schedules_do(pp):
     try:
         for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2)):
             for m in (pp, 2 * pp):
-                stages = [pipelining.PipelineStage(torch.nn.Linear(2, 2), k * pp, pp * v, torch.device("cpu"))
-                          for k in range(v)]
+                stages = [
+                    pipelining.PipelineStage(torch.nn.Linear(2, 2), k * pp, pp * v, torch.device("cpu"))
+                    for k in range(v)
+                ]
                 cls = getattr(pipelining, SCHEDULES[schedule][0])
                 made = cls(stages[0] if schedule in SINGLE_STAGE else stages, m, loss_fn=lambda out, target: out.sum())
                 torch_held = [_held_at_peak(made.pipeline_order[rank]) for rank in range(pp)]

@@ -109,9 +109,20 @@ def test_collectives_between_nodes_run_over_all_the_nodes_cards():
     per_gpu = []
     with hydra_session() as (compose, _):
         for nodes in (1, 8):
-            cfg = compose(["model=llama13b", "sharding=full", "precision=bf16", "ac=none", "trainer.nproc_per_node=8",
-                           f"trainer.nnodes={nodes}", f"trainer.global_batch_size={16 * nodes}",
-                           "trainer.micro_batch_size=2", "trainer.seq_len=2048", "trainer.device=cuda"])
+            cfg = compose(
+                [
+                    "model=llama13b",
+                    "sharding=full",
+                    "precision=bf16",
+                    "ac=none",
+                    "trainer.nproc_per_node=8",
+                    f"trainer.nnodes={nodes}",
+                    f"trainer.global_batch_size={16 * nodes}",
+                    "trainer.micro_batch_size=2",
+                    "trainer.seq_len=2048",
+                    "trainer.device=cuda",
+                ]
+            )
             topology = validate(cfg, cuda_devices=8)
             per_gpu.append(predict(cfg, topology, perf).tokens_per_s / topology.world_size)
     assert per_gpu[1] > 0.85 * per_gpu[0], per_gpu
@@ -130,12 +141,15 @@ def test_each_gpus_kernel_efficiency_is_its_achievable_share_of_the_peak_times_t
     from fsdp_exp.plan.devices import A100_SXM, BLACKWELL, FITTED_A100, HOPPER
 
     a100, h100, b200 = (DEVICES[name].perf for name in ("a100_80gb", "h100_80gb", "b200_192gb"))
-    assert (a100.efficiency, a100.attention_efficiency) == (FITTED_A100["efficiency"],
-                                                            FITTED_A100["attention_efficiency"])
+    assert (a100.efficiency, a100.attention_efficiency) == (
+        FITTED_A100["efficiency"],
+        FITTED_A100["attention_efficiency"],
+    )
     for perf, prior in ((h100, HOPPER), (b200, BLACKWELL)):
         assert perf.efficiency == pytest.approx(a100.efficiency * prior.gemm / A100_SXM.gemm)
         assert perf.attention_efficiency == pytest.approx(
-            a100.attention_efficiency * prior.attention / A100_SXM.attention)
+            a100.attention_efficiency * prior.attention / A100_SXM.attention
+        )
     # An H100's GEMMs reach a smaller share of its data-sheet peak than an A100's, FlashAttention-2 on it less still.
     assert h100.efficiency < a100.efficiency and h100.attention_efficiency < a100.attention_efficiency
     assert DEVICES["h100_96gb_500w"].perf.efficiency == h100.efficiency  # its power limit lowers the peak instead
@@ -149,9 +163,21 @@ def test_llm_foundrys_roce_at_3200_gbps_is_roce_not_efa():
 def _low_precision_row(precision: str, detail: str, **fields) -> published.Row:
     """torchtitan's Llama 3 8B per-op SAC row (the record's) as an FP8-class run on 8 H100s would publish it."""
     row = _rows({"torchtitan_a100_2024": [1]})[0]
-    row = published.Row(row.source, row.index, {**row.fields, "precision": precision, "precision_detail": detail,
-                                                "gpu": "H100_96GB", "n_gpus": "8", "global_batch": "16",
-                                                "micro_batch": "2", "compile": "yes", **fields})
+    row = published.Row(
+        row.source,
+        row.index,
+        {
+            **row.fields,
+            "precision": precision,
+            "precision_detail": detail,
+            "gpu": "H100_96GB",
+            "n_gpus": "8",
+            "global_batch": "16",
+            "micro_batch": "2",
+            "compile": "yes",
+            **fields,
+        },
+    )
     published.express(row)
     return row
 
@@ -163,16 +189,22 @@ def test_fp8_rows_are_float8_runs_with_their_recipe_and_formats_fsdp_exp_cannot_
 
     tensorwise = _low_precision_row("fp8", "Float8 tensorwise dynamic scaling (torchao), FSDP float8 all-gather")
     assert tensorwise.not_expressible is None
-    assert {"precision=float8", "precision.float8_recipe=tensorwise", "precision.float8_all_gather=true",
-            "compile=true"} <= set(tensorwise.overrides)
+    assert {
+        "precision=float8",
+        "precision.float8_recipe=tensorwise",
+        "precision.float8_all_gather=true",
+        "compile=true",
+    } <= set(tensorwise.overrides)
     rowwise = _low_precision_row("FP8", "torchao float8 rowwise")
     assert "precision.float8_recipe=rowwise" in rowwise.overrides
     assert "precision.float8_all_gather=true" not in rowwise.overrides
     unnamed = _low_precision_row("fp8", "float8 linears (torchtitan converter)")  # torchtitan's default recipe
     assert "precision.float8_recipe=tensorwise" in unnamed.overrides
-    for precision, detail, why in (("nvfp4", "NVFP4 weights and activations", "NVFP4"),
-                                   ("mxfp8", "MXFP8 (torchao, Blackwell)", "precision.float8_recipe=mxfp8 is refused"),
-                                   ("fp8", "Transformer Engine FP8, delayed scaling", "delayed scaling")):
+    for precision, detail, why in (
+        ("nvfp4", "NVFP4 weights and activations", "NVFP4"),
+        ("mxfp8", "MXFP8 (torchao, Blackwell)", "precision.float8_recipe=mxfp8 is refused"),
+        ("fp8", "Transformer Engine FP8, delayed scaling", "delayed scaling"),
+    ):
         row = _low_precision_row(precision, detail)
         assert row.overrides == [] and why in row.not_expressible, row.not_expressible
     elsewhere = _low_precision_row("fp8", "FP8", framework="llm-foundry (composer)")

@@ -27,8 +27,11 @@ def test_a_spawned_rank_gets_the_launchers_context_typed_and_whole(tmp_path):
     # The planner's prediction is in it, the same figures a rank logs beside its measurements.
     assert back.prediction.row["mem/predicted_peak_gib"] > 0
     assert back.prediction.record["peak"]["total"] / 2**30 == back.prediction.row["mem/predicted_peak_gib"]
-    assert labels.as_record() == {"overrides": ["precision=fp32"], "choices": {"model": "llama_tiny"},
-                                  "sweep": {"dir": "s", "name": "s", "job": 3}}
+    assert labels.as_record() == {
+        "overrides": ["precision=fp32"],
+        "choices": {"model": "llama_tiny"},
+        "sweep": {"dir": "s", "name": "s", "job": 3},
+    }
 
 
 def test_a_topology_read_back_from_run_json_is_the_one_written():
@@ -39,12 +42,14 @@ def test_a_topology_read_back_from_run_json_is_the_one_written():
 def test_the_launchers_plan_builds_the_model_without_torchs_compiler_stack():
     """The planner builds the model on the meta device; its initializers and rotary tables must not run torch's
     reference ops there, whose first call imports torch._dynamo and sympy (about a second of every launch)."""
-    script = ("import sys\n"
-              "from fsdp_exp.launch import prepare, run_context\n"
-              "from tests.conftest import run_config\n"
-              "cfg = run_config([])\n"
-              "run_context(cfg, prepare(cfg), '.')\n"
-              "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n")
+    script = (
+        "import sys\n"
+        "from fsdp_exp.launch import prepare, run_context\n"
+        "from tests.conftest import run_config\n"
+        "cfg = run_config([])\n"
+        "run_context(cfg, prepare(cfg), '.')\n"
+        "print(sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
+    )
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -15,8 +15,9 @@ PACKAGE = Path(__file__).resolve().parents[2] / "fsdp_exp"
 
 def test_a_runs_life_merges_into_one_record_written_atomically(tmp_path):
     record = RunRecord(tmp_path)
-    record.starting(config={"a": 1}, topology={"world_size": 2}, overrides=["x=1"], choices={}, sweep={"n": 0},
-                    plan={"peak": 1.0})
+    record.starting(
+        config={"a": 1}, topology={"world_size": 2}, overrides=["x=1"], choices={}, sweep={"n": 0}, plan={"peak": 1.0}
+    )
     record.running(applied={}, env={}, wandb={"mode": "disabled", "run_id": None})
     record.checkpoint_saved({"path": "p", "step": 3})
     record.ended("completed", summary={"summary/final_loss": math.nan})

@@ -86,9 +86,13 @@ def test_without_partition_sizes_nothing_is_checked():
 def test_an_interrupted_run_that_was_not_requeued_says_why_in_the_report():
     from fsdp_exp.report.load import Run
 
-    interrupted = {"status": "interrupted",
-                   "interrupted": {"signal": "SIGUSR1", "checkpoint": {"step": 179, "path": "/runs/0/checkpoints/step_179"}}}
-    assert Run("/runs/0", record=interrupted).error == \
-        "stopped by SIGUSR1 after step 179; checkpoint /runs/0/checkpoints/step_179"
+    interrupted = {
+        "status": "interrupted",
+        "interrupted": {"signal": "SIGUSR1", "checkpoint": {"step": 179, "path": "/runs/0/checkpoints/step_179"}},
+    }
+    assert (
+        Run("/runs/0", record=interrupted).error
+        == "stopped by SIGUSR1 after step 179; checkpoint /runs/0/checkpoints/step_179"
+    )
     stopped = {**interrupted, "slurm": {"restarts": 1, "not_requeued": "the job reached its time limit 2 time(s)"}}
     assert Run("/runs/0", record=stopped).error.endswith("; not requeued: the job reached its time limit 2 time(s)")

@@ -13,9 +13,11 @@ import sys
 from fsdp_exp.slurm import STOP_SIGNALS, task_python
 
 # A task that is signalled before any handler exists, then installs fsdp_exp's.
-EARLY_SIGNAL = ("import os, signal, sys; os.kill(os.getpid(), signal.{name}); "
-                "from fsdp_exp.checkpoint.signals import handle_stop_signals, signal_requested; "
-                f"handle_stop_signals({STOP_SIGNALS!r}); print(signal_requested())")
+EARLY_SIGNAL = (
+    "import os, signal, sys; os.kill(os.getpid(), signal.{name}); "
+    "from fsdp_exp.checkpoint.signals import handle_stop_signals, signal_requested; "
+    f"handle_stop_signals({STOP_SIGNALS!r}); print(signal_requested())"
+)
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess:
@@ -36,14 +38,29 @@ def test_a_signal_that_comes_before_the_handlers_waits_for_them():
 def test_the_run_keeps_only_the_handlers_its_config_asks_for():
     """The launcher handles both; a run with checkpoint.signals=[SIGTERM] gives SIGUSR1 its default back
     (it kills), and checkpoint.on_signal=false gives both back: a signal that came meanwhile acts then."""
-    setup = ("import os, signal; from fsdp_exp.checkpoint.signals import handle_stop_signals, signal_requested; "
-             f"handle_stop_signals({STOP_SIGNALS!r}); ")
-    only_sigterm = _run([sys.executable, "-c", setup + "handle_stop_signals(['SIGTERM']); "
-                         "os.kill(os.getpid(), signal.SIGTERM); print(signal_requested(), flush=True); "
-                         "os.kill(os.getpid(), signal.SIGUSR1); print('survived')"])
+    setup = (
+        "import os, signal; from fsdp_exp.checkpoint.signals import handle_stop_signals, signal_requested; "
+        f"handle_stop_signals({STOP_SIGNALS!r}); "
+    )
+    only_sigterm = _run(
+        [
+            sys.executable,
+            "-c",
+            setup + "handle_stop_signals(['SIGTERM']); "
+            "os.kill(os.getpid(), signal.SIGTERM); print(signal_requested(), flush=True); "
+            "os.kill(os.getpid(), signal.SIGUSR1); print('survived')",
+        ]
+    )
     assert only_sigterm.returncode == -signal.SIGUSR1, (only_sigterm.returncode, only_sigterm.stderr[-2000:])
     assert only_sigterm.stdout.split() == ["SIGTERM"]
-    came_early = _run([*shlex.split(task_python()), "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM); "
-                       + setup + "handle_stop_signals([]); print('survived')"])
+    came_early = _run(
+        [
+            *shlex.split(task_python()),
+            "-c",
+            "import os, signal; os.kill(os.getpid(), signal.SIGTERM); "
+            + setup
+            + "handle_stop_signals([]); print('survived')",
+        ]
+    )
     assert came_early.returncode == -signal.SIGTERM, (came_early.returncode, came_early.stderr[-2000:])
     assert "survived" not in came_early.stdout

@@ -25,12 +25,15 @@ class Outer:
     inner: Inner = field(default_factory=Inner)
 
 
-@pytest.mark.parametrize("override,named,suggested", [
-    ("+unknown_key=1", "unknown_key", None),
-    ("+trainer.stpes=5", "trainer.stpes", "trainer.steps"),
-    ("++model.dimm=3", "model.dimm", "model.dim"),
-    ("+logger.wandb.projct=x", "logger.wandb.projct", "logger.wandb.project"),
-])
+@pytest.mark.parametrize(
+    "override,named,suggested",
+    [
+        ("+unknown_key=1", "unknown_key", None),
+        ("+trainer.stpes=5", "trainer.stpes", "trainer.steps"),
+        ("++model.dimm=3", "model.dimm", "model.dim"),
+        ("+logger.wandb.projct=x", "logger.wandb.projct", "logger.wandb.project"),
+    ],
+)
 def test_an_added_key_that_the_schema_lacks_is_refused_with_the_closest_key(override, named, suggested):
     with pytest.raises(ConfigError) as err:
         run_config([override])
@@ -40,9 +43,14 @@ def test_an_added_key_that_the_schema_lacks_is_refused_with_the_closest_key(over
         assert f"did you mean {suggested}?" in message
 
 
-@pytest.mark.parametrize("override,key", [("trainer.grad_clip=nan", "trainer.grad_clip"),
-                                          ("optim.lr=inf", "optim.lr"),
-                                          ("optim.betas=[0.9,-inf]", "optim.betas[1]")])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("trainer.grad_clip=nan", "trainer.grad_clip"),
+        ("optim.lr=inf", "optim.lr"),
+        ("optim.betas=[0.9,-inf]", "optim.betas[1]"),
+    ],
+)
 def test_a_number_that_is_not_finite_is_refused(override, key):
     with pytest.raises(ConfigError, match=key.replace("[", r"\[").replace("]", r"\]")):
         run_config([override])

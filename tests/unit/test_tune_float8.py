@@ -25,9 +25,17 @@ pytest.importorskip("torchao")
 # torchtitan's float8 benchmark: docs/performance.md (commit eaea6f6, torch/torchao of 2024-12-23), Table 1, Llama 3.1
 # 8B on 8 H100, FSDP, local batch 2 (global 16), sequence 8192, selective AC: FSDP + torch.compile 6,667 tokens/s per
 # GPU, + Float8 (tensorwise, float8 all-gather) 8,532, x1.28 (the issue's "+28%").
-LLAMA3_8B_ON_8 = ["model=llama3_8b", "sharding=full", "ac=selective_op", "compile=true", "trainer.nproc_per_node=8",
-                  "trainer.global_batch_size=16", "trainer.micro_batch_size=2", "trainer.seq_len=8192",
-                  "trainer.device=cuda"]
+LLAMA3_8B_ON_8 = [
+    "model=llama3_8b",
+    "sharding=full",
+    "ac=selective_op",
+    "compile=true",
+    "trainer.nproc_per_node=8",
+    "trainer.global_batch_size=16",
+    "trainer.micro_batch_size=2",
+    "trainer.seq_len=8192",
+    "trainer.device=cuda",
+]
 BF16 = ["precision=bf16"]
 FLOAT8 = ["precision=float8"]
 FLOAT8_ALL_GATHER = FLOAT8 + ["precision.float8_all_gather=true"]
@@ -87,8 +95,9 @@ def test_float8_all_gather_moves_each_converted_weight_in_one_byte():
 def test_the_casts_cost_their_bytes_so_eager_float8_is_slower_than_compiled():
     h100 = DEVICES["h100_80gb"].perf
     _, _, f8 = _costs(FLOAT8)
-    free_casts = dataclasses.replace(f8, float8=dataclasses.replace(f8.float8, cast_bytes_forward=0.0,
-                                                                    cast_bytes_backward=0.0))
+    free_casts = dataclasses.replace(
+        f8, float8=dataclasses.replace(f8.float8, cast_bytes_forward=0.0, cast_bytes_backward=0.0)
+    )
     assert timing(free_casts, h100).step_time_s < timing(f8, h100).step_time_s
     eager = _tokens_per_s(FLOAT8 + ["compile=false"], "h100_80gb")
     assert eager < _tokens_per_s(FLOAT8, "h100_80gb")
@@ -103,24 +112,36 @@ def test_a_gpu_without_fp8_tensor_cores_refuses_float8_by_name_and_its_emulation
     assert "precision=bf16" in str(refused.value) and "precision.float8_emulate=true" in str(refused.value)
     # Emulated, the converted matmuls run at the bf16 rate: without the casts the step is bf16's to the last bit.
     _, _, emulated = _costs(FLOAT8 + ["precision.float8_emulate=true"])
-    no_casts = dataclasses.replace(emulated, float8=dataclasses.replace(
-        emulated.float8, cast_bytes_forward=0.0, cast_bytes_backward=0.0))
+    no_casts = dataclasses.replace(
+        emulated, float8=dataclasses.replace(emulated.float8, cast_bytes_forward=0.0, cast_bytes_backward=0.0)
+    )
     _, _, bf16 = _costs(BF16)
     assert timing(no_casts, a100).step_time_s == pytest.approx(timing(bf16, a100).step_time_s, rel=1e-12)
     assert timing(emulated, a100).tokens_per_s < timing(bf16, a100).tokens_per_s
 
 
 # ------------------------------------------------------------------------------------------------ tune
-TINY = ["model=llama_tiny", "trainer.nproc_per_node=8", "trainer.global_batch_size=8", "trainer.seq_len=256",
-        "tune.space.backend=[fsdp2]", "tune.space.sharding=[full]", "tune.space.ac=[none]",
-        "tune.space.offload=[none]", "tune.space.prefetch=[default]", "tune.space.micro_batch_size=[1]"]
+TINY = [
+    "model=llama_tiny",
+    "trainer.nproc_per_node=8",
+    "trainer.global_batch_size=8",
+    "trainer.seq_len=256",
+    "tune.space.backend=[fsdp2]",
+    "tune.space.sharding=[full]",
+    "tune.space.ac=[none]",
+    "tune.space.offload=[none]",
+    "tune.space.prefetch=[default]",
+    "tune.space.micro_batch_size=[1]",
+]
 
 
 def _precisions(argv: list[str]):
     opts, overrides = split_argv(TINY + argv)
     tuning = weigh(overrides, opts)
-    return tuning, {(w.candidate.cfg.precision.float8_recipe, w.candidate.cfg.precision.float8_all_gather): w
-                    for w in tuning.candidates}
+    return tuning, {
+        (w.candidate.cfg.precision.float8_recipe, w.candidate.cfg.precision.float8_all_gather): w
+        for w in tuning.candidates
+    }
 
 
 def test_tune_searches_float8_where_the_device_has_fp8_tensor_cores_and_leaves_it_out_elsewhere():
@@ -130,8 +151,9 @@ def test_tune_searches_float8_where_the_device_has_fp8_tensor_cores_and_leaves_i
     a100, on_a100 = _precisions(["plan.device=a100_80gb"])
     assert {"float8", "float8_all_gather"}.isdisjoint(a100.space.values["precision"])
     assert all(recipe is None for recipe, _ in on_a100)
-    assert any("float8,float8_all_gather left out: a100_80gb has no FP8 tensor cores" in note
-               for note in a100.space.notes)
+    assert any(
+        "float8,float8_all_gather left out: a100_80gb has no FP8 tensor cores" in note for note in a100.space.notes
+    )
     # Fixed by the run, it is weighed and not timed: tune refuses with the reason and the override that fixes it.
     with pytest.raises(ConfigError, match="no FP8 tensor cores") as refused:
         _precisions(["plan.device=a100_80gb", "precision=float8"])

@@ -25,11 +25,22 @@ from fsdp_exp.tune.work import work
 from conftest import compose_config, run_config
 
 H100 = DEVICES["h100_80gb"].perf
-SMALL_7B = ["model=llama7b", "trainer.nproc_per_node=8", "trainer.nnodes=2", "trainer.global_batch_size=64",
-            "trainer.seq_len=2048", "plan.device=h100_80gb"]
+SMALL_7B = [
+    "model=llama7b",
+    "trainer.nproc_per_node=8",
+    "trainer.nnodes=2",
+    "trainer.global_batch_size=64",
+    "trainer.seq_len=2048",
+    "plan.device=h100_80gb",
+]
 # Narrow enough to weigh in a few seconds, wide enough to hold every kind of candidate.
-NARROW = ["tune.space.ac=[none,full]", "tune.space.precision=[bf16]", "tune.space.offload=[none,params]",
-          "tune.space.prefetch=[default]", "tune.space.micro_batch_size=[1,4]"]
+NARROW = [
+    "tune.space.ac=[none,full]",
+    "tune.space.precision=[bf16]",
+    "tune.space.offload=[none,params]",
+    "tune.space.prefetch=[default]",
+    "tune.space.micro_batch_size=[1,4]",
+]
 
 
 def _weigh(argv: list[str]):
@@ -49,8 +60,12 @@ def test_the_space_holds_every_registered_backend_with_its_own_strategies(tuning
     space = tuning_7b.space
     assert space.values["backend"] == list(BACKEND_MODULES)
     pairs = {(c.candidate.cfg.sharding.backend, c.candidate.cfg.sharding.strategy) for c in tuning_7b.candidates}
-    expected = {(name, strategy) for name in BACKEND_MODULES for strategy in get_backend(name).strategies
-                if strategy in space.values["sharding"]}
+    expected = {
+        (name, strategy)
+        for name in BACKEND_MODULES
+        for strategy in get_backend(name).strategies
+        if strategy in space.values["sharding"]
+    }
     assert pairs == expected
     # hybrid's shard groups: every divisor of the 16 data-parallel ranks but 1 and 16
     assert space.values["shard_size"] == ["2", "4", "8"]
@@ -60,19 +75,34 @@ def test_grad_sync_is_searched_where_micro_batches_accumulate_and_weighs_memory_
     """4 sequences per rank: micro-batch 1 accumulates 4 and tries both settings, micro-batch 4 one. Reducing
     every micro-batch keeps no unsharded gradient (less memory) and reduce-scatters 4 times (more time);
     DeepSpeed ZeRO-3 reduces every micro-batch by its engine's rule and refuses the other."""
-    trainers = {(w.candidate.cfg.trainer.micro_batch_size, w.candidate.cfg.trainer.grad_sync)
-                for w in tuning_7b.candidates}
+    trainers = {
+        (w.candidate.cfg.trainer.micro_batch_size, w.candidate.cfg.trainer.grad_sync) for w in tuning_7b.candidates
+    }
     assert trainers == {(1, "every_micro_batch"), (1, "last_micro_batch"), (4, "every_micro_batch")}
     by_choices = {tuple(w.candidate.choices): w for w in tuning_7b.candidates}
-    common = ("sharding.backend=fsdp2", "sharding.strategy=full", "ac=none", "precision=bf16", "offload=none",
-              "prefetch=default", "trainer.micro_batch_size=1")
-    every, last = by_choices[(*common, "trainer.grad_sync=every_micro_batch")], \
-        by_choices[(*common, "trainer.grad_sync=last_micro_batch")]
+    common = (
+        "sharding.backend=fsdp2",
+        "sharding.strategy=full",
+        "ac=none",
+        "precision=bf16",
+        "offload=none",
+        "prefetch=default",
+        "trainer.micro_batch_size=1",
+    )
+    every, last = (
+        by_choices[(*common, "trainer.grad_sync=every_micro_batch")],
+        by_choices[(*common, "trainer.grad_sync=last_micro_batch")],
+    )
     assert every.peak_bytes < last.peak_bytes
     times = [predict(w.candidate.cfg, w.topology, H100).step_time_s for w in (every, last)]
     assert times[0] > times[1]
-    zero3 = [w for w in tuning_7b.candidates if w.candidate.cfg.sharding.backend == "deepspeed"
-             and w.candidate.cfg.sharding.strategy == "full" and w.candidate.cfg.trainer.grad_sync == "last_micro_batch"]
+    zero3 = [
+        w
+        for w in tuning_7b.candidates
+        if w.candidate.cfg.sharding.backend == "deepspeed"
+        and w.candidate.cfg.sharding.strategy == "full"
+        and w.candidate.cfg.trainer.grad_sync == "last_micro_batch"
+    ]
     assert zero3 and all("trainer.grad_sync" in w.refused for w in zero3)
 
 
@@ -80,20 +110,23 @@ def test_an_override_of_the_run_fixes_its_dimension():
     tuning, _ = _weigh(SMALL_7B + NARROW[1:] + ["ac=full", "sharding=full"])
     assert "ac" not in tuning.space.values and tuning.space.fixed["ac"] == "ac=full"
     assert {"backend", "sharding", "shard_size"}.isdisjoint(tuning.space.values)
-    assert all(c.candidate.cfg.ac.mode == "full" and c.candidate.cfg.sharding.strategy == "full"
-               for c in tuning.candidates)
+    assert all(
+        c.candidate.cfg.ac.mode == "full" and c.candidate.cfg.sharding.strategy == "full" for c in tuning.candidates
+    )
 
 
 def test_the_candidate_group_file_composes_to_the_candidate(tuning_7b, tmp_path):
     run_overrides = [o for o in SMALL_7B if not o.startswith("plan.")]
-    chosen = [w for w in tuning_7b.candidates if "sharding.shard_size=4" in w.candidate.choices][:1] + \
-        [w for w in tuning_7b.candidates if w.rank == 1]
+    chosen = [w for w in tuning_7b.candidates if "sharding.shard_size=4" in w.candidate.choices][:1] + [
+        w for w in tuning_7b.candidates if w.rank == 1
+    ]
     conf = measure.write_group(tuning_7b, [w.candidate.id for w in chosen], tmp_path)
     from fsdp_exp.config import to_run_config
 
     for weighed in chosen:
-        cfg = compose_config(run_overrides + [f"hydra.searchpath=[file://{conf}]",
-                                              f"+{measure.GROUP}={weighed.candidate.id}"])
+        cfg = compose_config(
+            run_overrides + [f"hydra.searchpath=[file://{conf}]", f"+{measure.GROUP}={weighed.candidate.id}"]
+        )
         assert to_run_config(cfg) == weighed.candidate.cfg
 
 
@@ -109,8 +142,7 @@ def test_preflight_refusals_and_the_memory_limit_prune_the_space(tuning_7b):
 
 def test_a_replica_over_the_budget_by_its_parameters_alone_is_not_walked(tuning_7b):
     replicas = [w for w in tuning_7b.candidates if w.candidate.cfg.sharding.backend == "ddp" and not w.refused]
-    assert replicas and all(w.floor_bytes >= 2 * 6.7e9 and w.need_bytes is None and w.fits is False
-                            for w in replicas)
+    assert replicas and all(w.floor_bytes >= 2 * 6.7e9 and w.need_bytes is None and w.fits is False for w in replicas)
     assert "parameters alone" in replicas[0].why_not(tuning_7b.limit_name)
     assert tuning_7b.limit_name == "tune.budget_gib=12" and tuning_7b.ranked
 
@@ -128,13 +160,21 @@ def _costs(overrides: list[str], cuda: int = 8):
 
 
 def test_full_sharding_gathers_each_unit_twice_per_micro_batch_and_reduces_as_grad_sync_says():
-    overrides = ["model=llama7b", "trainer.nproc_per_node=8", "trainer.global_batch_size=32",
-                 "trainer.micro_batch_size=1", "precision=bf16"]
+    overrides = [
+        "model=llama7b",
+        "trainer.nproc_per_node=8",
+        "trainer.global_batch_size=32",
+        "trainer.micro_batch_size=1",
+        "precision=bf16",
+    ]
     units = 32 + 1  # blocks and the root
     for grad_sync, reductions in (("auto", 4), ("every_micro_batch", 4), ("last_micro_batch", 1)):
         cfg, costs = _costs([*overrides, f"trainer.grad_sync={grad_sync}"])
-        assert counts(costs) == {"forward all-gather": 4 * units, "backward re-gather": 4 * (units - 1),
-                                 "gradient reduce-scatter": reductions * units}
+        assert counts(costs) == {
+            "forward all-gather": 4 * units,
+            "backward re-gather": 4 * (units - 1),
+            "gradient reduce-scatter": reductions * units,
+        }
         gather = next(t for t in costs.traffic if t.purpose == "forward all-gather")
         assert gather.ranks == 8 and gather.nodes == 1
         assert gather.bytes == pytest.approx(4 * 2 * 6.74e9, rel=0.01)  # bf16, every micro-batch
@@ -145,8 +185,15 @@ def test_full_sharding_gathers_each_unit_twice_per_micro_batch_and_reduces_as_gr
 def test_grad_op_keeps_units_gathered_and_hybrid_adds_replica_all_reduces():
     _, grad_op = _costs(["model=llama7b", "trainer.nproc_per_node=8", "sharding=grad_op"])
     assert "backward re-gather" not in counts(grad_op)
-    _, hybrid = _costs(["model=llama7b", "trainer.nproc_per_node=8", "trainer.nnodes=2", "sharding=hybrid",
-                        "trainer.global_batch_size=16"])
+    _, hybrid = _costs(
+        [
+            "model=llama7b",
+            "trainer.nproc_per_node=8",
+            "trainer.nnodes=2",
+            "sharding=hybrid",
+            "trainer.global_batch_size=16",
+        ]
+    )
     shard = next(t for t in hybrid.traffic if t.purpose == "forward all-gather")
     replica = next(t for t in hybrid.traffic if t.purpose == "replica all-reduce")
     assert (shard.ranks, shard.nodes) == (8, 1) and (replica.ranks, replica.nodes) == (2, 2)
@@ -176,14 +223,16 @@ def test_recompute_flops_match_the_flop_counter():
         m = cfg.model
         meta_attention = 4 * m.dim * cfg.trainer.seq_len * m.n_layers if ac == "selective_op" else 0
         assert work(cfg).recompute_flops_per_token(cfg) + meta_attention == pytest.approx(
-            recompute_flops_per_token(cfg, cfg.trainer.seq_len, apply_checkpointing)), ac
+            recompute_flops_per_token(cfg, cfg.trainer.seq_len, apply_checkpointing)
+        ), ac
 
 
 # ------------------------------------------------------------------------------------- the step-time model
 def test_the_alpha_beta_time_of_a_ring():
     assert collective_seconds("all-gather", 8, 8e9, 1, 10.0, 100.0) == pytest.approx(7 * 10e-6 + 7 / 8 * 8e9 / 100e9)
     assert collective_seconds("all-reduce", 8, 8e9, 3, 10.0, 100.0) == pytest.approx(
-        2 * (3 * 7 * 10e-6 + 7 / 8 * 8e9 / 100e9))
+        2 * (3 * 7 * 10e-6 + 7 / 8 * 8e9 / 100e9)
+    )
     assert collective_seconds("all-gather", 1, 8e9, 5, 10.0, 100.0) == 0
 
 
@@ -191,33 +240,71 @@ def test_with_gloo_like_latency_ddp_beats_full_sharding_of_a_tiny_model():
     """The CPU sweep in benchmarks/RESULTS.md: DDP 2.7x as fast as full sharding. Per-collective latency dominates a tiny model."""
     # gloo's latency with FSDP's own software cost per collective on a CPU: tens of milliseconds (what a
     # calibration on this machine's sweeps finds)
-    gloo = dataclasses.replace(H100, intra=dataclasses.replace(H100.intra, latency_us=20_000.0, gbps=0.3),
-                               peak_tflops={"fp32": 0.03}, async_dispatch=False)
+    gloo = dataclasses.replace(
+        H100,
+        intra=dataclasses.replace(H100.intra, latency_us=20_000.0, gbps=0.3),
+        peak_tflops={"fp32": 0.03},
+        async_dispatch=False,
+    )
     ddp = timing(_costs(["sharding=ddp"], cuda=0)[1], gloo)
     full = timing(_costs(["sharding=full"], cuda=0)[1], gloo)
     assert ddp.tokens_per_s > 1.5 * full.tokens_per_s
     assert full.dominant == "exposed comm"
     # without the latency term the order flips: it is not optional
     no_latency = dataclasses.replace(gloo, intra=dataclasses.replace(gloo.intra, latency_us=0.0))
-    assert timing(_costs(["sharding=full"], cuda=0)[1], no_latency).tokens_per_s >= \
-        timing(_costs(["sharding=ddp"], cuda=0)[1], no_latency).tokens_per_s
+    assert (
+        timing(_costs(["sharding=full"], cuda=0)[1], no_latency).tokens_per_s
+        >= timing(_costs(["sharding=ddp"], cuda=0)[1], no_latency).tokens_per_s
+    )
 
 
 def test_faster_links_and_more_efficiency_are_never_slower():
-    cfg, costs = _costs(["model=llama7b", "trainer.nproc_per_node=8", "trainer.nnodes=2", "precision=bf16",
-                         "trainer.global_batch_size=16"], cuda=8)
+    cfg, costs = _costs(
+        [
+            "model=llama7b",
+            "trainer.nproc_per_node=8",
+            "trainer.nnodes=2",
+            "precision=bf16",
+            "trainer.global_batch_size=16",
+        ],
+        cuda=8,
+    )
     base = timing(costs, H100).step_time_s
-    for changed in (dataclasses.replace(H100, inter=dataclasses.replace(H100.inter, gbps=400.0)),
-                    dataclasses.replace(H100, intra=dataclasses.replace(H100.intra, latency_us=0.1)),
-                    dataclasses.replace(H100, efficiency=0.9), dataclasses.replace(H100, overlap=1.0)):
+    for changed in (
+        dataclasses.replace(H100, inter=dataclasses.replace(H100.inter, gbps=400.0)),
+        dataclasses.replace(H100, intra=dataclasses.replace(H100.intra, latency_us=0.1)),
+        dataclasses.replace(H100, efficiency=0.9),
+        dataclasses.replace(H100, overlap=1.0),
+    ):
         assert timing(costs, changed).step_time_s <= base
 
 
 def test_prefetch_off_exposes_the_forward_all_gathers():
-    on = predict(*_prep(["model=llama7b", "trainer.nproc_per_node=8", "trainer.nnodes=4", "precision=bf16",
-                         "trainer.global_batch_size=32"]), H100)
-    off = predict(*_prep(["model=llama7b", "trainer.nproc_per_node=8", "trainer.nnodes=4", "precision=bf16",
-                          "trainer.global_batch_size=32", "prefetch=none"]), H100)
+    on = predict(
+        *_prep(
+            [
+                "model=llama7b",
+                "trainer.nproc_per_node=8",
+                "trainer.nnodes=4",
+                "precision=bf16",
+                "trainer.global_batch_size=32",
+            ]
+        ),
+        H100,
+    )
+    off = predict(
+        *_prep(
+            [
+                "model=llama7b",
+                "trainer.nproc_per_node=8",
+                "trainer.nnodes=4",
+                "precision=bf16",
+                "trainer.global_batch_size=32",
+                "prefetch=none",
+            ]
+        ),
+        H100,
+    )
     assert off.breakdown["exposed_comm"] > on.breakdown["exposed_comm"]
     assert off.breakdown["compute"] == pytest.approx(on.breakdown["compute"])
 
@@ -243,19 +330,35 @@ def test_nelder_mead_finds_a_minimum():
 
 def test_the_fit_recovers_the_figures_that_made_the_times():
     """Times made by the model itself with other figures: the fit must find figures that reproduce them."""
-    truth = dataclasses.replace(H100, efficiency=0.2, intra=dataclasses.replace(H100.intra, latency_us=40.0),
-                                step_overhead_ms=30.0)
+    truth = dataclasses.replace(
+        H100, efficiency=0.2, intra=dataclasses.replace(H100.intra, latency_us=40.0), step_overhead_ms=30.0
+    )
     samples = []
-    for extra in (["sharding=full"], ["sharding=ddp"], ["sharding=grad_op"], ["ac=full"],
-                  # last_micro_batch: with a reduce-scatter per micro-batch here (FSDP's default), Nelder-Mead from
-                  # the prior stops in a local minimum (latency 0.04 us, 7.6% error left): a weakness of the fit
-                  ["trainer.micro_batch_size=1", "trainer.grad_sync=last_micro_batch"], ["precision=fp32"],
-                  ["trainer.global_batch_size=64"]):
-        _, costs = _costs(["model=llama7b", "trainer.nproc_per_node=8", "precision=bf16", "trainer.seq_len=512",
-                           "trainer.global_batch_size=16", *extra])
+    for extra in (
+        ["sharding=full"],
+        ["sharding=ddp"],
+        ["sharding=grad_op"],
+        ["ac=full"],
+        # last_micro_batch: with a reduce-scatter per micro-batch here (FSDP's default), Nelder-Mead from
+        # the prior stops in a local minimum (latency 0.04 us, 7.6% error left): a weakness of the fit
+        ["trainer.micro_batch_size=1", "trainer.grad_sync=last_micro_batch"],
+        ["precision=fp32"],
+        ["trainer.global_batch_size=64"],
+    ):
+        _, costs = _costs(
+            [
+                "model=llama7b",
+                "trainer.nproc_per_node=8",
+                "precision=bf16",
+                "trainer.seq_len=512",
+                "trainer.global_batch_size=16",
+                *extra,
+            ]
+        )
         samples.append((costs, timing(costs, truth).tokens_per_s))
-    params, before, after = calibrate.fit(samples, H100, ("efficiency", "intra.latency_us", "intra.gbps",
-                                                          "dispatch_us", "step_overhead_ms"))
+    params, before, after = calibrate.fit(
+        samples, H100, ("efficiency", "intra.latency_us", "intra.gbps", "dispatch_us", "step_overhead_ms")
+    )
     assert after < 0.05 * before
     assert params["efficiency"] == pytest.approx(0.2, rel=0.15)
 
@@ -276,8 +379,9 @@ def _tune_json(tuning, tmp_path: Path) -> dict:
     ids = measure.choose(tuning, opts)
     measure.write_group(tuning, ids, tmp_path)
     command = measure.shown(measure.sweep_command(tuning, ids, tmp_path, opts.repeats))
-    return output.tune_json(tuning, ["..."], {"candidates": ids, "command": command, "sweep_dir": str(tmp_path)},
-                            None, None)
+    return output.tune_json(
+        tuning, ["..."], {"candidates": ids, "command": command, "sweep_dir": str(tmp_path)}, None, None
+    )
 
 
 def test_tune_json_has_the_shape_the_issue_asks_for(tuning_7b, tmp_path):
@@ -312,17 +416,29 @@ def test_the_printed_table_explains_the_top_candidates(tuning_7b, tmp_path, caps
     assert json.loads((tmp_path / "tune.json").read_text())["candidates"]
 
 
-@pytest.mark.parametrize("argv, problem, fix", [
-    (["tune.space.ac=[]"], "leaves nothing to search", "tune.space.ac=[a,b]"),
-    (["plan.device=h100_90gb"], "not a known device", "h100_80gb"),
-    (["tune.budget_gib=0.5"], "no candidate fits tune.budget_gib=0.5", "raise tune.budget_gib to at least"),
-    (["tune.top=3"], "not an option of the tuner", "did you mean tune.top_k"),
-    (["tune.space.ac=[full,partial]"], "'partial', which is not one of", "tune.space.ac="),
-    (["tune.space.precision=[bf16]", "precision=fp32"], "searches what precision=fp32 fixes", "drop precision=fp32"),
-])
+@pytest.mark.parametrize(
+    "argv, problem, fix",
+    [
+        (["tune.space.ac=[]"], "leaves nothing to search", "tune.space.ac=[a,b]"),
+        (["plan.device=h100_90gb"], "not a known device", "h100_80gb"),
+        (["tune.budget_gib=0.5"], "no candidate fits tune.budget_gib=0.5", "raise tune.budget_gib to at least"),
+        (["tune.top=3"], "not an option of the tuner", "did you mean tune.top_k"),
+        (["tune.space.ac=[full,partial]"], "'partial', which is not one of", "tune.space.ac="),
+        (
+            ["tune.space.precision=[bf16]", "precision=fp32"],
+            "searches what precision=fp32 fixes",
+            "drop precision=fp32",
+        ),
+    ],
+)
 def test_bad_input_exits_2_with_the_fix(argv, problem, fix, tmp_path, capsys):
-    base = ["model=llama7b", "trainer.nproc_per_node=8", "plan.device=h100_80gb", "tune.space.backend=[fsdp2]",
-            f"tune.out={tmp_path}"]
+    base = [
+        "model=llama7b",
+        "trainer.nproc_per_node=8",
+        "plan.device=h100_80gb",
+        "tune.space.backend=[fsdp2]",
+        f"tune.out={tmp_path}",
+    ]
     assert main([*base, *argv]) == 2
     err = capsys.readouterr().err
     assert problem in err and "fix:" in err and fix in err, err
@@ -335,8 +451,14 @@ def _every_dimension() -> list[str]:
     has it)."""
     from fsdp_exp.config.schema import TrainerConfig
 
-    fixed = ["sharding=full", "ac=full", "precision=bf16", "offload=none", "prefetch=default",
-             "trainer.micro_batch_size=1"]
+    fixed = [
+        "sharding=full",
+        "ac=full",
+        "precision=bf16",
+        "offload=none",
+        "prefetch=default",
+        "trainer.micro_batch_size=1",
+    ]
     return fixed + (["trainer.grad_sync=every_micro_batch"] if hasattr(TrainerConfig(), "grad_sync") else [])
 
 
@@ -347,8 +469,15 @@ def test_a_budget_above_the_device_says_so_and_the_refusal_does_not_offer_raisin
     fitting, _ = _weigh(SMALL_7B + EVERY_DIMENSION + ["tune.budget_gib=500"])
     assert fitting.limit_name == "h100_80gb"
     assert any("tune.budget_gib=500 is above what h100_80gb has" in n for n in fitting.space.notes)
-    too_big = ["model=llama7b", "trainer.nproc_per_node=1", "trainer.seq_len=2048", "plan.device=h100_80gb",
-               *EVERY_DIMENSION, "tune.budget_gib=500", f"tune.out={tmp_path}"]  # 7B's states alone: 100 GiB
+    too_big = [
+        "model=llama7b",
+        "trainer.nproc_per_node=1",
+        "trainer.seq_len=2048",
+        "plan.device=h100_80gb",
+        *EVERY_DIMENSION,
+        "tune.budget_gib=500",
+        f"tune.out={tmp_path}",
+    ]  # 7B's states alone: 100 GiB
     assert main(too_big) == 2
     err = capsys.readouterr().err
     assert "a device with at least" in err and "raise tune.budget_gib" not in err, err
@@ -364,8 +493,13 @@ def test_tune_extra_times_a_candidate_over_the_budget(tuning_7b):
 
 
 def test_the_refusal_with_every_dimension_fixed_names_the_run_as_given(tmp_path, capsys):
-    argv = ["model=llama70b", "trainer.nproc_per_node=2", "plan.device=h100_80gb", *EVERY_DIMENSION,
-            f"tune.out={tmp_path}"]
+    argv = [
+        "model=llama70b",
+        "trainer.nproc_per_node=2",
+        "plan.device=h100_80gb",
+        *EVERY_DIMENSION,
+        f"tune.out={tmp_path}",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "the only candidate, (the run as given), needs" in err and ", ," not in err, err

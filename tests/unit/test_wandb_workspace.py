@@ -16,8 +16,15 @@ import pytest
 from fsdp_exp.config import ConfigError, plain
 from fsdp_exp.metrics.schema import ALL_METRICS, WANDB_SUMMARY_RULES, render_markdown
 from fsdp_exp.report.load import Run
-from fsdp_exp.report.wandb_workspace import (SPEC_FILE, build_workspace, keep_saved_view, read_spec, summary_name,
-                                             sweep_view, write_spec)
+from fsdp_exp.report.wandb_workspace import (
+    SPEC_FILE,
+    build_workspace,
+    keep_saved_view,
+    read_spec,
+    summary_name,
+    sweep_view,
+    write_spec,
+)
 
 from conftest import compose_config, run_config
 from wandb_files import group_filter, spec_references, unknown_references
@@ -78,8 +85,12 @@ def test_the_runset_selects_exactly_the_sweeps_group_grouped_by_its_varied_choic
     (runset,) = spec["spec"]["section"]["runSets"]
     assert [g["name"] for g in runset["grouping"]] == ["choices.value.sharding", "choices.value.precision"]
     columns = runset["runFeed"]["columnOrder"]
-    assert columns[:4] == ["run:displayName", "run:state", "config:choices.value.sharding",
-                           "config:choices.value.precision"]
+    assert columns[:4] == [
+        "run:displayName",
+        "run:state",
+        "config:choices.value.sharding",
+        "config:choices.value.precision",
+    ]
     assert "summary:summary/peak_gib" in columns and "summary:summary/tokens_per_s_median" in columns
 
 
@@ -87,11 +98,17 @@ def test_the_comparison_section_comes_first(spec):
     sections = spec["spec"]["section"]["panelBankConfig"]["sections"]
     assert [s["name"].split(" ")[0] for s in sections] == ["Compare", "Throughput", "Memory", "Communication", "Loss"]
     scatter, parallel, bars = sections[0]["panels"]
-    assert (scatter["config"]["xAxis"], scatter["config"]["yAxis"]) == \
-        ("summary:summary/peak_gib", "summary:summary/tokens_per_s_median")
+    assert (scatter["config"]["xAxis"], scatter["config"]["yAxis"]) == (
+        "summary:summary/peak_gib",
+        "summary:summary/tokens_per_s_median",
+    )
     assert [c["accessor"] for c in parallel["config"]["columns"]] == [
-        "config:choices.value.sharding", "config:choices.value.precision", "summary:summary/tokens_per_s_median",
-        "summary:summary/mfu_median", "summary:summary/peak_gib"]
+        "config:choices.value.sharding",
+        "config:choices.value.precision",
+        "summary:summary/tokens_per_s_median",
+        "summary:summary/mfu_median",
+        "summary:summary/peak_gib",
+    ]
     assert bars["config"]["metrics"] == [f"summary_metrics.summary/tokens_per_s_{q}" for q in ("p10", "median", "p90")]
 
 
@@ -121,11 +138,20 @@ def test_running_the_report_again_updates_the_saved_view_instead_of_adding_one(s
 
 def test_runs_that_are_not_one_group_are_refused_with_the_fix(sweep):
     runs, _ = sweep
-    alone = Run(path="/run", record={**runs[0].record,
-                                     "config": {**runs[0].config, "logger": {"wandb": {"group": None}}}})
+    alone = Run(
+        path="/run", record={**runs[0].record, "config": {**runs[0].config, "logger": {"wandb": {"group": None}}}}
+    )
     with pytest.raises(ConfigError, match="logger.wandb.group=<name>"):
         sweep_view([alone])
-    other = Run(path="/other", record={**runs[0].record, "config": {
-        **runs[0].config, "logger": {"wandb": {**runs[0].config["logger"]["wandb"], "group": "another"}}}})
+    other = Run(
+        path="/other",
+        record={
+            **runs[0].record,
+            "config": {
+                **runs[0].config,
+                "logger": {"wandb": {**runs[0].config["logger"]["wandb"], "group": "another"}},
+            },
+        },
+    )
     with pytest.raises(ConfigError, match="more than one W&B group"):
         sweep_view([*runs, other])

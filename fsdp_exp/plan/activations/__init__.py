@@ -25,8 +25,9 @@ PROFILES = {
 }
 
 
-def profile_for(cfg: "ModelConfig", micro_batch: int, seq_len: int, tp: int,
-                sequence_parallel: bool) -> ActivationProfile:
+def profile_for(
+    cfg: "ModelConfig", micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool
+) -> ActivationProfile:
     """Per-rank activation sizes of one micro-batch of the model ``cfg`` (``ActivationProfile``)."""
     from fsdp_exp.models import spec_for
 

@@ -196,8 +196,17 @@ def _scaled_config(config, tp: int):
     return small
 
 
-def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: bool, tp: int,
-            attn_implementation: str, shapes_only) -> Measurement:
+def measure(
+    config,
+    block_class_name: str,
+    b: int,
+    s: int,
+    e: int,
+    autocast: bool,
+    tp: int,
+    attn_implementation: str,
+    shapes_only,
+) -> Measurement:
     """One forward and backward of a micro-batch of ``b`` x ``s`` tokens in the compute dtype of ``e``
     bytes (or fp32 under autocast), on fake tensors; ``shapes_only``: the family's context for that."""
     import torch
@@ -214,8 +223,9 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
     storages = _Storages(where)
     # Entered before the storages' mode, the grouped-matmul mode handles an op after it: the storages see its result.
     with FakeTensorMode(allow_non_fake_inputs=True), _grouped_mm_in_any_dtype(), shapes_only:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32 if autocast else compute,
-                                                 attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32 if autocast else compute, attn_implementation=attn_implementation
+        )
         model.train()
         blocks = [m for m in model.modules() if type(m).__name__ == block_class_name]
         j = len(blocks) - 1  # the measured block (its input comes from the block before it)
@@ -229,12 +239,14 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
             def hook(module, args, kwargs) -> None:
                 where["region"] = f"block {i}"
                 where["inputs"][i] = args[0] if args else kwargs.get("hidden_states")
+
             return hook
 
         def post(i):
             def hook(module, args, kwargs, output) -> None:
                 where["region"] = "root"
                 where["outputs"][i] = output[0] if isinstance(output, tuple) else output
+
             return hook
 
         handles = []
@@ -266,10 +278,17 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
             logits = model(tokens).logits
         storages.on_op = None
         block_input = storages.key(where["inputs"][j])
-        mine = {k: n for k, n in saved.get(f"block {j}", {}).items()
-                if storages.made_in.get(k) == f"block {j}" or k == block_input}
-        shared = {k: n for region, kv in saved.items() for k, n in kv.items()
-                  if not region.startswith("block") or storages.made_in.get(k) == "root"}
+        mine = {
+            k: n
+            for k, n in saved.get(f"block {j}", {}).items()
+            if storages.made_in.get(k) == f"block {j}" or k == block_input
+        }
+        shared = {
+            k: n
+            for region, kv in saved.items()
+            for k, n in kv.items()
+            if not region.startswith("block") or storages.made_in.get(k) == "root"
+        }
 
         # Block j's backward, from its output's gradient to its input's: at its largest moment, what it
         # made (activation and weight gradients) and what it still keeps of its saved activations.
@@ -287,8 +306,11 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
         where["inputs"][j].register_hook(closed)
         with storages.mode:
             logits.float().sum().backward()
-        grads = {storages.key(p.grad): (p.grad.numel(), p.grad.untyped_storage().nbytes())
-                 for p in blocks[j].parameters() if p.grad is not None}
+        grads = {
+            storages.key(p.grad): (p.grad.numel(), p.grad.untyped_storage().nbytes())
+            for p in blocks[j].parameters()
+            if p.grad is not None
+        }
         block_saved = sum(mine.values())
         best = max(marks.get("samples") or [(0, block_saved, frozenset())], key=lambda x: x[0] + x[1])
         grad_elements = sum(n for key, (n, _) in grads.items() if key in best[2])
@@ -313,10 +335,15 @@ def measure(config, block_class_name: str, b: int, s: int, e: int, autocast: boo
             h.remove()
 
     return Measurement(
-        block_saved=block_saved, root_saved=sum(shared.values()),
+        block_saved=block_saved,
+        root_saved=sum(shared.values()),
         op_level_saved={ops: sum(kept.values()) for ops, kept in op_saved.items()},
-        forward_peak=forward_peak, backward_peak=max(0, backward_peak), weight_grad_at_peak=grad_elements,
-        block_weight_grads=sum(p.numel() for p in blocks[j].parameters()), logits=b * s * logits.shape[-1])
+        forward_peak=forward_peak,
+        backward_peak=max(0, backward_peak),
+        weight_grad_at_peak=grad_elements,
+        block_weight_grads=sum(p.numel() for p in blocks[j].parameters()),
+        logits=b * s * logits.shape[-1],
+    )
 
 
 class HfActivations(TokenCounts):
@@ -357,16 +384,24 @@ class HfActivations(TokenCounts):
         from fsdp_exp.cache import write_entry
 
         try:
-            measured = measure(*self._args, e=e, autocast=autocast, tp=self._tp, attn_implementation=self._attn,
-                               shapes_only=self._spec.shapes_only())
+            measured = measure(
+                *self._args,
+                e=e,
+                autocast=autocast,
+                tp=self._tp,
+                attn_implementation=self._attn,
+                shapes_only=self._spec.shapes_only(),
+            )
             write_entry(disk_cache_path(), _disk_key((*self._key, e, autocast)), asdict(measured))
             return measured
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-            fail(f"the planner measures {self._architecture}'s activations on fake tensors (shapes without values), "
-                 f"and its forward calls {exc.func}, whose result depends on the values (a mixture of experts that "
-                 "sizes each expert's batch by the tokens routed to it does so); it cannot predict this model.",
-                 "measure it in a run instead: python -m fsdp_exp with these overrides and trainer.steps=2 reports "
-                 "summary/tracked_peak_gib_max")
+            fail(
+                f"the planner measures {self._architecture}'s activations on fake tensors (shapes without values), "
+                f"and its forward calls {exc.func}, whose result depends on the values (a mixture of experts that "
+                "sizes each expert's batch by the tokens routed to it does so); it cannot predict this model.",
+                "measure it in a run instead: python -m fsdp_exp with these overrides and trainer.steps=2 reports "
+                "summary/tracked_peak_gib_max",
+            )
 
     @property
     def peak_weight_grad(self) -> int:
@@ -442,6 +477,8 @@ def _disk_key(key: tuple) -> str:
 def profile(spec, m, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> HfActivations:
     """A Hugging Face model's per-rank profile, measured on the model (sequence parallel has no plan here)."""
     if sequence_parallel:
-        fail("parallel.sequence_parallel has no plan for a Hugging Face model (transformers' plans shard "
-             "no norms).", "pass parallel.sequence_parallel=false")
+        fail(
+            "parallel.sequence_parallel has no plan for a Hugging Face model (transformers' plans shard no norms).",
+            "pass parallel.sequence_parallel=false",
+        )
     return HfActivations(spec, m, micro_batch, seq_len, tp)

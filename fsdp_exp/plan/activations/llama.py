@@ -73,8 +73,14 @@ class LlamaActivations(TokenCounts):
             ffn = self.experts * (4 * e * bs * self.ffn) + e * bs * self.d * self.experts + 3 * 4 * bs * self.experts
         else:
             ffn = 4 * e * bs * self.ffn
-        return {"residual": residual, "norms": norms, "casts": casts, "attention": attention, "ffn": ffn,
-                "total": residual + norms + casts + attention + ffn}
+        return {
+            "residual": residual,
+            "norms": norms,
+            "casts": casts,
+            "attention": attention,
+            "ffn": ffn,
+            "total": residual + norms + casts + attention + ffn,
+        }
 
     def _stacked_experts(self, e: int) -> int:
         """The stacked expert outputs of a dense MoE (none without experts)."""
@@ -90,8 +96,14 @@ class LlamaActivations(TokenCounts):
             return "matmul", e * tokens * width
 
         reduced = [("kept", e * tokens * self.d // self.sp)] if self.tp > 1 else []
-        attention = [matmul(self.dq), matmul(self.dkv), matmul(self.dkv),
-                     ("kept", e * tokens * self.dq + 4 * self.b * self.heads * self.s), matmul(self.d), *reduced]
+        attention = [
+            matmul(self.dq),
+            matmul(self.dkv),
+            matmul(self.dkv),
+            ("kept", e * tokens * self.dq + 4 * self.b * self.heads * self.s),
+            matmul(self.d),
+            *reduced,
+        ]
         swiglu = [matmul(self.ffn), matmul(self.ffn), matmul(self.d)]
         if self.experts:  # the router's matmul, then every expert's SwiGLU in turn
             ffn = [matmul(self.experts), *(swiglu * self.experts)]
@@ -144,16 +156,26 @@ class LlamaActivations(TokenCounts):
     def notes(self, device_kind: str, e: int) -> list[str]:
         if device_kind != "cuda":
             return []
-        return ["CUDA: calibrated on CPU runs; SDPA assumed to save q, k, v, out and the log-sum-exp "
-                "(flash / memory-efficient)" + (", math fallback here (fp32 with GQA)"
-                                               if self.math_attention(device_kind, e) else "")]
+        return [
+            "CUDA: calibrated on CPU runs; SDPA assumed to save q, k, v, out and the log-sum-exp "
+            "(flash / memory-efficient)"
+            + (", math fallback here (fp32 with GQA)" if self.math_attention(device_kind, e) else "")
+        ]
 
 
 def profile(spec, cfg, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> LlamaActivations:
     """A Llama model's per-rank profile: tensor parallel divides the heads and the SwiGLU width."""
     head_dim = cfg.dim // cfg.n_heads
     return LlamaActivations(
-        b=micro_batch, s=seq_len, d=cfg.dim, dq=cfg.n_heads * head_dim // tp,
-        dkv=(cfg.n_kv_heads or cfg.n_heads) * head_dim // tp, heads=cfg.n_heads // tp,
-        ffn=ffn_hidden_dim(cfg) // tp, vocab=cfg.vocab_size, experts=cfg.n_experts,
-        sp=tp if sequence_parallel else 1, tp=tp)
+        b=micro_batch,
+        s=seq_len,
+        d=cfg.dim,
+        dq=cfg.n_heads * head_dim // tp,
+        dkv=(cfg.n_kv_heads or cfg.n_heads) * head_dim // tp,
+        heads=cfg.n_heads // tp,
+        ffn=ffn_hidden_dim(cfg) // tp,
+        vocab=cfg.vocab_size,
+        experts=cfg.n_experts,
+        sp=tp if sequence_parallel else 1,
+        tp=tp,
+    )
