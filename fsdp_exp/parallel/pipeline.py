@@ -473,6 +473,13 @@ class StagesBackend:
         return {**self._inner.state_dict_options(), "flatten_optimizer_state_dict": True}
 
 
+def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """The fraction of a step each stage idles waiting on its neighbours (equal stages, no comm time): the
+    figure the run records and the planner reports."""
+    v = 1 if schedule in SINGLE_STAGE else stages_per_rank
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
 def parallelize_pipeline(cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.device") -> PipelineParallelized:
     """``parallelize`` under parallel.pp > 1: the stages of this pp rank, FSDP2 inside each over the dp dim of
     the run's (pp, dp) mesh, and their schedule. ``applied["pipeline"]`` records the schedule, the micro-batch
@@ -489,7 +496,9 @@ def parallelize_pipeline(cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.de
             "parallel.pp_schedule": settings.schedule,
             "parallel.pp_stages_per_rank": settings.stages_per_rank,
             "parallel.pp_split": list(settings.split) if settings.split else None,
-            "bubble": (settings.pp - 1) / (settings.stages_per_rank * settings.n_microbatches + settings.pp - 1),
+            "bubble": bubble_fraction(
+                settings.schedule, settings.pp, settings.n_microbatches, settings.stages_per_rank
+            ),
             **engine.applied,
         }
     }

@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fsdp_exp.errors import fail
-from fsdp_exp.parallel.pipeline import SINGLE_STAGE, PipelineSettings, stage_blocks, stages_of_rank
+from fsdp_exp.parallel.pipeline import (
+    PipelineSettings,
+    bubble_fraction,
+    stage_blocks,
+    stages_of_rank,
+)
 from fsdp_exp.plan.states import DTYPE_BYTES
 
 if TYPE_CHECKING:
@@ -54,12 +59,6 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, stages_per_r
         f"the planner has no activation model of parallel.pp_schedule={schedule} yet.",
         f"plan with parallel.pp_schedule={'|'.join(PLANNED)}",
     )
-
-
-def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
-    """The fraction of a step each stage idles waiting on its neighbours (equal stages, no comm time)."""
-    v = 1 if schedule in SINGLE_STAGE else stages_per_rank
-    return (pp - 1) / (v * microbatches + pp - 1)
 
 
 @dataclass(frozen=True)
