@@ -1,26 +1,14 @@
 """Does the run fit the memory this node may really use? The planner answers before any rank starts.
 
-``check_fit`` runs in ``fsdp_exp.launch.prepare``, after ``preflight.validate`` and above it (the
-planner validates every variant it tries, so it cannot sit inside validate). It asks the planner
-(``fsdp_exp.plan``, the model on the meta device: about a second) for one rank's peak and compares it
-with what this node has (``fsdp_exp.env``):
-
-- on CUDA, the free memory of the GPUs the node's ranks will use (``torch.cuda.mem_get_info``; the
-  launcher asks from a child process, a rank asks for its own GPU), and host RAM for what
-  ``offload=params`` keeps there;
-- on a CPU host, what the kernel can hand out (MemAvailable) or, tighter, the room left under the
-  memory cgroup's limit. The node's ranks share that one RAM: the need is one rank's times their number.
-
-The planner is not exact, so the check refuses only beyond its measured error band (``ErrorBand``, from
-the published record: ``benchmarks/published.py``): a run the planner puts over the node's memory but within
-the band runs, with a "borderline" warning that names the band. A run beyond the band is refused (exit 2)
-naming what it needs, what the node has and how sure the refusal is; the only
-changes suggested are those the planner, asked again, says would fit here (each is composed from the
-same config groups and validated like the run). ``trainer.check_fit=false`` runs it anyway.
-
-Under torchrun or a SLURM step every rank checks before the process group starts: each against its own
-GPU, or the shared RAM, so that all ranks of a node that cannot fit leave at once instead of some waiting
-for peers that left.
+``check_fit`` runs in the launcher's ``prepare``, after ``preflight.validate`` and above it (the
+planner validates every variant it tries, so it cannot sit inside validate). It compares one rank's
+planned peak with what the node has (free GPU memory, or host RAM shared by the node's ranks, as
+``fsdp_exp.env`` reads it). The planner is not exact, so only a need beyond its measured error band
+(``ErrorBand``, from the published record) is refused (exit 2), naming what it needs, what the node
+has, and only the changes the planner, asked again, says would fit; within the band the run starts
+with a "borderline" warning. ``trainer.check_fit=false`` runs it anyway. Under torchrun or SLURM every
+rank checks before the process group starts, so all ranks of a node that cannot fit leave at once.
+How each device's memory is read: the docs page planning.md ("The fit check").
 """
 
 from __future__ import annotations

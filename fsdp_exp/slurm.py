@@ -1,27 +1,15 @@
 """``hydra/launcher=slurm``: every job of a sweep is a SLURM job, with one task per rank.
 
-The launcher is hydra-submitit-launcher's, with the resources decided per job instead of once for the
-sweep. A job asks for ``trainer.nnodes`` nodes with ``trainer.nproc_per_node`` tasks each (and, with
-``trainer.device=cuda``, as many GPUs per node) from its own config, so a sweep over
-``trainer.nproc_per_node`` or ``trainer.nnodes`` gets jobs of the right sizes: jobs of one size are
-one job array. A plain interpolation in the launcher config could do neither: the launcher config is
-resolved once for the whole sweep, and ``nproc_per_node: auto`` is not a task count.
-
-Inside a job, submitit's ``srun`` starts the tasks and each one is a rank (fsdp_exp/launch.py
-``external_world``). A job that ends without a result (its tasks killed: by a signal, the OOM killer,
-a node failure) is recorded as failed in its ``run.json``, and the sweep goes on to the end, where
-fsdp_exp/sweep.py reports every job from the records.
-
-A job that SLURM stops comes back by itself. SIGUSR1 arrives ``hydra.launcher.signal_delay_s`` before the
-time limit: every rank saves a checkpoint and stops (checkpoint=on_signal), then task 0 hands the job
-to submitit's own requeue (the launcher's ``checkpoint()``, counted against
-``hydra.launcher.max_num_timeout``). SIGTERM means SLURM itself is requeueing the job (preemption,
-``scontrol requeue``) or cancelling it: the ranks save and leave no result, and SLURM's decision stands.
-Either way the next start runs the same job in the same folder and resumes from the checkpoint, while
-the sweep waits; ``run.json``'s ``slurm`` says how often it restarted and why.
-
-Before submitting, every job's node count is checked against its partition's (a job larger than the
-partition would wait forever); while jobs wait in the queue the sweep says so.
+The launcher is hydra-submitit-launcher's, with the resources decided per job from the job's own
+config (``trainer.nnodes`` nodes of ``trainer.nproc_per_node`` tasks, GPUs with ``trainer.device=cuda``),
+so a sweep over those keys gets jobs of the right sizes, one job array per size. An interpolation in
+the launcher config could not do this: it is resolved once for the whole sweep, and
+``nproc_per_node: auto`` is not a task count. Inside a job each task ``srun`` starts is a rank
+(``fsdp_exp.env.external_world``); a job that ends without a result is recorded as failed and the sweep
+goes on. SIGUSR1 before the time limit: every rank saves, then task 0 requeues the job through
+submitit; SIGTERM (preemption, ``scontrol requeue``): the ranks save and SLURM's decision stands; the
+next start resumes in the same folder. Before submitting, every job's node count is checked against
+its partition's. What ends a job and what follows: the docs page sweeps.md.
 """
 
 from __future__ import annotations
@@ -49,7 +37,7 @@ log = logging.getLogger(__name__)
 
 # Decided per job from the trainer config; setting them on the launcher would contradict it.
 PER_JOB = ("tasks_per_node", "nodes")
-# The signals SLURM stops a job with: SIGUSR1 before its time limit (conf/hydra/launcher/slurm.yaml),
+# The signals SLURM stops a job with: SIGUSR1 before its time limit (the launcher's signal_delay_s),
 # SIGTERM when it preempts, requeues or cancels it.
 TIME_LIMIT_SIGNAL = "SIGUSR1"
 STOP_SIGNALS = [TIME_LIMIT_SIGNAL, "SIGTERM"]
@@ -197,7 +185,7 @@ class SlurmLauncher(SubmititSlurmLauncher):
         if signal_requested():
             log.warning(f"{signal_requested()} came while this task was starting; it was held until now")
         result = super().__call__(sweep_overrides, job_dir_key, job_num, job_id, singleton_state)
-        # Only task 0's result counts (fsdp_exp/slurm.py _result); the others' are left as they are.
+        # Only task 0's result counts (``SlurmLauncher._result``); the others' are left as they are.
         ran = result._return_value if result.status == JobStatus.COMPLETED else None  # noqa: SLF001 - no raise
         if (
             int(os.environ.get("SLURM_PROCID", "0")) != 0

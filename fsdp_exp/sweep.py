@@ -1,33 +1,14 @@
 """Sweeps: check a multirun's input before any job starts, and account for every job at the end.
 
-Hydra composes every job of a sweep before launching the first one, so an unknown option or key in
-a sweep list is already refused before any job runs. What Hydra lets through, this module refuses
-(``SweepCallback.on_multirun_start``, exit code 2, nothing launched):
-
-- an empty list for a config group (``sharding=[]`` would select no sharding config at all and run
-  on the schema's defaults);
-- a value listed twice in one sweep (``precision=fp32,fp32``: two identical jobs).
-
-Combinations that compose but cannot run (``sharding=ddp offload=params``, a batch that does not
-divide the ranks, a model the planner says does not fit this machine's memory: fsdp_exp/fit_check.py)
-are not refused: a grid naturally contains some. They are announced before the first job, then each
-is recorded as a failed run with its reason ("does not fit: ...") without running, and the sweep goes
-on; the multirun exits non-zero at the end, as for any failed job.
-
-Job order: repeats interleave. ``trainer.repeat=0,1,2`` measures every configuration three times
-(fsdp_exp.identity: the repeat changes nothing but the run's identity), and a slow spell of the
-machine should not fall on the repeats of one configuration. Hydra's basic sweeper runs the cartesian
-product in override order, so ``sharding=full,grad_op trainer.repeat=0,1`` would run full's repeats
-back to back; fsdp_exp's sweeper (``hydra/sweeper=interleaved``, the default; the plugin in
-hydra_plugins/fsdp_exp_sweeper) makes the same jobs and reorders them with ``interleave_repeats``:
-every configuration's repeat 0, then every configuration's repeat 1, and so on, each job keeping its
-overrides (and so its folder name). Repeats are not duplicates: the duplicate check below looks at one
-list's values, and ``trainer.repeat=0,1`` lists two.
-
-At the end (``on_multirun_end``) every job of this sweep is read back from its ``run.json``: a
-table of outcomes is printed, and if any job failed the multirun exits with code 1 naming them.
-This works the same for the local launcher and for SLURM, where jobs run elsewhere: the records are
-the single source of truth.
+``SweepCallback.on_multirun_start`` refuses what Hydra's composition lets through (exit 2, nothing
+launched): an empty list for a config group, a value listed twice. Combinations that compose but
+cannot run (``sharding=ddp offload=params``, a batch the ranks do not divide, a model the fit check
+says does not fit) are not refused, since a grid naturally holds some: they are announced, then each
+is recorded as a failed run with its reason. ``interleave_repeats`` gives the interleaved sweeper (the
+default) its order: every configuration's repeat 0, then every repeat 1, so a slow spell of the
+machine does not fall on the repeats of one configuration. ``on_multirun_end`` reads every job back
+from its ``run.json`` (the single source of truth, locally and on SLURM), prints the outcomes and
+exits 1 naming the failed jobs. The user's view: the docs pages sweeps.md and reports.md.
 """
 
 from __future__ import annotations

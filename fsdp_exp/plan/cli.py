@@ -3,39 +3,13 @@
     python -m fsdp_exp.plan model=llama7b precision=bf16 trainer.nproc_per_node=8 plan.device=h100_80gb
     python -m fsdp_exp.plan sharding=grad_op ac=full plan.format=json
 
-It takes the same overrides as a run (``python -m fsdp_exp ...``), composes the same config, resolves
-the same ``Topology`` (``fsdp_exp.preflight.validate``) and builds the model on the meta device only
-(parameter shapes, no memory, no process group). Three options belong to the planner and never
-reach the run config: ``plan.format=table|json``, ``plan.device=<name>`` (a row of ``DEVICES``;
-default: this machine) and ``plan.margin=<fraction>`` (the allocator margin; default 0 on a CPU,
-10% on CUDA, plus 1 GiB for the CUDA context and library workspaces).
-
-What it predicts, per rank (the largest rank: rank 0 holds the ``ceil`` chunk of every uneven shard):
-
-- **Model states at rest** (after the optimizer step): parameters, gradients and AdamW's two moments,
-  all fp32 and sharded as the strategy says (FSDP2 pads dim 0 to a multiple of the shard group, as
-  ``torch.chunk`` does; FSDP1 pads each flat unit; DDP and ``no_shard`` replicate; tensor parallel
-  splits the matrices first). With ``offload=params`` they live on the host (reported apart).
-- **The peak** of one training step: the step is walked phase by phase (each block's forward at its
-  feed-forward, the output projection, the loss's forward and backward, each block's backward at its
-  feed-forward, each unit's gradient reduction, the root's, the optimizer step) and each phase's
-  live bytes are added up from the pieces below; the peak is the largest phase. The phases are
-  grouped into the stages the run's tracker reports (its phases: forward, backward, optimizer), and
-  each stage's largest phase is its prediction (``stage_peaks``). Pieces: model states (gradients
-  only of the units whose backward has run), unsharded parameters in ``param_dtype`` (the root and
-  the unit in flight; every unit under ``grad_op`` / ``no_shard``; DDP's autocast copies of the
-  weights), all-gather prefetch and reduce-scatter buffers, activations saved for backward
-  (derived tensor by tensor by the model family: for Llama ``fsdp_exp.plan.activations.llama``), the
-  recomputed block under activation checkpointing, the logits and the loss's gradients, the
-  gradients flowing through a block's backward, module buffers, the input batch.
-
-Below the verdict, each memory option (``trainer.loss_chunks``, ``parallel.loss_parallel``, ``trainer.grad_sync``,
-``ac``, ``precision``, ``sharding``, ``offload``, the micro-batch) is priced by planning the configuration again
-with it: what the per-rank need would become and where the peak would then fall (``options`` in the JSON).
-
-Measured against torch's memory tracker (``mem/tracked_total_gib_max`` for the step,
-``mem/tracked_<stage>_total_gib_max`` for each stage) on CPU runs of tiny models, see docs/design.md
-for the errors by configuration.
+It takes the same overrides as a run, composes the same config, resolves the same ``Topology``
+(``fsdp_exp.preflight.validate``) and builds the model on the meta device only. Three options are the
+planner's own and never reach the run config: ``plan.format=table|json``, ``plan.device=<name>`` (a row
+of ``DEVICES``; default: this machine) and ``plan.margin=<fraction>`` (the allocator margin; default 0
+on a CPU, 10% of the peak plus 1 GiB on CUDA). It prints the largest rank's model states at rest, the
+peak of one step walked phase by phase (``stage_peaks`` per tracker stage), the verdict for the device,
+and each memory option priced by planning again with it. More: docs pages planning.md, design.md.
 """
 
 from __future__ import annotations
