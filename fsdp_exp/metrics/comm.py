@@ -1,29 +1,13 @@
 """Communication of a profiled step: torch.profiler's trace, and the collectives' times read from it.
 
-A profiled step (``trainer.profile_steps``) runs under ``torch.profiler.profile`` and its chrome
-trace is written to ``<run dir>/traces/rank<N>_step<S>.json`` (open it in Perfetto or
-chrome://tracing). The step and its phases are marked in the trace as ``fsdp_exp/step``,
-``fsdp_exp/forward``, ``fsdp_exp/backward``, ``fsdp_exp/optimizer``. The numbers below are computed
-from that file (``comm_from_trace``), so anyone can recompute them from the artifact.
-
-What is a collective, and what is compute:
-
-- **CUDA** (NCCL): a collective is a NCCL kernel (``nccl*`` kernels on the GPU timeline), its kind
-  from the kernel's name; compute is every other kernel, memcpy and memset, on any stream. A NCCL
-  kernel's time includes waiting for the slowest peer to arrive.
-- **CPU** (gloo): a collective is the ``gloo:*`` range that gloo's worker thread records while it
-  runs it. gloo runs a reduce-scatter as ``gloo:all_reduce``, so each range takes its kind from the
-  ``c10d::`` call that issued it (paired in issue order); compute is the time the training thread
-  (the one that recorded ``fsdp_exp/step``) spends inside an ``aten::`` or ``fsdp::`` operator.
-
-From those, per step (seconds): ``all_gather_s``, ``reduce_scatter_s``, ``all_reduce_s`` (and
-``other_s``: broadcast, send/recv, ...), each the length of the union of that kind's intervals (two
-all-gathers in flight at once count once); ``total_s``, the union of all collectives; ``exposed_s``,
-the part of ``total_s`` during which no compute runs: communication the step waits for instead of
-hiding behind compute. On CPU, the training thread's Python time between operators is not compute, so
-a collective that overlaps only Python overhead is exposed; and gloo's threads share the cores with
-compute, so overlapped communication can still slow compute down (which ``exposed_s`` does not show;
-the step time does).
+A profiled step (``trainer.profile_steps``) runs under ``torch.profiler.profile``; its chrome trace is
+written to ``<run dir>/traces/rank<N>_step<S>.json``, with the step and its phases marked as named
+ranges. ``comm_from_trace`` computes every number from that file alone, so anyone can recompute them
+from the artifact. A collective is a NCCL kernel on CUDA, and on CPU the ``gloo:*`` range gloo's worker
+thread records (its kind taken from the ``c10d::`` call that issued it: gloo runs a reduce-scatter as
+an all-reduce). Per kind the time is the union of its intervals; ``exposed_s`` is the part of all
+collectives' time during which no compute runs. What counts as compute on each device, and what the
+figures cannot show on CPU: the docs page design.md ("Metrics"); the metrics: metrics.md.
 """
 
 from __future__ import annotations

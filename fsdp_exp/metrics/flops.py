@@ -1,28 +1,15 @@
 """FLOPs per token, the recompute that activation checkpointing adds, peak FLOPS, MFU and HFU.
 
-- **Model FLOPs** (MFU's numerator) are 6 N + 12 L d S per token (``fsdp_exp.models.flops_per_token``):
-  forward and backward, no recompute.
-- **Hardware FLOPs** (HFU's numerator) add what activation checkpointing recomputes. They are not
-  a formula: torch's ``FlopCounterMode`` counts the matmul and attention FLOPs of one forward and
-  backward of the model on the meta device (no memory, no compute), once with the run's
-  checkpointing applied and once without; the difference, per token, is the recompute.
-  For ``ac=full`` on a Llama block that is the block's forward except its last matmul (w2):
-  non-reentrant checkpointing stops recomputing as soon as every tensor backward needs is back, and
-  w2's inputs are saved before w2 runs. ``ac=selective`` counts every ``ac.every``-th block;
-  ``ac=selective_op`` (torchtitan's per-op policy) saves every other matmul's output and attention's, so
-  it recomputes the other matmuls; ``ac.ops=every_matmul`` recomputes no FLOPs that count
-  (elementwise ops are not counted in either numerator). Norm weights count in 6N (they are
-  parameters) but are not matmuls: that is the only difference between 6N + 12LdS and the counter's
-  total without checkpointing (tested).
-- **Peak FLOPS**: known GPUs from the vendors' data sheets (dense, no sparsity; ``fp32`` is plain
-  FP32, not TF32). On a CPU nothing like a data sheet applies, so the rank measures it: square
-  matmuls in the compute dtype on as many threads as a rank gets, with every local rank running at
-  once (so the figure is what one rank can reach while its peers compute too), once per (CPU model,
-  threads per rank, ranks per node, dtype, torch version), cached in
-  ``$XDG_CACHE_HOME/fsdp_exp/cpu_peak.json`` (default ``~/.cache``). Delete the file to measure again.
-  A measurement during which some rank's threads got less than ``MIN_CORE_SHARE`` of the cores' time
-  they could expect (all of it, or the node's cores shared out when its ranks ask for more threads
-  than it has) is used for that run but not cached: other programs were running.
+- **Model FLOPs** (MFU's numerator): the model family's per-token count (``fsdp_exp.models``), forward
+  and backward, no recompute; ``trainer.flops_convention`` names other projects' conventions.
+- **Hardware FLOPs** (HFU's numerator) add what activation checkpointing recomputes, counted by torch's
+  ``FlopCounterMode`` on the meta model with and without the run's checkpointing, not by a formula
+  (non-reentrant checkpointing does not recompute a whole block).
+- **Peak FLOPS**: data-sheet figures for known GPUs (dense, no sparsity); on a CPU the rank measures it
+  (matmuls in the compute dtype, every local rank at once), cached in
+  ``$XDG_CACHE_HOME/fsdp_exp/cpu_peak.json`` unless other programs disturbed it (``MIN_CORE_SHARE``).
+What is recomputed under each ``ac`` policy and when a CPU measurement is cached: the docs pages
+running.md ("What a run writes") and design.md ("Metrics").
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """Memory breakdown of one sampled step, phase by phase, from torch's own memory trackers.
 
 The backend picks the tracker (``Backend.memory_tracker``): FSDP2's ``FSDPMemTracker`` tells sharded
-from unsharded parameters and gradients, and the all-gather / reduce-scatter buffers; other backends
-get the generic ``MemTracker``, and a backend whose parameters torch cannot follow says so
-(``Backend.tracks_memory``). Both count every tensor the step allocates, by what it is, on CPU and
-CUDA alike.
-The tracker instruments each op, so the tracked step is slow: the trainer samples it inside the
-warm-up steps, which the summary leaves out.
-
-Phases: the training step tells the tracker where it is (``StepMemory.phase``):
-
-- ``forward``: from the start of the step (``zero_grad``) through the model's forward and the loss,
-  for every micro-batch;
-- ``backward``: ``loss.backward()`` of every micro-batch, including FSDP's all-gathers for backward
-  and its reduce-scatters (or DDP's all-reduces) inside it;
-- ``optimizer``: after the last backward: unscaling (fp16), gradient clipping, the optimizer and LR
-  scheduler steps.
-
-Each phase's peak is the largest total the tracker saw while it ran (over all micro-batches), with
-the breakdown at that moment; the step's peak is the largest of the three, which is exactly the
-tracker's peak over the whole step.
+from unsharded parameters and gradients and the collectives' buffers; other backends get the generic
+``MemTracker``, and a backend whose parameters torch cannot follow says so (``Backend.tracks_memory``).
+The tracker instruments every op, so the tracked step is slow: the trainer samples one warm-up step,
+which the summary leaves out. The training step names its phase (``StepMemory.phase``): ``forward``,
+``backward``, ``optimizer``; each phase's peak is the largest total seen while it ran, with the
+breakdown at that moment, and the step's peak is the largest of the three. Where each phase starts
+and ends: the docs page design.md ("Metrics").
 """
 
 from __future__ import annotations
