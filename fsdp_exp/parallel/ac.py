@@ -2,16 +2,12 @@
 
 ``ac=full`` recomputes every block in backward; ``ac=selective`` every ``ac.every``-th block. With
 ``ac.ops`` (op-level selective checkpointing, torch's selective checkpoint API) the checkpointed blocks
-save some ops' outputs and recompute the rest:
-
-- ``every_other_matmul`` (``ac=selective_op``): torchtitan's per-op policy. Within one block, in forward
-  order, the 1st, 3rd, 5th... matmul's output is saved and the 2nd, 4th... recomputed; every attention
-  kernel's outputs and the outputs of reduce-scatters, all-reduces and all-to-alls are saved.
-- ``every_matmul``: every matmul's output and the same attention and collective outputs; only
-  elementwise ops, norms and the like are recomputed (no matmul FLOPs recomputed).
-
-What each keeps is ``fsdp_exp.ops.OpSaver``'s to say, in a leaf module: the planner's activation profiles
-(``fsdp_exp.plan.activations``) and the step-time model (``fsdp_exp.tune.work``) follow the same rule.
+save some ops' outputs and recompute the rest: ``every_other_matmul`` (``ac=selective_op``, torchtitan's
+per-op policy) saves the 1st, 3rd, 5th... matmul of a block, ``every_matmul`` every matmul; both save
+attention's and the collectives' outputs. What each keeps is ``fsdp_exp.ops.OpSaver``'s to say, in a
+leaf module, so the planner's activation profiles (``fsdp_exp.plan.activations``) and the step-time
+model (``fsdp_exp.tune.work``) follow the same rule. The policies op by op: the docs page vocabulary.md
+("Named policies").
 """
 
 from __future__ import annotations

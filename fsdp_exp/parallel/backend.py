@@ -3,18 +3,13 @@
 A backend owns everything about itself, in seven roles, each a small class here that ``Backend``
 combines and each caller needs one of: ``BackendChecks`` (what it is and refuses: preflight),
 ``BackendBuild`` (the mesh, the wrapped model, the optimizer: ``fsdp_exp.parallel.parallelize``),
-``BackendStep`` (gradient sync, autocast, backward, clipping, the loss scaler, the optimizer step: the
-training loop, through ``Parallelized``), ``BackendInspection`` (what torch holds, memory tracking, init
-digests: the record and the metrics), ``BackendCheckpointing`` (checkpoint I/O and the export),
-``BackendPlanning`` (the planner's rules) and ``BackendDocs`` (its column of docs/vocabulary.md).
-Outside ``fsdp_exp.parallel`` no code compares a backend's name: it asks ``backend_for(cfg)``.
-
-The step's defaults are the torch-optimizer path that FSDP2, FSDP1 and DDP share; a backend whose engine
-owns the whole step (DeepSpeed: backward, optimizer step, accumulation) overrides them.
-
-A new backend is one module under ``fsdp_exp/parallel/`` with a ``Backend`` subclass (it must implement
-each role's abstract methods), one line in ``BACKEND_MODULES`` and (optionally) a preset in
-``conf/sharding/``.
+``BackendStep`` (the training step, through ``Parallelized``), ``BackendInspection`` (what torch holds,
+memory tracking, init digests), ``BackendCheckpointing`` (checkpoint I/O, the export),
+``BackendPlanning`` (the planner's rules) and ``BackendDocs`` (its column of the vocabulary page).
+Outside ``fsdp_exp.parallel`` no code compares a backend's name: it asks ``backend_for(cfg)``. The
+step's defaults are the torch-optimizer path FSDP2, FSDP1 and DDP share; DeepSpeed's engine overrides
+them. A new backend is one module in this package with a ``Backend`` subclass, one line in
+``BACKEND_MODULES`` and, optionally, a preset in the ``sharding`` config group (design.md, "Backends").
 """
 
 from __future__ import annotations
@@ -71,7 +66,7 @@ def backend_for(cfg: "RunConfig") -> "Backend":
 
 @dataclass(frozen=True)
 class PlannerRules:
-    """How a backend lays out memory, as the planner (fsdp_exp/plan) needs to know it.
+    """How a backend lays out memory, as the planner (``fsdp_exp.plan``) needs to know it.
 
     ``param_layout``: ``dim0`` (each parameter's dim 0 is chunked over the shard group, padded as
     ``torch.chunk`` does: FSDP2), ``flat`` (one flat parameter per unit, padded to a multiple of the
@@ -108,9 +103,9 @@ class BackendChecks(ABC):
     api: str = ""  # what users see torch call it, e.g. torch.distributed.fsdp.fully_shard
     strategies: tuple[str, ...] = ()  # the sharding strategies it can run
     # compile=true: the backend compiles the wrapped model itself (DeepSpeed's engine.compile), instead of
-    # the recipe compiling each block before it (fsdp_exp/parallel/compile.py)
+    # the recipe compiling each block before it (``fsdp_exp.parallel.compile``)
     compiles_itself: bool = False
-    # precision.float8_recipe (fsdp_exp/parallel/float8.py): why this backend cannot train torchao's float8
+    # precision.float8_recipe (``fsdp_exp.parallel.float8``): why this backend cannot train torchao's float8
     # linear layers (None: it can), and whether it all-gathers float8 weights (precision.float8_all_gather)
     float8_refusal: Optional[str] = "fsdp_exp has not checked torchao's float8 training with it."
     float8_all_gather: bool = False
@@ -250,7 +245,7 @@ class BackendInspection(ABC):
 
 
 class BackendCheckpointing(ABC):
-    """Role: checkpoint I/O (fsdp_exp/checkpoint) and the consolidated export."""
+    """Role: checkpoint I/O (for ``fsdp_exp.checkpoint``) and the consolidated export."""
 
     # What a checkpoint's shards are written in (recorded in its fsdp_exp_checkpoint.json; resume refuses
     # another format).
@@ -259,9 +254,22 @@ class BackendCheckpointing(ABC):
     def save_checkpoint(
         self, sharded, folder, *, writer, step: int, rank: int, debug, process_group=None, async_save: bool = False
     ):
-        """Write this rank's share of the model and optimizer (``sharded``, fsdp_exp/checkpoint/states.py)
-        into ``folder`` through ``writer`` (which injects ``debug``'s save faults). Returns DCP's future when
-        ``async_save``, else None."""
+        """Write this rank's share of the model and optimizer into ``folder``.
+
+        Args:
+            sharded: the model and optimizer as one ``Stateful`` (``fsdp_exp.checkpoint.states.ModelAndOptimizer``).
+            folder: the checkpoint's temporary folder (``step_<N>.tmp``), renamed by the checkpointer once
+                every rank has written.
+            writer: DCP's storage writer for ``folder``; it injects ``debug``'s save faults.
+            step: the step being saved (a save fault names its step).
+            rank: this process's global rank (a save fault names its rank).
+            debug: the run's ``debug`` config (which save fault strikes, on which rank and step).
+            process_group: the group an asynchronous save communicates over (not the training group).
+            async_save: save in the background (``checkpoint.async_save``).
+
+        Returns:
+            DCP's future when ``async_save``, else None.
+        """
         import torch.distributed.checkpoint as dcp
 
         state = sharded.state_dict()
@@ -294,7 +302,7 @@ class BackendCheckpointing(ABC):
 
 
 class BackendPlanning(ABC):
-    """Role: the planner's rules (fsdp_exp/plan, fsdp_exp/tune): how this backend lays out memory."""
+    """Role: the planner's rules (for ``fsdp_exp.plan`` and ``fsdp_exp.tune``): how this backend lays out memory."""
 
     @abstractmethod
     def planner_rules(self, cfg: "RunConfig") -> PlannerRules:
@@ -307,14 +315,14 @@ class BackendPlanning(ABC):
 
 
 class BackendDocs(ABC):
-    """Role: this backend's column of docs/vocabulary.md (fsdp_exp/parallel/vocabulary.py writes it)."""
+    """Role: this backend's column of the vocabulary page (``fsdp_exp.parallel.vocabulary`` writes it)."""
 
-    column_title: str = ""  # the heading of this backend's column in docs/vocabulary.md
+    column_title: str = ""  # the heading of this backend's column on the vocabulary page
 
     def vocabulary(self) -> dict[str, str]:
-        """This backend's cell for each row of docs/vocabulary.md: row key (the config knob, as
+        """This backend's cell for each row of the vocabulary page: row key (the config knob, as
         ``fsdp_exp.parallel.vocabulary.ROWS`` names it) -> text. Rows it leaves out read "refused at
-        validation", and ``check`` must refuse them (tests/unit/test_backend_interface.py tries each)."""
+        validation", and ``check`` must refuse them (the backend interface test tries each)."""
         return {}
 
 
@@ -325,5 +333,5 @@ class Backend(
     (see the module docstring); a subclass implements each role's abstract methods."""
 
 
-# The roles in the order a run meets them; tests/unit/test_backend_interface.py keeps each one small.
+# The roles in the order a run meets them; the backend interface test keeps each one small.
 BACKEND_ROLES: tuple[type, ...] = Backend.__bases__

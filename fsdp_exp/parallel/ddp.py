@@ -63,7 +63,7 @@ class DDP(Backend):
                 "DDP has no wrapped units (it buckets gradients).",
                 "leave the wrap group at its default (drop wrap=...)",
             )
-        for knob in ("use_orig_params", "sync_module_states"):  # FSDP1's: docs/vocabulary.md says refused
+        for knob in ("use_orig_params", "sync_module_states"):  # FSDP1's: the vocabulary page says refused
             if getattr(s, knob) is not None:
                 self.refuse(
                     f"sharding.{knob}",

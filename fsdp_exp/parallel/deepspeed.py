@@ -1,28 +1,15 @@
 """DeepSpeed ZeRO (``deepspeed.initialize``): the same vocabulary, translated to a DeepSpeed config.
 
-    sharding=no_shard  -> zero_optimization.stage 0 (DeepSpeed's own data parallelism)
-    sharding=optimizer -> stage 1 (optimizer state sharded)
-    sharding=grad_op   -> stage 2 (optimizer state and gradients sharded)
-    sharding=full      -> stage 3 (parameters too)
-
-The engine owns the step: backward (``engine.backward``), gradient accumulation (its boundary is set
-from the trainer's micro-batch loop, ``set_gradient_accumulation_boundary``), clipping
-(``gradient_clipping``), fp16 loss scaling (its dynamic loss scaler) and the optimizer step. The
-optimizer is the project's own AdamW (fsdp_exp.optim), handed to ``deepspeed.initialize``, and the
-trainer's LR schedule drives its parameter groups, so the schedule is the other backends' exactly.
-
-Initialization: stages 0-2 replicate the parameters, so each rank materializes the model and fills it
-from the seed; stage 3 materializes one module at a time and partitions it at once with
-``deepspeed.zero.Init(module=...)``, so no rank ever holds the whole model (7B-70B configs start).
-Under bf16/fp16 the parameters are created in that dtype; DeepSpeed's fp32 master copies are made
-from them (so they start at the low-precision rounding of the seeded values).
-
-On a CPU-only torch DeepSpeed's accelerator is ``cpu`` and its communication goes through torch's gloo
-group; its shared-memory all-reduce (a C++ op it would JIT-compile on first use, about a minute) is
-switched off, so DeepSpeed and the torch backends are measured over the same transport.
-
-DeepSpeed is an optional dependency (``pip install fsdp_exp[deepspeed]``): importing this module does
-not import it; ``check`` refuses the backend when it is not installed.
+``sharding=no_shard`` / ``optimizer`` / ``grad_op`` / ``full`` are ZeRO stages 0 / 1 / 2 / 3. The engine
+owns the step: backward, gradient accumulation (its boundary set from the trainer's micro-batch loop),
+clipping, fp16 loss scaling and the optimizer step; the optimizer is the project's own AdamW and the
+trainer's LR schedule drives it, so the schedule is the other backends' exactly. Stages 0-2 replicate
+the parameters; stage 3 materializes and partitions one module at a time (``deepspeed.zero.Init``), so
+no rank ever holds the whole model. On a CPU-only torch its communication goes through torch's gloo
+group, its shared-memory all-reduce switched off, so all backends are measured over one transport.
+DeepSpeed is optional: importing this module does not import it, and ``check`` refuses the backend
+when it is not installed. The translation table and what differs from DeepSpeed's defaults: the docs
+page backends.md ("DeepSpeed ZeRO as a fourth backend").
 """
 
 from __future__ import annotations
@@ -50,7 +37,7 @@ from fsdp_exp.parallel.common import dtype_of, refuse_fsdp2_only_knobs
 
 # sharding strategy -> ZeRO stage
 STAGES = {"no_shard": 0, "optimizer": 1, "grad_op": 2, "full": 3}
-# prefetch preset (conf/prefetch/) -> factor on DeepSpeed's default stage3_prefetch_bucket_size and
+# prefetch preset (the prefetch config group) -> factor on DeepSpeed's default stage3_prefetch_bucket_size and
 # stage3_max_live_parameters (0: no prefetch bucket, and the default number of live parameters)
 PREFETCH_PRESETS = {
     "none": (PrefetchConfig(forward=0, backward=None), 0),

@@ -1,27 +1,14 @@
 """What a DeepSpeed engine holds, tensor by tensor: its model states counted as every backend's are.
 
 The engine keeps its states in its own structures (flat buffers, partitions), not as the module's
-parameters and the optimizer's state, so they are read from where DeepSpeed keeps them and each
-storage is counted once (views into one flat buffer share it, padding included):
-
-- ``params``: the module's parameters in the compute dtype: whole (stages 0-2, the flat ``bit16_groups``
-  / ``fp16_groups``) or this rank's partition (stage 3, ``ds_tensor``), plus what stage 3 keeps
-  gathered (its persistent parameters, below ``stage3_param_persistence_threshold``);
-- ``master``: the fp32 master copies the optimizer steps (``single_partition_of_fp32_groups``,
-  ``fp32_partitioned_groups_flat``, ``fp32_groups``): the tensors in the AdamW's parameter groups, or
-  named fp32 by the ZeRO optimizer, that are not the module's parameters (fp32 stage 0 has none; the
-  other stages clone them even in fp32);
-- ``moments``: AdamW's ``exp_avg`` / ``exp_avg_sq`` (of the master partitions);
-- ``grads``: at the accumulation boundary, before the step: the gradients the engine holds in the compute
-  dtype (the module's ``.grad``, ``averaged_gradients``, stage 3's ``grad_partitions_flat_buffer``);
-- ``step_grads``: the fp32 gradients the optimizer step reads (the master partitions' ``.grad``, a
-  copy DeepSpeed makes for the step and frees after it), seen by a pre-step hook on the AdamW;
-- ``buffers``: anything else tensor-valued the ZeRO optimizer holds (communication buckets, flags):
-  reported apart, not a model state.
-
-``model_states`` = params + grads + step_grads + master + moments, in the trainer's keys: ``grads`` is
-grads + step_grads (what the rank holds when it steps), ``optim_state`` is master + moments (the ZeRO
-paper's K = 12 bytes per parameter).
+parameters and the optimizer's state, so they are read from where DeepSpeed keeps them, each storage
+counted once (views into one flat buffer share it, padding included), in six kinds: ``params``,
+``master`` (the fp32 copies the optimizer steps), ``moments``, ``grads`` (at the accumulation
+boundary), ``step_grads`` (the fp32 copy the optimizer step reads, seen by a pre-step hook on the
+AdamW) and ``buffers`` (communication buckets, flags: reported apart, not a model state). In the
+trainer's keys ``grads`` is grads + step_grads and ``optim_state`` is master + moments. Which of
+DeepSpeed's attributes each kind reads, and the bytes per parameter measured by stage: the docs page
+backends.md ("DeepSpeed ZeRO as a fourth backend").
 """
 
 from __future__ import annotations

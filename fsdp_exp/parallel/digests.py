@@ -4,7 +4,7 @@ Each backend reports, per tensor, which slice this rank holds, the hash of that 
 seeded initialization (a function of seed and name only) says it must have; the checkpoint code gathers
 the rows of every rank and compares them. This module holds the hash and the reading shared by the
 backends that keep parameters as modules hold them (whole, or as DTensor shards); FSDP1 reads its flat
-parameters itself (fsdp_exp/parallel/fsdp1.py).
+parameters itself (``fsdp_exp.parallel.fsdp1``).
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Float8 training (torchao), a recipe step applied before activation checkpointing, compile and sharding.
 
-``precision=float8`` (or ``precision.float8_recipe=tensorwise|rowwise|rowwise_with_gw_hp`` on any
-precision) swaps the model's ``nn.Linear`` layers for torchao's ``Float8Linear``: their matmuls run in
-float8 with dynamic scales, while the parameters, gradients and optimizer state keep the run's dtypes
-(``param_dtype`` bf16 or fp32 and fp32 master weights), so checkpoints and exports stay high precision.
-
-Which layers are converted follows torchao's documented filter: the model's output projection (the
-family's ``output_modules``, or ``precision.float8_filter_fqns`` when given) stays high precision, and so
-does every linear whose input or output features are not a multiple of 16 (float8 matmuls need them).
-
-``precision.float8_all_gather=true`` (FSDP2, tensorwise only) all-gathers the weights in float8 (1 byte
-a parameter) instead of ``param_dtype``; the scales are then precomputed for all weights in one step
-after each optimizer step (``precompute_scales``). gloo carries float8 tensors (checked on torch 2.13
-CPU), so this runs on the CPU as well.
-
-``precision.float8_emulate=true`` runs torchao's emulated matmul (the cast, then a high-precision
-matmul) instead of ``torch._scaled_mm``; torch 2.13's CPU build has ``_scaled_mm`` for both recipes, so
-neither device needs it.
+``precision=float8`` (or ``precision.float8_recipe=...`` on any precision) swaps the model's ``nn.Linear``
+layers for torchao's ``Float8Linear``: their matmuls run in float8 with dynamic scales, while the
+parameters, gradients and optimizer state keep the run's dtypes, so checkpoints and exports stay high
+precision. Layers kept high precision follow torchao's documented filter: the family's output modules
+(or ``precision.float8_filter_fqns``) and every linear whose features are not a multiple of 16.
+``precision.float8_all_gather`` (FSDP2, tensorwise) all-gathers the weights in float8, with the scales
+precomputed after each optimizer step (``precompute_scales``); gloo carries float8, so it runs on a CPU
+too. Recipes, refusals and measurements: the docs page float8.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The knob vocabulary: each config value and what every backend hands torch for it.
 
-docs/vocabulary.md is this module's output (``python -m fsdp_exp.parallel.vocabulary > docs/vocabulary.md``)
-and a test keeps them equal. The rows are the config knobs listed below; each registered backend
+The vocabulary page of docs/ is this module's output
+(``python -m fsdp_exp.parallel.vocabulary > docs/vocabulary.md``) and a test keeps them equal. The rows are the config knobs listed below; each registered backend
 (``fsdp_exp.parallel.backend.BACKEND_MODULES``) fills its own column from ``Backend.vocabulary()``, which
 builds the sharding rows from the very mappings its ``apply`` uses (fsdp2.RESHARD_AFTER_FORWARD,
 fsdp1.STRATEGY_NAMES). A row a backend leaves out reads "refused at validation", and its ``check``
-refuses that knob: tests/unit/test_backend_interface.py tries each such row against each backend.
+refuses that knob: the backend interface test tries each such row against each backend.
 """
 
 from __future__ import annotations
