@@ -1,27 +1,14 @@
 """What makes two runs the same measurement, or repeats of one configuration.
 
-Two labels can reach the backend as the same call: ``sharding=no_shard sharding.backend=ddp`` is
-``sharding=ddp``; on a 2-block model ``prefetch=deep`` (two blocks ahead) prefetches exactly what
-``prefetch=default`` does. So runs are compared by what they ran, not by their overrides.
-
-A run's settings:
-- ``applied``: what each backend call got and what torch holds afterwards (``inspected``). It is the
-  translation of the config groups the backends read (sharding, prefetch, wrap, offload), so those
-  groups' config values are compared only through it: that is how ``prefetch=deep`` and
-  ``prefetch=default`` come out equal when they prefetch the same units.
-- the config groups that change the run without passing through ``applied``: model, precision, ac,
-  compile, parallel, optim, data, trainer (seeds included), debug, checkpoint; minus paths and the
-  launch counts that ``topology`` states resolved (``nproc_per_node=auto`` and ``=2`` are one layout).
-- ``topology`` and the machine: device type and names, threads per rank, torch and CUDA versions (the
-  same settings on another GPU are another measurement).
-Left out: the run folder, times, host name, git commit, logger settings.
-
-Its configuration is the same less ``trainer.repeat``, which changes nothing in a run but its identity:
-runs with one configuration key and different repeats are repeats of one configuration (the report
-groups them, W&B gets the key as the run's job type); runs with one settings key are duplicates.
-
-A leaf: the report (run.json records) and the W&B sink (the config it logs) both call it, so the two
-group runs alike.
+Two labels can reach the backend as the same call (``sharding=no_shard sharding.backend=ddp`` is
+``sharding=ddp``; on a 2-block model ``prefetch=deep`` prefetches what ``prefetch=default`` does), so
+runs are compared by what they ran, not by their overrides. A run's settings are its ``applied``
+settings (how the backend groups were translated, and what torch holds), the config groups that change
+the run without passing through them (``CONFIG_PARTS``, less ``IGNORED_KEYS``), its topology and the
+machine (``ENV_KEYS``). Runs with one settings key are duplicates; runs whose keys differ only in
+``trainer.repeat`` are repeats of one configuration. A leaf: the report and the W&B sink both call it,
+so the two group runs alike. What is compared and what is left out: the docs page reports.md
+("Comparing runs").
 """
 
 from __future__ import annotations

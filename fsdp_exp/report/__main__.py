@@ -6,11 +6,9 @@
     python -m fsdp_exp.report outputs/sweeps/2026-11-29_12-00-00 --wandb-workspace my-team/fsdp_exp
 
 ``--wandb-workspace [ENTITY/PROJECT]`` also builds a W&B workspace for the sweep's group
-(fsdp_exp.report.wandb_workspace): saved in W&B when the server answers, else (and with ``--dry-run``)
-written as wandb_workspace.json beside the report files, with the command that publishes it later.
-
-Exit codes: 0 done; 2 nothing to report (no runs under the paths, a path that does not exist), a bad option,
-or runs that are not one W&B group (--wandb-workspace).
+(``fsdp_exp.report.wandb_workspace``). Exit codes: 0 done; 2 nothing to report (no runs under the
+paths, a path that does not exist), a bad option, or runs that are not one W&B group
+(``--wandb-workspace``).
 """
 
 from __future__ import annotations

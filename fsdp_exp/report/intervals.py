@@ -1,18 +1,13 @@
 """How sure a median is: a bootstrap interval, and which intervals count as tied.
 
-A configuration measured by several repeats is summarized by the median of its runs' medians, and
-its interval resamples those run medians: it covers what changes from one run to the next on the
-machine that ran them (a slow spell, another tenant, where the threads landed). Measured once, there
-is nothing across runs to resample, so the interval resamples that run's measured steps instead; it
-then covers only the jitter within one run, is narrower than run-to-run variation, and says so
-(``over="steps"``).
-
-Neither covers what every run of a sweep shares: the machine, the software versions, the seed and the
-data (repeats keep them), nor a drift that lasts the whole sweep. With few values a percentile
-bootstrap is coarse: up to 5 values its 95% interval is their range (a median of resampled values is
-the smallest one more often than 2.5% of the time), from 6 on it leaves the extremes out.
-
-The resampling uses a fixed seed, so the same records give the same report.
+A configuration measured by several repeats is summarized by the median of its runs' medians, and its
+interval resamples those run medians: it covers run-to-run variation on the machine that ran them.
+Measured once, the interval resamples that run's measured steps instead, covers only the jitter within
+one run, and says so (``over="steps"``). Neither covers what every run of a sweep shares (the machine,
+software, seed and data) nor a drift that lasts the whole sweep; with few values a percentile bootstrap
+is coarse (up to 5 values its 95% interval is their range). The resampling uses a fixed seed, so the
+same records give the same report. The reader's view: the docs page reports.md ("Comparing runs with
+repeats").
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ class Run:
         if self.status == "interrupted" and isinstance(stop, dict):
             saved = stop.get("checkpoint") or {}
             said = f"stopped by {stop.get('signal')} after step {saved.get('step')}; checkpoint {saved.get('path')}"
-            not_requeued = (self.record.get("slurm") or {}).get("not_requeued")  # fsdp_exp/slurm.py
+            not_requeued = (self.record.get("slurm") or {}).get("not_requeued")  # written by fsdp_exp.slurm
             return f"{said}; not requeued: {not_requeued}" if not_requeued else said
         if self.problems:
             return "; ".join(self.problems)

@@ -1,16 +1,13 @@
 """The same runs, read from a W&B project instead of run folders (``--wandb entity/project[/group]``).
 
 Each fsdp_exp run logs its resolved config plus ``applied``, ``topology``, ``env`` and ``choices`` as the
-W&B config, and ``summary/*`` as the W&B summary (fsdp_exp.trainer); W&B also keeps each logged
-metric's value by its summary rule (``{"max": v}``: fsdp_exp.record.wandb_sink), which holds the planner's
-``mem/predicted_peak_gib`` (the same in every row) and the sampled step's ``mem/tracked_*``. That is enough to rebuild a ``Run`` the report
-treats like a local one.
-
-Not exercised by the tests (they run without a network); it uses only ``wandb.Api().runs`` and each
-run's ``config``, ``summary_metrics``, ``state``, ``name`` and ``url``.
-Differences from local records: W&B has no ``overrides`` (labels are the run names, which fsdp_exp
-builds from the overrides unless ``logger.wandb.name`` is set), no error message (only the state),
-and no ``plan`` beyond the predicted peak.
+W&B config, and ``summary/*`` as the W&B summary; W&B also keeps each logged metric's value by its
+summary rule (``{"max": v}``: ``fsdp_exp.record.wandb_sink``), which holds the planner's predicted peak
+and the sampled step's tracked memory. That is enough to rebuild a ``Run`` the report treats like a
+local one. Not exercised by the tests (they run without a network); it uses only ``wandb.Api().runs``
+and each run's ``config``, ``summary_metrics``, ``state``, ``name`` and ``url``. Unlike local records
+there are no ``overrides`` (labels are the run names, built from the overrides unless
+``logger.wandb.name`` is set), no error message (only the state) and no ``plan`` beyond the predicted peak.
 """
 
 from __future__ import annotations

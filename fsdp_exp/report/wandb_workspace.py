@@ -2,19 +2,13 @@
 W&B's own ``wandb-workspaces`` models.
 
 The runset selects the sweep's W&B group and groups its runs by the choices the sweep varied (repeats of
-one configuration fall into one group). Sections, top to bottom: a comparison (tokens/s against peak
-memory per rank; a parallel-coordinates plot from each varied config key to tokens/s, MFU and peak
-memory; tokens/s per run with its p10-p90 spread), then throughput, memory per phase, communication and
-loss. The runs table shows the varied choices and the summary metrics. Every name comes from the metric
-schema (fsdp_exp.metrics.schema) or the run's W&B config, and a summary value is named as W&B keeps it:
-``summary/*`` as logged, a per-step metric as ``<name>.<rule>`` (its ``define_metric`` summary rule).
-
-Offline (or with ``--dry-run``) the workspace's spec is written next to the runs (``wandb_workspace.json``)
-and published later, once the runs are uploaded (``python -m fsdp_exp.sync``), with
-
-    python -m fsdp_exp.report.wandb_workspace <sweep>/wandb_workspace.json [--entity ENTITY]
-
-Saving needs the network and a W&B login; the tests build, write and read back the spec only.
+one configuration fall into one group); the sections and the runs table are listed on the docs page
+reports.md ("Comparing sweeps in W&B"). Every name comes from the metric schema or the run's W&B config,
+and a summary value is named as W&B keeps it: ``summary/*`` as logged, a per-step metric as
+``<name>.<rule>`` (its ``define_metric`` summary rule). Offline (or with ``--dry-run``) the spec is written
+next to the runs (``wandb_workspace.json``) and published later, once the runs are uploaded, with
+``python -m fsdp_exp.report.wandb_workspace <sweep>/wandb_workspace.json [--entity ENTITY]``. Saving needs
+the network and a W&B login; the tests build, write and read back the spec only.
 """
 
 from __future__ import annotations
