@@ -1,5 +1,5 @@
 """The checkpoint group's own preflight check (and the fault-injection knobs that exercise it), called by
-fsdp_exp/preflight.py before any rank starts. Every refusal names the override that fixes it."""
+``fsdp_exp.preflight`` before any rank starts. Every refusal names the override that fixes it."""
 
 from __future__ import annotations
 

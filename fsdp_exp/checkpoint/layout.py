@@ -8,9 +8,8 @@ A checkpoint is ``<root>/step_<N>/`` (``root`` is ``checkpoint.dir``, by default
     rng/rank<r>.pt                   the per-rank state: every RNG of rank r
     fsdp_exp_checkpoint.json         step, world size, mesh, backend, config hash, W&B run id, per-rank devices
 
-Everything is written into ``step_<N>.tmp/`` and renamed to ``step_<N>`` (``publish``) once every rank
-has finished, so a folder named ``step_<N>`` with its JSON and ``.metadata`` is always complete; a crash
-mid-save leaves only a ``.tmp`` folder, which resume ignores and the next save removes.
+Everything is written into ``step_<N>.tmp/`` and renamed to ``step_<N>`` (``publish``) once every rank has
+finished, so a ``step_<N>`` folder is always complete; a crash mid-save leaves a ``.tmp`` folder only.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """Save and resume one rank's share of a run: the ``Checkpointer``.
 
-It is handed what it saves, as objects with ``state_dict()`` / ``load_state_dict()`` (torch.distributed
-.checkpoint's ``Stateful`` protocol), in three kinds (fsdp_exp/checkpoint/layout.py says where each lands):
-
-- ``sharded``: one object whose state dict torch.distributed.checkpoint (DCP) writes, every rank its
-  shards (the model and optimizer, fsdp_exp/checkpoint/states.py);
-- ``replicated``: name -> object, identical on every rank, written once by rank 0 (LR schedule, grad
-  scaler, the data position under ``"data"``, which resume checks against this run's data);
-- ``per_rank``: name -> object, each rank its own (its RNGs, fsdp_exp/checkpoint/rng.py).
-
-Plus its folder, the rank and topology, the run's config (recorded, hashed, compared on resume) and
-the checkpoint and debug groups (a save fault, fsdp_exp.debug.faults). It knows nothing of the trainer
-and decides no stop (the loop's guard does, fsdp_exp.guard); what it saved goes to ``on_saved``.
-Every method with a collective is called by all ranks. What cannot be converted on resume (another
-architecture, other data, a layout torch refuses) is refused with a message that says what differs.
+It is handed what it saves, as ``Stateful`` objects (``state_dict()`` / ``load_state_dict()``), in three
+kinds (``fsdp_exp.checkpoint.layout`` says where each lands): ``sharded``, one object whose state dict
+torch.distributed.checkpoint writes, every rank its shards (the model and optimizer:
+``fsdp_exp.checkpoint.states``); ``replicated``, name -> object, identical on every rank and written once
+by rank 0 (LR schedule, grad scaler, the data position under ``"data"``); ``per_rank``, name -> object,
+each rank its own (its RNGs: ``fsdp_exp.checkpoint.rng``). Plus its folder, the rank and topology, the
+run's config (recorded, hashed, compared on resume) and the checkpoint and debug groups (a save fault).
+It knows nothing of the trainer and decides no stop (the loop's guard does, ``fsdp_exp.guard``); what it
+saved goes to ``on_saved``. Every method with a collective is called by all ranks; what cannot be
+converted on resume is refused with what differs. Why it is laid out so: design.md ("Checkpoints").
 """
 
 from __future__ import annotations

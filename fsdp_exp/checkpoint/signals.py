@@ -26,7 +26,7 @@ def _on_signal(signum, frame) -> None:  # noqa: ARG001 - the signal module's sig
 def handle_stop_signals(names: list[str]) -> None:
     """From now on exactly these signals only ask the run to save and stop (main thread only); any other
     that was handled here before acts as the system defines again (``_stand_down``). A launcher may have
-    started this process with them blocked (fsdp_exp/slurm.py: SLURM can signal a task while it is still
+    started this process with them blocked (``fsdp_exp.slurm``: SLURM can signal a task while it is still
     importing); one that came meanwhile is pending, and reaches the handler as they are unblocked."""
     _stand_down(sorted(_handled() - set(names)))
     signums = [getattr(signal, name) for name in names]
@@ -44,7 +44,7 @@ def _handled() -> set[str]:
 
 def _stand_down(names: list[str]) -> None:
     """These signals act as the system defines again: a launcher handled them from its first moment
-    (fsdp_exp/slurm.py: SLURM can signal a job before its config is read), the run does not
+    (``fsdp_exp.slurm``: SLURM can signal a job before its config is read), the run does not
     (checkpoint.on_signal=false, or not in checkpoint.signals). One that already came is delivered now,
     as it would have been."""
     signums = [getattr(signal, name) for name in names]
