@@ -1,16 +1,13 @@
 """One rank's micro-batches at a step, from any source of numbered token rows.
 
-Every source answers "the row at global position p" (``rows(first, count)``), each row
-``seq_len + 1`` tokens. Position ``p`` counts samples over the whole run: the global batch of step
-``s`` is positions ``s * global_batch_size ...`` and data-parallel rank ``r`` takes its contiguous
-slice of it, micro-batch by micro-batch. So a batch is a function of (step, rank, config) alone:
-resuming at step ``k`` needs nothing but ``k``, and ``state_dict()`` / ``load_state_dict()`` record
-and check exactly that position.
-
-Loading overlaps compute when ``data.num_workers > 0``: a ``torch.utils.data.DataLoader`` over the
-step-indexed micro-batches, its sampler starting at the current step, keeps ``prefetch_factor``
-micro-batches per worker in flight. ``last_wait_s`` is how long the last step waited for its data
-(fetch and copy to the device); the trainer logs it as ``perf/data_time_s``.
+Every source answers "the row at global position p" (``rows(first, count)``), each row ``seq_len + 1``
+tokens. The global batch of step ``s`` is positions ``s * global_batch_size ...`` and data-parallel rank
+``r`` takes its contiguous slice of it, so a batch is a function of (step, rank, config) alone: resuming
+at step ``k`` needs nothing but ``k``, which ``state_dict()`` / ``load_state_dict()`` record and check.
+With ``data.num_workers > 0`` a ``torch.utils.data.DataLoader`` over the step-indexed micro-batches (its
+sampler starting at the current step) keeps ``prefetch_factor`` micro-batches per worker in flight.
+``last_wait_s`` is how long the last step waited for its data; the trainer logs it as
+``perf/data_time_s``. Why: the docs page design.md ("Data").
 """
 
 from __future__ import annotations

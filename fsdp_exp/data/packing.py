@@ -1,19 +1,14 @@
 """Real text -> token blocks on disk, once.
 
-Load with ``datasets`` (its ``text`` / ``json`` / ``parquet`` builders for local files, or
-``load_dataset(name, split=...)`` for the hub or a local dataset folder; ``data.streaming=true``
-never holds the corpus in memory), tokenize with a batched ``map``, then pack: every document's
-tokens followed by the end-of-document id, concatenated into one stream, cut into blocks of
-``trainer.seq_len + 1`` tokens (inputs and targets shifted by one). Consecutive blocks overlap by
-one token, so no (input, target) pair of the stream is lost; the tail shorter than a block is
-dropped.
-
-The blocks are written to ``<data.cache_dir>/<kind>-<key>/blocks.bin`` (a raw ``(n, seq_len + 1)``
-array, memory-mapped by every rank) with ``meta.json``. The key hashes what defines the blocks:
-the files (path, size, modification time) or the dataset (name, config, split, revision), the text
-field, the tokenizer, ``seq_len`` and the block limit. A build holds a file lock and publishes the
-folder with an atomic rename, so ranks that find it missing wait for the first builder and reuse its
-result; the launcher builds before it spawns any rank.
+Load with ``datasets`` (local text / json / parquet files, or ``load_dataset`` for the hub or a local
+dataset folder; ``data.streaming=true`` never holds the corpus in memory), tokenize with a batched
+``map``, then pack: every document's tokens and the end-of-document id, concatenated into one stream
+and cut into blocks of ``trainer.seq_len + 1`` tokens. Consecutive blocks overlap by one token, so no
+(input, target) pair of the stream is lost; the tail shorter than a block is dropped. The blocks go to
+``<data.cache_dir>/<kind>-<key>/blocks.bin`` (a raw ``(n, seq_len + 1)`` array every rank memory-maps)
+with ``meta.json``; the key hashes what defines them. A build holds a file lock and publishes the folder
+by an atomic rename, so ranks that find it missing wait and reuse it; the launcher builds before it
+spawns any rank. Why: design.md ("Data"); the options: running.md ("Real data").
 """
 
 from __future__ import annotations
@@ -222,7 +217,20 @@ def find_or_pack(
     root: Path,
     log=None,
 ) -> tuple[Packed, bool]:
-    """The packed blocks of ``source``: from the cache, or built now. Returns (packed, built_now)."""
+    """The packed blocks of ``source``: from the cache, or built now (under a file lock; see the module).
+
+    Args:
+        source: where one split's text comes from (``Source``: files or a dataset, and how to split it).
+        tokenizer_spec: ``byte``, a ``tokenizer.json`` (or its folder) or a hub name (``data.tokenizer`` resolved).
+        eos_token: the end-of-document token (``data.eos_token``); None: the tokenizer's own.
+        seq_len: ``trainer.seq_len``; each block holds ``seq_len + 1`` tokens.
+        max_blocks: pack only this many blocks (``data.max_blocks``); None: the whole source.
+        root: the cache folder (``data.cache_dir``) the blocks' folder goes under.
+        log: called with a line of progress when a build starts and ends; None: silent.
+
+    Returns:
+        ``(packed, built_now)``.
+    """
     from filelock import FileLock
 
     from fsdp_exp.data.tokenizer import tokenizer_identity
