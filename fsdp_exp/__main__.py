@@ -7,7 +7,7 @@
 
 A single run that fails exits non-zero (2: the configuration cannot run, 1: a rank failed). In a
 sweep (``-m``) a failing job is recorded as a failed run (run.json and W&B, with its error) and the
-sweep goes on; fsdp_exp/sweep.py exits non-zero at the end, naming the failed jobs.
+sweep goes on; ``fsdp_exp.sweep`` exits non-zero at the end, naming the failed jobs.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fsdp_exp.context import Labels, Sweep
 from fsdp_exp.errors import EXIT_BAD_CONFIG, EXIT_RUN_FAILED, ConfigError
 
 
-@hydra.main(version_base="1.3", config_path="pkg://fsdp_exp.conf", config_name="config")  # conf/: setup.py
+@hydra.main(version_base="1.3", config_path="pkg://fsdp_exp.conf", config_name="config")  # conf/, via setup.py
 def hydra_entry(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

@@ -1,8 +1,7 @@
 """One rank's run: build the sharded model, train it, write the record.
 
-The flow, each stage handing the next what it needs:
-  process group -> mesh -> model on meta -> parallelize -> to_empty + init -> optimizer -> data
-  -> resume -> step loop -> summary.
+The flow, each stage handing the next what it needs: process group -> mesh -> model on meta ->
+parallelize -> to_empty + init -> optimizer -> data -> resume -> step loop -> summary.
 
 Each step the loop trains (``train_step``), asks the stop guard whether the ranks agree to stop
 (fsdp_exp.guard), hands the step to the step metrics (fsdp_exp.metrics.step: every number of its row)
@@ -10,7 +9,7 @@ and lets the checkpointer save when due. What is written goes through the record
 (fsdp_exp.record.recorder: run.json, metrics.jsonl, W&B, the console).
 
 ``run_worker`` is the entry point of every rank, however it was started (fsdp_exp's local spawner,
-torchrun, SLURM); it receives the launcher's ``RunContext``: config, topology, run folder, labels, plan.
+torchrun, SLURM), and receives the launcher's ``RunContext`` (config, topology, run folder, labels, plan).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ from fsdp_exp.record.recorder import Recorder
 
 
 def run_worker(context: RunContext) -> None:
-    """Entry point of one rank: the launcher's ``RunContext`` (fsdp_exp/context.py), typed and final."""
+    """Entry point of one rank: the launcher's ``RunContext`` (``fsdp_exp.context``), typed and final."""
     # A rank killed by a fatal signal (abort, segfault) still says where it was.
     faulthandler.enable()
     cfg, topology = context.config, context.topology
@@ -92,7 +91,7 @@ class Trainer:
         )  # rank = (pp_index, dp_index, tp_index), pp outermost
         self.loss_chunks = cfg.trainer.loss_chunks  # the output projection and loss per slice of the sequence
 
-        # Diagnostics, then resume: everything a checkpoint restores exists now (fsdp_exp/checkpoint/).
+        # Diagnostics, then resume: everything a checkpoint restores exists now (``fsdp_exp.checkpoint``).
         self.init_check = (
             check_identical_init(self.backend, self.model, cfg.trainer.seed, info.world_size)
             if cfg.debug.check_identical_init
@@ -191,7 +190,7 @@ class Trainer:
         return stopped
 
     def _export(self) -> None:
-        """checkpoint.export: the trained model in a standard format (fsdp_exp/export.py)."""
+        """checkpoint.export: the trained model in a standard format (``fsdp_exp.export``)."""
         if self.cfg.checkpoint.export == "none":
             return
         from fsdp_exp.export import export_dir, export_model

@@ -2,8 +2,8 @@
 variants under a few overrides (``variants``). The checks before launch (``fsdp_exp.preflight``) stand
 above every owner they ask, outside this package.
 
-Importing this package registers the schema with Hydra's ConfigStore, which ``conf/config.yaml``
-names first in its defaults, and the ``run_stamp`` resolver of the run folder.
+Importing this package registers the schema with Hydra's ConfigStore, which the primary config
+(``config.yaml``) names first in its defaults, and the ``run_stamp`` resolver of the run folder.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ MAX_DIRNAME_BYTES = 200  # file systems refuse names over 255 bytes; the job num
 
 
 def job_dirname(override_dirname: str) -> str:
-    """A sweep job's folder name (``${job_dirname:${hydra.job.override_dirname}}`` in conf/config.yaml): its
+    """A sweep job's folder name (``${job_dirname:${hydra.job.override_dirname}}`` in the primary config): its
     overrides as Hydra writes them, or, when they are longer than a file name may be (a few
     ``+model.hf_overrides.*`` are), their first bytes and a digest of the whole, so names stay unique."""
     import hashlib
@@ -57,7 +57,7 @@ register_configs()
 
 def to_run_config(cfg: DictConfig | dict) -> RunConfig:
     """Turn a composed (or plain, as handed to workers) config into typed dataclasses, refusing keys the
-    schema does not declare and numbers that are not finite (fsdp_exp/config/strict.py)."""
+    schema does not declare and numbers that are not finite (``fsdp_exp.config.strict``)."""
     from fsdp_exp.config.strict import check_keys, check_values
 
     check_keys(cfg, RunConfig)

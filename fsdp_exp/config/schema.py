@@ -1,7 +1,7 @@
 """The run configuration's schema: one dataclass per config group, registered with Hydra's ConfigStore.
 
-A leaf: it imports nothing of fsdp_exp, so every other module may import it. The YAML files under
-``conf/`` are merged onto these schemas, so a misspelt key or a value of the wrong type is refused
+A leaf: it imports nothing of fsdp_exp, so every other module may import it. The config groups' YAML
+files are merged onto these schemas, so a misspelt key or a value of the wrong type is refused
 while Hydra composes. Checks that span groups live in ``fsdp_exp.preflight``, which calls
 each owner's own checks (backends, models, data, checkpoints) before any rank starts.
 """
@@ -17,7 +17,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 # trainer.grad_sync: auto resolves per backend (Backend.grad_sync); the other two say when gradients are reduced.
 EVERY_MICRO_BATCH, LAST_MICRO_BATCH = "every_micro_batch", "last_micro_batch"
 GRAD_SYNC = ("auto", EVERY_MICRO_BATCH, LAST_MICRO_BATCH)
-# ac.ops: which op outputs a checkpointed block saves (fsdp_exp/parallel/ac.py)
+# ac.ops: which op outputs a checkpointed block saves (``fsdp_exp.parallel.ac``)
 AC_OPS = ("none", "every_other_matmul", "every_matmul")
 
 
@@ -79,7 +79,7 @@ class ShardingConfig:
     """How parameters, gradients and optimizer state are spread over data-parallel ranks.
 
     ``strategy`` speaks the user's vocabulary; each backend under ``fsdp_exp.parallel`` translates it
-    (docs/vocabulary.md). ``replicate_size`` x ``shard_size`` is the 2-D mesh of ``hybrid``.
+    (the docs page vocabulary.md). ``replicate_size`` x ``shard_size`` is the 2-D mesh of ``hybrid``.
     """
 
     backend: str = "fsdp2"  # fsdp2 | fsdp1 | ddp | deepspeed (optional: pip install fsdp_exp[deepspeed])
@@ -106,7 +106,7 @@ class PrecisionConfig:
     buffer_dtype: Optional[str] = None  # FSDP1: dtype of buffers (None = param_dtype)
     cast_forward_inputs: bool = True  # cast floating-point forward inputs to param_dtype
     loss_scaler: str = "none"  # none | dynamic (fp16 needs dynamic)
-    # Float8 matmuls (torchao, fsdp_exp/parallel/float8.py, docs/float8.md): null = off | tensorwise | rowwise |
+    # Float8 matmuls (torchao, ``fsdp_exp.parallel.float8``, the docs page float8.md): null = off | tensorwise | rowwise |
     # rowwise_with_gw_hp (mxfp8 is refused by name). The parameters keep param_dtype; only the matmuls run in float8.
     float8_recipe: Optional[str] = None
     float8_all_gather: bool = False  # FSDP2, tensorwise: all-gather the weights in float8 (1 byte a parameter)
@@ -159,7 +159,7 @@ class ParallelConfig:
     # Keep the logits sharded over the vocabulary on the TP group and take the loss there (torch's
     # loss_parallel); false: gather them to every TP rank first.
     loss_parallel: bool = True
-    # Pipeline parallel (fsdp_exp/parallel/pipeline.py, docs/pipeline.md): the mesh becomes (pp, dp), pp outermost
+    # Pipeline parallel (``fsdp_exp.parallel.pipeline``, the docs page pipeline.md): the mesh becomes (pp, dp), pp outermost
     pp: int = 1  # pipeline ranks; the model is cut by blocks into pp x pp_stages_per_rank stages
     pp_schedule: str = (
         "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv_zero_bubble | dualpipev
@@ -194,7 +194,7 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """Where tokens come from (fsdp_exp/data/). Real data is tokenized and packed once, before any rank starts."""
+    """Where tokens come from (``fsdp_exp.data``). Real data is tokenized and packed once, before any rank starts."""
 
     name: str = "synthetic"  # synthetic (seeded random tokens) | text | json | parquet (data.files) | hf (data.dataset)
     files: list[str] = field(default_factory=list)  # local files or glob patterns; pkg://fsdp_exp/... = shipped
@@ -229,7 +229,7 @@ class TrainerConfig:
     seed: int = 0
     # Which repetition of a configuration this run is: changes nothing in the run (not the seed, not the
     # data), only its identity, so that trainer.repeat=0,1,2 measures each configuration of a sweep three
-    # times and the report groups them (fsdp_exp/report/repeats.py).
+    # times and the report groups them (``fsdp_exp.report.repeats``).
     repeat: int = 0
     global_batch_size: int = 8  # sequences per optimizer step, over all data-parallel ranks
     micro_batch_size: Optional[int] = None  # sequences per rank per forward; None = no accumulation
@@ -241,12 +241,12 @@ class TrainerConfig:
     seq_len: int = 128
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
     # The output projection and cross-entropy in this many slices of the sequence, each slice's fp32 logits
-    # alive only while its loss and gradient are made (fsdp_exp/models/loss.py); 1 = all logits at once.
+    # alive only while its loss and gradient are made (``fsdp_exp.models.loss``); 1 = all logits at once.
     loss_chunks: int = 8
     log_every: int = 1
     device: str = "auto"  # auto | cpu | cuda
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None = look the device up
-    # MFU's FLOPs per token, by a named convention (fsdp_exp/metrics/flops.py CONVENTIONS, docs/metrics.md):
+    # MFU's FLOPs per token, by a named convention (``fsdp_exp.metrics.flops.CONVENTIONS``, metrics.md):
     # fsdp_exp | llmfoundry | torchtitan_2024_04 | torchtitan | megatron. Recorded beside every MFU (run.json env).
     flops_convention: str = "fsdp_exp"
     threads_per_rank: Optional[int] = None  # CPU threads per rank; None = cores / local ranks
@@ -263,7 +263,7 @@ class TrainerConfig:
     memory_snapshot: bool = False
     digest_shards: bool = True  # hash every rank's parameter shards at the end (replicas must agree)
     # Before any rank starts, refuse a run the memory planner says cannot fit this node (a GPU's free
-    # memory, or a CPU host's RAM under its memory cgroup's limit): fsdp_exp/fit_check.py. false = run anyway.
+    # memory, or a CPU host's RAM under its memory cgroup's limit): ``fsdp_exp.fit_check``. false = run anyway.
     check_fit: bool = True
     # How long a collective may wait for a peer before the rank gives up with an error (the process group's
     # timeout). A rank that dies usually ends its peers at once (its connections close); a node that
@@ -311,7 +311,7 @@ class DebugConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Sharded checkpoints (fsdp_exp/checkpoint/): when to save, where, how many to keep, how to resume.
+    """Sharded checkpoints (``fsdp_exp.checkpoint``): when to save, where, how many to keep, how to resume.
 
     A checkpoint is ``<dir>/step_<N>/`` (torch.distributed.checkpoint shards, each rank's RNG state,
     the trainer state and ``fsdp_exp_checkpoint.json``), written as ``step_<N>.tmp`` and renamed when

@@ -1,4 +1,4 @@
-"""The ``debug`` group's code (conf/debug/): what a run does on purpose to be checked.
+"""The ``debug`` config group's code: what a run does on purpose to be checked.
 
 - ``faults``: fault injection: a rank that raises, is signalled or turns its parameters NaN at the start
   of a step, or fails inside a save after writing its shards;

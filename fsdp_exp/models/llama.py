@@ -157,7 +157,7 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunks: int = 1) -> torch.Tensor:
         """The logits; with ``targets``, the summed cross-entropy instead, the output projection taken
-        ``loss_chunks`` slices of the sequence at a time (fsdp_exp/models/loss.py)."""
+        ``loss_chunks`` slices of the sequence at a time (``fsdp_exp.models.loss``)."""
         seq = tokens.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)

@@ -3,19 +3,13 @@ sequence so that no moment of the step holds every logit in fp32 (``trainer.loss
 
 ``loss_chunks=1`` is the plain way: the model returns the logits, the loss is taken on their fp32 copy.
 With more chunks the model's own forward (``forward(tokens, targets=..., loss_chunks=k)``, every family
-takes these) ends with ``chunked_cross_entropy``: the final hidden states are split over the sequence,
-and each chunk's projection, fp32 cast and cross-entropy run under ``torch.utils.checkpoint``, so a
-chunk's logits exist only while its loss is taken in the forward and while its gradient is made in the
-backward (the projection is recomputed then: one more matmul of the output head, in exchange for 1/k of
-the logits). The loss is computed inside the root module's forward on purpose: every backend's hooks
-(FSDP2's and FSDP1's gathering of the root, DeepSpeed's per-module ones, tensor parallel's styles on
-the head) see the head being called, in the forward and again at the recomputation.
-
-Under sequence parallel the hidden states arrive sharded over the sequence (a DTensor) and are sliced over
-the batch instead (a micro-batch of one sequence is then one slice). Under tensor parallel's loss parallel
-the logits stay sharded over the vocabulary (a DTensor), and the
-loss is a replicated DTensor; ``mean_cross_entropy`` hands back its local value (the parallel layer
-holds torch's ``loss_parallel`` context around the forward and the backward).
+takes these) ends with ``chunked_cross_entropy``: each slice of the final hidden states is projected,
+cast and scored under ``torch.utils.checkpoint``, so its logits live only while its loss and gradient
+are made (one more matmul of the head, for 1/k of the logits). The loss is computed inside the root
+module's forward on purpose: every backend's hooks see the head being called. Under sequence parallel
+the hidden states arrive sharded over the sequence and are sliced over the batch instead; under loss
+parallel the logits stay sharded over the vocabulary and ``mean_cross_entropy`` hands back the
+replicated loss's local value. More: the docs page models.md ("The loss").
 """
 
 from __future__ import annotations

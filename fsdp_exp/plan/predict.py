@@ -126,7 +126,7 @@ def plan(
         phases=[{"name": ph.name, "stage": ph.stage, "total": ph.total} for ph in phases],
         assumptions=assumptions(cfg, rules.notes, profile.notes(kind, walk.e)),
     )
-    if cfg.parallel.pp > 1:  # the worst pipeline rank's figures (fsdp_exp/plan/pipeline.py)
+    if cfg.parallel.pp > 1:  # the worst pipeline rank's figures (``fsdp_exp.plan.pipeline``)
         from fsdp_exp.plan.pipeline import with_worst_stage
 
         result = with_worst_stage(result, cfg, topology, margin)

@@ -141,7 +141,7 @@ def zero_model_states(
     kind: str,
 ) -> ModelStates:
     """DeepSpeed's layout (``PlannerRules.zero_stage``), as its engine was measured to hold it
-    (fsdp_exp/parallel/deepspeed_memory.py), per parameter with e = the compute dtype's bytes and P = the
+    (``fsdp_exp.parallel.deepspeed_memory``), per parameter with e = the compute dtype's bytes and P = the
     partition over the ``shard`` ranks (one flat partition at stages 1-2, each parameter's at stage 3):
 
     - params: e, whole at stages 0-2, P at stage 3;

@@ -71,7 +71,7 @@ class StepSetting:
     loss_parallel: bool = False  # parallel.loss_parallel: the logits stay sharded over the TP group's vocabulary
     sequence_parallel: bool = False  # parallel.sequence_parallel: the chunked loss slices the batch instead
     # precision.float8_recipe: (in_features, out_features) of each linear converted to float8, per block (() = off),
-    # and whether FSDP2 all-gathers their weights in float8 (fsdp_exp/parallel/float8.py)
+    # and whether FSDP2 all-gathers their weights in float8 (``fsdp_exp.parallel.float8``)
     float8_matmuls: tuple = ()
     float8_all_gather: bool = False
 
@@ -119,7 +119,7 @@ class StepWalk:
         self.all_acts = sum(self.act_block)
         self.head = x.head_saved(e, self.autocast)
         # The logits this rank makes at once: all of them, or one slice of the sequence's (trainer.loss_chunks,
-        # fsdp_exp/models/loss.py); a vocabulary shard of them under loss parallel, else gathered whole.
+        # ``fsdp_exp.models.loss``); a vocabulary shard of them under loss parallel, else gathered whole.
         over_batch = s.tp > 1 and s.sequence_parallel  # the hidden states are sharded over the sequence then
         self.chunks = max(1, min(s.loss_chunks, x.b if over_batch else x.s))
         per_chunk = -(-x.b // self.chunks) * x.s if over_batch else x.b * -(-x.s // self.chunks)  # tokens

@@ -1,27 +1,15 @@
 """What a Hugging Face model keeps for backward, measured on the model itself: the memory planner's
 activation profile of ``model=hf`` (``fsdp_exp.plan.activations.ActivationProfile``).
 
-Nothing here knows an architecture. The model (two of its blocks, the rest of it as it is) is built
-under torch's ``FakeTensorMode``: tensors with shapes, dtypes and a CPU device but no memory, so the
-kernels chosen are the CPU's (SDPA's flash kernel saves its log-sum-exp, not the score matrix) and a
-7B model costs nothing. One forward and backward of one micro-batch then runs with
-
-- ``saved_tensors_hooks``: every tensor autograd keeps, by the block (or the root) that saved it,
-  each storage once, parameters left out (they are the backend's business);
-- a dispatch mode that follows every storage an op makes until it is freed: the largest moment of a
-  block's backward (activation gradients, beyond the one arriving from above, and the weight
-  gradients made so far), and of its forward under ``no_grad`` (what a checkpointed block holds).
-  Storages are told apart by their Python objects (torch keeps one per storage while it lives), not by
-  address, which a freed storage soon hands to a new one: a measurement repeats itself exactly.
-
-Mixture-of-experts models (Mixtral, Qwen3-MoE, DeepSeek-V3, ...) run their experts through torch's grouped
-matmul; fake tensors get its result in every dtype the op runs in (``_grouped_mm_in_any_dtype``).
-
-Sizes are per rank and per micro-batch; tensor parallel is measured on a model whose heads and
-feed-forward width are divided by ``tp`` (each rank's share). One measurement per (compute dtype,
-autocast) is cached, in the process and on disk (``$XDG_CACHE_HOME/fsdp_exp/hf_activations.json``, keyed on
-everything the measurement depends on, ``_disk_key``): a later process planning the same model, micro-batch and
-sequence reads it back instead of measuring again.
+Nothing here knows an architecture. The model (two of its blocks, the rest as it is) is built under
+torch's ``FakeTensorMode`` (shapes and a CPU device, no memory: the CPU's kernels, and a 7B model costs
+nothing), and one forward and backward of one micro-batch runs with ``saved_tensors_hooks`` (what
+autograd keeps, by block, each storage once, parameters left out) and a dispatch mode that follows every
+storage until it is freed (the largest moment of a block's backward, and of its forward under
+``no_grad``). Sizes are per rank and micro-batch; tensor parallel is measured on a model divided by
+``tp``. One measurement per (compute dtype, autocast) is cached in the process and on disk
+(``$XDG_CACHE_HOME/fsdp_exp/hf_activations.json``, keyed by ``_disk_key``). How storages are told apart,
+and mixtures of experts: the docs page models.md ("Hugging Face models").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a Llama block (fsdp_exp/models/llama.py) keeps for backward, tensor by tensor: the memory
+"""What a Llama block (``fsdp_exp.models.llama``) keeps for backward, tensor by tensor: the memory
 planner's activation profile of the family (``fsdp_exp.plan.activations.ActivationProfile``).
 
 Sizes are per rank and per micro-batch: tensor parallel divides the heads and the SwiGLU width,
