@@ -35,8 +35,8 @@ GPU_LAYOUTS = ((1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8))
 @dataclass(frozen=True)
 class ErrorBand:
     """How far over a device the planner's need may be for a run that still fits: the largest
-    ``need / device - 1`` among the published runs that ran (``benchmarks/published.py``, the calibration
-    part), below the smallest among the runs published as out of memory. Within the band the planner cannot
+    ``need / device - 1`` among the published runs that ran (the calibration part of the published record, as
+    ``python benchmarks/published.py`` reads it), below the smallest among the runs published as out of memory. Within the band the planner cannot
     tell; beyond it every published run of the record was refused rightly."""
 
     over: float

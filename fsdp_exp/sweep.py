@@ -164,7 +164,7 @@ def _job_number(path: Path) -> tuple[int, str]:
 
 
 class SweepCallback(Callback):
-    """Installed in conf/config.yaml (hydra.callbacks.sweep)."""
+    """Installed by the primary config (``hydra.callbacks.sweep``)."""
 
     def __init__(self) -> None:
         self.started: Optional[float] = None

@@ -152,7 +152,17 @@ def zero_model_states(
       fp32), both P from stage 1 on.
 
     bf16 stage 3 is 20 bytes per parameter over P (the ZeRO paper's 16 plus the fp32 gradient copy);
-    ZeRO-2 is 2 + 18 P, DeepSpeed's own estimate."""
+    ZeRO-2 is 2 + 18 P, DeepSpeed's own estimate.
+
+    Args:
+        infos: every parameter's sizes (``param_infos``).
+        stage: the ZeRO stage, 0-3 (``PlannerRules.zero_stage``).
+        shard: ranks the partitions are split over.
+        param_dtype: ``precision.param_dtype``, the dtype the engine holds the parameters in.
+        offload_params: ``offload=params``: parameters and optimizer state on the host.
+        offload_optimizer: ``offload=optimizer``: optimizer state on the host.
+        kind: the device kind planned for (``cuda`` or ``cpu``; a CPU run has one memory).
+    """
     e = DTYPE_BYTES[param_dtype]
     whole = [i.numel for i in infos]
     flat = math.ceil(sum(whole) / shard)

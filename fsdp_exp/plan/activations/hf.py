@@ -195,8 +195,19 @@ def measure(
     attn_implementation: str,
     shapes_only,
 ) -> Measurement:
-    """One forward and backward of a micro-batch of ``b`` x ``s`` tokens in the compute dtype of ``e``
-    bytes (or fp32 under autocast), on fake tensors; ``shapes_only``: the family's context for that."""
+    """One forward and backward of one micro-batch on fake tensors: what the model keeps and its peaks.
+
+    Args:
+        config: the transformers config of the model (its blocks scaled down to ``tp``'s share here).
+        block_class_name: the class name of the model's blocks (the spec's ``block_class_of``).
+        b: micro-batch size, in sequences.
+        s: sequence length, in tokens.
+        e: the compute dtype's bytes per element (``DTYPES[e]``); fp32 is used instead under ``autocast``.
+        autocast: the parameters stay fp32 and compute runs under autocast (DDP's mixed precision).
+        tp: tensor-parallel degree; heads and feed-forward width are divided by it.
+        attn_implementation: transformers' attention implementation (``model.attn_implementation``).
+        shapes_only: the family's context manager for building the model on fake tensors.
+    """
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers import AutoModelForCausalLM
@@ -463,7 +474,16 @@ def _disk_key(key: tuple) -> str:
 
 
 def profile(spec, m, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> HfActivations:
-    """A Hugging Face model's per-rank profile, measured on the model (sequence parallel has no plan here)."""
+    """A Hugging Face model's per-rank profile, measured on the model (sequence parallel has no plan here).
+
+    Args (the signature every family's ``profile`` in ``PROFILES`` has):
+        spec: the model family's spec (``fsdp_exp.models.spec_for``).
+        m: the model config (``cfg.model``).
+        micro_batch: sequences per micro-batch.
+        seq_len: tokens per sequence.
+        tp: tensor-parallel degree.
+        sequence_parallel: ``parallel.sequence_parallel``; refused here (transformers' plans shard no norms).
+    """
     if sequence_parallel:
         fail(
             "parallel.sequence_parallel has no plan for a Hugging Face model (transformers' plans shard no norms).",

@@ -164,7 +164,17 @@ class LlamaActivations(TokenCounts):
 
 
 def profile(spec, cfg, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> LlamaActivations:
-    """A Llama model's per-rank profile: tensor parallel divides the heads and the SwiGLU width."""
+    """A Llama model's per-rank profile: tensor parallel divides the heads and the SwiGLU width.
+
+    Args (the signature every family's ``profile`` in ``PROFILES`` has):
+        spec: the model family's spec (``fsdp_exp.models.spec_for``).
+        cfg: the model config (``cfg.model``).
+        micro_batch: sequences per micro-batch.
+        seq_len: tokens per sequence.
+        tp: tensor-parallel degree.
+        sequence_parallel: ``parallel.sequence_parallel``: the residual stream around the norms is split
+        over the ``tp`` ranks along the sequence.
+    """
     head_dim = cfg.dim // cfg.n_heads
     return LlamaActivations(
         b=micro_batch,
