@@ -476,7 +476,9 @@ def _disk_key(key: tuple) -> str:
 def profile(spec, m, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> HfActivations:
     """A Hugging Face model's per-rank profile, measured on the model (sequence parallel has no plan here).
 
-    Args (the signature every family's ``profile`` in ``PROFILES`` has):
+    Every family's ``profile`` in ``PROFILES`` has this signature.
+
+    Args:
         spec: the model family's spec (``fsdp_exp.models.spec_for``).
         m: the model config (``cfg.model``).
         micro_batch: sequences per micro-batch.

@@ -166,7 +166,9 @@ class LlamaActivations(TokenCounts):
 def profile(spec, cfg, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> LlamaActivations:
     """A Llama model's per-rank profile: tensor parallel divides the heads and the SwiGLU width.
 
-    Args (the signature every family's ``profile`` in ``PROFILES`` has):
+    Every family's ``profile`` in ``PROFILES`` has this signature.
+
+    Args:
         spec: the model family's spec (``fsdp_exp.models.spec_for``).
         cfg: the model config (``cfg.model``).
         micro_batch: sequences per micro-batch.
