@@ -11,6 +11,12 @@ parameter at a time; only rank 0 keeps each full tensor, on the CPU; the other r
 So no rank holds more than one unsharded parameter on its device, and only rank 0 the full model on
 the host.
 
+Under pipeline parallel the model lives on several ranks: each pp rank's stages are gathered over their
+dp (and tp) ranks, one parameter at a time, onto that stage's first rank (an ``ExportPart``), which
+writes its own file of Hugging Face's sharded layout (``model-00001-of-00002.safetensors``, ...); rank 0
+then writes ``model.safetensors.index.json`` (each tensor's file), which ``from_pretrained`` and
+``safetensors`` users read. No rank holds more than its own stages.
+
 The Hugging Face names, the config.json and any rewriting of tensors (Llama's rotary layout) are
 the model family's (``ModelSpec.to_hf`` / ``hf_config``, for Llama in fsdp_exp.models.llama_spec).
 
@@ -21,9 +27,11 @@ A checkpoint can be exported after the fact, without ranks:
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -33,7 +41,22 @@ if TYPE_CHECKING:
     from fsdp_exp.config.schema import ModelConfig
 
 MODEL_FILE = "model.safetensors"
+MODEL_INDEX = "model.safetensors.index.json"  # Hugging Face's sharded layout: tensor name -> its file
 MODEL_CONFIG = "fsdp_exp_model.json"
+
+
+@dataclass
+class ExportPart:
+    """This rank's part of a model consolidated in parts (pipeline stages): ``state`` (full tensors on the
+    CPU, the full model's names) on the part's writer, ``{}`` on the other ranks; part ``index`` of ``count``."""
+
+    state: dict
+    index: int
+    count: int
+
+    @property
+    def file(self) -> str:
+        return f"model-{self.index + 1:05d}-of-{self.count:05d}.safetensors"
 
 
 # ------------------------------------------------------------------------------ consolidation
@@ -46,6 +69,20 @@ def full_state_dict(model, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))
     return state if cpu_offload or dist.get_rank() == 0 else {}
+
+
+def gathered(state: dict, keep: bool) -> dict[str, torch.Tensor]:
+    """Each DTensor of ``state`` all-gathered over its mesh, one at a time (every rank of the mesh calls it);
+    the full tensors on the CPU where ``keep``, else ``{}``."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, tensor in state.items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if keep:
+            out[name] = full.detach().cpu()
+        del full
+    return out
 
 
 def export_dir(setting: Optional[str], run_dir: Path) -> Path:
@@ -62,33 +99,91 @@ def export_model(model, model_cfg, fmt: str, out: Path, is_main: bool, consolida
     t0 = time.perf_counter()
     state = consolidate(model)
     written = None
-    if is_main:
+    if isinstance(state, ExportPart):  # pipeline stages: one file per part, then rank 0's index
+        if state.state:
+            write_export(state.state, model_cfg, out, fmt, part=state)
+        dist.barrier()
+        if is_main:
+            written = write_index(model_cfg, out, fmt, state.count)
+    elif is_main:
         written = write_export(state, model_cfg, out, fmt)
+    if written:
         written["export_s"] = round(time.perf_counter() - t0, 4)
     del state
     dist.barrier()
     return written
 
 
-def write_export(state: dict[str, torch.Tensor], model_cfg, out: Path, fmt: str) -> dict:
-    from dataclasses import asdict, is_dataclass
-
+def write_export(
+    state: dict[str, torch.Tensor], model_cfg, out: Path, fmt: str, part: Optional[ExportPart] = None
+) -> dict:
+    """Write the model (``state``: every tensor) as ``fmt`` into ``out``, or with ``part`` that part's file
+    only (``write_index`` then writes the config and the index)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model = asdict(model_cfg) if is_dataclass(model_cfg) else dict(model_cfg)
-    if fmt == "hf":  # the family's names and config.json (fsdp_exp.models.spec)
+    if fmt == "hf":  # the family's names (fsdp_exp.models.spec)
+        from fsdp_exp.models import spec_for
+
+        cfg = model_config(_plain(model_cfg))
+        tensors = spec_for(cfg).to_hf(state, cfg)
+    else:
+        tensors = dict(state)
+    if part is None:
+        _write_model_config(model_cfg, out, fmt)
+        (out / MODEL_INDEX).unlink(missing_ok=True)  # an earlier export's parts would shadow this file
+    path = out / (part.file if part else MODEL_FILE)
+    _save_safetensors(tensors, path, {"format": "pt", "producer": "fsdp_exp"})
+    return {"format": fmt, "dir": str(out), "file": str(path), "bytes": path.stat().st_size, "tensors": len(tensors)}
+
+
+def write_index(model_cfg, out: Path, fmt: str, count: int) -> dict:
+    """After every part's file is written: the config and Hugging Face's index of the parts (each tensor's
+    file, the total bytes), read from the files' headers."""
+    from safetensors import safe_open
+
+    out = Path(out)
+    _write_model_config(model_cfg, out, fmt)
+    files = [ExportPart({}, i, count).file for i in range(count)]
+    weight_map, total = {}, 0
+    for name in files:
+        with safe_open(str(out / name), framework="pt") as f:
+            for key in f.keys():
+                weight_map[key] = name
+                sliced = f.get_slice(key)
+                total += math.prod(sliced.get_shape()) * _DTYPE_BYTES[sliced.get_dtype()]
+    index = out / MODEL_INDEX
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    (out / MODEL_FILE).unlink(missing_ok=True)  # an earlier single-file export would be read instead
+    return {
+        "format": fmt,
+        "dir": str(out),
+        "file": str(index),
+        "files": [str(out / name) for name in files],
+        "bytes": sum((out / name).stat().st_size for name in files),
+        "tensors": len(weight_map),
+    }
+
+
+# safetensors' dtype names -> bytes per element (what the index's total_size counts)
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def _plain(model_cfg) -> dict:
+    from dataclasses import asdict, is_dataclass
+
+    return asdict(model_cfg) if is_dataclass(model_cfg) else dict(model_cfg)
+
+
+def _write_model_config(model_cfg, out: Path, fmt: str) -> None:
+    """config.json (``hf``: the family's, fsdp_exp.models.spec) or fsdp_exp's model config (``safetensors``)."""
+    model = _plain(model_cfg)
+    if fmt == "hf":
         from fsdp_exp.models import spec_for
 
         cfg = model_config(model)
-        spec = spec_for(cfg)
-        tensors = spec.to_hf(state, cfg)
-        (out / "config.json").write_text(json.dumps(spec.hf_config(cfg), indent=2) + "\n")
+        (out / "config.json").write_text(json.dumps(spec_for(cfg).hf_config(cfg), indent=2) + "\n")
     else:
-        tensors = dict(state)
         (out / MODEL_CONFIG).write_text(json.dumps(model, indent=2) + "\n")
-    path = out / MODEL_FILE
-    _save_safetensors(tensors, path, {"format": "pt", "producer": "fsdp_exp"})
-    return {"format": fmt, "dir": str(out), "file": str(path), "bytes": path.stat().st_size, "tensors": len(tensors)}
 
 
 def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict) -> None:
@@ -134,6 +229,10 @@ def load_checkpoint_model(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         warnings.simplefilter("ignore")
         loaded = _load_state_dict_from_keys(set(keys), checkpoint_id=str(path))
     state = {k.removeprefix("model."): v for k, v in _flatten(loaded).items()}
+    if meta["config"].get("parallel", {}).get("pp", 1) > 1:  # saved per rank's stages: "<local stage>.<name>"
+        from fsdp_exp.parallel.pipeline import full_model_names
+
+        state = full_model_names(state)
     return state, meta["config"]["model"]
 
 

@@ -140,6 +140,43 @@ def _is_routed_expert(name: str) -> bool:
     return "experts" in name.split(".")
 
 
+# transformers architectures (model_type) that run as pipeline stages: each stage calls the base model on the
+# previous stage's hidden states (``inputs_embeds``), which is the whole model's computation only where nothing
+# but the token lookup comes before the layers and nothing but the final norm and the head (with the transform
+# ``_logits_transform`` replays) comes after. Each was checked here, cut in two, against the whole model's logits
+# (tests/integration/test_pipeline_hf.py keeps checking them); GPT-2 and GPT-NeoX-style models (position
+# embeddings added in the forward, other names), Granite (multipliers applied in the forward) are not among them.
+PIPELINE_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "ministral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma3_text",
+    "olmo",
+    "olmo2",
+    "starcoder2",
+    "stablelm",
+    "helium",
+    "cohere",
+    "mixtral",
+    "qwen3_moe",
+)
+
+
+def _stage_forward(model, hidden, first: bool, last: bool):
+    """A pipeline stage's forward: the base model (its remaining layers, with its own rotary embedding and
+    causal mask) on token ids (the first stage) or on the previous stage's hidden states, then on the last
+    stage the output head (and what transformers applies to its logits)."""
+    hidden = model.base_model(**({"input_ids": hidden} if first else {"inputs_embeds": hidden})).last_hidden_state
+    if not last:
+        return hidden
+    logits = model.get_output_embeddings()(hidden)
+    transform = _logits_transform(model.config.get_text_config())
+    return transform(logits) if transform else logits
+
+
 class _NoTransformers:
     """Stands for transformers' model class where transformers is not installed (nothing is one)."""
 
@@ -237,6 +274,26 @@ class HfSpec(ModelSpec):
         # transformers' common name for the block count (an alias where a config names it otherwise: GPT-2's
         # n_layer); ++ sets it whether or not the command line already did.
         return f"++model.hf_overrides.num_hidden_layers={n_layers}"
+
+    def check_pipeline(self, m) -> None:
+        config = self.config(m)
+        if config.model_type not in PIPELINE_MODEL_TYPES:
+            fail(
+                f"parallel.pp>1 with {self.architecture(m)} ({config.model_type}): its pipeline stages would call "
+                "the base model on the previous stage's hidden states, which fsdp_exp checked gives the whole "
+                f"model's logits only for {', '.join(PIPELINE_MODEL_TYPES)} (their decoder is a list of layers "
+                "between the token embedding and the final norm; others add position embeddings or multipliers "
+                "in the forward).",
+                "pass parallel.pp=1, or a model of those architectures",
+            )
+        tied = self.tied_weights(m)
+        if tied:
+            name, to = next(iter(tied.items()))
+            fail(
+                f"parallel.pp>1: the model ties {name} to {to} (tie_word_embeddings), the last stage's output "
+                "projection to the first stage's embedding; stages on different ranks cannot share a tensor.",
+                "pass ++model.hf_overrides.tie_word_embeddings=false, or parallel.pp=1",
+            )
 
     # ------------------------------------------------------------------------------------ SpecFacts
     def vocab_size(self, m) -> int:
@@ -429,6 +486,26 @@ class HfSpec(ModelSpec):
             else:
                 first[id(param)] = name
         return tied
+
+    def cut_stage(self, model: "nn.Module", m, first: bool, last: bool) -> "nn.Module":
+        """The embeddings, on every stage but the first, and the final norm and head, on every stage but the
+        last, become ``nn.Identity``; the forward becomes ``_stage_forward`` (hidden states in, hidden states
+        or logits out)."""
+        import functools
+
+        from torch import nn
+
+        for name in () if first else self.input_modules_of(m):
+            model.set_submodule(name, nn.Identity())
+        for name in () if last else (*self.output_modules_of(m), self._final_norm(model)):
+            model.set_submodule(name, nn.Identity())
+        model.forward = types.MethodType(functools.partial(_stage_forward, first=first, last=last), model)
+        return model
+
+    def _final_norm(self, model: "nn.Module") -> str:
+        """The base model's norm after its layers (``norm`` in every architecture of PIPELINE_MODEL_TYPES)."""
+        prefix = model.base_model_prefix
+        return f"{prefix}.norm" if model.base_model is not model else "norm"
 
     def tensor_parallel_plan(self, m) -> TensorParallelPlan:
         """The model's ``_tp_plan`` (module pattern -> style), block entries by their names in a block;

@@ -127,6 +127,9 @@ class SpecChecks(ABC):
         fit check offers for a model too deep for the node), or None where the family has none."""
         return None
 
+    def check_pipeline(self, cfg) -> None:
+        """Refuse a model that ``cut_stage`` cannot cut into pipeline stages (``parallel.pp > 1``)."""
+
 
 class SpecFacts(ABC):
     """Role: what the rest of the run reads of a model config (the data, the record, the FLOPs count)."""
@@ -244,6 +247,23 @@ class SpecLayout(ABC):
     def tied_weights(self, cfg) -> dict[str, str]:
         """Parameter name -> the parameter it is tied to (the same tensor)."""
         return {}
+
+    def cut_stage(self, model: "nn.Module", cfg, first: bool, last: bool) -> "nn.Module":
+        """One pipeline stage of ``model`` (a meta model whose other stages' blocks are already deleted): what
+        runs before the blocks (``input_modules``) becomes ``nn.Identity`` on every stage but the first, the
+        root modules after the blocks (final norm, output projection) on every stage but the last. Its forward
+        takes the previous stage's activations (the first: token ids) and returns the next stage's (the last:
+        the logits). Default: the family's own forward does that once those modules are identities."""
+        from torch import nn
+
+        containers = {name.rpartition(".")[0].partition(".")[0] for name in self.inventory(cfg).blocks}
+        inputs = self.input_modules_of(cfg)
+        after_blocks = [name for name, _ in model.named_children() if name not in inputs and name not in containers]
+        for name in () if first else inputs:
+            model.set_submodule(name, nn.Identity())
+        for name in () if last else after_blocks:
+            model.set_submodule(name, nn.Identity())
+        return model
 
     @abstractmethod
     def tensor_parallel_plan(self, cfg) -> TensorParallelPlan:

@@ -104,12 +104,7 @@ def check(settings: PipelineSettings, model_cfg: "ModelConfig", local_batch: int
             "pass parallel.pp_stages_per_rank=2",
         )
     spec = spec_for(model_cfg)
-    if spec.name != "llama":
-        fail(
-            f"model.name={spec.name}: pipeline stages run the family's own forward on activations, which only "
-            "fsdp_exp's Llama takes so far (a transformers model takes token ids and returns an output object).",
-            "pass parallel.pp=1, or model=llama_tiny|llama7b|...",
-        )
+    spec.check_pipeline(model_cfg)  # the family's refusals: what its stages cannot run (models/hf.py)
     n_blocks = len(spec.inventory(model_cfg).blocks)
     if s.num_stages > n_blocks:
         fail(
@@ -233,9 +228,8 @@ def pipeline_mesh(device_type: str, pp: int, dp: int) -> "DeviceMesh":
 
 
 def build_stage_module(model_cfg: "ModelConfig", blocks: list[int], first: bool, last: bool) -> "nn.Module":
-    """The family's model on the meta device with only what this stage runs (see the module docstring)."""
-    from torch import nn
-
+    """The family's model on the meta device with only what this stage runs (see the module docstring): the
+    other stages' blocks deleted here, the ends cut by the family (``ModelSpec.cut_stage``)."""
     from fsdp_exp.models import build_meta, spec_for
 
     spec = spec_for(model_cfg)
@@ -246,15 +240,7 @@ def build_stage_module(model_cfg: "ModelConfig", blocks: list[int], first: bool,
         if name not in keep:
             parent, _, child = name.rpartition(".")
             delattr(model.get_submodule(parent), child)
-    containers = {name.rpartition(".")[0].partition(".")[0] for name in inventory.blocks}
-    after_blocks = [
-        name for name, _ in model.named_children() if name not in spec.input_modules and name not in containers
-    ]
-    for name in () if first else spec.input_modules:
-        setattr(model, name, nn.Identity())
-    for name in () if last else after_blocks:
-        setattr(model, name, nn.Identity())
-    return model
+    return spec.cut_stage(model, model_cfg, first, last)  # the ends, and a forward on activations
 
 
 def shard_stage(stage: "nn.Module", cfg: "RunConfig", dp_mesh: "DeviceMesh", device: "torch.device") -> dict:
@@ -460,8 +446,8 @@ class StagesBackend:
 
     tracks_memory = False
 
-    def __init__(self, inner):
-        self._inner = inner
+    def __init__(self, inner, mesh: Optional["DeviceMesh"] = None):
+        self._inner, self.mesh = inner, mesh
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
@@ -471,6 +457,25 @@ class StagesBackend:
         parameter name (flattened, as torchtitan saves under PP) instead of as one list that DCP would keep
         from a single rank."""
         return {**self._inner.state_dict_options(), "flatten_optimizer_state_dict": True}
+
+    def full_state_dict(self, model: "nn.Module"):
+        """The export's consolidation: this pp rank's stages gathered over the stage's other dims (dp, tp), one
+        parameter at a time, onto the stage's first rank, under the full model's names: one ``ExportPart`` per
+        pp rank (export.py writes a file per part and rank 0 the index), no rank holding more than its stages."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from fsdp_exp.export import ExportPart, gathered
+
+        writer = all(c == 0 for c in self.mesh.get_coordinate()[1:])  # the stage's first dp (and tp) rank
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+        part = gathered(full_model_names(state), keep=writer)
+        return ExportPart(part, index=self.mesh["pp"].get_local_rank(), count=self.mesh["pp"].size())
+
+
+def full_model_names(state: dict) -> dict:
+    """A rank's stages' state (the trainer's ``nn.ModuleList``: ``<local stage>.<name>``, as its checkpoints
+    hold it) under the full model's names (each stage keeps its parameters' names in the full model)."""
+    return {key.partition(".")[2]: value for key, value in state.items()}
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
@@ -505,7 +510,7 @@ def parallelize_pipeline(cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.de
     return PipelineParallelized(
         model=nn.ModuleList(engine.stages),
         applied=applied,
-        backend=StagesBackend(backend_for(cfg)),
+        backend=StagesBackend(backend_for(cfg), mesh=mesh),
         cfg=cfg,
         device=device,
         grad_sync="last_micro_batch",

@@ -37,7 +37,6 @@ def test_a_pipeline_run_is_a_pp_by_dp_mesh_whose_dp_ranks_take_their_whole_batch
         (["parallel.pp=2", "sharding=zero2"], "sharding=full (FSDP2), or parallel.pp=1"),
         (["parallel.pp=2", "sharding=ddp"], "sharding=full (FSDP2), or parallel.pp=1"),
         (["parallel.pp=2", "parallel.tp=2", "trainer.nproc_per_node=4"], "parallel.tp=1"),
-        (["parallel.pp=2", "checkpoint.export=safetensors"], "checkpoint.export=none"),
         (["parallel.pp=2", "parallel.pp_schedule=zigzag"], "parallel.pp_schedule=gpipe|1f1b"),
         (["parallel.pp=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches"),
         (["parallel.pp=2", "parallel.pp_stages_per_rank=2"], "parallel.pp_stages_per_rank=1"),
@@ -54,12 +53,22 @@ def test_pipeline_settings_that_cannot_run_are_refused_naming_the_override(overr
     assert fix in str(err.value)
 
 
-def test_a_transformers_model_is_refused_under_pipeline_stages_by_name(tmp_path):
+def test_a_transformers_architecture_whose_forward_stages_cannot_replay_is_refused_by_name(tmp_path):
+    """GPT-2 adds its position embeddings in the base model's forward, so a later stage would add them again."""
     transformers = pytest.importorskip("transformers")
     transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256).save_pretrained(tmp_path)
     with pytest.raises(ConfigError) as err:
         validate(run_config(["model=hf", f"model.hf_config={tmp_path}", "parallel.pp=2"]), cuda_devices=0)
-    assert "model.name=" in str(err.value) and "parallel.pp=1" in str(err.value)
+    assert "GPT2LMHeadModel (gpt2)" in str(err.value) and "parallel.pp=1" in str(err.value)
+
+
+def test_a_transformers_model_tying_its_head_to_its_embedding_is_refused_under_pipeline_stages():
+    pytest.importorskip("transformers")
+    shrunk = ["+model.hf_overrides.num_hidden_layers=2", "+model.hf_overrides.vocab_size=256"]
+    with pytest.raises(ConfigError) as err:
+        validate(run_config(["model=hf_qwen2_7b", *shrunk, "++model.hf_overrides.tie_word_embeddings=true",
+                             "parallel.pp=2"]), cuda_devices=0)
+    assert "++model.hf_overrides.tie_word_embeddings=false" in str(err.value)
 
 
 def test_the_cli_exits_2_naming_parallel_pp_before_any_rank_starts(tmp_path):
