@@ -268,23 +268,22 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
 
 
 def _validate_pipeline(cfg: RunConfig, world: int):
-    """parallel.pp > 1: the (pp, dp) mesh, FSDP2 (or DDP's replicas as one shard group) inside each stage;
+    """parallel.pp > 1: the (pp, dp) mesh, (pp, dp, tp) under tensor parallel, FSDP2 inside each stage;
     what the pipeline does not compose with yet is refused by name. Returns (shape, names, dp)."""
     from fsdp_exp.parallel import pipeline
 
-    pp = cfg.parallel.pp  # checkpoints and the export: per stage (checkpoint/, export.py)
+    pp, tp = cfg.parallel.pp, cfg.parallel.tp  # checkpoints and the export: per stage (checkpoint/, export.py)
     if pp < 1 or world % pp:
         fail(
             f"parallel.pp={pp} does not divide the world size {world}.",
             f"pass parallel.pp={_largest_divisor_at_most(world, max(pp, 1))} (a divisor of {world})",
         )
-    pipeline.check_sharding(cfg)
-    if cfg.parallel.tp > 1:
+    if (world // pp) % tp:
         fail(
-            f"parallel.pp={pp} with parallel.tp={cfg.parallel.tp}: tensor parallel inside pipeline stages is "
-            "not composed yet.",
-            "pass parallel.tp=1, or parallel.pp=1",
+            f"parallel.pp={pp} x parallel.tp={tp} does not divide the world size {world}.",
+            f"pass parallel.tp={_largest_divisor_at_most(world // pp, tp)} (a divisor of {world // pp})",
         )
+    pipeline.check_sharding(cfg)
     refused = [
         ("ac.mode", cfg.ac.mode != "none", "ac=none"),
         ("compile", bool(cfg.compile), "compile=false"),
@@ -300,7 +299,7 @@ def _validate_pipeline(cfg: RunConfig, world: int):
                 "scaling under stages are not built; docs/pipeline.md).",
                 f"pass {fix}, or parallel.pp=1",
             )
-    dp = world // pp
+    dp = world // (pp * tp)
     t = cfg.trainer
     local_batch = t.global_batch_size // dp
     settings = pipeline.settings_from(cfg, local_batch)
@@ -317,7 +316,7 @@ def _validate_pipeline(cfg: RunConfig, world: int):
         )
     if t.global_batch_size % dp == 0:  # otherwise the batch check after this one names the fix
         pipeline.check(settings, cfg.model, local_batch)
-    return (pp, dp), ("pp", "dp"), dp
+    return (*pipeline.mesh_layout(pp, dp, tp), dp)
 
 
 def _value(cfg: RunConfig, key: str):

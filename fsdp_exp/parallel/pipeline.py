@@ -2,8 +2,10 @@
 torch.distributed.pipelining driving the micro-batches (issue #26; ``parallelize`` calls
 ``parallelize_pipeline`` when parallel.pp > 1, see docs/pipeline.md).
 
-The mesh is 2-D, (pp, dp), pp outermost as torchtitan orders its dims: rank = pp_index * dp + dp_index,
-so the ranks of one stage are neighbours (one node) and the stage-to-stage sends cross the nodes.
+The mesh is (pp, dp), or (pp, dp, tp) under tensor parallel, pp outermost and tp innermost as torchtitan
+orders its dims: rank = (pp_index * dp + dp_index) * tp + tp_index, so the ranks of one stage are neighbours
+(one node) and the stage-to-stage sends cross the nodes. Inside a stage tensor parallel (the pp=1 plan,
+parallel/tp.py) comes first, then FSDP2 over dp.
 
 A stage is the family's own model built on the meta device with what the stage does not run taken out:
 its blocks not in the stage are deleted, the input modules (the spec's ``input_modules``: embeddings)
@@ -22,8 +24,10 @@ the values the unsplit model has.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from fsdp_exp.errors import fail
 from fsdp_exp.parallel import Parallelized
@@ -134,14 +138,23 @@ def check(settings: PipelineSettings, model_cfg: "ModelConfig", local_batch: int
 
 
 def check_sharding(cfg: "RunConfig") -> None:
-    """The stages are sharded by FSDP2 (``fully_shard`` over the dp dim, ``shard_stage``); refuse, naming the
-    override, the data-parallel settings not composed with stages yet (FSDP1, DDP, DeepSpeed, hybrid)."""
-    s = cfg.sharding
+    """The stages are sharded by FSDP2 (``fully_shard`` over the dp dim, ``shard_stage``), after tensor parallel
+    (``parallel.tp``, the pp=1 plan); refuse, naming the override, the settings not composed with stages yet:
+    FSDP1, DDP, DeepSpeed, hybrid; sequence parallel."""
+    s, p = cfg.sharding, cfg.parallel
     if s.backend != "fsdp2" or s.strategy != "full":
         fail(
-            f"parallel.pp={cfg.parallel.pp} runs FSDP2 fully sharded inside each stage; sharding.backend={s.backend} "
+            f"parallel.pp={p.pp} runs FSDP2 fully sharded inside each stage; sharding.backend={s.backend} "
             f"sharding.strategy={s.strategy} is not composed with pipeline stages yet.",
             "pass sharding=full (FSDP2), or parallel.pp=1",
+        )
+    if p.tp > 1 and p.sequence_parallel:
+        # Every stage but the first would receive a shard of the sequence, and the family's forward takes
+        # the rotary tables' length from its input (models/llama.py): a stage would rotate by the wrong length.
+        fail(
+            f"parallel.sequence_parallel=true with parallel.pp={p.pp}: a later stage receives its activations "
+            "sharded over the sequence, and the model's forward reads the sequence length from its input.",
+            "pass parallel.sequence_parallel=false (loss parallel composes with stages), or parallel.pp=1",
         )
 
 
@@ -220,11 +233,18 @@ def stages_of_rank(settings: PipelineSettings, pp_rank: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------ building
-def pipeline_mesh(device_type: str, pp: int, dp: int) -> "DeviceMesh":
-    """The (pp, dp) mesh: pp outermost, as torchtitan orders its dims (pp, dp_replicate, dp_shard, cp, tp)."""
+def pipeline_mesh(device_type: str, pp: int, dp: int, tp: int = 1) -> "DeviceMesh":
+    """The (pp, dp) mesh, (pp, dp, tp) when tp > 1: pp outermost, tp innermost, as torchtitan orders its
+    dims (pp, dp_replicate, dp_shard, cp, tp); preflight's topology gives the run's mesh this shape."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "dp"))
+    shape, names = mesh_layout(pp, dp, tp)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def mesh_layout(pp: int, dp: int, tp: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(shape, dim names) of a pipeline run's mesh: rank = (pp_index * dp + dp_index) * tp + tp_index."""
+    return ((pp, dp, tp), ("pp", "dp", "tp")) if tp > 1 else ((pp, dp), ("pp", "dp"))
 
 
 def build_stage_module(model_cfg: "ModelConfig", blocks: list[int], first: bool, last: bool) -> "nn.Module":
@@ -269,6 +289,16 @@ def shard_stage(stage: "nn.Module", cfg: "RunConfig", dp_mesh: "DeviceMesh", dev
     return {"units": units}
 
 
+def tensor_parallel_stage(stage: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh") -> dict:
+    """Tensor parallel inside one stage (parallel.tp > 1, on the mesh's tp dim), before FSDP2 as at pp=1: the
+    family's plan (parallel/tp.py), on the modules the stage runs (its ``nn.Identity`` stand-ins skipped)."""
+    if cfg.parallel.tp == 1:
+        return {}
+    from fsdp_exp.parallel import tp
+
+    return {"tp": tp.apply(stage, cfg, mesh["tp"])}
+
+
 def stage_loss(logits: "torch.Tensor", targets: "torch.Tensor") -> "torch.Tensor":
     """The schedule's loss_fn on the last stage: the project's mean cross-entropy per token. The stage has
     already made the logits, so the "model" handed to ``mean_cross_entropy`` is the identity."""
@@ -297,6 +327,9 @@ class PipelineEngine:
     optimizers: list = field(default_factory=list)
     schedulers: list = field(default_factory=list)
     applied: dict = field(default_factory=dict)
+    # Around the schedule's step (its forwards, losses and backwards): tensor parallel's loss parallel when
+    # the last stage's logits stay sharded over the vocabulary (parallel/tp.py's loss_context), else a no-op.
+    loss_context: Callable = contextlib.nullcontext
 
     @property
     def has_first(self) -> bool:
@@ -314,12 +347,13 @@ class PipelineEngine:
         import torch.distributed as dist
 
         losses: list = []
-        self.schedule.step(
-            *((inputs,) if self.has_first else ()),
-            target=targets if self.has_last else None,
-            losses=losses if self.has_last else None,
-            return_outputs=False,
-        )
+        with self.loss_context():
+            self.schedule.step(
+                *((inputs,) if self.has_first else ()),
+                target=targets if self.has_last else None,
+                losses=losses if self.has_last else None,
+                return_outputs=False,
+            )
         # The last stage's mean over its micro-batches, summed over the pp group (the other stages add 0),
         # then averaged over dp: the mean over the global batch, on every rank of this mesh.
         local = torch.stack([x.detach().float() for x in losses]).mean() if self.has_last else torch.zeros(())
@@ -338,9 +372,15 @@ class PipelineEngine:
         from torch.distributed.tensor import DTensor
 
         grads = [p.grad for stage in self.stages for p in stage.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        square = norm.square()
+        # Under tensor parallel the gradients live on two meshes (matrices on (dp, tp), norms on dp) and
+        # DTensor combines no norms across meshes: each mesh's squared norm, then their sum.
+        by_mesh: dict = {}
+        for grad in grads:
+            by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+        square = torch.zeros((), device=grads[0].device if grads else None)
+        for group in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+            square = square + (norm.full_tensor() if isinstance(norm, DTensor) else norm).square()
         dist.all_reduce(square, group=self.mesh["pp"].get_group())
         total = square.sqrt()
         coef = max_norm / (total.item() + 1e-6)
@@ -368,6 +408,7 @@ def build_pipeline(
 
     from fsdp_exp.models import matrix_parameter_names
     from fsdp_exp.optim import build_optimizer, build_scheduler
+    from fsdp_exp.parallel import tp
 
     local_batch = cfg.trainer.global_batch_size // mesh["dp"].size()
     check(settings, cfg.model, local_batch)
@@ -377,7 +418,8 @@ def build_pipeline(
     stages, pipeline_stages, applied = [], [], {"stage_blocks": blocks, "stages": {}}
     for index in indices:
         stage = build_stage_module(cfg.model, blocks[index], first=index == 0, last=index == last)
-        applied["stages"][index] = shard_stage(stage, cfg, mesh["dp"], device)
+        applied["stages"][index] = tensor_parallel_stage(stage, cfg, mesh)
+        applied["stages"][index].update(shard_stage(stage, cfg, mesh["dp"], device))
         stages.append(stage)
         pipeline_stages.append(
             pipelining.PipelineStage(stage, index, settings.num_stages, device, group=mesh["pp"].get_group())
@@ -407,6 +449,7 @@ def build_pipeline(
         optimizers=stage_optimizers,
         schedulers=schedulers,
         applied=applied,
+        loss_context=functools.partial(tp.loss_context, cfg),
     )
 
 

@@ -81,6 +81,7 @@ def loss_context(cfg: RunConfig):
 def apply(model: nn.Module, cfg: RunConfig, tp_mesh: DeviceMesh) -> dict:
     sp = cfg.parallel.sequence_parallel
     root_plan, block_plan = styles(spec_for(cfg.model).tensor_parallel_plan(cfg.model), sp, cfg.parallel.loss_parallel)
+    root_plan = _present(model, root_plan)
     parallelize_module(model, tp_mesh, root_plan)
     names = blocks(model, cfg)
     for name in names:
@@ -94,3 +95,9 @@ def apply(model: nn.Module, cfg: RunConfig, tp_mesh: DeviceMesh) -> dict:
         "block_plan": {k: type(v).__name__ for k, v in block_plan.items()},
         "root_plan": {k: type(v).__name__ for k, v in root_plan.items()},
     }
+
+
+def _present(model: nn.Module, plan: dict) -> dict:
+    """The entries of ``plan`` whose module this model runs: a pipeline stage holds ``nn.Identity`` in place
+    of the root modules of other stages (parallel/pipeline.py), which no parallel style takes."""
+    return {name: style for name, style in plan.items() if not isinstance(model.get_submodule(name), nn.Identity)}

@@ -43,17 +43,26 @@ PP2 = {
     "dualpipev": dict(pp=2, schedule="dualpipev", microbatches=4, stages_per_rank=2),
 }
 PP2_DP2 = {"1f1b_fsdp2_dp2": dict(pp=2, schedule="1f1b", microbatches=2)}  # 4 sequences per dp rank
-CASES = {**PP2, **PP2_DP2}
-# One spawned group of 4 ranks runs every case: a (replica, pp, dp) mesh whose two replicas are two
+PP2_TP2 = {"1f1b_tp2": dict(pp=2, schedule="1f1b", microbatches=4)}
+BF16 = {"1f1b_fsdp2_dp2_bf16": dict(pp=2, schedule="1f1b", microbatches=2)}
+CASES = {**PP2, **PP2_DP2, **PP2_TP2, **BF16}
+# The overrides a case's run adds to OVERRIDES (its config: the TP plan and loss parallel, the precision).
+CASE_OVERRIDES = {"1f1b_tp2": ["parallel.tp=2"], "1f1b_fsdp2_dp2_bf16": ["precision=bf16"]}
+# One spawned group of 4 ranks runs every case: a (replica, pp, dp, tp) mesh whose two replicas are two
 # independent 2-rank pipelines (each round, replica 0 trains one case while replica 1 trains another),
-# then one pp=2 x dp=2 pipeline over all four.
+# then pipelines over all four: pp=2 x dp=2, pp=2 x tp=2 (the pp, dp, tp mesh), pp=2 x dp=2 in bf16.
 ROUNDS = [
-    ((2, 2, 1), ("gpipe", "1f1b")),
-    ((2, 2, 1), ("interleaved_1f1b", "looped_bfs")),
-    ((2, 2, 1), ("zbv_zero_bubble", "dualpipev")),
-    ((1, 2, 2), ("1f1b_fsdp2_dp2",)),
+    ((2, 2, 1, 1), ("gpipe", "1f1b")),
+    ((2, 2, 1, 1), ("interleaved_1f1b", "looped_bfs")),
+    ((2, 2, 1, 1), ("zbv_zero_bubble", "dualpipev")),
+    ((1, 2, 2, 1), ("1f1b_fsdp2_dp2",)),
+    ((1, 2, 1, 2), ("1f1b_tp2",)),
+    ((1, 2, 2, 1), ("1f1b_fsdp2_dp2_bf16",)),
 ]
 NPROCS = 4
+# bf16 compute (fp32 master parameters and gradient reduction), against the fp32 single process: the
+# tolerance test_backends.py holds every backend's bf16 run to.
+BF16_LOSS_RTOL = 1e-2
 
 
 def _global_batches(cfg, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -66,7 +75,7 @@ def _global_batches(cfg, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(b.inputs, b.targets) for step in range(steps) for b in data.micro_batches(step)]
 
 
-def _rank(rank: int, world: int, port: int, config: dict, batches: list, out: str) -> None:
+def _rank(rank: int, world: int, port: int, configs: dict, batches: list, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -75,14 +84,15 @@ def _rank(rank: int, world: int, port: int, config: dict, batches: list, out: st
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    cfg = to_run_config(config)
     meshes: dict = {}
     for shape, names in ROUNDS:
         if shape not in meshes:
-            meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("replica", "pp", "dp"))
+            meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("replica", "pp", "dp", "tp"))
         mesh = meshes[shape]
         name = names[mesh["replica"].get_local_rank()]
-        _train_case(cfg, name, mesh["pp", "dp"], batches, Path(out), rank)
+        # The run's own mesh: (pp, dp), or (pp, dp, tp) under tensor parallel, as preflight lays it out.
+        dims = ("pp", "dp", "tp") if shape[3] > 1 else ("pp", "dp")
+        _train_case(to_run_config(configs[name]), name, mesh[dims], batches, Path(out), rank)
         dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -90,8 +100,8 @@ def _rank(rank: int, world: int, port: int, config: dict, batches: list, out: st
 
 
 def _train_case(cfg, name: str, mesh, batches: list, out: Path, rank: int) -> None:
-    """Train case ``name`` on the (pp, dp) ``mesh``; write its parameters (each stage's first dp rank) and
-    its losses (the mesh's first rank)."""
+    """Train case ``name`` on the (pp, dp) or (pp, dp, tp) ``mesh``; write its parameters (each stage's first
+    rank) and its losses (the mesh's first rank)."""
     from fsdp_exp.parallel.pipeline import PipelineSettings, build_pipeline
 
     engine = build_pipeline(cfg, PipelineSettings(**CASES[name]), mesh, torch.device("cpu"))
@@ -101,15 +111,30 @@ def _train_case(cfg, name: str, mesh, batches: list, out: Path, rank: int) -> No
         rows = slice(dp_rank * inputs.shape[0] // dp, (dp_rank + 1) * inputs.shape[0] // dp)
         losses.append(engine.step(inputs[rows], targets[rows]))
         engine.optimizer_step(cfg.trainer.grad_clip)
-    params = {n: p.full_tensor() for stage in engine.stages for n, p in stage.named_parameters()}  # over dp
-    if dp_rank == 0:
-        torch.save(params, out / f"{name}-params-{rank}.pt")
-    if mesh["pp"].get_local_rank() == 0 and dp_rank == 0:
+    params = {n: p.full_tensor() for stage in engine.stages for n, p in stage.named_parameters()}  # over dp, tp
+    first_of_stage = dp_rank == 0 and ("tp" not in mesh.mesh_dim_names or mesh["tp"].get_local_rank() == 0)
+    if first_of_stage:
+        torch.save({"params": params, "tp": _tensor_parallel_layout(engine)}, out / f"{name}-params-{rank}.pt")
+    if mesh["pp"].get_local_rank() == 0 and first_of_stage:
         (out / f"{name}.json").write_text(
             json.dumps(
-                {"losses": losses, "stages": engine.stage_indices, "stage_blocks": engine.applied["stage_blocks"]}
+                {
+                    "losses": losses,
+                    "stages": engine.stage_indices,
+                    "stage_blocks": engine.applied["stage_blocks"],
+                }
             )
         )
+
+
+def _tensor_parallel_layout(engine) -> dict:
+    """Per local stage: the root modules the TP plan was applied to, and the parameters sharded over a tp dim."""
+    layout = {}
+    for index, stage in zip(engine.stage_indices, engine.stages):
+        applied = engine.applied["stages"][index].get("tp", {})
+        on_tp = [n for n, p in stage.named_parameters() if "tp" in (p.device_mesh.mesh_dim_names or ())]
+        layout[index] = {"root_plan": sorted(applied.get("root_plan", {})), "tp_params": on_tp}
+    return layout
 
 
 def _train_all(out: Path) -> dict:
@@ -118,17 +143,19 @@ def _train_all(out: Path) -> dict:
     from fsdp_exp.config import plain
     from fsdp_exp.launch import free_port
 
-    cfg = run_config(OVERRIDES)
-    batches = _global_batches(cfg, STEPS)
+    batches = _global_batches(run_config(OVERRIDES), STEPS)
+    configs = {name: plain(run_config([*OVERRIDES, *CASE_OVERRIDES.get(name, [])])) for name in CASES}
     mp.start_processes(
-        _rank, args=(NPROCS, free_port(), plain(cfg), batches, str(out)), nprocs=NPROCS, start_method="spawn"
+        _rank, args=(NPROCS, free_port(), configs, batches, str(out)), nprocs=NPROCS, start_method="spawn"
     )
     results = {}
     for name in CASES:
         results[name] = json.loads((out / f"{name}.json").read_text())
-        results[name]["params"] = {}
+        results[name]["params"], results[name]["tp"] = {}, {}
         for path in out.glob(f"{name}-params-*.pt"):
-            results[name]["params"].update(torch.load(path))
+            saved = torch.load(path)
+            results[name]["params"].update(saved["params"])
+            results[name]["tp"].update(saved["tp"])
     return results
 
 
@@ -142,11 +169,16 @@ def runs(tmp_path_factory):
     return _train_all(tmp_path_factory.mktemp("pipeline"))
 
 
-def _assert_matches_reference(run: dict, reference, case: str) -> None:
-    expected_losses, model = reference
+def _assert_losses_match(run: dict, reference, case: str, rtol: float = LOSS_RTOL) -> None:
+    expected_losses, _ = reference
     assert len(run["losses"]) == STEPS
     for step, (got, want) in enumerate(zip(run["losses"], expected_losses), 1):
-        assert abs(got - want) / abs(want) < LOSS_RTOL, f"{case} step {step}: loss {got} vs single process {want}"
+        assert abs(got - want) / abs(want) < rtol, f"{case} step {step}: loss {got} vs single process {want}"
+
+
+def _assert_matches_reference(run: dict, reference, case: str) -> None:
+    _, model = reference
+    _assert_losses_match(run, reference, case)
     expected = dict(model.named_parameters())
     assert sorted(run["params"]) == sorted(expected), f"{case}: the stages together hold every parameter once"
     for name, value in run["params"].items():
@@ -169,6 +201,25 @@ def test_two_stages_with_fsdp2_over_two_dp_ranks_train_like_one_process(runs, re
     _assert_matches_reference(runs["1f1b_fsdp2_dp2"], reference, "1f1b_fsdp2_dp2")
 
 
+def test_two_stages_with_tensor_parallel_over_two_ranks_inside_each_train_like_one_process(runs, reference):
+    # parallel.tp=2 with its default loss parallel: the last stage's logits stay sharded over the vocabulary.
+    run = runs["1f1b_tp2"]
+    _assert_matches_reference(run, reference, "1f1b_tp2")
+    # The plan reached each stage's modules and skipped the ends the stage does not run (nn.Identity).
+    assert {i: layout["root_plan"] for i, layout in run["tp"].items()} == {0: ["tok_embeddings"], 1: ["output"]}
+    assert "layers.0.attention.wq.weight" in run["tp"][0]["tp_params"]
+    assert "output.weight" in run["tp"][1]["tp_params"] and "norm.weight" not in run["tp"][1]["tp_params"]
+
+
+def test_two_stages_with_fsdp2_in_bf16_train_like_the_fp32_process_within_bf16_tolerance(runs, reference):
+    run = runs["1f1b_fsdp2_dp2_bf16"]
+    _assert_losses_match(run, reference, "1f1b_fsdp2_dp2_bf16", BF16_LOSS_RTOL)
+    # And it did compute in bf16: its parameters left fp32's rounding (PARAM_ATOL) behind.
+    _, model = reference
+    expected = dict(model.named_parameters())
+    assert max((v - expected[n].detach()).abs().max().item() for n, v in run["params"].items()) > PARAM_ATOL
+
+
 # The command line's pipeline run (fsdp_exp's launcher, trainer and preflight: parallel.pp*), checked against
 # the same single-process reference: interleaved 1F1B, so each rank trains two stages under one optimizer.
 CLI_PP = [
@@ -189,14 +240,42 @@ def cli_run(tmp_path_factory):
     return result
 
 
-def test_a_pipeline_run_resumed_from_its_step_4_checkpoint_trains_step_5_bit_identically(cli_run, tmp_path):
-    step_4 = cli_run.run_dir / "checkpoints" / "step_4"
-    resumed = run_cli([*OVERRIDES, *CLI_PP, f"checkpoint.resume={step_4}"], tmp_path / "resumed")
+# The killed run's collective timeout: a rank whose peer died would wait this long in a P2P receive, so a
+# job ended well before it was ended by the launcher noticing the dead rank, not by the wait running out.
+KILLED_COLLECTIVE_TIMEOUT_S = 180
+
+
+def test_a_killed_rank_ends_the_pipeline_run_naming_it_and_the_resume_trains_step_5_bit_identically(
+    cli_run, tmp_path
+):
+    """Rank 1 (the last stage of pp rank 1) is SIGKILLed at the start of step 5, after the step 4 checkpoint:
+    the job exits 1 naming it; rerun in the same run directory, it resumes from step_4 and its step 5 is the
+    uninterrupted run's, bit for bit."""
+    run_dir = tmp_path / "run"
+    killed = run_cli(
+        [
+            *OVERRIDES,
+            *CLI_PP,
+            "checkpoint.every=4",
+            "debug.fail_at_step=4",  # 0-based: the fifth step
+            "debug.fail_rank=1",
+            "debug.fail_signal=SIGKILL",
+            f"trainer.collective_timeout_s={KILLED_COLLECTIVE_TIMEOUT_S}",
+        ],
+        run_dir,
+    )
+    assert killed.returncode == 1, killed.stderr[-3000:]
+    assert killed.seconds < KILLED_COLLECTIVE_TIMEOUT_S, f"took {killed.seconds:.0f} s"
+    assert "rank 1" in killed.stderr and "SIGKILL" in killed.stderr, killed.stderr[-3000:]
+    assert killed.record["status"] == "failed" and killed.record["error"]["rank"] == 1
+    assert [row["step"] for row in killed.metrics] == [1, 2, 3, 4]
+
+    resumed = run_cli([*OVERRIDES, *CLI_PP, "checkpoint.every=4"], run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.record["resumed_from"]["step"] == 4
-    assert [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in resumed.metrics] == [
-        (r["step"], r["train/loss"], r["train/grad_norm"]) for r in cli_run.metrics if r["step"] == STEPS
-    ]
+    assert resumed.record["resumed_from"]["previous_attempt"]["error"]["rank"] == 1
+    step_5 = [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in resumed.metrics if r["step"] == STEPS]
+    assert step_5 == [(r["step"], r["train/loss"], r["train/grad_norm"]) for r in cli_run.metrics if r["step"] == STEPS]
 
 
 def test_the_command_line_pipeline_run_trains_like_one_process_and_records_its_cut(reference, cli_run):

@@ -1,4 +1,4 @@
-"""Pipeline parallel from the config (parallel.pp*): preflight makes the (pp, dp) mesh and feeds each dp rank's
+"""Pipeline parallel from the config (parallel.pp*): preflight makes the (pp, dp[, tp]) mesh and feeds each dp rank's
 whole batch to the schedule, and refuses, before any rank starts, what stages do not run (yet), naming the
 override that fixes it."""
 
@@ -29,6 +29,13 @@ def test_a_pipeline_run_is_a_pp_by_dp_mesh_whose_dp_ranks_take_their_whole_batch
     assert settings_from(cfg, 4).n_microbatches == 2  # trainer.micro_batch_size is the pipeline's micro-batch
 
 
+def test_pipeline_with_tensor_parallel_is_a_pp_dp_tp_mesh_tp_innermost():
+    cfg = run_config(["trainer.nproc_per_node=8", "parallel.pp=2", "parallel.tp=2", "model.n_layers=4"])
+    topology = validate(cfg, cuda_devices=0)
+    assert (topology.mesh_shape, topology.mesh_dim_names) == ((2, 2, 2), ("pp", "dp", "tp"))
+    assert (topology.dp_size, topology.tp_size, topology.micro_batch_size) == (2, 2, 4)  # 8 sequences over dp=2
+
+
 @pytest.mark.parametrize(
     "overrides,fix",
     [
@@ -36,7 +43,14 @@ def test_a_pipeline_run_is_a_pp_by_dp_mesh_whose_dp_ranks_take_their_whole_batch
         (["parallel.pp=2", "sharding.backend=fsdp1"], "sharding=full (FSDP2), or parallel.pp=1"),
         (["parallel.pp=2", "sharding=zero2"], "sharding=full (FSDP2), or parallel.pp=1"),
         (["parallel.pp=2", "sharding=ddp"], "sharding=full (FSDP2), or parallel.pp=1"),
-        (["parallel.pp=2", "parallel.tp=2", "trainer.nproc_per_node=4"], "parallel.tp=1"),
+        (
+            ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "trainer.nproc_per_node=4"],
+            "parallel.sequence_parallel=false",
+        ),
+        (
+            ["parallel.pp=2", "parallel.tp=4", "trainer.nproc_per_node=4", "model.n_kv_heads=4"],
+            "parallel.tp=2 (a divisor of 2)",
+        ),
         (["parallel.pp=2", "parallel.pp_schedule=zigzag"], "parallel.pp_schedule=gpipe|1f1b"),
         (["parallel.pp=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches"),
         (["parallel.pp=2", "parallel.pp_stages_per_rank=2"], "parallel.pp_stages_per_rank=1"),
