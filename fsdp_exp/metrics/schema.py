@@ -335,6 +335,94 @@ COMM_METRICS: list[Metric] = [
     for name in ("total_s", "exposed_s")
 ]
 
+# Pipeline-parallel runs only (parallel.pp > 1; fsdp_exp.metrics.pipeline): the time each pp rank's schedule
+# step spends in its stages' own compute and waiting on its neighbours (every logged step), and the sampled
+# step's memory per pp rank (its stages' peak).
+_PP_STEP = "the schedule's step (its forwards, losses and backwards over the micro-batches)"
+PIPELINE_METRICS: list[Metric] = [
+    Metric(
+        "pp/bubble",
+        "fraction",
+        "step",
+        "mean",
+        f"measured bubble: 1 - (time in the stage's own forward/backward chunks) / (time of {_PP_STEP}), on each "
+        "rank; beside pp/bubble_predicted. On a CPU it also holds Python and gloo overheads",
+        wandb_summary="none",
+    ),
+    Metric("pp/bubble_max", "fraction", "step", "max", "pp/bubble of the idlest rank", wandb_summary="mean"),
+    Metric(
+        "pp/bubble_predicted",
+        "fraction",
+        "step",
+        "rank0",
+        "the schedule's bubble for equal stages and free sends, (pp - 1) / (v m + pp - 1) (run.json "
+        "applied.pipeline.bubble); the same in every row",
+        wandb_summary="last",
+    ),
+    Metric(
+        "pp/compute_s_max",
+        "s",
+        "step",
+        "max",
+        "time in the stages' forward_one_chunk / backward_one_chunk / backward_weight_one_chunk (the slowest rank)",
+        wandb_summary="mean",
+    ),
+    Metric("pp/schedule_time_s_max", "s", "step", "max", f"wall time of {_PP_STEP}, slowest rank", wandb_summary="mean"),
+    Metric(
+        "comm/p2p_wait_s",
+        "s",
+        "step",
+        "max",
+        "time the schedule's step waited on sends and receives between stages (torch's _wait_batch_p2p), the "
+        "longest-waiting rank; part of pp/schedule_time_s_max beside pp/compute_s_max",
+        wandb_summary="none",
+    ),
+    Metric(
+        "mem/pp_peak_pp_rank",
+        "index",
+        "step",
+        "rank0",
+        "in the sampled step's row: the pp rank whose stages hold the largest tracked peak (mem/tracked_total_gib_max; "
+        'each pp rank\'s in run.json["memory_breakdown"]["pipeline"])',
+        wandb_summary="last",
+    ),
+    Metric(
+        "mem/pp_peak_gib_min",
+        "GiB",
+        "step",
+        "min",
+        "in the sampled step's row: the tracked peak of the lightest pp rank (its stages), beside "
+        "mem/tracked_total_gib_max, the heaviest's",
+        wandb_summary="last",
+    ),
+    Metric("summary/pp_bubble_median", "fraction", "run", "mean", "in the summary: median of pp/bubble"),
+    Metric("summary/pp_bubble_predicted", "fraction", "run", "rank0", "in the summary: pp/bubble_predicted"),
+    Metric("summary/comm_p2p_wait_s_median", "s", "run", "max", "in the summary: median of comm/p2p_wait_s"),
+    Metric(
+        "summary/pp_peak_gib_per_pp_rank",
+        "GiB list",
+        "run",
+        "max",
+        "in the summary: the sampled step's tracked peak of each pp rank (max over its dp ranks), pp rank order",
+    ),
+    Metric(
+        "summary/pp_peak_pp_rank",
+        "index",
+        "run",
+        "rank0",
+        "in the summary: the pp rank holding the largest of those (summary/tracked_peak_gib_max)",
+    ),
+    Metric("summary/pp_peak_stages", "text", "run", "rank0", "in the summary: the stages that pp rank holds, e.g. 0,2"),
+    Metric(
+        "summary/pp_ranks",
+        "list",
+        "run",
+        "rank0",
+        "in the summary: per rank, its pp rank and the medians over the measured steps of its compute_s, "
+        "p2p_wait_s, schedule_s (seconds) and bubble",
+    ),
+]
+
 SUMMARY_METRICS: list[Metric] = [
     Metric(
         "summary/steps_measured",
@@ -413,7 +501,14 @@ SUMMARY_METRICS: list[Metric] = [
 ]
 
 ALL_METRICS = {
-    m.name: m for m in STEP_METRICS + START_METRICS + EVAL_METRICS + TRACKED_METRICS + COMM_METRICS + SUMMARY_METRICS
+    m.name: m
+    for m in STEP_METRICS
+    + START_METRICS
+    + EVAL_METRICS
+    + TRACKED_METRICS
+    + COMM_METRICS
+    + PIPELINE_METRICS
+    + SUMMARY_METRICS
 }
 
 
@@ -442,6 +537,7 @@ def render_markdown() -> str:
             TRACKED_METRICS,
         ),
         ('Communication of a profiled step (trainer.profile_steps; in its row, and run.json["comm"])', COMM_METRICS),
+        ("Pipeline parallel (parallel.pp > 1): per stage, every logged step and the sampled one", PIPELINE_METRICS),
         ('Run summary (W&B summary, run.json["summary"])', SUMMARY_METRICS),
     ):
         lines += [

@@ -10,6 +10,7 @@ Every method with a collective is called by all ranks.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from fsdp_exp.dist import gather_over_ranks, reduce_over_ranks
 from fsdp_exp.metrics import memory
 from fsdp_exp.metrics.device_peak import device_peak
 from fsdp_exp.metrics.flops import convention_flops_per_token, mfu, recompute_flops_per_token
+from fsdp_exp.metrics.pipeline import PipelineMetrics
 from fsdp_exp.metrics.summary import summarize
 from fsdp_exp.metrics.schema import PHASES
 from fsdp_exp.metrics.tracker import BREAKDOWN, StepMemory
@@ -91,6 +93,9 @@ class StepMetrics:
         self.track_step, self.snapshot_step = sampled.memory, sampled.snapshot
         self.profile_steps = set(t.profile_steps)  # torch.profiler traces and comm/* (fsdp_exp.metrics.comm)
         self.comm_record: list[dict] = []
+        # A pipeline run's per-stage figures: its engine's observer times every step (fsdp_exp.metrics.pipeline).
+        observer = getattr(backend, "stage_observer", None)
+        self.pipeline = PipelineMetrics(observer, self.device) if observer else None
 
     def facts(self) -> dict:
         """What the rows are divided by, for run.json's env: FLOPs per token and the device's peaks."""
@@ -146,6 +151,8 @@ class StepMetrics:
             torch.cuda.reset_peak_memory_stats(self.device)  # peaks are per log interval
         values = [loss.item(), self.data.last_wait_s] + [float(v) for v in [*local.values(), *counts.values()]]
         hi, mean = reduce_over_ranks(values, self.device)  # every rank has equally many tokens
+        measured = step > t.warmup_steps and step - 1 not in self.profile_steps
+        stages = self.pipeline.row(measured) if self.pipeline else {}  # pp/*, comm/p2p_wait_s
         step_time = time.perf_counter() - started
 
         tokens_per_s = self.tokens_per_step / step_time
@@ -178,6 +185,7 @@ class StepMetrics:
         if evaluating:
             val_loss = evaluate()
             row.update({"val/loss": val_loss, "val/perplexity": math.exp(min(val_loss, 700.0))})
+        row.update(stages)
         row.update(self.predicted)
         row.update(self.pending)
         self.pending = {}
@@ -186,7 +194,8 @@ class StepMetrics:
             self.recorder.log(row)
 
     def summary(self) -> dict:
-        return summarize(self.history, self.cfg.trainer.warmup_steps, self.peak, self.device.type == "cuda")
+        summary = summarize(self.history, self.cfg.trainer.warmup_steps, self.peak, self.device.type == "cuda")
+        return {**summary, **self.pipeline.summary()} if self.pipeline else summary
 
     # ---------------------------------------------------------------------- the measured steps
     def _sampled(self, step: int, train_step: StepFn) -> tuple[torch.Tensor, float, float]:
@@ -201,7 +210,8 @@ class StepMetrics:
             if step != self.track_step:
                 return train_step(step)
             with StepMemory(self.model, self.optimizer, self.backend, self.device) as mem:
-                result = train_step(step, mem.phase)
+                with self.pipeline.phases(mem.phase) if self.pipeline else contextlib.nullcontext():
+                    result = train_step(step, mem.phase)
             self._breakdown(step, mem.breakdown())
             return result
         finally:
@@ -219,6 +229,10 @@ class StepMetrics:
         ranks = ranks.view(self.info.world_size, len(parts), len(BREAKDOWN)) / GIB  # rank x part x kind
         hi, mean = ranks.max(dim=0).values, ranks.mean(dim=0)
         self.pending.update(self.predicted_phases)
+        stages = None  # a pipeline run: each pp rank's peak, the largest and who holds it
+        if self.pipeline:
+            entries, stages = self.pipeline.memory_peaks(ranks[:, 0, BREAKDOWN.index("total")].tolist())
+            self.pending.update(entries)
         for j, kind in enumerate(BREAKDOWN):
             self.pending[f"mem/tracked_{kind}_gib_max"] = hi[0, j].item()
             self.pending[f"mem/tracked_{kind}_gib_mean"] = mean[0, j].item()
@@ -240,6 +254,7 @@ class StepMetrics:
                         phase: {"max": table(hi, i), "mean": table(mean, i), "per_rank": [table(r, i) for r in ranks]}
                         for i, phase in enumerate(PHASES, start=1)
                     },
+                    **({"pipeline": stages} if stages else {}),
                 }
             )
 

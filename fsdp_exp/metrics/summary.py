@@ -59,6 +59,9 @@ def summarize(history: list[dict], warmup_steps: int, peak: DevicePeak, cuda: bo
     if tracked:  # memory breakdown and communication: only when a step was sampled for them
         summary["summary/tracked_peak_gib_max"] = tracked
         summary["summary/planner_peak_error"] = predicted / tracked - 1 if predicted else None
+    if any("pp/bubble" in h for h in measured):  # a pipeline run (fsdp_exp.metrics.pipeline)
+        summary["summary/pp_bubble_median"] = median("pp/bubble")
+        summary["summary/comm_p2p_wait_s_median"] = median("comm/p2p_wait_s")
     if profiled:
         summary["summary/comm_total_s_median"] = median("comm/total_s", profiled)
         summary["summary/comm_exposed_s_median"] = median("comm/exposed_s", profiled)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from fsdp_exp.config import ModelConfig, RunConfig
+    from fsdp_exp.metrics.pipeline import StageObserver
 
 # parallel.pp_schedule -> (torch.distributed.pipelining class, stage placement). "loop": stage s on pp rank
 # s % pp; "v": rank r holds stages r and 2 pp - 1 - r (the V-shaped schedules need 2 stages per rank).
@@ -327,6 +328,9 @@ class PipelineEngine:
     optimizers: list = field(default_factory=list)
     schedulers: list = field(default_factory=list)
     applied: dict = field(default_factory=dict)
+    # Times the schedule's steps, their chunks' compute and P2P waits (fsdp_exp/metrics/pipeline.py; installed
+    # on the schedule and its PipelineStages by build_pipeline): the measured bubble and comm/p2p_wait_s.
+    observer: Optional["StageObserver"] = None
     # Around the schedule's step (its forwards, losses and backwards): tensor parallel's loss parallel when
     # the last stage's logits stay sharded over the vocabulary (parallel/tp.py's loss_context), else a no-op.
     loss_context: Callable = contextlib.nullcontext
@@ -406,6 +410,7 @@ def build_pipeline(
     ``optimizers=False`` none: the trainer hands the engine its own, see ``PipelineParallelized``)."""
     import torch.distributed.pipelining as pipelining
 
+    from fsdp_exp.metrics.pipeline import StageObserver
     from fsdp_exp.models import matrix_parameter_names
     from fsdp_exp.optim import build_optimizer, build_scheduler
     from fsdp_exp.parallel import tp
@@ -429,6 +434,11 @@ def build_pipeline(
         schedule = schedule_class(pipeline_stages[0], settings.n_microbatches, loss_fn=stage_loss)
     else:
         schedule = schedule_class(pipeline_stages, settings.n_microbatches, loss_fn=stage_loss)
+    observer = StageObserver(
+        pp_rank=mesh["pp"].get_local_rank(),
+        stages_of={r: stages_of_rank(settings, r) for r in range(settings.pp)},
+        predicted_bubble=bubble_fraction(settings.schedule, settings.pp, settings.n_microbatches, settings.stages_per_rank),
+    ).observe(schedule, pipeline_stages)
     applied.update(
         schedule=type(schedule).__name__,
         n_microbatches=settings.n_microbatches,
@@ -449,6 +459,7 @@ def build_pipeline(
         optimizers=stage_optimizers,
         schedulers=schedulers,
         applied=applied,
+        observer=observer,
         loss_context=functools.partial(tp.loss_context, cfg),
     )
 
@@ -483,14 +494,21 @@ class PipelineParallelized(Parallelized):
 
 
 class StagesBackend:
-    """The stages' own backend (FSDP2), asked through this rank's list of stages. No memory breakdown: torch's
-    FSDP tracker follows one FSDP root, and its generic ``MemTracker`` refuses a module called more than once
-    a step (every micro-batch calls each stage); per-stage peaks are the planner's (plan/pipeline.py)."""
+    """The stages' own backend (FSDP2), asked through this rank's list of stages. Its memory tracker counts the
+    rank's stages (torch's FSDP tracker follows one FSDP root, and the generic ``MemTracker``'s module
+    statistics refuse a stage called once per micro-batch: fsdp_exp/metrics/pipeline.py's ``StageMemTracker``
+    does without them); ``stage_observer`` times the engine's steps."""
 
-    tracks_memory = False
+    tracks_memory = True
 
-    def __init__(self, inner, mesh: Optional["DeviceMesh"] = None):
-        self._inner, self.mesh = inner, mesh
+    def __init__(self, inner, stage_observer: Optional["StageObserver"] = None, mesh: Optional["DeviceMesh"] = None):
+        self._inner, self.stage_observer, self.mesh = inner, stage_observer, mesh
+
+    def memory_tracker(self, model: "nn.Module", optimizer):
+        from fsdp_exp.metrics.pipeline import stage_memory_tracker
+
+        buffers = self.stage_observer.receive_buffers() if self.stage_observer else []
+        return stage_memory_tracker(model, optimizer, buffers)
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
@@ -553,7 +571,7 @@ def parallelize_pipeline(cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.de
     return PipelineParallelized(
         model=nn.ModuleList(engine.stages),
         applied=applied,
-        backend=StagesBackend(backend_for(cfg), mesh=mesh),
+        backend=StagesBackend(backend_for(cfg), engine.observer, mesh=mesh),
         cfg=cfg,
         device=device,
         grad_sync="last_micro_batch",

@@ -18,8 +18,22 @@ Bubble (the fraction of the step a stage waits): (pp - 1) / (m + pp - 1) for GPi
 (and looped BFS) makes each of the pp - 1 fill/drain slots one v-th as long: (pp - 1) / (v m + pp - 1).
 
 Under pipeline parallel FSDP2 keeps each stage unsharded for the whole step (reshard_after_forward=False)
-and torch's stages defer the gradient reduce-scatter to the last micro-batch, so with dp > 1 a rank also
-holds its stages' unsharded parameters and gradients (param dtype) through the step.
+and torch's stages defer the gradient reduce-scatter to the last micro-batch, so a rank holds its stages'
+unsharded parameters (param dtype) through the step, at dp = 1 too (FSDP2 all-gathers into its own buffer
+on a one-rank mesh), and from the first backward on their unsharded gradients, while the sharded
+gradients appear only at the step's end (when the activations are gone).
+
+A rank's peak (checked against fsdp_exp/metrics/pipeline.py's tracker on every stage, within 5%: see
+docs/pipeline.md) is at a backward, the larger of two moments: the first backward, with ``in_flight``
+micro-batches' activations and no gradients yet, or a later one, with the unsharded gradients and the
+micro-batches held once a forward followed a backward (``in_flight``, or one fewer where no forward
+follows the first backward: GPipe, looped BFS). Beside them: the sharded parameters and AdamW moments,
+the module buffers of every local stage (each is a copy of the model's root), torch's receive buffers (a
+stage allocates one per micro-batch for its input and, but on the last stage, one for its output's
+gradient, kept from step to step) and the block backward's temporaries. A micro-batch of a stage holds
+its blocks' saved tensors less the first block's input (in the receive buffer, but on the first stage),
+plus what the stage's forward cache keeps for its backward: its output (the last block's, or on the last
+stage the logits; the final norm and the loss's fp32 log-softmax besides).
 """
 
 from __future__ import annotations
@@ -61,6 +75,13 @@ def in_flight(schedule: str, pp: int, rank: int, microbatches: int, stages_per_r
     )
 
 
+def forwarded(stages: list[int], count: int, per_microbatch, per_round: int) -> int:
+    """The activations of a rank's first ``count`` forwards, of its local ``stages`` in the order torch's
+    schedules run them: ``per_round`` micro-batches on each local stage in turn (interleaved 1F1B: m / max(1,
+    m // pp); looped BFS: all m)."""
+    return sum(per_microbatch(stages[(j // per_round) % len(stages)]) for j in range(count))
+
+
 @dataclass(frozen=True)
 class RankPlan:
     """One pp rank's memory, per data-parallel rank, in bytes."""
@@ -72,13 +93,20 @@ class RankPlan:
     model_states: int  # parameters, gradients, AdamW moments (fp32), this dp rank's shards
     unsharded: int  # the stages' unsharded parameters and gradients held through the step (dp > 1)
     per_microbatch: int  # activations one micro-batch leaves on its heaviest local stage
-    in_flight: int
-    activations: int
+    in_flight: int  # micro-batches of one local stage each
+    activations: int  # at the peak: its micro-batches (in_flight, or one fewer) times per_microbatch
     state_pieces: dict = field(default_factory=dict)  # model_states by piece: params, grads, optimizer, total
+    p2p_buffers: int = 0  # torch's receive buffers of the local stages (activations in, gradients back)
+    module_buffers: int = 0  # the rotary tables, one per local stage
+    temporaries: int = 0  # a block's backward: the residual's gradient, SwiGLU's, the new weight gradient
 
     @property
     def peak(self) -> int:
-        return self.model_states + self.unsharded + self.activations
+        """At the peak only the sharded parameters and the AdamW moments of the model states are alive (the
+        sharded gradients come at the step's end); ``unsharded`` holds the parameters and, at a later
+        backward's peak, the gradients."""
+        resident = self.state_pieces["params"] + self.state_pieces["optimizer"]
+        return resident + self.unsharded + self.activations + self.p2p_buffers + self.module_buffers + self.temporaries
 
 
 @dataclass(frozen=True)
@@ -119,11 +147,21 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     micro_batch = cfg.trainer.global_batch_size // dp // s.n_microbatches
     profile = profile_for(cfg.model, micro_batch, cfg.trainer.seq_len, tp=1, sequence_parallel=False)
     block_bytes = profile.block_saved(e, False, profile.math_attention(device_kind, e))["total"]
-    # The last stage: the final norm's saved tensors and the loss's fp32 log-softmax of the logits.
-    head_bytes = profile.head_saved(e, False) + 4 * profile.logits
+    resid = profile.residual(e)  # a stage's input or output, one micro-batch
+    # The last stage: the final norm's saved tensors, the loss's fp32 log-softmax and the logits themselves.
+    head_bytes = profile.head_saved(e, False) + 4 * profile.logits + e * profile.logits
+    temporaries = resid + profile.backward_peak(e) + e * profile.peak_weight_grad
 
     def per_microbatch(stage: int) -> int:
-        return block_bytes * len(blocks[stage]) + (head_bytes if stage == last else 0)
+        first_input = resid if stage != 0 else 0  # in a receive buffer instead
+        output = head_bytes if stage == last else resid
+        return block_bytes * len(blocks[stage]) - first_input + output
+
+    m = s.n_microbatches
+    per_round = m // max(1, m // s.pp) if s.schedule == "interleaved_1f1b" else m
+
+    def receive_buffers(stage: int) -> int:
+        return s.n_microbatches * resid * ((stage != 0) + (stage != last))
 
     ranks = []
     for rank in range(s.pp):
@@ -131,9 +169,15 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
         mine = [i for i in infos if stage_of(i) in stages]
         pieces = model_states(mine, offload=False, kind=device_kind).resident
         states = pieces["total"]
-        unsharded = 2 * e * int(sum(i.gathered_numel for i in mine)) if dp > 1 else 0
+        unsharded_params = e * int(sum(i.gathered_numel for i in mine))
         held = in_flight(s.schedule, s.pp, rank, s.n_microbatches, s.stages_per_rank)
         heaviest = max(per_microbatch(stage) for stage in stages)
+        # The first backward (no gradients yet), or a later one (the unsharded gradients, and as many
+        # micro-batches again if a forward follows the first backward, else one fewer).
+        held_later = held if s.n_microbatches * len(stages) > held else held - 1
+        first = forwarded(stages, held, per_microbatch, per_round)
+        later = forwarded(stages, held_later, per_microbatch, per_round) + unsharded_params
+        activations = max(first, later) - (unsharded_params if later > first else 0)
         ranks.append(
             RankPlan(
                 rank=rank,
@@ -141,11 +185,14 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
                 blocks=tuple(b for st in stages for b in blocks[st]),
                 params=sum(i.numel for i in mine),
                 model_states=states,
-                unsharded=unsharded,
+                unsharded=unsharded_params * (2 if later > first else 1),
                 per_microbatch=heaviest,
                 in_flight=held,
-                activations=held * heaviest,
+                activations=activations,
                 state_pieces=dict(pieces),
+                p2p_buffers=sum(receive_buffers(stage) for stage in stages),
+                module_buffers=len(stages) * inventory.buffer_bytes,
+                temporaries=temporaries,
             )
         )
     return PipelinePlan(
@@ -182,18 +229,19 @@ def with_worst_stage(result, cfg: "RunConfig", topology, margin=None):
     no_host = {k: 0 for k in pieces}
     per_rank = {
         **{k: pieces[k] for k in ("params", "grads", "optimizer")},
-        "activations": worst.activations,
-        "buffers": worst.unsharded,
+        "activations": worst.activations + worst.temporaries,
+        "buffers": worst.unsharded + worst.p2p_buffers + worst.module_buffers,
         "total": worst.peak + margin_bytes,
     }
     peak = {
         **result.peak,
         "total": worst.peak,
         "activations": worst.activations,
-        "unsharded": worst.unsharded,
-        "comm": 0,
-        "module_buffers": 0,
-        "grads": pieces["grads"],
+        "unsharded": worst.unsharded,  # with the unsharded gradients where the peak holds them
+        "comm": worst.p2p_buffers,
+        "module_buffers": worst.module_buffers,
+        "temporaries": worst.temporaries,
+        "grads": 0,  # the sharded gradients come at the step's end, after the peak
     }
     note = (
         f"parallel.pp={settings.pp}: the per-rank figures are pp rank {worst.rank}'s, the worst of {settings.pp} "

@@ -10,7 +10,12 @@ Activations of one micro-batch of 2 sequences of 32 tokens (64 tokens), fp32, pe
 plan/activations/llama.py for which tensors): residual 2*4*64*64 = 32768, norms 2*(4*64 + 4*4096 + 4*4096)
 = 66048, attention 4*64*64*2 + 2*4*64*32 + 4*2*4*32 = 50176, SwiGLU 4*4*64*192 = 196608: 345600.
 The last stage adds the final norm (4*4096 + 4*64 + 2*4*4096 = 49408) and the loss's fp32 log-softmax
-(4*64*256 = 65536): 114944.
+(4*64*256 = 65536): 114944, and its forward cache keeps the logits (4*64*256 = 65536). A stage's input or
+output (the residual stream of one micro-batch) is 4*64*64 = 16384: every stage but the first receives its
+input into one of torch's receive buffers (m of them) instead of the first block's saved input, every stage
+but the last keeps its output for backward and receives its gradient (m buffers). A block's backward makes
+temporaries: the residual's gradient 16384, SwiGLU's two gradients 2*4*64*192 = 98304 and w2's weight
+gradient 4*64*192 = 49152: 163840. Each stage holds the rotary table (16384 bytes).
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from fsdp_exp.errors import ConfigError
 from fsdp_exp.parallel.pipeline import PipelineSettings, balanced_split, check, stage_blocks, stages_of_rank
 from fsdp_exp.plan.pipeline import bubble_fraction, in_flight, pipeline_plan
 
-BLOCK, HEAD = 345600, 114944
-STATES_0, STATES_1 = 16 * 114944, 16 * 115008  # fp32 parameters, gradients and two AdamW moments
+BLOCK, HEAD, LOGITS, RESID, TEMP, ROPE = 345600, 114944, 65536, 16384, 163840, 16384
+PARAMS_0, PARAMS_1 = 4 * 114944, 4 * 115008  # fp32
+STATES_0, STATES_1 = 4 * PARAMS_0, 4 * PARAMS_1  # fp32 parameters, gradients and two AdamW moments
+FIRST, LAST = 2 * BLOCK + RESID, 2 * BLOCK - RESID + HEAD + LOGITS  # a micro-batch of either stage at pp=2
 
 
 @pytest.fixture(scope="module")
@@ -75,16 +82,19 @@ def test_one_f_one_b_peaks_on_the_first_stage_with_two_micro_batches_in_flight(c
     first, last = plan.ranks
     assert (first.params, last.params) == (114944, 115008)
     assert (first.model_states, last.model_states) == (STATES_0, STATES_1)
-    assert (first.per_microbatch, last.per_microbatch) == (2 * BLOCK, 2 * BLOCK + HEAD)
-    assert (first.activations, last.activations) == (2 * 2 * BLOCK, 2 * BLOCK + HEAD)
-    assert plan.peak_rank.rank == 0 and plan.peak == STATES_0 + 4 * BLOCK == 3221504
+    assert (first.per_microbatch, last.per_microbatch) == (FIRST, LAST)
+    assert (first.activations, last.activations) == (2 * FIRST, LAST)
+    # a forward follows the first backward: the peak holds the unsharded gradients beside the parameters
+    assert (first.unsharded, first.p2p_buffers, first.module_buffers) == (2 * PARAMS_0, 4 * RESID, ROPE)
+    # the sharded parameters and the moments, the unsharded parameters and gradients, two micro-batches
+    assert plan.peak_rank.rank == 0 and plan.peak == 5 * PARAMS_0 + 2 * FIRST + 4 * RESID + ROPE + TEMP == 3959808
     assert plan.bubble == pytest.approx(1 / 5)
 
 
 def test_gpipe_peaks_on_the_last_stage_holding_every_micro_batch_and_the_logits(cfg):
     plan = pipeline_plan(cfg, PipelineSettings(pp=2, schedule="gpipe", microbatches=4), dp=1)
-    assert plan.peak_rank.rank == 1
-    assert plan.peak == STATES_1 + 4 * (2 * BLOCK + HEAD) == 5064704
+    assert plan.peak_rank.rank == 1  # at the first backward: every micro-batch, no gradients yet
+    assert plan.peak == 4 * PARAMS_1 + 4 * LAST + 4 * RESID + ROPE + TEMP == 5507072
 
 
 def test_interleaving_holds_more_but_smaller_micro_batches(cfg):
@@ -93,7 +103,8 @@ def test_interleaving_holds_more_but_smaller_micro_batches(cfg):
     )
     first, last = plan.ranks
     assert (first.stages, last.stages) == ((0, 2), (1, 3))
-    assert (first.activations, last.activations) == (5 * BLOCK, 3 * (BLOCK + HEAD))
+    # rounds of 2 micro-batches a local stage: rank 0 forwards stage 0 twice, stage 2 twice, stage 0 again
+    assert (first.activations, last.activations) == (3 * (BLOCK + RESID) + 2 * BLOCK, 3 * BLOCK - RESID + HEAD + LOGITS)
     assert plan.peak_rank.rank == 0 and plan.bubble == pytest.approx(1 / 9)
 
 
@@ -101,8 +112,9 @@ def test_fsdp2_over_dp_halves_the_states_and_keeps_the_stage_unsharded_through_t
     plan = pipeline_plan(cfg, PipelineSettings(pp=2, schedule="1f1b", microbatches=2), dp=2)
     first = plan.ranks[0]
     assert first.model_states == STATES_0 // 2
-    assert first.unsharded == 2 * 4 * 114944  # parameters and gradients, fp32, whole
-    assert first.per_microbatch == 2 * BLOCK  # still 2 sequences a micro-batch: 8 / dp 2 / 2 micro-batches
+    # the parameters, whole; the gradients come later (no forward follows the first backward at m = 2)
+    assert first.unsharded == PARAMS_0
+    assert first.per_microbatch == FIRST  # still 2 sequences a micro-batch: 8 / dp 2 / 2 micro-batches
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,211 @@
+"""Pipeline runs measured per stage (fsdp_exp/metrics/pipeline.py): each pp rank's peak memory under the
+stage tracker, the planner's per-stage peak (fsdp_exp/plan/pipeline.py) within 5% of it on every stage,
+and the measured bubble and P2P waits of every step.
+
+One spawned group of 4 ranks trains every planner case (as tests/integration/test_pipeline.py's ROUNDS:
+two independent 2-rank pipelines a round, then one pp=2 x dp=2 over all four); one command-line run checks
+that the trainer logs the figures (rows, run.json's summary and memory breakdown). Timings on a CPU are
+noisy: the tests check that they exist, are fractions and add up, never how large they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import QUIET, TINY_BATCH, TINY_MODEL, run_cli, run_config
+
+pytestmark = pytest.mark.slow
+
+# 4 blocks, so that 2 ranks can hold 2 stages each (interleaved 1F1B); 8 sequences of 32 tokens a step.
+OVERRIDES = [*QUIET, *TINY_MODEL, "model.n_layers=4", *TINY_BATCH, "trainer.steps=3", "trainer.warmup_steps=2"]
+PLANNER_RTOL = 0.05  # the issue's bar: the planner's per-stage peak within 5% of the tracker's
+
+CASES = {
+    "gpipe": dict(pp=2, schedule="gpipe", microbatches=4),
+    "1f1b": dict(pp=2, schedule="1f1b", microbatches=4),
+    "interleaved_1f1b": dict(pp=2, schedule="interleaved_1f1b", microbatches=4, stages_per_rank=2),
+    "1f1b_fsdp2_dp2": dict(pp=2, schedule="1f1b", microbatches=2),  # 4 sequences per dp rank
+}
+DP = {"1f1b_fsdp2_dp2": 2}
+ROUNDS = [
+    ((2, 2, 1), ("gpipe", "1f1b")),
+    ((2, 2, 1), ("interleaved_1f1b", "gpipe")),  # the second replica repeats a case: every rank trains
+    ((1, 2, 2), ("1f1b_fsdp2_dp2",)),
+]
+NPROCS = 4
+STEPS = 2  # the second step is tracked: the first makes the optimizer's states and the stages' buffers
+
+
+def _rank(rank: int, world: int, port: int, config: dict, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_exp.config import to_run_config
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    cfg = to_run_config(config)
+    meshes: dict = {}
+    for round_index, (shape, names) in enumerate(ROUNDS):
+        if shape not in meshes:
+            meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("replica", "pp", "dp"))
+        mesh = meshes[shape]
+        replica = mesh["replica"].get_local_rank()
+        _measure_case(cfg, names[replica], mesh["pp", "dp"], Path(out) / f"{round_index}-{replica}-{rank}.json")
+        dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # as fsdp_exp's launcher does: no gloo teardown at interpreter exit
+
+
+def _measure_case(cfg, name: str, mesh, path: Path) -> None:
+    """Train case ``name`` for STEPS steps, the last under the stage tracker (by phase, as the trainer's
+    sampled step); write this rank's peak breakdown and every step's times."""
+    from dataclasses import asdict
+
+    from fsdp_exp.metrics.pipeline import stage_memory_tracker
+    from fsdp_exp.metrics.tracker import StepMemory
+    from fsdp_exp.parallel.pipeline import PipelineSettings, build_pipeline
+
+    engine = build_pipeline(cfg, PipelineSettings(**CASES[name]), mesh, torch.device("cpu"))
+
+    class Stages:  # the StagesBackend's tracker, asked as StepMemory asks a backend
+        def memory_tracker(self, model, optimizer):
+            return stage_memory_tracker(model, optimizer, engine.observer.receive_buffers())
+
+    torch.manual_seed(0)
+    dp = mesh["dp"].size()
+    inputs = torch.randint(0, cfg.model.vocab_size, (cfg.trainer.global_batch_size // dp, cfg.trainer.seq_len))
+    times = []
+    for step in range(STEPS):
+        if step < STEPS - 1:
+            engine.step(inputs, inputs)
+            engine.optimizer_step(cfg.trainer.grad_clip)
+        else:
+            model = torch.nn.ModuleList(engine.stages)
+            with StepMemory(model, engine.optimizers, Stages(), torch.device("cpu")) as mem:
+                engine.observer.phase = mem.phase
+                engine.step(inputs, inputs)
+                engine.observer.phase = None
+                mem.phase("optimizer")
+                engine.optimizer_step(cfg.trainer.grad_clip)
+            breakdown = mem.breakdown()
+        times.append({**asdict(engine.observer.last), "bubble": engine.observer.last.bubble})
+    path.write_text(
+        json.dumps(
+            {
+                "case": name,
+                "pp_rank": mesh["pp"].get_local_rank(),
+                "dp_rank": mesh["dp"].get_local_rank(),
+                "breakdown": breakdown,
+                "times": times,
+            }
+        )
+    )
+
+
+def _measure_all(out: Path) -> dict:
+    """case -> pp rank -> the tracked peak breakdown (max total over its dp ranks) and every rank's times."""
+    import torch.multiprocessing as mp
+
+    from fsdp_exp.config import plain
+    from fsdp_exp.launch import free_port
+
+    cfg = run_config(OVERRIDES)
+    mp.start_processes(_rank, args=(NPROCS, free_port(), plain(cfg), str(out)), nprocs=NPROCS, start_method="spawn")
+    results: dict = {}
+    for path in sorted(out.glob("*.json")):
+        got = json.loads(path.read_text())
+        case = results.setdefault(got["case"], {"peaks": {}, "times": []})
+        best = case["peaks"].get(got["pp_rank"])
+        if best is None or got["breakdown"]["step"]["total"] > best["step"]["total"]:
+            case["peaks"][got["pp_rank"]] = got["breakdown"]
+        case["times"].extend(got["times"])
+    return results
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    return _measure_all(tmp_path_factory.mktemp("pipeline_metrics"))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_planners_peak_of_every_stage_is_within_5_percent_of_the_stage_tracker(measured, case):
+    from fsdp_exp.parallel.pipeline import PipelineSettings
+    from fsdp_exp.plan.pipeline import pipeline_plan
+
+    plan = pipeline_plan(run_config(OVERRIDES), PipelineSettings(**CASES[case]), DP.get(case, 1))
+    for rank_plan in plan.ranks:
+        tracked = measured[case]["peaks"][rank_plan.rank]["step"]
+        error = rank_plan.peak / tracked["total"] - 1
+        assert abs(error) < PLANNER_RTOL, (
+            f"{case}, pp rank {rank_plan.rank} (stages {rank_plan.stages}): planned {rank_plan.peak} B, tracked "
+            f"{tracked['total']} B ({error:+.1%}); tracked by kind {tracked}, planned {rank_plan}"
+        )
+
+
+def test_the_stage_tracker_counts_each_ranks_stages_and_splits_the_step_by_phase(measured):
+    peaks = measured["1f1b"]["peaks"]
+    for pp_rank, breakdown in peaks.items():
+        step = breakdown["step"]
+        assert step["params"] > 0 and step["optim_state"] > 0 and step["activations"] > 0, (pp_rank, step)
+        assert breakdown["forward"]["total"] > 0 and breakdown["backward"]["total"] > 0, (pp_rank, breakdown)
+        assert step["total"] == max(breakdown[p]["total"] for p in ("forward", "backward", "optimizer"))
+    # 1F1B: the first stage holds two micro-batches in flight, the last one
+    assert peaks[0]["step"]["activations"] > peaks[1]["step"]["activations"]
+
+
+def test_every_steps_bubble_is_a_fraction_and_compute_and_waits_fit_in_the_schedules_step(measured):
+    for case, result in measured.items():
+        for t in result["times"]:
+            assert t["compute_s"] > 0 and t["p2p_wait_s"] >= 0, (case, t)
+            assert t["compute_s"] + t["p2p_wait_s"] <= t["schedule_s"], (case, t)
+            assert 0 <= t["bubble"] <= 1 and t["bubble"] == pytest.approx(1 - t["compute_s"] / t["schedule_s"])
+
+
+# The trainer's side: one command-line run of 2 pp ranks logs the per-stage figures.
+CLI_PP = ["trainer.nproc_per_node=2", "parallel.pp=2", "parallel.pp_microbatches=4", "logger.wandb.mode=disabled"]
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    result = run_cli([*OVERRIDES, *CLI_PP], tmp_path_factory.mktemp("cli_pp_metrics") / "run")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_a_pipeline_run_logs_its_bubble_and_p2p_waits_every_step_beside_the_predicted_bubble(cli_run):
+    rows = cli_run.metrics
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert 0 <= row["pp/bubble"] <= row["pp/bubble_max"] <= 1, row
+        assert row["pp/bubble_predicted"] == pytest.approx(1 / 5)  # (pp - 1) / (m + pp - 1), m = 4
+        assert row["pp/compute_s_max"] > 0 and row["comm/p2p_wait_s"] >= 0
+        assert row["comm/p2p_wait_s"] <= row["pp/schedule_time_s_max"] <= row["perf/step_time_s"]
+    summary = cli_run.record["summary"]
+    assert summary["summary/pp_bubble_predicted"] == cli_run.record["applied"]["pipeline"]["bubble"]
+    assert 0 <= summary["summary/pp_bubble_median"] <= 1
+    assert [r["pp_rank"] for r in summary["summary/pp_ranks"]] == [0, 1]
+    for r in summary["summary/pp_ranks"]:
+        assert r["compute_s_median"] + r["p2p_wait_s_median"] <= r["schedule_s_median"], r
+
+
+def test_a_pipeline_run_records_each_pp_ranks_peak_and_which_stage_holds_the_largest(cli_run):
+    summary, breakdown = cli_run.record["summary"], cli_run.record["memory_breakdown"]
+    per_pp_rank = summary["summary/pp_peak_gib_per_pp_rank"]
+    assert len(per_pp_rank) == 2 and all(p > 0 for p in per_pp_rank)
+    worst = summary["summary/pp_peak_pp_rank"]
+    assert per_pp_rank[worst] == max(per_pp_rank) == summary["summary/tracked_peak_gib_max"]
+    assert summary["summary/pp_peak_stages"] == str(worst)  # 1F1B: stage s on pp rank s
+    assert summary["summary/peak_source"] == "tracked"
+    assert breakdown["pipeline"]["peak_gib_per_pp_rank"] == per_pp_rank
+    assert [r["total"] for r in breakdown["per_rank"]] == per_pp_rank  # dp = 1: one rank per stage
+    sampled = next(r for r in cli_run.metrics if "mem/tracked_total_gib_max" in r)
+    assert sampled["mem/pp_peak_pp_rank"] == worst and sampled["mem/pp_peak_gib_min"] == min(per_pp_rank)
