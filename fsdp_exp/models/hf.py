@@ -18,6 +18,9 @@ Everything the run needs is read from the model itself, never written per archit
   projection), translated to fsdp_exp's plan; an architecture without one, or with a style fsdp_exp
   does not translate, is refused for ``parallel.tp > 1``.
 - **export**: the identity: the parameters already have transformers' names, config.json is the config's.
+- **pipeline stages**: the model itself with the other stages' layers deleted and its ends replaced off their
+  stage, driving its base model on hidden states (``cut_stage``); the architectures checked to run so are
+  ``PIPELINE_MODEL_TYPES``.
 - **the planner**: the inventory from the meta model; activations measured by running the model under
   torch's FakeTensorMode (``fsdp_exp.plan.activations.hf``).
 """
