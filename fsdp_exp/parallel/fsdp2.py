@@ -299,6 +299,8 @@ class FSDP2(Backend):
             "trainer.grad_sync=last_micro_batch": "`set_requires_gradient_sync(False)` until the last micro-batch",
             "compile=true": "`Module.compile()` per block, before sharding",
             "parallel.tp=N": "`parallelize_module` (Colwise / Rowwise) on a (dp, tp) mesh",
+            "parallel.pp=N": "`fully_shard` over dp inside each `PipelineStage` of a (pp, dp[, tp]) mesh "
+            "(`sharding=full` only; docs/pipeline.md)",
         }
 
 

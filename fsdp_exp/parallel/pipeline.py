@@ -141,9 +141,10 @@ def check(settings: PipelineSettings, model_cfg: "ModelConfig", local_batch: int
 def check_sharding(cfg: "RunConfig") -> None:
     """The stages are sharded by FSDP2 (``fully_shard`` over the dp dim, ``shard_stage``), after tensor parallel
     (``parallel.tp``, the pp=1 plan); refuse, naming the override, the settings not composed with stages yet:
-    FSDP1, DDP, DeepSpeed, hybrid; sequence parallel."""
+    any strategy but full (hybrid, grad_op, ...); sequence parallel. The other backends refuse parallel.pp
+    themselves (their ``check``: the vocabulary's parallel.pp row)."""
     s, p = cfg.sharding, cfg.parallel
-    if s.backend != "fsdp2" or s.strategy != "full":
+    if s.strategy != "full":
         fail(
             f"parallel.pp={p.pp} runs FSDP2 fully sharded inside each stage; sharding.backend={s.backend} "
             f"sharding.strategy={s.strategy} is not composed with pipeline stages yet.",

@@ -46,6 +46,7 @@ ROWS: dict[str, str] = {
     "trainer.grad_sync=last_micro_batch": "stages 0 and 1 (reduce at the accumulation boundary)",
     "compile=true": "n/a",
     "parallel.tp=N": "Megatron TP",
+    "parallel.pp=N": "DeepSpeed's `PipelineModule` (ZeRO-0/1 only: its engine refuses ZeRO-2/3 under pipelining)",
 }
 SHARDING_ROWS = [key for key in ROWS if key.startswith("sharding=")]
 

@@ -54,6 +54,7 @@ KNOB = {
     "trainer.grad_sync=last_micro_batch": {"trainer.grad_sync": "last_micro_batch"},
     "compile=true": {"compile": True},
     "parallel.tp=N": {"parallel.tp": 2},
+    "parallel.pp=N": {"parallel.pp": 2},
 }
 
 
