@@ -4,6 +4,7 @@
     python benchmarks/published.py --json          # the same, and every row's prediction, as JSON
     python benchmarks/published.py --rows 12       # the first 12 rows of each file (what the test runs)
     python benchmarks/published.py --part calibration|all   (default: calibration, the files shipped)
+    python benchmarks/published.py --files tests/unit/data/published_pipeline.csv   # other tables (PP rows)
 
 No GPU is needed: each published run (one row) is mapped to the overrides of ``python -m fsdp_exp`` that
 express it (``overrides``), composed, validated, planned (``fsdp_exp.plan``: the peak per rank, against the
@@ -14,7 +15,7 @@ and sequence also on disk (74 s for the 233 rows on a 2-core machine, 29 s with 
 ``--no-memory`` skips the planner; benchmarks/RESULTS.md). What it prints,
 per source and overall:
 
-- rows expressible, and why the others are not (pipeline rows, formats fsdp_exp cannot train such as NVFP4 or
+- rows expressible, and why the others are not (context / expert parallel rows, formats fsdp_exp cannot train such as NVFP4 or
   MXFP8, an architecture the mapping does not reproduce to the published parameter count); FP8 rows are
   expressed as ``precision=float8`` with the recipe the row names (``fsdp_exp.tune.published``) and timed with
   the device's FP8 peak;
@@ -50,9 +51,11 @@ RECORD = HERE / "published"
 CALIBRATION = ("llmfoundry_a100", "llmfoundry_history_2023", "torchtitan_a100_2024")
 
 
-def load(part: str, rows_per_file: Optional[int] = None) -> list[Row]:
+def load(part: str, rows_per_file: Optional[int] = None, files: Optional[list[Path]] = None) -> list[Row]:
     from fsdp_exp.tune.published import load as load_tables
 
+    if files:
+        return load_tables(files, rows_per_file)
     names = CALIBRATION if part == "calibration" else sorted(p.stem for p in RECORD.glob("*.csv"))
     return load_tables([RECORD / f"{name}.csv" for name in names], rows_per_file)
 
@@ -238,8 +241,10 @@ def lines(name: str, fig: dict) -> list[str]:
     return out
 
 
-def run(part: str = "calibration", rows_per_file: Optional[int] = None, memory: bool = True) -> dict:
-    rows = load(part, rows_per_file)
+def run(
+    part: str = "calibration", rows_per_file: Optional[int] = None, memory: bool = True, files: Optional[list] = None
+) -> dict:
+    rows = load(part, rows_per_file, files)
     info = predict_all(rows, memory)
     by_source = {s: figures([r for r in rows if r.source == s]) for s in dict.fromkeys(r.source for r in rows)}
     return {
@@ -265,8 +270,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         action="store_true",
         help="skip the planner (throughput and MFU only: no fit verdicts, much faster)",
     )
+    parser.add_argument(
+        "--files",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="other published tables (CSV files in the record's columns) instead of --part, e.g. "
+        "tests/unit/data/published_pipeline.csv",
+    )
     args = parser.parse_args(argv)
-    data = run(args.part, args.rows, memory=not args.no_memory)
+    data = run(args.part, args.rows, memory=not args.no_memory, files=args.files)
     if args.json:
         print(json.dumps(data, indent=1, default=str))
         return 0

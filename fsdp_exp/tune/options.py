@@ -25,6 +25,8 @@ SPACE_DIMENSIONS = (
     "prefetch",
     "micro_batch_size",
     "grad_sync",
+    "pp",
+    "pp_schedule",
 )
 
 OPTIONS = {

@@ -552,13 +552,10 @@ def unit_seconds(costs: StepCosts, perf: "DevicePerf") -> float:
     return us * 1e-6 * calls
 
 
-def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
-    peak = perf.peak_tflops.get(costs.dtype)
-    if not peak:
-        raise ValueError(f"no peak FLOPS for {costs.dtype} on this device")
-    refusal = float8_refusal(costs, perf)
-    if refusal:
-        raise ValueError(refusal)
+def compute_seconds(costs: StepCosts, perf: "DevicePerf") -> tuple[float, float]:
+    """(forward, backward) seconds of the step's compute on this rank: by kernel class on a GPU, else FLOPs at the
+    peak x efficiency; the host's dispatch hidden behind the device's work where it is asynchronous."""
+    peak = perf.peak_tflops[costs.dtype]
     rate = peak * 1e12 * perf.efficiency
     dispatch = perf.dispatch_us * 1e-6
 
@@ -568,9 +565,19 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
 
     if perf.kernels and costs.gemms:
         k_f, k_b = kernel_seconds(costs, perf, peak)
-        c_f, c_b = max(k_f, costs.forward_ops * dispatch), max(k_b, costs.backward_ops * dispatch)
-    else:
-        c_f, c_b = compute(costs.forward_flops, costs.forward_ops), compute(costs.backward_flops, costs.backward_ops)
+        return max(k_f, costs.forward_ops * dispatch), max(k_b, costs.backward_ops * dispatch)
+    return compute(costs.forward_flops, costs.forward_ops), compute(costs.backward_flops, costs.backward_ops)
+
+
+def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
+    peak = perf.peak_tflops.get(costs.dtype)
+    if not peak:
+        raise ValueError(f"no peak FLOPS for {costs.dtype} on this device")
+    refusal = float8_refusal(costs, perf)
+    if refusal:
+        raise ValueError(refusal)
+    dispatch = perf.dispatch_us * 1e-6
+    c_f, c_b = compute_seconds(costs, perf)
     comm: dict[str, float] = {}
     parts = {"forward": [0.0, 0.0], "backward": [0.0, 0.0]}  # [overlappable, waiting] seconds
     for t in costs.traffic:
@@ -634,6 +641,10 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
 
 
 def predict(cfg: "RunConfig", topology: "Topology", perf: "DevicePerf") -> StepPrediction:
+    if cfg.parallel.pp > 1:  # stages, a schedule, sends between them: fsdp_exp/tune/pipeline_perf.py
+        from fsdp_exp.tune.pipeline_perf import predict_pipeline
+
+        return predict_pipeline(cfg, topology, perf)
     return timing(step_costs(cfg, topology), perf)
 
 

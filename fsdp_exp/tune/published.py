@@ -11,8 +11,9 @@ linear, a GELU MLP of ``ffn_dim``, full multi-head attention, tied embeddings, a
 ``precision=bf16_pure``; FP8 -> ``precision=float8`` with the scaling recipe the row names (torchao's tensorwise,
 rowwise, rowwise_with_gw_hp; torchtitan's default, tensorwise, where a torchtitan row names none) and float8
 all-gathers where it says so; ``compile`` yes -> ``compile=true``; AC none / full / selective layer (every 2nd
-block, torchtitan's default) / per-op. Pipeline, context and expert parallel rows, and formats fsdp_exp cannot
-train (NVFP4, MXFP8, FP8 with delayed or blockwise scaling), are not expressible, and say why.
+block, torchtitan's default) / per-op; pipeline stages (``pp``, ``vp``, ``micro_batch``) -> ``parallel.pp*``
+(``pipeline_overrides``). Context and expert parallel rows, and formats fsdp_exp cannot train (NVFP4, MXFP8, FP8
+with delayed or blockwise scaling), are not expressible, and say why.
 
 Used by ``benchmarks/published.py`` (the figures) and ``tune.calibrate_from=<a table>`` (the fit).
 """
@@ -146,7 +147,7 @@ def model_overrides(f: dict) -> list[str] | str:
 def _swiglu_hidden(d: int, ffn: int) -> list[str]:
     """``multiple_of`` / ``ffn_dim_multiplier`` giving Llama's SwiGLU hidden size ``ffn`` for width ``d``
     (Llama rounds int(2/3 x 4d x multiplier) up to a multiple)."""
-    for multiplier in (None, 1.3, 1.5, 2.0, 1.0):
+    for multiplier in (None, 1.3, 1.5, 2.0, 1.0, 1.2):
         for multiple in (256, 1024, 4096, 512, 2048):
             hidden = int(2 * 4 * d / 3)
             if multiplier is not None:
@@ -159,9 +160,10 @@ def _swiglu_hidden(d: int, ffn: int) -> list[str]:
 
 def sharding_overrides(f: dict) -> list[str] | str:
     text = (f["sharding"] + " " + f["framework"]).upper()
-    if _int(f["pp"], 1) > 1 or _int(f["cp"], 1) > 1 or _int(f["ep"], 1) > 1:
-        return "pipeline / context / expert parallel rows are not expressible (no such dimension yet)"
+    if _int(f["cp"], 1) > 1 or _int(f["ep"], 1) > 1:
+        return "context / expert parallel rows are not expressible (no such dimension yet)"
     tp = [f"parallel.tp={_int(f['tp'], 1)}"] if _int(f["tp"], 1) > 1 else []
+    tp += pipeline_overrides(f)
     if "FULL_SHARD" in text and "FSDP1" in text:
         return ["sharding=fsdp1"] + tp
     if "HYBRID" in text or "HSDP" in text:
@@ -171,6 +173,22 @@ def sharding_overrides(f: dict) -> list[str] | str:
     if "FULL_SHARD" in text:
         return ["sharding=fsdp1"] + tp
     return f"sharding not mapped: {f['sharding']}"
+
+
+def pipeline_overrides(f: dict) -> list[str]:
+    """A row's pipeline stages: ``pp`` -> parallel.pp; ``vp`` (virtual stages, each rank's stages) > 1 ->
+    interleaved 1F1B with that many stages per rank (Megatron's and torchtitan's interleaved schedule), else the
+    schedule the row names (GPipe, or 1F1B: both sources' default). The micro-batch count follows
+    trainer.micro_batch_size (the row's ``micro_batch``: the pipeline's micro-batch)."""
+    pp = _int(f["pp"], 1)
+    if pp <= 1:
+        return []
+    vp = _int(f.get("vp", ""), 1)
+    said = (f.get("notes", "") + " " + f["sharding"]).lower()
+    if vp > 1:
+        return [f"parallel.pp={pp}", "parallel.pp_schedule=interleaved_1f1b", f"parallel.pp_stages_per_rank={vp}"]
+    schedule = "gpipe" if "gpipe" in said else "1f1b"
+    return [f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}"]
 
 
 def ac_override(f: dict) -> str:

@@ -368,6 +368,8 @@ def parameter_floor(cfg: "RunConfig", topology, backend, kind: str) -> int:
     rules = backend.planner_rules(cfg)
     if cfg.offload.params and rules.offloads and kind == "cuda":
         return 0
+    if cfg.parallel.pp > 1:  # FSDP2 over dp inside each stage; the heaviest pp rank holds at least 1 / pp of it
+        return 2 * local_parameters(cfg, rules, topology.dp_size, topology.tp_size) // cfg.parallel.pp
     return 2 * local_parameters(cfg, rules, backend.shard_group(topology), topology.tp_size)
 
 
@@ -386,7 +388,7 @@ def time_candidate(w: Weighed, perf: "DevicePerf") -> None:
 def _baseline(weighed: list[Weighed], base: "RunConfig", sharding, space: Space) -> Optional[str]:
     """The candidate that is the run as given with a preset's sharding; if that one cannot run or fit, the best
     ranked candidate with that sharding. None: no candidate has it."""
-    same = [w for w in weighed if w.candidate.cfg.sharding == sharding]
+    same = [w for w in weighed if w.candidate.cfg.sharding == sharding and w.candidate.cfg.parallel == base.parallel]
     exact = [
         w
         for w in same

@@ -17,7 +17,16 @@ The dimensions (``tune.space.<name>=[...]`` narrows or widens each):
 - ``grad_sync``: when accumulated micro-batches reduce their gradients, every_micro_batch and
   last_micro_batch (memory against collectives), only for candidates that accumulate (one micro-batch
   per step: the first value alone); fixed by ``trainer.grad_sync=..``. A backend that cannot honour a
-  value (DeepSpeed's engine has its own rule) refuses it in preflight.
+  value (DeepSpeed's engine has its own rule) refuses it in preflight;
+- ``pp``: pipeline stages (``parallel.pp``), every divisor of the data-parallel ranks up to the model's
+  blocks, 1 (no pipeline) first; fixed by ``parallel.pp=..``. Under pp > 1 ``micro_batch_size`` is the
+  pipeline's micro-batch, so its values are the schedule's micro-batch counts (``global / dp / micro``), and
+  ``grad_sync`` is not searched (the stages reduce at the last micro-batch);
+- ``pp_schedule``: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (with ``parallel.pp_stages_per_rank=2``), only for
+  pp > 1; fixed by ``parallel.pp_schedule=..`` or ``parallel.pp_stages_per_rank=..``. A sharding the stages do
+  not run (``parallel.pipeline.check_sharding``: FSDP2 full only, today) gets no pp > 1 candidates; what else
+  stages cannot compose with (activation checkpointing, tensor parallel, too few micro-batches) preflight
+  refuses, as for every dimension.
 
 A dimension the run's overrides already set is the user's choice and is not searched. The model, the
 global batch and the sequence length are training choices: they stay as given. A backend or a model
@@ -56,8 +65,12 @@ FIXED_BY = {
     "prefetch": ("prefetch",),
     "micro_batch_size": ("trainer.micro_batch_size",),
     "grad_sync": ("trainer.grad_sync",),
+    "pp": ("parallel.pp",),
+    "pp_schedule": ("parallel.pp_schedule", "parallel.pp_stages_per_rank"),
 }
 GRAD_SYNC_VALUES = ["every_micro_batch", "last_micro_batch"]
+# pp_schedule's values -> (parallel.pp_schedule, parallel.pp_stages_per_rank)
+PP_SCHEDULES = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1), "interleaved_1f1b": ("interleaved_1f1b", 2)}
 
 
 @dataclass
@@ -97,6 +110,15 @@ def fixed_dimensions(overrides: list[str]) -> dict[str, str]:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def pipeline_sizes(base: "RunConfig", dp: int) -> list[str]:
+    """``parallel.pp`` values: 1 and every divisor of the data-parallel ranks with at most as many stages as the
+    model has blocks."""
+    from fsdp_exp.models import spec_for
+
+    blocks = len(spec_for(base.model).inventory(base.model).blocks)
+    return [str(d) for d in _divisors(dp) if d <= blocks]
 
 
 def micro_batches(per_rank: int) -> list[str]:
@@ -161,6 +183,10 @@ def build_space(
     _positive("micro_batch_size", values["micro_batch_size"])
     values["grad_sync"] = requested.get("grad_sync", GRAD_SYNC_VALUES)
     _check_values("grad_sync", values["grad_sync"], GRAD_SYNC_VALUES)
+    values["pp"] = requested.get("pp", pipeline_sizes(base, dp))
+    _positive("pp", values["pp"])
+    values["pp_schedule"] = requested.get("pp_schedule", list(PP_SCHEDULES))
+    _check_values("pp_schedule", values["pp_schedule"], list(PP_SCHEDULES))
     searched_strategies = values["sharding"] if "sharding" not in fixed else [base.sharding.strategy]
     if HYBRID in searched_strategies and "shard_size" not in fixed and not values["shard_size"]:
         notes.append(
@@ -171,6 +197,8 @@ def build_space(
         values.pop(dim, None)
     if HYBRID not in searched_strategies:
         values.pop("shard_size", None)
+    if values.get("pp", [str(base.parallel.pp)]) == ["1"] and base.parallel.pp == 1:
+        values.pop("pp_schedule", None)  # no pipeline anywhere in the space: no schedule to choose
     return Space(values={d: values[d] for d in SPACE_DIMENSIONS if d in values}, fixed=fixed, notes=notes, dp=dp)
 
 
@@ -229,8 +257,9 @@ def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterat
                     shard, replicate = int(size), space.dp // int(size)
                     sharding = dataclasses.replace(sharding, shard_size=shard, replicate_size=replicate)
                     sharding_choices += [f"sharding.shard_size={shard}", f"sharding.replicate_size={replicate}"]
+                stages_compose = _stages_compose(dataclasses.replace(base, sharding=sharding))
                 dims = [(g, v[g]) for g in GROUPS if g in v]
-                for dim in ("micro_batch_size", "grad_sync"):
+                for dim in ("micro_batch_size", "grad_sync", "pp", "pp_schedule"):
                     if dim in v:
                         dims.append((dim, v[dim]))
                 for rest in _product(dims):
@@ -243,18 +272,66 @@ def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterat
                                 changes.get("trainer", base.trainer), **{dim: value}
                             )
                             choices.append(f"trainer.{dim}={option}")
+                        elif dim in ("pp", "pp_schedule"):
+                            parallel, added = _pipeline_change(changes.get("parallel", base.parallel), dim, option)
+                            changes["parallel"] = parallel
+                            choices += added
                         else:
                             changes[dim] = nodes[(dim, option)]
                             choices.append(f"{dim}={option}")
                     trainer = changes.get("trainer", base.trainer)
-                    if (
-                        "grad_sync" in v
-                        and trainer.grad_sync != v["grad_sync"][0]
-                        and not _accumulates(trainer, space.dp)
-                    ):
-                        continue  # one micro-batch per step: every grad_sync is the same run
-                    yield Candidate(f"c{index:04d}", choices, dataclasses.replace(base, **changes))
+                    parallel = changes.get("parallel", base.parallel)
+                    pipelined = parallel.pp > 1
+                    if pipelined and not stages_compose:
+                        continue  # a sharding the stages do not run (parallel/pipeline.check_sharding): not weighed
+                    if "grad_sync" in v and trainer.grad_sync != v["grad_sync"][0]:
+                        if pipelined or not _accumulates(trainer, space.dp):
+                            continue  # one micro-batch per step, or stages: every grad_sync is the same run
+                    if "pp_schedule" in v and not pipelined and _schedule_of(parallel) != v["pp_schedule"][0]:
+                        continue  # no stages: every schedule is the same run
+                    if not pipelined and "parallel" in changes:  # no stages: the run's own pipeline keys
+                        changes["parallel"] = base.parallel
+                    yield Candidate(
+                        f"c{index:04d}", _without_idle_schedule(choices, pipelined), dataclasses.replace(base, **changes)
+                    )
                     index += 1
+
+
+def _stages_compose(cfg: "RunConfig") -> bool:
+    """Whether pipeline stages run this sharding (the engine's own rule, ``parallel.pipeline.check_sharding``):
+    the others are left out of the pp > 1 candidates rather than each weighed and refused."""
+    from fsdp_exp.errors import ConfigError
+    from fsdp_exp.parallel.pipeline import check_sharding
+
+    try:
+        check_sharding(cfg)
+    except ConfigError:
+        return False
+    return True
+
+
+def _pipeline_change(parallel, dim: str, option: str) -> tuple[object, list[str]]:
+    """(the parallel config with ``dim`` (pp or pp_schedule) set, the overrides that set it)."""
+    if dim == "pp":
+        return dataclasses.replace(parallel, pp=int(option)), [f"parallel.pp={option}"]
+    schedule, per_rank = PP_SCHEDULES[option]
+    return (
+        dataclasses.replace(parallel, pp_schedule=schedule, pp_stages_per_rank=per_rank),
+        [f"parallel.pp_schedule={schedule}", f"parallel.pp_stages_per_rank={per_rank}"],
+    )
+
+
+def _schedule_of(parallel) -> str:
+    return next((k for k, v in PP_SCHEDULES.items() if v == (parallel.pp_schedule, parallel.pp_stages_per_rank)), "")
+
+
+def _without_idle_schedule(choices: list[str], pipelined: bool) -> list[str]:
+    """A candidate without stages names neither pp=1 (the default) nor a schedule: its overrides stay what the run
+    would be without the pipeline dimensions."""
+    if pipelined:
+        return choices
+    idle = ("parallel.pp=", "parallel.pp_schedule=", "parallel.pp_stages_per_rank=")
+    return [c for c in choices if not c.startswith(idle)]
 
 
 def _accumulates(trainer, dp: int) -> bool:
@@ -300,5 +377,12 @@ def label(choices: list[str]) -> str:
         key, _, value = choice.partition("=")
         if key.startswith("sharding."):
             continue
-        rest.append(f"mb={value}" if key == "trainer.micro_batch_size" else choice)
+        if key == "parallel.pp_stages_per_rank":
+            continue  # said by the schedule (interleaved: 2)
+        if key == "parallel.pp":
+            rest.append(f"pp={value}")
+        elif key == "parallel.pp_schedule":
+            rest.append(value)
+        else:
+            rest.append(f"mb={value}" if key == "trainer.micro_batch_size" else choice)
     return " · ".join(([" ".join(sharding)] if sharding else []) + rest) or "(the run as given)"

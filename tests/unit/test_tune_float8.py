@@ -132,6 +132,7 @@ TINY = [
     "tune.space.offload=[none]",
     "tune.space.prefetch=[default]",
     "tune.space.micro_batch_size=[1]",
+    "tune.space.pp=[1]",  # one candidate per precision (the keys below)
 ]
 
 
