@@ -106,6 +106,11 @@ class Row:
     repeats: list["Row"] = field(default_factory=list)  # a ranked configuration's runs, in job order
     repeat_of: Optional[str] = None  # a run listed under a configuration: that configuration's label
     flops_convention: Optional[str] = None  # what its MFU counts (run.json env; None: a run from before, fsdp_exp's)
+    # A pipeline run (parallel.pp > 1): the pp rank and stages holding the largest peak, and the bubble the
+    # schedule predicts and the one measured (fsdp_exp/metrics/pipeline.py); None otherwise.
+    pp_peak_stage: Optional[str] = None
+    pp_bubble_predicted: Optional[float] = None
+    pp_bubble: Optional[float] = None
 
     def value(self, metric: str) -> Optional[float]:
         return getattr(self, metric)
@@ -195,7 +200,18 @@ def _row(run: Run, label: str) -> Row:
         repeat=repeat_index(run.config) if run.config else None,
         config_id=configuration_id(run),
         flops_convention=run.env.get("flops_convention"),
+        pp_peak_stage=peak_stage(s),
+        pp_bubble_predicted=_number(s.get("summary/pp_bubble_predicted")),
+        pp_bubble=_number(s.get("summary/pp_bubble_median")),
     )
+
+
+def peak_stage(summary: dict) -> Optional[str]:
+    """Which pp rank (and its stages) holds a pipeline run's largest peak, e.g. "pp 0: 0,2"."""
+    rank, stages = summary.get("summary/pp_peak_pp_rank"), summary.get("summary/pp_peak_stages")
+    if rank is None:
+        return None
+    return f"pp {rank}: {stages}"
 
 
 def _why_not_ranked(run: Run, row: Row, metric: str) -> str:
@@ -358,6 +374,9 @@ def configuration_row(label: str, members: list[tuple[Run, Row]], metric: str) -
         config_id=first.config_id,
         repeat_count=len(runs),
         flops_convention=first.flops_convention,
+        pp_peak_stage=first.pp_peak_stage,
+        pp_bubble_predicted=first.pp_bubble_predicted,
+        pp_bubble=_median([r.pp_bubble for r in runs]),
         ci_low=found.low,
         ci_high=found.high,
         interval_over=found.over,
@@ -458,7 +477,19 @@ def table_columns(report: Report) -> list[str]:
         columns.append(METRICS[m].header)
         if m == report.metric:
             columns += [f"{int(CONFIDENCE * 100)}% interval", "interval over", "vs #1"]
-    return columns + ["peak / rank", "peak from", "predicted peak", "final loss", "status"]
+    return columns + ["peak / rank", "peak from", "predicted peak", *pipeline_columns(report), "final loss", "status"]
+
+
+def pipeline_columns(report: Report) -> list[str]:
+    """Where a report holds pipeline runs: which stage has the peak, and the bubble predicted / measured."""
+    return ["peak on stages", "bubble pred/meas"] if any(r.pp_bubble_predicted is not None for r in report.ranked) else []
+
+
+def fmt_bubble(row: Row) -> str:
+    if row.pp_bubble_predicted is None:
+        return "n/a"
+    measured = "n/a" if row.pp_bubble is None else f"{row.pp_bubble:.0%}"
+    return f"{row.pp_bubble_predicted:.0%}/{measured}"
 
 
 def fmt_interval(metric: str, row: Row) -> str:
@@ -497,6 +528,7 @@ def table_cells(report: Report, row: Row) -> list[str]:
         fmt_gib(row.peak_gib),
         row.peak_source or "n/a",
         fmt_gib(row.predicted_peak_gib),
+        *([row.pp_peak_stage or "n/a", fmt_bubble(row)] if pipeline_columns(report) else []),
         fmt_number(row.final_loss),
         status,
     ]
