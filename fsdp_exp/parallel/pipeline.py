@@ -141,10 +141,12 @@ def check(settings: PipelineSettings, model_cfg: "ModelConfig", local_batch: int
 def check_sharding(cfg: "RunConfig") -> None:
     """The stages are sharded by FSDP2 (``fully_shard`` over the dp dim, ``shard_stage``), after tensor parallel
     (``parallel.tp``, the pp=1 plan); refuse, naming the override, the settings not composed with stages yet:
-    any strategy but full (hybrid, grad_op, ...); sequence parallel. The other backends refuse parallel.pp
-    themselves (their ``check``: the vocabulary's parallel.pp row)."""
+    a backend whose vocabulary has no parallel.pp row (FSDP1, DDP, DeepSpeed: their ``check`` refuses it too),
+    any strategy but full (hybrid, grad_op, ...); sequence parallel. Tune asks it which shardings stages run."""
+    from fsdp_exp.parallel.backend import backend_for
+
     s, p = cfg.sharding, cfg.parallel
-    if s.strategy != "full":
+    if "parallel.pp=N" not in backend_for(cfg).vocabulary() or s.strategy != "full":
         fail(
             f"parallel.pp={p.pp} runs FSDP2 fully sharded inside each stage; sharding.backend={s.backend} "
             f"sharding.strategy={s.strategy} is not composed with pipeline stages yet.",
