@@ -29,7 +29,8 @@ step together: the optimizer waits for the gradient norm over every stage).
 
 Zero-bubble schedules (interleaved_zero_bubble, zbv_zero_bubble, dualpipev) split each backward into its
 input and weight gradients to fill the bubble; this model does not count that split and refuses to time them
-(``pipeline_refusal``, naming the fix), as the planner has no activation model of them either.
+(``pipeline_refusal``, naming the fix), as the planner has no activation model of them either; nor does it time
+``offload=params`` inside stages (the host copies), refused the same way.
 """
 
 from __future__ import annotations
@@ -101,16 +102,22 @@ class PipelineCosts:
     ranks_per_node: int
     world: int
     dtype: str
+    offloaded: bool = False  # offload=params inside the stages (not timed)
 
 
-def pipeline_refusal(schedule: str) -> Optional[str]:
-    """Why a schedule cannot be timed (None: it can)."""
-    if schedule in TIMED:
-        return None
-    return (
-        f"parallel.pp_schedule={schedule}: the step-time model does not count the zero-bubble schedules' split of "
-        f"backward into input and weight gradients; pass parallel.pp_schedule={'|'.join(TIMED)}"
-    )
+def pipeline_refusal(schedule: str, offloaded: bool = False) -> Optional[str]:
+    """Why a pipeline step cannot be timed (None: it can)."""
+    if schedule not in TIMED:
+        return (
+            f"parallel.pp_schedule={schedule}: the step-time model does not count the zero-bubble schedules' split "
+            f"of backward into input and weight gradients; pass parallel.pp_schedule={'|'.join(TIMED)}"
+        )
+    if offloaded:
+        return (
+            "offload=params with parallel.pp>1: the step-time model does not count the host copies inside stages; "
+            "pass offload=none"
+        )
+    return None
 
 
 def _nodes(a: int, b: int, ranks_per_node: int) -> int:
@@ -264,6 +271,7 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
         ranks_per_node=nproc,
         world=topology.world_size,
         dtype=whole.dtype,
+        offloaded=bool(cfg.offload.params and rules.offloads),
     )
 
 
@@ -280,7 +288,7 @@ def pipeline_timing(costs: PipelineCosts, perf: "DevicePerf") -> StepPrediction:
     peak = perf.peak_tflops.get(costs.dtype)
     if not peak:
         raise ValueError(f"no peak FLOPS for {costs.dtype} on this device")
-    refusal = pipeline_refusal(costs.settings.schedule)
+    refusal = pipeline_refusal(costs.settings.schedule, costs.offloaded)
     if refusal:
         raise ValueError(refusal)
     m, s = costs.microbatches, costs.settings
