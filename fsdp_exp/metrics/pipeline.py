@@ -175,7 +175,6 @@ class PipelineMetrics:
         self.predicted_bubble = observer.predicted_bubble
         self.ranks_times: list[torch.Tensor] = []  # per measured step: rank x TIMES
         self.memory: Optional[dict] = None  # the sampled step's per pp rank peaks
-        self.pp_of_rank: list[int] = []  # every rank's pp rank, from the first gather
 
     @contextlib.contextmanager
     def phases(self, phase: Callable[[str], None]):
@@ -190,9 +189,7 @@ class PipelineMetrics:
         """The last step's times over ranks (one all-gather): ``pp/bubble`` (mean over ranks), its max, the
         slowest rank's compute, schedule and P2P wait. ``measured``: kept for the summary's per-rank medians."""
         t = self.observer.last
-        gathered = gather_over_ranks([self.observer.pp_rank, t.compute_s, t.p2p_wait_s, t.schedule_s, t.bubble], self.device)
-        self.pp_of_rank = gathered[:, 0].long().tolist()
-        ranks = gathered[:, 1:]
+        ranks = gather_over_ranks([t.compute_s, t.p2p_wait_s, t.schedule_s, t.bubble], self.device)
         if measured:
             self.ranks_times.append(ranks)
         hi = ranks.max(dim=0).values.tolist()
@@ -234,22 +231,21 @@ class PipelineMetrics:
             m = self.memory
             out.update(
                 {
-                    "summary/pp_peak_gib_per_pp_rank": m["peak_gib_per_pp_rank"],
+                    "summary/pp_peak_gib_per_pp_rank": [shown(v) for v in m["peak_gib_per_pp_rank"]],
                     "summary/pp_peak_pp_rank": m["peak_pp_rank"],
                     "summary/pp_peak_stages": ",".join(str(s) for s in m["peak_stages"]),
                 }
             )
-        if self.ranks_times:
+        if self.ranks_times:  # each rank's median over the measured steps, rank order
             steps = torch.stack(self.ranks_times)  # step x rank x TIMES
-            out["summary/pp_ranks"] = [
-                {
-                    "pp_rank": self.pp_of_rank[rank],
-                    **{
-                        f"{name}_median": statistics.median(steps[:, rank, j].tolist())
-                        for j, name in enumerate(self.TIMES)
-                    },
-                }
-                for rank in range(steps.shape[1])
-            ]
+            for j, key in enumerate(
+                ("pp_compute_s_per_rank", "comm_p2p_wait_s_per_rank", "pp_schedule_time_s_per_rank", "pp_bubble_per_rank")
+            ):
+                out[f"summary/{key}"] = [shown(statistics.median(rank)) for rank in steps[:, :, j].T.tolist()]
         return out
 
+
+def shown(value: float) -> float:
+    """4 significant digits: the summary's per-rank lists stay readable in the console's summary table, and
+    run-to-run noise is far larger (run.json["memory_breakdown"] keeps the exact peaks)."""
+    return float(f"{value:.4g}")

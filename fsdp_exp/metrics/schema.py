@@ -403,7 +403,8 @@ PIPELINE_METRICS: list[Metric] = [
         "GiB list",
         "run",
         "max",
-        "in the summary: the sampled step's tracked peak of each pp rank (max over its dp ranks), pp rank order",
+        "in the summary: the sampled step's tracked peak of each pp rank (max over its dp ranks), pp rank order, "
+        'to 4 digits (exact in run.json["memory_breakdown"]["pipeline"])',
     ),
     Metric(
         "summary/pp_peak_pp_rank",
@@ -413,14 +414,22 @@ PIPELINE_METRICS: list[Metric] = [
         "in the summary: the pp rank holding the largest of those (summary/tracked_peak_gib_max)",
     ),
     Metric("summary/pp_peak_stages", "text", "run", "rank0", "in the summary: the stages that pp rank holds, e.g. 0,2"),
-    Metric(
-        "summary/pp_ranks",
-        "list",
-        "run",
-        "rank0",
-        "in the summary: per rank, its pp rank and the medians over the measured steps of its compute_s, "
-        "p2p_wait_s, schedule_s (seconds) and bubble",
-    ),
+    *[
+        Metric(
+            f"summary/{key}_per_rank",
+            f"{unit} list",
+            "run",
+            "rank0",
+            f"in the summary: each rank's median over the measured steps of {what}, rank order (its pp rank: "
+            'run.json["memory_breakdown"]["pipeline"]["pp_rank_of_rank"])',
+        )
+        for key, unit, what in (
+            ("pp_compute_s", "s", "its stages' compute"),
+            ("comm_p2p_wait_s", "s", "its P2P waits"),
+            ("pp_schedule_time_s", "s", "the schedule's step"),
+            ("pp_bubble", "fraction", "its measured bubble"),
+        )
+    ],
 ]
 
 SUMMARY_METRICS: list[Metric] = [
