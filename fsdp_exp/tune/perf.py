@@ -313,7 +313,7 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
     float8 = None
     if float8_on(cfg):
         gathers = (G, G * regathered / units) if rules.gathers_units and units else (0.0, 0.0)
-        kernels["gemms"], float8 = float8_costs(cfg, kernels["gemms"], tokens_rank / tp, e_p, shard, gathers)
+        kernels["gemms"], float8 = float8_costs(cfg, kernels["gemms"], tokens_rank / tp, e_p, shard, gathers, tp)
     return StepCosts(
         **kernels,
         param_layout=rules.param_layout if rules.gathers_units else "",
@@ -405,12 +405,13 @@ def float8_all_gathered_numel(cfg: "RunConfig") -> float:
 
 
 def float8_costs(
-    cfg: "RunConfig", gemms: tuple, tokens: float, e: int, shard: int, gathers: tuple[float, float]
+    cfg: "RunConfig", gemms: tuple, tokens: float, e: int, shard: int, gathers: tuple[float, float], tp: int = 1
 ) -> tuple[tuple, Float8Costs]:
     """(the matmuls left high precision, what float8 adds and changes): of each linear-layer matmul shape, the share
     of its linears (per token, ``tokens`` of the step on this rank) that torchao converts; the casts' bytes over
     the step. ``gathers``: how many times the step gathers all the weights in forward and in backward (a float8
-    all-gather casts the rank's shard of each converted weight first)."""
+    all-gather casts the rank's shard of each converted weight first). ``tp``: the gemms' N is this rank's share
+    of the linear's output features, the converted shapes are the whole linears'."""
     p = cfg.precision
     converted = _converted_shapes(cfg)
     cast = cast_bytes_per_element(e, cfg.compile)
@@ -419,7 +420,8 @@ def float8_costs(
     kept, fp8 = [], []
     forward = backward = 0.0
     for m, k, n, flops in gemms:
-        share = min(1.0, converted.get((int(k), int(n)), 0) * 2 * k * n * tokens / flops) if flops else 0.0
+        whole_n = int(round(n * tp))
+        share = min(1.0, converted.get((int(k), whole_n), 0) * 2 * k * whole_n * tokens / flops) if flops else 0.0
         if share < 1.0:
             kept.append((m, k, n, flops * (1 - share)))
         if share <= 0.0:

@@ -150,15 +150,15 @@ def test_published_pipeline_rows_map_their_stages_virtual_stages_and_micro_batch
     assert n == pytest.approx(405.85e9, rel=1e-3)  # Llama 3.1 405B (SwiGLU hidden 53248)
 
 
-# torchtitan's Llama 3.1 405B on 512 H100 (FSDP 8 x TP 8 x PP 8, float8, compile, full AC): predicted 71.9 and 92.4
-# tokens/s per GPU against 100 (1F1B) and 128 (interleaved): -28% both, the H100 float8 figures' error (no H100 row
-# calibrates them) and AsyncTP's overlap, which fsdp_exp does not have; the schedules' ratio, what the pipeline part
-# of the model decides, 1.287 against 1.280.
-BAND = 0.30
+# torchtitan's Llama 3.1 405B on 512 H100 (FSDP 8 x TP 8 x PP 8, float8, compile, full AC, AsyncTP): predicted 82.4
+# and 105.8 tokens/s per GPU against 100 (1F1B) and 128 (interleaved), -17.6% and -17.3% (AsyncTP's overlap of the
+# tensor-parallel all-reduces, which fsdp_exp does not have, and the H100 float8 figures, which no calibration row
+# checks); the schedules' ratio, what the pipeline part of the model decides, 1.284 against 1.280.
+BAND = 0.25
 RATIO_BAND = 0.05
 
 
-def test_published_pipeline_rows_are_predicted_within_30_percent_and_their_schedules_ratio_within_5():
+def test_published_pipeline_rows_are_predicted_within_25_percent_and_their_schedules_ratio_within_5():
     one, interleaved = _pipeline_rows()
     predicted = []
     with hydra_session() as (compose, _):
