@@ -49,6 +49,9 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
 - the step = forward + backward of every micro-batch + the optimizer step + ``step_overhead_ms`` + the
   tiny all-reduces.
 
+A pipeline-parallel run (``parallel.pp > 1``) is timed by ``fsdp_exp.tune.pipeline_perf`` (its stages from this
+module's counts, the schedule's bubble, the sends between stages, FSDP2 inside each stage).
+
 What it leaves out, knowingly: stragglers, congestion between jobs, NCCL's tree and NVLS algorithms,
 compile (but for float8's casts, fused under it), rowwise float8's slower kernels; on a CPU kernels' efficiency by shape and the backend's per-collective software cost (both in
 the probed and fitted figures). The GPU figures it fits on the published record: fsdp_exp/plan/devices.py.
