@@ -30,8 +30,23 @@ from typing import Callable, Optional
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mod_tracker import ModTracker
 
 from fsdp_exp.dist import gather_over_ranks
+
+
+class _ForwardModTracker(ModTracker):
+    """torch's ``ModTracker`` without its backward bookkeeping: it hooks every module's inputs and outputs
+    (``register_multi_grad_hook``) to know which module a backward is in, which the split backward of the
+    zero-bubble schedules (``autograd.grad`` on a stage's inputs first) refuses. ``is_bw`` reads autograd's
+    current graph task, so it holds without them; the stage tracker needs no more."""
+
+    def _fw_pre_hook(self, mod, input) -> None:
+        if self._user_pre_fw_hook is not None:
+            self._user_pre_fw_hook(mod, input)
+
+    def _fw_post_hook(self, mod, input, output) -> None:
+        pass
 
 
 class StageMemTracker(MemTracker):
@@ -39,6 +54,10 @@ class StageMemTracker(MemTracker):
     forward only (re)registers its parameters, buffers and gradient hooks, so a stage may run any number
     of micro-batches in any order (the module statistics torch keeps would refuse the second forward of a
     root, and resetting them between micro-batches breaks their backward hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _ForwardModTracker()
 
     def _pre_fw_hook(self, module, inputs) -> None:
         # FSDP2 swaps in the unsharded parameters just before the module's forward: counted as parameters

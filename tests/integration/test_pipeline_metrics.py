@@ -31,11 +31,14 @@ CASES = {
     "1f1b": dict(pp=2, schedule="1f1b", microbatches=4),
     "interleaved_1f1b": dict(pp=2, schedule="interleaved_1f1b", microbatches=4, stages_per_rank=2),
     "1f1b_fsdp2_dp2": dict(pp=2, schedule="1f1b", microbatches=2),  # 4 sequences per dp rank
+    # not planned yet (the whole model, an upper bound): tracked, for its split backward (autograd.grad first)
+    "zbv_zero_bubble": dict(pp=2, schedule="zbv_zero_bubble", microbatches=4, stages_per_rank=2),
 }
+PLANNED = ("gpipe", "1f1b", "interleaved_1f1b", "1f1b_fsdp2_dp2")
 DP = {"1f1b_fsdp2_dp2": 2}
 ROUNDS = [
     ((2, 2, 1), ("gpipe", "1f1b")),
-    ((2, 2, 1), ("interleaved_1f1b", "gpipe")),  # the second replica repeats a case: every rank trains
+    ((2, 2, 1), ("interleaved_1f1b", "zbv_zero_bubble")),
     ((1, 2, 2), ("1f1b_fsdp2_dp2",)),
 ]
 NPROCS = 4
@@ -136,7 +139,7 @@ def measured(tmp_path_factory):
     return _measure_all(tmp_path_factory.mktemp("pipeline_metrics"))
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", PLANNED)
 def test_the_planners_peak_of_every_stage_is_within_5_percent_of_the_stage_tracker(measured, case):
     from fsdp_exp.parallel.pipeline import PipelineSettings
     from fsdp_exp.plan.pipeline import pipeline_plan
@@ -160,6 +163,12 @@ def test_the_stage_tracker_counts_each_ranks_stages_and_splits_the_step_by_phase
         assert step["total"] == max(breakdown[p]["total"] for p in ("forward", "backward", "optimizer"))
     # 1F1B: the first stage holds two micro-batches in flight, the last one
     assert peaks[0]["step"]["activations"] > peaks[1]["step"]["activations"]
+
+
+def test_the_stage_tracker_follows_the_split_backward_of_a_zero_bubble_schedule(measured):
+    for pp_rank, breakdown in measured["zbv_zero_bubble"]["peaks"].items():
+        assert breakdown["backward"]["grads"] > 0 and breakdown["backward"]["temp"] > 0, (pp_rank, breakdown)
+        assert breakdown["step"]["total"] >= breakdown["forward"]["total"] > 0
 
 
 def test_every_steps_bubble_is_a_fraction_and_compute_and_waits_fit_in_the_schedules_step(measured):
