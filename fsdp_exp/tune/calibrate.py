@@ -3,7 +3,8 @@ to a published table (``tune.calibrate_from=benchmarks/published``: ``calibrate_
 
 Every completed run of the sweep is read back (``run.json``: its config, topology, device and median
 tokens/s) and the repeats of a configuration become one sample (the median of their medians); the model
-counts what each configuration's step did (``perf.step_costs``, from the config alone) and times it with
+counts what each configuration's step did (``perf.costs_for``, from the config alone; a pipeline run's stages
+too) and times it with
 the device's figures. The fit changes the figures the model is least sure of, in log space, to minimise
 the mean absolute error of tokens/s (the error ``tune.json`` reports):
 
@@ -135,14 +136,15 @@ def nelder_mead(
 
 
 def fit(samples: list, perf: "DevicePerf", names: tuple[str, ...], relative: bool = False) -> tuple[dict, float, float]:
-    """(fitted figures, MAE of tokens/s before, after) for ``samples`` of (StepCosts, measured tokens/s), or of
-    (StepCosts, tokens/s, the DevicePerf of that run: its own network) where runs differ in more than the fit.
+    """(fitted figures, MAE of tokens/s before, after) for ``samples`` of (costs, measured tokens/s), or of
+    (costs, tokens/s, the DevicePerf of that run: its own network) where runs differ in more than the fit; costs
+    as ``perf.costs_for`` counts them (``StepCosts``, or a pipeline run's ``PipelineCosts``).
 
     The objective is the mean absolute error of tokens/s relative to the mean measured (the error the tuner
     reports), or with ``relative`` the mean |log(predicted / measured)| (a published record whose runs span
     three orders of magnitude of tokens/s: each run counts alike), plus the prior; the search starts at the
     prior, so the error after is never above the error before on these samples."""
-    from fsdp_exp.tune.perf import timing
+    from fsdp_exp.tune.perf import time_costs
 
     x0 = np.array([math.log(value(perf, n) or 1e-9) for n in names])
     measured = np.array([s[1] for s in samples])
@@ -152,7 +154,7 @@ def fit(samples: list, perf: "DevicePerf", names: tuple[str, ...], relative: boo
         for n, v in zip(names, x):
             low, high = BOUNDS.get(n, (1e-9, 1e12))
             params[n] = min(max(math.exp(v), low), high)
-        return np.array([timing(s[0], apply(s[2] if len(s) > 2 else perf, params)).tokens_per_s for s in samples])
+        return np.array([time_costs(s[0], apply(s[2] if len(s) > 2 else perf, params)).tokens_per_s for s in samples])
 
     scale = float(np.mean(measured))
 
@@ -181,7 +183,7 @@ def run_samples(sweep_dir: Path) -> dict[str, dict]:
     from fsdp_exp.plan.devices import table_device
     from fsdp_exp.report.load import load_runs
     from fsdp_exp.report.repeats import group_repeats
-    from fsdp_exp.tune.perf import step_costs
+    from fsdp_exp.tune.perf import costs_for
     from fsdp_exp.tune.probe import cpu_perf, probe_key
 
     groups: dict[str, dict] = {}
@@ -208,7 +210,7 @@ def run_samples(sweep_dir: Path) -> dict[str, dict]:
             key = probe_key(topology.nproc_per_node, threads)
             perf = cpu_perf(topology.nproc_per_node, threads)[0]
         group = groups.setdefault(key, {"samples": [], "perf": perf, "runs": []})
-        group["samples"].append((step_costs(cfg, topology), float(tokens)))
+        group["samples"].append((costs_for(cfg, topology), float(tokens)))
         group["runs"] += [runs[i].path for i in members]
     return groups
 

@@ -645,12 +645,26 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
     )
 
 
-def predict(cfg: "RunConfig", topology: "Topology", perf: "DevicePerf") -> StepPrediction:
-    if cfg.parallel.pp > 1:  # stages, a schedule, sends between them: fsdp_exp/tune/pipeline_perf.py
-        from fsdp_exp.tune.pipeline_perf import predict_pipeline
+def costs_for(cfg: "RunConfig", topology: "Topology"):
+    """What one step of ``cfg`` does: ``StepCosts``, or for a pipeline run (parallel.pp > 1: stages, a schedule,
+    sends between them) ``fsdp_exp.tune.pipeline_perf.PipelineCosts``; ``time_costs`` times either."""
+    if cfg.parallel.pp > 1:
+        from fsdp_exp.tune.pipeline_perf import pipeline_costs
 
-        return predict_pipeline(cfg, topology, perf)
-    return timing(step_costs(cfg, topology), perf)
+        return pipeline_costs(cfg, topology)
+    return step_costs(cfg, topology)
+
+
+def time_costs(costs, perf: "DevicePerf") -> StepPrediction:
+    if isinstance(costs, StepCosts):
+        return timing(costs, perf)
+    from fsdp_exp.tune.pipeline_perf import pipeline_timing
+
+    return pipeline_timing(costs, perf)
+
+
+def predict(cfg: "RunConfig", topology: "Topology", perf: "DevicePerf") -> StepPrediction:
+    return time_costs(costs_for(cfg, topology), perf)
 
 
 def counts(costs: StepCosts) -> dict[str, int]:

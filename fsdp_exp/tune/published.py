@@ -359,7 +359,7 @@ class Configs:
 
 
 def step_samples(paths: list[Path]) -> dict[str, dict]:
-    """The published runs with a throughput, by device: ``{device: {"samples": [(StepCosts, published tokens/s of
+    """The published runs with a throughput, by device: ``{device: {"samples": [(its costs (``perf.costs_for``), published tokens/s of
     the whole run, DevicePerf with the row's network)], "perf": the device's DevicePerf, "runs": n}}``, for
     ``tune.calibrate_from=<a published table>``. Rows that cannot be expressed, or whose mapped architecture
     misses the published parameter count, are left out."""
@@ -367,7 +367,7 @@ def step_samples(paths: list[Path]) -> dict[str, dict]:
     from fsdp_exp.errors import ConfigError
     from fsdp_exp.models import spec_for
     from fsdp_exp.plan.devices import device_table, with_network
-    from fsdp_exp.tune.perf import step_costs
+    from fsdp_exp.tune.perf import costs_for
     from fsdp_exp.tune.compose import hydra_session
 
     table = device_table()
@@ -390,7 +390,7 @@ def step_samples(paths: list[Path]) -> dict[str, dict]:
             group = groups.setdefault(row.device, {"samples": [], "perf": perf, "runs": 0})
             group["samples"].append(
                 (
-                    step_costs(cfg, topology),
+                    costs_for(cfg, topology),
                     row.published_tokens * topology.world_size,
                     with_network(perf, row.network) if row.network else perf,
                 )

@@ -174,3 +174,17 @@ def test_published_pipeline_rows_are_predicted_within_25_percent_and_their_sched
             predicted.append(tokens)
     published_ratio = interleaved.published_tokens / one.published_tokens
     assert predicted[1] / predicted[0] == pytest.approx(published_ratio, rel=RATIO_BAND)
+
+
+def test_the_calibration_fits_the_devices_figures_to_pipeline_runs_too():
+    """A measured sweep (tune.calibrate_from) or a published table holding pp > 1 runs: their samples are the
+    pipeline's costs, timed by the pipeline model while the fit moves the device's figures."""
+    from fsdp_exp.tune import calibrate
+    from fsdp_exp.tune.perf import costs_for, time_costs
+
+    cfg, topology = _layout([*LLAMA_7B, "trainer.nproc_per_node=8", "trainer.global_batch_size=32", "parallel.pp=2"])
+    costs = costs_for(cfg, topology)
+    assert costs.settings.pp == 2
+    measured = 0.8 * time_costs(costs, H100).tokens_per_s  # as if the matmuls reached less of the peak
+    params, before, after = calibrate.fit([(costs, measured)], H100, ("efficiency",))
+    assert after < 0.1 * before and params["efficiency"] < H100.efficiency
