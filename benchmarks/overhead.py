@@ -89,9 +89,10 @@ def baseline_rank(rank: int, port: int, steps: int, out: str) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from fsdp_exp.config import ModelConfig  # the model definition only
+    from fsdp_exp.env import rank_env
     from fsdp_exp.models.llama import Llama
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+    os.environ.update(rank_env(rank, WORLD, port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))  # as the framework does
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -177,13 +178,12 @@ def metrics_rank(rank: int, port: int, overrides: list[str], steps: int, run_dir
     """One rank of the in-run comparison: the real Trainer, full and minimal steps interleaved."""
     from fsdp_exp.preflight import validate
     from fsdp_exp.dist import init_distributed
+    from fsdp_exp.env import rank_env
     from fsdp_exp.launch import run_context
     from fsdp_exp.plan import compose
     from fsdp_exp.trainer import Trainer
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank)
-    )
+    os.environ.update(rank_env(rank, WORLD, port))
     cfg = compose(overrides)
     topology = validate(cfg, cuda_devices=0)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))  # as the framework does

@@ -95,10 +95,10 @@ class Stages:
         )
 
 
-def traced_rank(local_rank: int, nprocs: int, port: int, payload: dict) -> None:
+def traced_rank(local_rank: int, nprocs: int, port: int, payload, *how) -> None:
     """A spawned rank (in place of the launcher's own), with its stages timed."""
     stages = Stages(f"rank{local_rank}")
-    stages.mark("interpreter and torch up (spawn's bootstrap imports torch.multiprocessing)")
+    stages.mark("rank up (forked: at once; spawned: a new interpreter and torch)")
     import fsdp_exp.trainer as trainer
     from fsdp_exp import launch
 
@@ -116,7 +116,9 @@ def traced_rank(local_rank: int, nprocs: int, port: int, payload: dict) -> None:
         stages.save()
 
     trainer.run_worker = timed_worker
-    launch._spawned_rank(local_rank, nprocs, port, payload)
+    # A forked rank has the launcher's modules, where _spawned_rank is this function: call the original.
+    untraced = getattr(launch, "untraced_rank", launch._spawned_rank)
+    untraced(local_rank, nprocs, port, payload, *how)
 
 
 def traced_launcher(overrides: list[str]) -> None:
@@ -140,7 +142,7 @@ def traced_launcher(overrides: list[str]) -> None:
     stages.wrap(fsdp_exp.data, "prepare_data", "data prepared")
     stages.wrap(RunRecord, "starting", "run.json started")
     stages.wrap(launch, "_spawn", "ranks ended")
-    launch._spawned_rank = traced_rank
+    launch.untraced_rank, launch._spawned_rank = launch._spawned_rank, traced_rank
     sys.argv = ["fsdp_exp", *overrides]
 
     @atexit.register  # run by the launcher's own way out (fsdp_exp.__main__.leave_when_done), as any exit's

@@ -29,7 +29,9 @@ def hydra_entry(cfg: DictConfig) -> dict:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from fsdp_exp.launch import RunFailed, launch, record_failure, report_failure
+    from fsdp_exp.launch import RunFailed, allow_forked_ranks, launch, record_failure, report_failure
+
+    allow_forked_ranks()  # this process is fsdp_exp's own; the first job's call comes before any work
 
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN

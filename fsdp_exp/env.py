@@ -131,13 +131,50 @@ def export_slurm_rendezvous() -> None:
     step = int(_slurm_step_id() or 0)
     port = 20000 + (job * 4 + step % 4) % 12000
     env.update(
-        MASTER_ADDR=master,
-        MASTER_PORT=str(port),
-        RANK=env["SLURM_PROCID"],
-        WORLD_SIZE=str(world[0]),
-        LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
-        LOCAL_WORLD_SIZE=str(world[1]),
+        rank_env(
+            int(env["SLURM_PROCID"]),
+            world[0],
+            port,
+            master=master,
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            local_world=world[1],
+        )
     )
+
+
+def rank_env(
+    rank: int,
+    world: int,
+    port: int,
+    master: str = "127.0.0.1",
+    local_rank: Optional[int] = None,
+    local_world: Optional[int] = None,
+) -> dict[str, str]:
+    """The variables torch.distributed's env:// rendezvous reads for rank ``rank`` of ``world``, meeting at
+    ``master``:``port``, and the rank's place on its node (LOCAL_RANK picks its GPU; by default every rank
+    is on one node). For ``os.environ.update``: what fsdp_exp's spawner, the SLURM rendezvous, the
+    benchmarks and the tests' own process groups set."""
+    return {
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+        "LOCAL_WORLD_SIZE": str(world if local_world is None else local_world),
+    }
+
+
+def die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the process that started it dies, however it dies."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
 
 
 def placement() -> dict:

@@ -3,8 +3,9 @@
 - Under torchrun (or any launcher that sets RANK/WORLD_SIZE) or a multi-task SLURM step, this process
   is one rank: it runs the worker itself.
 - Otherwise this process is only the launcher. It never joins a process group (re-initializing one
-  in the same process is flaky on gloo, and Hydra multiruns would need exactly that): it spawns
-  ``trainer.nproc_per_node`` fresh workers on a free local port, hands them plain data, and waits.
+  in the same process is flaky on gloo, and Hydra multiruns would need exactly that): it starts
+  ``trainer.nproc_per_node`` workers on a free local port (forked from it where that is safe, which
+  saves each one torch's import; else spawned), hands them the run context, and waits.
   When one worker fails (raises, or dies by a signal such as SIGKILL), the launcher gives the others
   a few seconds to end on their own, then kills them; it names the rank and its error, marks the run
   record failed and exits non-zero. SIGTERM / SIGUSR1 sent to the launcher (a scheduler's preemption or
@@ -29,9 +30,17 @@ from typing import Optional
 from fsdp_exp.config import RunConfig, Topology, fail, plain
 from fsdp_exp.context import Labels, Prediction, RunContext
 from fsdp_exp.preflight import validate
-from fsdp_exp.env import cuda_device_count, export_slurm_rendezvous, external_world, local_rank, slurm_job
+from fsdp_exp.env import (
+    cuda_device_count,
+    die_with_parent,
+    export_slurm_rendezvous,
+    external_world,
+    local_rank,
+    rank_env,
+    slurm_job,
+)
 from fsdp_exp.errors import RunFailed  # noqa: F401 - raised here, caught by __main__ and slurm
-from fsdp_exp.record import RunRecord
+from fsdp_exp.record import RunRecord, wandb_process
 
 ERRORS_DIR = "errors"
 # After a rank fails, how long the others get to end on their own (they usually fail at once on the
@@ -255,13 +264,21 @@ def _spawn(context: RunContext, nprocs: int, forward: list[str] = ("SIGTERM",)) 
 
     port = free_port()
     oom = OomWatch()  # the OOM killer's counters and the node's memory before the ranks start
+    method = "fork" if forked_ranks_allowed(context) else "spawn"
+    writer = None
+    if method == "fork":
+        if context.config.logger.wandb.mode != "disabled":
+            writer = wandb_process.start_ahead()  # rank 0's W&B process, ready when rank 0 opens the run
+        import fsdp_exp.trainer  # noqa: F401 - imported once, here: every rank has it
     ctx = mp.start_processes(
-        _spawned_rank, args=(nprocs, port, context), nprocs=nprocs, join=False, start_method="spawn"
+        _spawned_rank, args=(nprocs, port, context, method), nprocs=nprocs, join=False, start_method=method
     )
+    wandb_process.let_go_ahead()  # rank 0 writes to it
     previous = _forward_signals(ctx.processes, forward)
     try:
         failed = _wait_for_ranks(ctx.processes, context.run_dir)
     finally:
+        wandb_process.reap(writer)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         for path in ctx.error_files:  # torch's per-worker error pickles (we read errors/rank<N>.txt)
@@ -272,6 +289,54 @@ def _spawn(context: RunContext, nprocs: int, forward: list[str] = ("SIGTERM",)) 
     if failed is not None:
         process = ctx.processes[failed]
         raise _failure(context.run_dir, failed, process.exitcode, oom, process.pid)
+
+
+# Starting the local ranks. A spawned rank is a new interpreter: it imports torch and fsdp_exp's trainer
+# again (1.5-2.5 s per rank on 2 cores, while the launcher has already imported torch). Forked from the
+# launcher, a rank starts with every module imported once, there. Forking copies the whole process, so
+# it is done only from a launcher in a state that copies safely (``forked_ranks_allowed``): CUDA never
+# initialised (no CUDA device on the machine), no thread of its own (Python's or a library's pool, an
+# OpenMP one above all, which a forked child cannot use); anywhere else, ranks are spawned as before.
+_threads_when_clean: Optional[int] = None
+
+
+def allow_forked_ranks() -> None:
+    """The command line's launcher calls this once, before it has computed anything: from then on its
+    ranks may be forked from it. What threads it has then (torch's import starts numpy's BLAS pool, which
+    is fork-safe) is the count it must still have when it forks. A process that does not call this (a
+    test, a notebook, a benchmark launching runs in-process) keeps spawning its ranks."""
+    global _threads_when_clean
+    import torch  # noqa: F401 - imported now, so that its import's threads count as clean
+
+    if _threads_when_clean is None:
+        _threads_when_clean = _os_threads()
+
+
+def _os_threads() -> int:
+    """This process's threads, as the kernel counts them: Python's and every library's."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def forked_ranks_allowed(context: RunContext) -> bool:
+    """May the ranks be forked from this process now (see above)?"""
+    import threading
+
+    return (
+        _threads_when_clean is not None
+        and context.topology.device_type == "cpu"
+        and cuda_device_count() == 0
+        and threading.active_count() == 1
+        and _os_threads() <= _threads_when_clean
+    )
+
+
+def _as_a_new_process() -> None:
+    """In a forked rank, undo what the launcher set up that a spawned rank would not have: Hydra's log
+    handlers (its console and the run folder's log file) on the root logger."""
+    import logging
+
+    logging.root.handlers.clear()
+    logging.root.setLevel(logging.WARNING)
 
 
 def _forward_signals(processes, names) -> dict:
@@ -368,29 +433,15 @@ def _failure(run_dir: Path, rank: int, exitcode: int, oom=None, pid: Optional[in
     return RunFailed(rank, f"the process exited with code {exitcode}")
 
 
-def _die_with_launcher() -> None:
-    """Linux: this worker gets SIGKILL when the launcher dies, however it dies (no orphaned ranks)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-
-
-def _spawned_rank(local_rank: int, nprocs: int, port: int, context: RunContext) -> None:
-    """A worker process started by ``_spawn``: set the torch.distributed environment, then run."""
-    _die_with_launcher()
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(nprocs),
-        LOCAL_WORLD_SIZE=str(nprocs),
-    )
+def _spawned_rank(local_rank: int, nprocs: int, port: int, context: RunContext, method: str = "spawn") -> None:
+    """A worker process started by ``_spawn`` (``method``: fork or spawn): set the torch.distributed
+    environment, then run."""
+    die_with_parent()  # no orphaned ranks
+    if method == "fork":
+        _as_a_new_process()
+        if local_rank != 0:
+            wandb_process.let_go_ahead()  # rank 0's
+    os.environ.update(rank_env(local_rank, nprocs, port))
     try:
         from fsdp_exp.trainer import run_worker
 

@@ -25,7 +25,7 @@ from fsdp_exp.models import count_params, spec_for
 from fsdp_exp.record.console import ConsoleSink
 from fsdp_exp.record.metrics_file import JsonlSink
 from fsdp_exp.record.run_record import RunRecord
-from fsdp_exp.record.wandb_sink import WandbSink
+from fsdp_exp.record.wandb_process import WandbProcess
 
 if TYPE_CHECKING:
     from fsdp_exp.context import Labels
@@ -37,7 +37,7 @@ class Recorder:
         self.record = RunRecord(run_dir) if is_main else None  # run.json's writer (rank 0's part)
         self.jsonl: Optional[JsonlSink] = None
         self.console: Optional[ConsoleSink] = None
-        self.wandb: Optional[WandbSink] = None
+        self.wandb: Optional[WandbProcess] = None
         self.open = False
 
     def open_sinks(self, cfg, keep_through_step: Optional[int]) -> list[dict]:
@@ -74,7 +74,7 @@ class Recorder:
             return wandb_run_id
         if cfg.logger.wandb.mode != "disabled":
             overrides, choices = list(labels.overrides), dict(labels.choices)
-            self.wandb = WandbSink(
+            self.wandb = WandbProcess(
                 cfg.logger.wandb,
                 self.run_dir,
                 {

@@ -9,6 +9,8 @@ logged value."""
 
 from __future__ import annotations
 
+import secrets
+import string
 import sys
 from pathlib import Path
 from typing import Optional
@@ -42,6 +44,11 @@ def define_metrics(run) -> None:
         run.define_metric(metric.name, step_metric=step_metric, summary=metric.wandb_summary)
 
 
+def new_run_id() -> str:
+    """A W&B run id (eight lowercase letters and digits, as W&B makes them), for a run not opened yet."""
+    return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+
+
 def configuration_job_type(config: dict) -> Optional[str]:
     """``cfg-<12 hex>``: the run's settings less trainer.repeat (fsdp_exp.identity), as the report keys them;
     None before the backend's applied settings exist (a job refused before any rank started)."""
@@ -60,13 +67,15 @@ class WandbSink:
         overrides: list[str],
         choices: dict[str, str],
         run_id: Optional[str] = None,
+        new_id: Optional[str] = None,
     ):
+        """``run_id``: the W&B run to continue; else a new run, with id ``new_id`` where the caller chose it."""
         import wandb
 
         self.wandb = wandb
         # A run resumed from a checkpoint continues the W&B run the checkpoint names (offline: a new
         # offline-run-*-<id> folder with the same id; `wandb sync` appends it to that run).
-        resume = {"id": run_id, "resume": "allow"} if run_id else {}
+        resume = {"id": run_id, "resume": "allow"} if run_id else {"id": new_id} if new_id else {}
         self.run = wandb.init(
             **resume,
             project=wandb_cfg.project,

@@ -203,14 +203,13 @@ def test_what_cannot_be_converted_is_refused(tmp_path, reference, overrides, nee
 
 
 def _launcher_children(pid: int) -> list:
+    """The launcher's ranks (forked or spawned): its child processes less multiprocessing's resource
+    tracker and rank 0's W&B writer."""
     import psutil
 
+    helpers = ("resource_tracker", "fsdp_exp.record.wandb_process")
     return sorted(
-        (
-            p
-            for p in psutil.Process(pid).children()
-            if "spawn_main" in " ".join(p.cmdline()) and "resource_tracker" not in " ".join(p.cmdline())
-        ),
+        (p for p in psutil.Process(pid).children() if not any(h in " ".join(p.cmdline()) for h in helpers)),
         key=lambda p: (p.create_time(), p.pid),
     )
 

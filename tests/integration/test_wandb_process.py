@@ -1,0 +1,75 @@
+"""Rank 0's W&B writer process (fsdp_exp/record/wandb_process.py): a real offline W&B run written by the
+child, read back with W&B's own reader; a run W&B cannot open; a parent that dies. ~15 s on 2 cores."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from fsdp_exp.record.wandb_process import WandbProcess
+
+from conftest import REPO
+from wandb_files import offline_folders, records, summary
+
+OFFLINE = SimpleNamespace(project="fsdp_exp", entity=None, group=None, name=None, tags=[], mode="offline")
+
+
+def test_the_wandb_process_writes_every_row_and_the_summary_into_the_run_it_named_before_opening(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    sink = WandbProcess(OFFLINE, tmp_path, {"trainer": {"repeat": 0}}, ["sharding=full"], {"sharding": "full"})
+    run_id = sink.run_id  # known before W&B has opened the run: run.json and checkpoints name it at once
+    rows = [{"step": s, "train/loss": 3.0 - s, "perf/mfu_fp8": None} for s in (1, 2, 3)]
+    for row in rows:
+        sink.log(row)
+    sink.summary({"summary/tokens_per_s_median": 10.0})
+    sink.close()
+    assert sink.error is None
+    (folder,) = offline_folders(tmp_path)
+    assert folder.name.endswith(f"-{run_id}")
+    recs = records(folder)
+    history = [r["history"]["item"] for r in recs if r["type"] == "history"]
+    logged = [(h["_step"], h["train/loss"], h["perf/mfu_fp8"]) for h in history]
+    assert logged == [(1, 2.0, None), (2, 1.0, None), (3, 0.0, None)]
+    assert summary([recs])["summary/tokens_per_s_median"] == 10.0
+    (run,) = [r["run"] for r in recs if r["type"] == "run"]
+    assert run["display_name"] == "sharding=full" and "sharding:full" in run["tags"]
+
+
+def test_a_wandb_run_that_cannot_be_opened_fails_the_rank_at_its_first_row(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    broken = SimpleNamespace(**{**vars(OFFLINE), "mode": "no-such-mode"})
+    sink = WandbProcess(broken, tmp_path, {"trainer": {"repeat": 0}}, [], {})
+    with pytest.raises(RuntimeError, match="W&B could not open the run"):
+        sink.log({"step": 1, "train/loss": 1.0})
+
+
+def test_the_wandb_process_ends_when_the_process_that_started_it_is_killed(tmp_path):
+    """A rank killed by SIGKILL leaves no W&B writer behind (it would outlive the job otherwise)."""
+    script = (
+        "import os, signal, sys, time\n"
+        "from types import SimpleNamespace\n"
+        "from fsdp_exp.record.wandb_process import WandbProcess\n"
+        "cfg = SimpleNamespace(project='fsdp_exp', entity=None, group=None, name=None, tags=[], mode='offline')\n"
+        f"sink = WandbProcess(cfg, {str(tmp_path)!r}, {{'trainer': {{'repeat': 0}}}}, [], {{}})\n"
+        "sink.log({'step': 1, 'train/loss': 1.0})\n"
+        "print(sink._child.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 20
+        while child.is_running() and child.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    finally:
+        parent.kill()
