@@ -142,14 +142,16 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
             return stage_of_block[info.block]
         return 0 if info.name in inventory.input_params else last
 
-    infos = param_infos(inventory, unit_names(spec, cfg), backend_for(cfg).planner_rules(cfg), shard=dp, tp=1)
+    tp = cfg.parallel.tp  # inside each stage (parallel/pipeline.py's tensor_parallel_stage), no sequence parallel
+    infos = param_infos(inventory, unit_names(spec, cfg), backend_for(cfg).planner_rules(cfg), shard=dp, tp=tp)
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     micro_batch = cfg.trainer.global_batch_size // dp // s.n_microbatches
-    profile = profile_for(cfg.model, micro_batch, cfg.trainer.seq_len, tp=1, sequence_parallel=False)
+    profile = profile_for(cfg.model, micro_batch, cfg.trainer.seq_len, tp=tp, sequence_parallel=False)
     block_bytes = profile.block_saved(e, False, profile.math_attention(device_kind, e))["total"]
     resid = profile.residual(e)  # a stage's input or output, one micro-batch
     # The last stage: the final norm's saved tensors, the loss's fp32 log-softmax and the logits themselves.
-    head_bytes = profile.head_saved(e, False) + 4 * profile.logits + e * profile.logits
+    logits = profile.logits // (tp if cfg.parallel.loss_parallel else 1)  # loss parallel: sharded over the vocabulary
+    head_bytes = profile.head_saved(e, False) + 4 * logits + e * logits
     temporaries = resid + profile.backward_peak(e) + e * profile.peak_weight_grad
 
     def per_microbatch(stage: int) -> int:

@@ -2,10 +2,9 @@
 stage tracker, the planner's per-stage peak (fsdp_exp/plan/pipeline.py) within 5% of it on every stage,
 and the measured bubble and P2P waits of every step.
 
-One spawned group of 4 ranks trains every planner case (as tests/integration/test_pipeline.py's ROUNDS:
-two independent 2-rank pipelines a round, then one pp=2 x dp=2 over all four); one command-line run checks
-that the trainer logs the figures (rows, run.json's summary and memory breakdown). Timings on a CPU are
-noisy: the tests check that they exist, are fractions and add up, never how large they are.
+One spawned group of 4 ranks trains every case (ROUNDS, as tests/integration/test_pipeline.py's); one
+command-line run checks that the trainer logs the figures (rows, run.json's summary and memory breakdown).
+Timings on a CPU are noisy: the tests check that they exist, are fractions and add up, never their size.
 """
 
 from __future__ import annotations
@@ -23,29 +22,53 @@ from conftest import QUIET, TINY_BATCH, TINY_MODEL, run_cli, run_config
 pytestmark = pytest.mark.slow
 
 # 4 blocks, so that 2 ranks can hold 2 stages each (interleaved 1F1B); 8 sequences of 32 tokens a step.
-OVERRIDES = [*QUIET, *TINY_MODEL, "model.n_layers=4", *TINY_BATCH, "trainer.steps=3", "trainer.warmup_steps=2"]
+TRAINING = [*QUIET, *TINY_BATCH, "trainer.steps=3", "trainer.warmup_steps=2"]
+OVERRIDES = [*TINY_MODEL, "model.n_layers=4", *TRAINING]
+# tensor parallel 2 inside each stage, loss parallel (the default): the last stage's logits stay sharded
+TP = [*OVERRIDES, "parallel.tp=2"]
+# a transformers causal LM (Qwen2 shrunk to 4 layers of width 64, fp32), as tests/integration/test_pipeline_hf.py
+QWEN2 = [
+    "model=hf_qwen2_7b",
+    "+model.hf_overrides.num_hidden_layers=4",
+    "+model.hf_overrides.hidden_size=64",
+    "+model.hf_overrides.intermediate_size=128",
+    "+model.hf_overrides.num_attention_heads=4",
+    "+model.hf_overrides.num_key_value_heads=2",
+    "+model.hf_overrides.vocab_size=256",
+    "precision=fp32",
+    *TRAINING,
+]
 PLANNER_RTOL = 0.05  # the issue's bar: the planner's per-stage peak within 5% of the tracker's
 
+# case -> (the PipelineSettings fields, the run's overrides)
 CASES = {
-    "gpipe": dict(pp=2, schedule="gpipe", microbatches=4),
-    "1f1b": dict(pp=2, schedule="1f1b", microbatches=4),
-    "interleaved_1f1b": dict(pp=2, schedule="interleaved_1f1b", microbatches=4, stages_per_rank=2),
-    "1f1b_fsdp2_dp2": dict(pp=2, schedule="1f1b", microbatches=2),  # 4 sequences per dp rank
+    "gpipe": (dict(pp=2, schedule="gpipe", microbatches=4), OVERRIDES),
+    "gpipe_8_microbatches": (dict(pp=2, schedule="gpipe", microbatches=8), OVERRIDES),  # of one sequence
+    "1f1b": (dict(pp=2, schedule="1f1b", microbatches=4), OVERRIDES),
+    "interleaved_1f1b": (dict(pp=2, schedule="interleaved_1f1b", microbatches=4, stages_per_rank=2), OVERRIDES),
+    "1f1b_fsdp2_dp2": (dict(pp=2, schedule="1f1b", microbatches=2), OVERRIDES),  # 4 sequences per dp rank
+    "1f1b_tp2": (dict(pp=2, schedule="1f1b", microbatches=4), TP),
+    "qwen2_1f1b": (dict(pp=2, schedule="1f1b", microbatches=4), QWEN2),
     # not planned yet (the whole model, an upper bound): tracked, for its split backward (autograd.grad first)
-    "zbv_zero_bubble": dict(pp=2, schedule="zbv_zero_bubble", microbatches=4, stages_per_rank=2),
+    "zbv_zero_bubble": (dict(pp=2, schedule="zbv_zero_bubble", microbatches=4, stages_per_rank=2), OVERRIDES),
 }
-PLANNED = ("gpipe", "1f1b", "interleaved_1f1b", "1f1b_fsdp2_dp2")
+PLANNED = [case for case in CASES if case != "zbv_zero_bubble"]
 DP = {"1f1b_fsdp2_dp2": 2}
+# One spawned group of 4 ranks: (replica, pp, dp) meshes whose two replicas are two independent 2-rank pipelines
+# (each round, replica 0 trains one case while replica 1 trains another), then pp=2 x dp=2, then pp=2 x tp=2.
 ROUNDS = [
     ((2, 2, 1), ("gpipe", "1f1b")),
     ((2, 2, 1), ("interleaved_1f1b", "zbv_zero_bubble")),
+    ((2, 2, 1), ("qwen2_1f1b", "gpipe_8_microbatches")),
     ((1, 2, 2), ("1f1b_fsdp2_dp2",)),
+    ((2, 1, 2), ("1f1b_tp2",)),  # (pp, dp, tp)
 ]
 NPROCS = 4
+VOCAB = 256  # every model here
 STEPS = 2  # the second step is tracked: the first makes the optimizer's states and the stages' buffers
 
 
-def _rank(rank: int, world: int, port: int, config: dict, out: str) -> None:
+def _rank(rank: int, world: int, port: int, configs: dict, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -54,14 +77,17 @@ def _rank(rank: int, world: int, port: int, config: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    cfg = to_run_config(config)
     meshes: dict = {}
     for round_index, (shape, names) in enumerate(ROUNDS):
-        if shape not in meshes:
-            meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("replica", "pp", "dp"))
-        mesh = meshes[shape]
-        replica = mesh["replica"].get_local_rank()
-        _measure_case(cfg, names[replica], mesh["pp", "dp"], Path(out) / f"{round_index}-{replica}-{rank}.json")
+        if names == ("1f1b_tp2",):
+            mesh, replica = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp", "tp")), 0
+        else:
+            if shape not in meshes:
+                meshes[shape] = init_device_mesh("cpu", shape, mesh_dim_names=("replica", "pp", "dp"))
+            replica = meshes[shape]["replica"].get_local_rank()
+            mesh = meshes[shape]["pp", "dp"]
+        name = names[replica]
+        _measure_case(to_run_config(configs[name]), name, mesh, Path(out) / f"{round_index}-{replica}-{rank}.json")
         dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -77,7 +103,7 @@ def _measure_case(cfg, name: str, mesh, path: Path) -> None:
     from fsdp_exp.metrics.tracker import StepMemory
     from fsdp_exp.parallel.pipeline import PipelineSettings, build_pipeline
 
-    engine = build_pipeline(cfg, PipelineSettings(**CASES[name]), mesh, torch.device("cpu"))
+    engine = build_pipeline(cfg, PipelineSettings(**CASES[name][0]), mesh, torch.device("cpu"))
 
     class Stages:  # the StagesBackend's tracker, asked as StepMemory asks a backend
         def memory_tracker(self, model, optimizer):
@@ -85,7 +111,7 @@ def _measure_case(cfg, name: str, mesh, path: Path) -> None:
 
     torch.manual_seed(0)
     dp = mesh["dp"].size()
-    inputs = torch.randint(0, cfg.model.vocab_size, (cfg.trainer.global_batch_size // dp, cfg.trainer.seq_len))
+    inputs = torch.randint(0, VOCAB, (cfg.trainer.global_batch_size // dp, cfg.trainer.seq_len))
     times = []
     for step in range(STEPS):
         if step < STEPS - 1:
@@ -121,8 +147,8 @@ def _measure_all(out: Path) -> dict:
     from fsdp_exp.config import plain
     from fsdp_exp.launch import free_port
 
-    cfg = run_config(OVERRIDES)
-    mp.start_processes(_rank, args=(NPROCS, free_port(), plain(cfg), str(out)), nprocs=NPROCS, start_method="spawn")
+    configs = {name: plain(run_config(overrides)) for name, (_, overrides) in CASES.items()}
+    mp.start_processes(_rank, args=(NPROCS, free_port(), configs, str(out)), nprocs=NPROCS, start_method="spawn")
     results: dict = {}
     for path in sorted(out.glob("*.json")):
         got = json.loads(path.read_text())
@@ -144,7 +170,8 @@ def test_the_planners_peak_of_every_stage_is_within_5_percent_of_the_stage_track
     from fsdp_exp.parallel.pipeline import PipelineSettings
     from fsdp_exp.plan.pipeline import pipeline_plan
 
-    plan = pipeline_plan(run_config(OVERRIDES), PipelineSettings(**CASES[case]), DP.get(case, 1))
+    settings, overrides = CASES[case]
+    plan = pipeline_plan(run_config(overrides), PipelineSettings(**settings), DP.get(case, 1))
     for rank_plan in plan.ranks:
         tracked = measured[case]["peaks"][rank_plan.rank]["step"]
         error = rank_plan.peak / tracked["total"] - 1
