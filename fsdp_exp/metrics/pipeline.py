@@ -2,7 +2,8 @@
 step's time splits into the stage's own compute and waiting on its neighbours.
 
 - **Memory**: ``StageMemTracker`` is torch's ``MemTracker`` without its per-module statistics, which
-  refuse a root module called more than once a step (every micro-batch calls each stage). It still
+  refuse a root module called more than once a step (every micro-batch calls each stage), and without its
+  module tracker's backward hooks, which the zero-bubble schedules' split backward refuses. It still
   counts every live storage on this rank by kind: the parameters, gradients and optimizer states it
   was handed at the start, then every allocation and free of the sampled step (through its
   TorchDispatchMode and the storage ``resize_`` that FSDP2 uses), and keeps the peak. Each pp rank holds
