@@ -1,27 +1,14 @@
-"""A consolidated copy of the model, for use outside fsdp_exp.
+"""A consolidated copy of the model, for use outside fsdp_exp: ``checkpoint.export=safetensors`` (fsdp_exp's
+parameter names, plus ``fsdp_exp_model.json``, the model config) or ``checkpoint.export=hf`` (a Hugging Face
+folder that ``AutoModelForCausalLM.from_pretrained`` loads offline).
 
-- ``checkpoint.export=safetensors``: ``<export dir>/model.safetensors`` with fsdp_exp's parameter
-  names (``layers.0.attention.wq.weight``, ...) plus ``fsdp_exp_model.json`` (the model config).
-- ``checkpoint.export=hf``: a Hugging Face folder (``config.json`` + ``model.safetensors`` with HF
-  names) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads offline: a LlamaForCausalLM
-  for Llama, the model's own architecture for ``model=hf`` (whose names are transformers' already).
-
-Consolidation: ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` all-gathers one
-parameter at a time; only rank 0 keeps each full tensor, on the CPU; the other ranks get nothing.
-So no rank holds more than one unsharded parameter on its device, and only rank 0 the full model on
-the host.
-
-Under pipeline parallel the model lives on several ranks: each pp rank's stages are gathered over their
-dp (and tp) ranks, one parameter at a time, onto that stage's first rank (an ``ExportPart``), which
-writes its own file of Hugging Face's sharded layout (``model-00001-of-00002.safetensors``, ...); rank 0
-then writes ``model.safetensors.index.json`` (each tensor's file), which ``from_pretrained`` and
-``safetensors`` users read. No rank holds more than its own stages.
-
-The Hugging Face names, the config.json and any rewriting of tensors (Llama's rotary layout) are
-the model family's (``ModelSpec.to_hf`` / ``hf_config``, for Llama in fsdp_exp.models.llama_spec).
-
-A checkpoint can be exported after the fact, without ranks:
+Consolidation gathers one parameter at a time and only rank 0 keeps it, on the CPU, so no rank holds more
+than one unsharded parameter on its device. Under pipeline parallel each stage is gathered onto its first
+rank (an ``ExportPart``), which writes its own file of Hugging Face's sharded layout; rank 0 writes the index.
+The Hugging Face names, config.json and any rewriting of tensors are the model family's (``ModelSpec.to_hf``,
+``hf_config``). A checkpoint exports after the fact, without ranks:
 ``python -m fsdp_exp.export <checkpoint step_N folder> <out dir> [--format hf|safetensors]``.
+More: the docs pages checkpoints.md (Export) and pipeline.md (From the command line).
 """
 
 from __future__ import annotations
@@ -91,9 +78,19 @@ def export_dir(setting: Optional[str], run_dir: Path) -> Path:
 
 
 def export_model(model, model_cfg, fmt: str, out: Path, is_main: bool, consolidate=full_state_dict) -> Optional[dict]:
-    """At the end of a run (every rank): consolidate ``model`` (with ``consolidate``: the backend's
-    ``full_state_dict``) and write it as ``fmt`` (``checkpoint.export``) to ``out``. Rank 0 (``is_main``)
-    returns what it wrote, the others None."""
+    """At the end of a run (every rank): consolidate ``model`` and write it to ``out``.
+
+    Args:
+        model: the run's parallelized model (every rank calls this with its own shard or stages).
+        model_cfg: the model config (``cfg.model``), written beside the tensors.
+        fmt: ``checkpoint.export``: ``"safetensors"`` or ``"hf"``.
+        out: the export folder (``export_dir``).
+        is_main: whether this is rank 0, which writes a whole model or the pipeline index.
+        consolidate: the backend's ``full_state_dict`` (a dict on rank 0, or an ``ExportPart`` per rank).
+
+    Returns:
+        On rank 0 what it wrote (format, folder, files, bytes, tensors, ``export_s``); None on the others.
+    """
     import torch.distributed as dist
 
     t0 = time.perf_counter()

@@ -272,7 +272,7 @@ def _validate_pipeline(cfg: RunConfig, world: int):
     what the pipeline does not compose with yet is refused by name. Returns (shape, names, dp)."""
     from fsdp_exp.parallel import pipeline
 
-    pp, tp = cfg.parallel.pp, cfg.parallel.tp  # checkpoints and the export: per stage (checkpoint/, export.py)
+    pp, tp = cfg.parallel.pp, cfg.parallel.tp  # checkpoint and export work per stage (fsdp_exp.checkpoint, .export)
     if pp < 1 or world % pp:
         fail(
             f"parallel.pp={pp} does not divide the world size {world}.",

@@ -1,28 +1,14 @@
 """Any Hugging Face causal LM as the model (``model=hf model.hf_config=<folder|config.json|hub name>``, or
 a shipped preset: ``model=hf_mistral_7b``, ``hf_qwen2_7b``, ``hf_gemma_7b``, ``hf_gpt2_xl``).
 
-    python -m fsdp_exp model=hf_mistral_7b +model.hf_overrides.num_hidden_layers=2 \\
-        +model.hf_overrides.hidden_size=64 +model.hf_overrides.intermediate_size=128 \\
-        +model.hf_overrides.num_attention_heads=4 +model.hf_overrides.num_key_value_heads=2 trainer.seq_len=64
-    python -m fsdp_exp.plan model=hf_qwen2_7b trainer.nproc_per_node=8 trainer.device=cuda
-
-Everything the run needs is read from the model itself, never written per architecture:
-
-- **build**: ``AutoModelForCausalLM.from_config`` on the meta device, fp32, ``use_cache=False``; a forward
-  hook makes it return the logits, as every fsdp_exp model does. Its parameter names are transformers'.
-- **initialization**: the architecture's own ``_init_weights``, recorded once on a meta copy and replayed
-  per parameter from (seed, name) (``fsdp_exp.models.hf_init``).
-- **blocks**: the class ``_no_split_modules`` names (the unit of wrap=block, ac, compile and TP).
-- **tied weights**: parameters that are one tensor under two names (GPT-2's and Gemma's embeddings).
-- **tensor parallel**: the model's ``_tp_plan`` (its config's ``base_model_tp_plan`` plus the output
-  projection), translated to fsdp_exp's plan; an architecture without one, or with a style fsdp_exp
-  does not translate, is refused for ``parallel.tp > 1``.
-- **export**: the identity: the parameters already have transformers' names, config.json is the config's.
-- **pipeline stages**: the model itself with the other stages' layers deleted and its ends replaced off their
-  stage, driving its base model on hidden states (``cut_stage``); the architectures checked to run so are
-  ``PIPELINE_MODEL_TYPES``.
-- **the planner**: the inventory from the meta model; activations measured by running the model under
-  torch's FakeTensorMode (``fsdp_exp.plan.activations.hf``).
+Everything the run needs is read from the model itself, never written per architecture: it is built by
+``AutoModelForCausalLM.from_config`` on the meta device (a forward hook makes it return the logits), its
+own ``_init_weights`` is replayed per parameter from (seed, name) (``fsdp_exp.models.hf_init``), its blocks
+are the class ``_no_split_modules``, tied weights stay one tensor, tensor parallel translates its
+``_tp_plan``, the export is the identity (transformers' names, the config's config.json), pipeline stages
+are the model with the other stages' layers deleted (``cut_stage``, ``PIPELINE_MODEL_TYPES``), and the
+planner measures it under FakeTensorMode (``fsdp_exp.plan.activations.hf``). The commands and what is
+refused: the docs page models.md ("Hugging Face models").
 """
 
 from __future__ import annotations
@@ -59,7 +45,7 @@ def _logits_only(module, args, output):
 
 def _forward(model, input_ids, targets=None, loss_chunks: int = 1, **kwargs):
     """transformers' forward, or with ``targets`` the summed cross-entropy of the decoder's last hidden
-    states through the model's output embeddings, chunked (fsdp_exp/models/loss.py). What transformers
+    states through the model's output embeddings, chunked (``fsdp_exp.models.loss``). What transformers
     does to the logits after the head (a soft cap, a scale) is done per chunk too."""
     if targets is None:
         return type(model).forward(model, input_ids, **kwargs)
@@ -147,7 +133,7 @@ def _is_routed_expert(name: str) -> bool:
 # previous stage's hidden states (``inputs_embeds``), which is the whole model's computation only where nothing
 # but the token lookup comes before the layers and nothing but the final norm and the head (with the transform
 # ``_logits_transform`` replays) comes after. Each was checked here, cut in two, against the whole model's logits
-# (tests/integration/test_pipeline_hf.py keeps checking them); GPT-2 and GPT-NeoX-style models (position
+# (test_pipeline_hf keeps checking them); GPT-2 and GPT-NeoX-style models (position
 # embeddings added in the forward, other names), Granite (multipliers applied in the forward) are not among them.
 PIPELINE_MODEL_TYPES = (
     "llama",

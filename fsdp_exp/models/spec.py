@@ -1,22 +1,14 @@
 """What a model family supplies, so that no code outside ``fsdp_exp.models`` knows a parameter's name.
 
 A family is a ``ModelSpec`` subclass with one instance in ``fsdp_exp.models.REGISTRY``, under the
-``model.name`` it answers to. ``ModelSpec`` combines five roles, each a small class here that the callers
-of one concern need:
-
-- ``SpecChecks``: its config checks (``check``, ``check_tensor_parallel``), the hub fetch before preflight
-  and the depth override the fit check offers; every refusal is ``fail(problem, fix)``.
-- ``SpecFacts``: what the rest of the run reads of the config: vocabulary, sequence length, tokenizer,
-  architecture name, FLOPs per token.
-- ``SpecBuild``: the plain ``nn.Module`` (no parallel code), the shared meta model, and the seeded
-  initial values (``init_std``, ``full_param``, ``init_buffers``), drawn from (seed, name) alone so any
-  world size and any sharding get the same values.
-- ``SpecLayout``: the block class (the unit of wrapping, activation checkpointing, compile and tensor
-  parallel), the two ends of the residual stream, the experts, tied weights, the tensor-parallel plan
-  as data (``fsdp_exp.parallel.tp`` turns it into torch's styles) and the planner's ``Inventory``.
-- ``SpecExport``: the parameters under Hugging Face's names and its config.json.
-
-What a block saves for backward is the planner's own model of the family (``fsdp_exp.plan.activations``).
+``model.name`` it answers to. ``ModelSpec`` combines five roles, each a small class here (its docstring says
+what it owns) that the callers of one concern need: ``SpecChecks`` (config checks, the hub fetch, the fit
+check's depth override; every refusal is ``fail(problem, fix)``), ``SpecFacts`` (vocabulary, sequence
+length, tokenizer, architecture, FLOPs per token), ``SpecBuild`` (the plain ``nn.Module``, the shared meta
+model, initial values drawn from (seed, name) alone, so any world size and sharding agree), ``SpecLayout``
+(blocks, the residual stream's two ends, experts, ties, pipeline stages, the tensor-parallel plan as data,
+the planner's ``Inventory``) and ``SpecExport`` (Hugging Face's names and config.json). What a block saves
+for backward is the planner's own model of the family (``fsdp_exp.plan.activations``).
 """
 
 from __future__ import annotations
@@ -322,7 +314,7 @@ class ModelSpec(SpecChecks, SpecFacts, SpecBuild, SpecLayout, SpecExport):
     abstract methods. Defaults are generic."""
 
 
-# The roles in the order a run meets them; tests/unit/test_model_spec.py keeps each one small.
+# The roles in the order a run meets them; test_model_spec keeps each one small.
 SPEC_ROLES: tuple[type, ...] = ModelSpec.__bases__
 
 

@@ -99,5 +99,5 @@ def apply(model: nn.Module, cfg: RunConfig, tp_mesh: DeviceMesh) -> dict:
 
 def _present(model: nn.Module, plan: dict) -> dict:
     """The entries of ``plan`` whose module this model runs: a pipeline stage holds ``nn.Identity`` in place
-    of the root modules of other stages (parallel/pipeline.py), which no parallel style takes."""
+    of the root modules of other stages (``fsdp_exp.parallel.pipeline``), which no parallel style takes."""
     return {name: style for name, style in plan.items() if not isinstance(model.get_submodule(name), nn.Identity)}
