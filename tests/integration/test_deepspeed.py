@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_exp.env import rank_env
 from fsdp_exp.parallel.deepspeed import installed
 
 from conftest import read_metrics, run_cli, run_config
@@ -94,14 +95,7 @@ def with_defaults(overrides: list[str]) -> list[str]:
 # ------------------------------------------------------------------------ one group, many runs
 def _rank(local_rank: int, nprocs: int, port: int, contexts: list) -> None:
     """One rank: join the group once, then train every run context with fsdp_exp's Trainer."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(nprocs),
-        LOCAL_WORLD_SIZE=str(nprocs),
-    )
+    os.environ.update(rank_env(local_rank, nprocs, port))
     import torch.distributed as dist
 
     from fsdp_exp.dist import init_distributed
@@ -312,13 +306,7 @@ STATE_CASES = [("no_shard", "bf16"), ("zero1", "bf16"), ("zero2", "fp32"), ("zer
 
 def _states_rank(local_rank: int, nprocs: int, port: int, out: str) -> None:
     """Every case's measured states after one real step, by category (fsdp_exp/parallel/deepspeed_memory.py)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(local_rank),
-        LOCAL_RANK=str(local_rank),
-        WORLD_SIZE=str(nprocs),
-    )
+    os.environ.update(rank_env(local_rank, nprocs, port))
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh

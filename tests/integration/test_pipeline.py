@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fsdp_exp.env import rank_env
+
 from conftest import QUIET, TINY_BATCH, TINY_MODEL, run_cli, run_config
 from reference import reference_run
 
@@ -81,7 +83,7 @@ def _rank(rank: int, world: int, port: int, configs: dict, batches: list, out: s
 
     from fsdp_exp.config import to_run_config
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(rank_env(rank, world, port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     meshes: dict = {}

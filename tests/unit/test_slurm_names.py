@@ -96,3 +96,31 @@ def test_an_interrupted_run_that_was_not_requeued_says_why_in_the_report():
     )
     stopped = {**interrupted, "slurm": {"restarts": 1, "not_requeued": "the job reached its time limit 2 time(s)"}}
     assert Run("/runs/0", record=stopped).error.endswith("; not requeued: the job reached its time limit 2 time(s)")
+
+
+def test_a_ranks_rendezvous_environment_names_its_peers_and_its_place_on_its_node(monkeypatch):
+    """The env:// block (fsdp_exp.env.rank_env): a local rank by default, a SLURM task's place on its node."""
+    import os
+
+    from fsdp_exp.env import export_slurm_rendezvous, rank_env
+
+    assert rank_env(1, 2, 29400) == {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29400",
+        "RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+    for name in [*rank_env(0, 0, 0), "TORCHELASTIC_RUN_ID"]:  # set, then unset: restored when the test ends
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    slurm = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "4"}
+    slurm |= {"SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_ID": "7"}
+    slurm |= {"SLURM_STEP_NODELIST": "gpu[003-004]"}
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    export_slurm_rendezvous()
+    assert {k: os.environ[k] for k in rank_env(0, 0, 0)} == rank_env(
+        3, 4, 20028, master="gpu003", local_rank=1, local_world=2
+    )
