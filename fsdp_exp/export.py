@@ -227,10 +227,14 @@ def load_checkpoint_model(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
         loaded = _load_state_dict_from_keys(set(keys), checkpoint_id=str(path))
     state = {k.removeprefix("model."): v for k, v in _flatten(loaded).items()}
     if meta["config"].get("parallel", {}).get("pp", 1) > 1:  # saved per rank's stages: "<local stage>.<name>"
-        from fsdp_exp.parallel.pipeline import full_model_names
-
         state = full_model_names(state)
     return state, meta["config"]["model"]
+
+
+def full_model_names(state: dict) -> dict:
+    """A rank's stages' state (a pipeline run's ``nn.ModuleList``: ``<local stage>.<name>``, as its checkpoints
+    hold it) under the full model's names (each stage keeps its parameters' names in the full model)."""
+    return {key.partition(".")[2]: value for key, value in state.items()}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -440,7 +440,9 @@ def build_pipeline(
     observer = StageObserver(
         pp_rank=mesh["pp"].get_local_rank(),
         stages_of={r: stages_of_rank(settings, r) for r in range(settings.pp)},
-        predicted_bubble=bubble_fraction(settings.schedule, settings.pp, settings.n_microbatches, settings.stages_per_rank),
+        predicted_bubble=bubble_fraction(
+            settings.schedule, settings.pp, settings.n_microbatches, settings.stages_per_rank
+        ),
     ).observe(schedule, pipeline_stages)
     applied.update(
         schedule=type(schedule).__name__,
@@ -528,18 +530,12 @@ class StagesBackend:
         pp rank (export.py writes a file per part and rank 0 the index), no rank holding more than its stages."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        from fsdp_exp.export import ExportPart, gathered
+        from fsdp_exp.export import ExportPart, full_model_names, gathered
 
         writer = all(c == 0 for c in self.mesh.get_coordinate()[1:])  # the stage's first dp (and tp) rank
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
         part = gathered(full_model_names(state), keep=writer)
         return ExportPart(part, index=self.mesh["pp"].get_local_rank(), count=self.mesh["pp"].size())
-
-
-def full_model_names(state: dict) -> dict:
-    """A rank's stages' state (the trainer's ``nn.ModuleList``: ``<local stage>.<name>``, as its checkpoints
-    hold it) under the full model's names (each stage keeps its parameters' names in the full model)."""
-    return {key.partition(".")[2]: value for key, value in state.items()}
 
 
 def bubble_fraction(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
