@@ -27,6 +27,7 @@ SPACE = [
     "tune.space.offload=[none]",
     "tune.space.prefetch=[default]",
     "tune.space.ac=[none,full]",
+    "tune.space.pp=[1]",  # no pipeline stages: the 18 candidates above (tests/unit/test_tune_pipeline.py weighs pp)
 ]
 
 
