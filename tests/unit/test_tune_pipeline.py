@@ -188,3 +188,20 @@ def test_the_calibration_fits_the_devices_figures_to_pipeline_runs_too():
     measured = 0.8 * time_costs(costs, H100).tokens_per_s  # as if the matmuls reached less of the peak
     params, before, after = calibrate.fit([(costs, measured)], H100, ("efficiency",))
     assert after < 0.1 * before and params["efficiency"] < H100.efficiency
+
+
+def test_only_the_shardings_stages_run_get_pipeline_candidates_and_one_stage_names_no_schedule():
+    from fsdp_exp.tune.space import build_space, enumerate_candidates, group_nodes
+
+    run = [*LLAMA_7B, "trainer.nproc_per_node=8", "trainer.global_batch_size=32"]
+    with hydra_session() as (compose, options):
+        base = compose(run)
+        groups = {g: options(g, run) for g in ("ac", "precision", "offload", "prefetch")}
+        space = build_space(base, run, {"pp": ["1", "2"]}, groups, world=8)
+        candidates = list(enumerate_candidates(base, space, group_nodes(run, space, compose)))
+    staged = [c for c in candidates if c.cfg.parallel.pp > 1]
+    assert staged and {(c.cfg.sharding.backend, c.cfg.sharding.strategy) for c in staged} == {("fsdp2", "full")}
+    assert {c.cfg.sharding.backend for c in candidates} > {"fsdp2"}  # the others still searched at pp=1
+    for c in candidates:
+        if c.cfg.parallel.pp == 1:
+            assert not any(x.startswith("parallel.") for x in c.choices) and c.cfg.parallel == base.parallel
