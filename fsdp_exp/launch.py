@@ -107,12 +107,18 @@ def launch(cfg: RunConfig, run_dir: Path, labels: Labels) -> dict:
     """Run one experiment to the end; return its run record. Raises RunFailed if a rank failed."""
     run_dir = Path(run_dir)
     world = external_world()
-    context = run_context(cfg, prepare(cfg, world), run_dir, labels)
-    # Real data is tokenized and packed into its cache here, once, before any rank exists (under
-    # torchrun every rank gets here: the first builds under a file lock, the others reuse it).
-    from fsdp_exp.data import prepare_data
+    if world is None and _may_fork() and cfg.logger.wandb.mode != "disabled":
+        wandb_process.start_ahead()  # rank 0's W&B writer, warming up on the idle core meanwhile
+    try:
+        context = run_context(cfg, prepare(cfg, world), run_dir, labels)
+        # Real data is tokenized and packed into its cache here, once, before any rank exists (under
+        # torchrun every rank gets here: the first builds under a file lock, the others reuse it).
+        from fsdp_exp.data import prepare_data
 
-    data_info = prepare_data(cfg)
+        data_info = prepare_data(cfg)
+    except BaseException:
+        wandb_process.discard_ahead()  # no rank will start
+        raise
 
     if world is not None:  # torchrun / SLURM: this process is one rank of the job
         export_slurm_rendezvous()
@@ -265,15 +271,14 @@ def _spawn(context: RunContext, nprocs: int, forward: list[str] = ("SIGTERM",)) 
     port = free_port()
     oom = OomWatch()  # the OOM killer's counters and the node's memory before the ranks start
     method = "fork" if forked_ranks_allowed(context) else "spawn"
-    writer = None
     if method == "fork":
-        if context.config.logger.wandb.mode != "disabled":
-            writer = wandb_process.start_ahead()  # rank 0's W&B process, ready when rank 0 opens the run
         import fsdp_exp.trainer  # noqa: F401 - imported once, here: every rank has it
+    else:
+        wandb_process.discard_ahead()  # a spawned rank 0 starts its own W&B writer
     ctx = mp.start_processes(
         _spawned_rank, args=(nprocs, port, context, method), nprocs=nprocs, join=False, start_method=method
     )
-    wandb_process.let_go_ahead()  # rank 0 writes to it
+    writer = wandb_process.let_go_ahead()  # forked rank 0 writes to it
     previous = _forward_signals(ctx.processes, forward)
     try:
         failed = _wait_for_ranks(ctx.processes, context.run_dir)
@@ -317,17 +322,18 @@ def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def forked_ranks_allowed(context: RunContext) -> bool:
-    """May the ranks be forked from this process now (see above)?"""
+def _may_fork() -> bool:
+    """Is this process (still) one its ranks may be forked from (see above)?"""
     import threading
 
     return (
-        _threads_when_clean is not None
-        and context.topology.device_type == "cpu"
-        and cuda_device_count() == 0
-        and threading.active_count() == 1
-        and _os_threads() <= _threads_when_clean
+        _threads_when_clean is not None and threading.active_count() == 1 and _os_threads() <= _threads_when_clean
     )
+
+
+def forked_ranks_allowed(context: RunContext) -> bool:
+    """May this run's ranks be forked from this process now?"""
+    return _may_fork() and context.topology.device_type == "cpu" and cuda_device_count() == 0
 
 
 def _as_a_new_process() -> None:

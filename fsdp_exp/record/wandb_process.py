@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import signal
 import subprocess
 import sys
@@ -54,10 +55,7 @@ class WandbProcess:
 
     # --------------------------------------------------------------------------- WandbSink's calls
     def log(self, metrics: dict) -> None:
-        # The first row waits until W&B has opened the run (by then a child started ahead usually has): a
-        # run W&B cannot open fails at once, as it did when rank 0 opened it itself, and a W&B that
-        # stops working later is one that stopped mid-run.
-        self._check_opened()
+        self._check_opened(wait=False)  # says so at once if W&B could not open the run
         self._send("log", json_safe(metrics))
 
     def summary(self, summary: dict) -> None:
@@ -68,7 +66,7 @@ class WandbProcess:
 
     def close(self, exit_code: int = 0) -> None:
         """Finish the W&B run and wait until the child has written everything handed to it."""
-        self._check_opened()
+        self._check_opened(wait=True)
         self._send("close", exit_code)
         try:
             self._child.stdin.close()
@@ -89,7 +87,7 @@ class WandbProcess:
             pickle.dump((call, args), self._child.stdin)
             self._child.stdin.flush()
         except (BrokenPipeError, OSError, ValueError):  # the child is gone: it failed to open, or was killed
-            self._check_opened()
+            self._check_opened(wait=True)
             self._stopped(f"{call}: the W&B process ended")
 
     def _answer(self) -> Optional[tuple]:
@@ -99,16 +97,19 @@ class WandbProcess:
         except (EOFError, OSError, pickle.UnpicklingError):
             return None
 
-    def _check_opened(self) -> None:
-        """Wait for the child's answer to opening the run (once); raise if W&B could not open it."""
+    def _check_opened(self, wait: bool) -> None:
+        """Read the child's answer to opening the run, once (``wait``: until it comes). A run W&B could not
+        open is W&B stopping at the start: the run goes on without it, as after any other W&B failure."""
         if self._opened is not None or self.error is not None:
             return
+        if not wait and not select.select([self._child.stdout], [], [], 0)[0]:
+            return  # not answered yet: rank 0 goes on, its rows wait in the pipe
         answer = self._answer()
         self._opened = answer is not None and answer[0] == "opened"
         if answer is None:
             self._stopped("open: the W&B process ended")
         elif not self._opened:
-            raise RuntimeError(f"W&B could not open the run: {answer[1]}")
+            self._stopped(f"open: {answer[1]}")
 
     def _stopped(self, error: str) -> None:
         """As WandbSink does when W&B stops working: say so once, go on without it."""
@@ -122,9 +123,9 @@ class WandbProcess:
 
 
 # -------------------------------------------------------------------------- a child started ahead
-# The launcher that forks its ranks starts rank 0's child before it forks them (``start_ahead``): the
-# child imports W&B and starts its service on the core the launcher leaves idle, and is ready by the
-# time rank 0 opens the run. Every forked rank inherits it; rank 0 takes it, the others let it go.
+# A launcher that will fork its ranks starts rank 0's child as soon as it has the config (``start_ahead``):
+# the child imports W&B and starts its service on the core the launcher leaves idle while it validates,
+# plans and imports the trainer. Every forked rank inherits it; rank 0 takes it, the others let it go.
 _ahead: Optional[subprocess.Popen] = None
 
 
@@ -132,11 +133,10 @@ def _start_child() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 
 
-def start_ahead() -> subprocess.Popen:
-    """Start rank 0's child now (the launcher, before it forks the ranks); returns it, for ``reap``."""
+def start_ahead() -> None:
+    """Start rank 0's child now, in the launcher (before it forks the ranks)."""
     global _ahead
     _ahead = _start_child()
-    return _ahead
 
 
 def _take_ahead() -> Optional[subprocess.Popen]:
@@ -145,14 +145,22 @@ def _take_ahead() -> Optional[subprocess.Popen]:
     return child
 
 
-def let_go_ahead() -> None:
+def let_go_ahead() -> Optional[subprocess.Popen]:
     """This process will not write to the child started ahead: close its ends of the child's pipes, so
-    that the child sees the end of its input when rank 0 closes or dies."""
-    global _ahead
-    if _ahead is not None:
-        _ahead.stdin.close()
-        _ahead.stdout.close()
-        _ahead = None
+    that the child sees the end of its input when rank 0 closes or dies. Returns it (for ``reap``)."""
+    child = _take_ahead()
+    if child is not None:
+        child.stdin.close()
+        child.stdout.close()
+    return child
+
+
+def discard_ahead() -> None:
+    """No forked rank 0 will use the child started ahead (the config was refused, the ranks are spawned)."""
+    child = let_go_ahead()
+    if child is not None:
+        child.kill()
+        child.wait()
 
 
 def reap(child: Optional[subprocess.Popen], timeout_s: float = 10.0) -> None:
