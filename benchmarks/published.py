@@ -74,7 +74,7 @@ def predict_all(rows: list[Row], memory: bool = True) -> dict:
     from fsdp_exp.plan import plan
     from fsdp_exp.plan.devices import device_table, with_network
     from fsdp_exp.units import GIB
-    from fsdp_exp.tune.perf import predict
+    from fsdp_exp.tune.step_time import predict
     from fsdp_exp.tune.compose import hydra_session
 
     table = device_table()

@@ -3,7 +3,7 @@ to a published table (``tune.calibrate_from=benchmarks/published``: ``calibrate_
 
 Every completed run of the sweep is read back (``run.json``: its config, topology, device and median
 tokens/s) and the repeats of a configuration become one sample (the median of their medians); the model
-counts what each configuration's step did (``perf.costs_for``, from the config alone; a pipeline run's stages
+counts what each configuration's step did (``step_time.costs_for``, from the config alone; a pipeline run's stages
 too) and times it with
 the device's figures. The fit changes the figures the model is least sure of, in log space, to minimise
 the mean absolute error of tokens/s (the error ``tune.json`` reports):
@@ -138,13 +138,13 @@ def nelder_mead(
 def fit(samples: list, perf: "DevicePerf", names: tuple[str, ...], relative: bool = False) -> tuple[dict, float, float]:
     """(fitted figures, MAE of tokens/s before, after) for ``samples`` of (costs, measured tokens/s), or of
     (costs, tokens/s, the DevicePerf of that run: its own network) where runs differ in more than the fit; costs
-    as ``perf.costs_for`` counts them (``StepCosts``, or a pipeline run's ``PipelineCosts``).
+    as ``step_time.costs_for`` counts them (``StepCosts``, or a pipeline run's ``PipelineCosts``).
 
     The objective is the mean absolute error of tokens/s relative to the mean measured (the error the tuner
     reports), or with ``relative`` the mean |log(predicted / measured)| (a published record whose runs span
     three orders of magnitude of tokens/s: each run counts alike), plus the prior; the search starts at the
     prior, so the error after is never above the error before on these samples."""
-    from fsdp_exp.tune.perf import time_costs
+    from fsdp_exp.tune.step_time import time_costs
 
     x0 = np.array([math.log(value(perf, n) or 1e-9) for n in names])
     measured = np.array([s[1] for s in samples])
@@ -183,7 +183,7 @@ def run_samples(sweep_dir: Path) -> dict[str, dict]:
     from fsdp_exp.plan.devices import table_device
     from fsdp_exp.report.load import load_runs
     from fsdp_exp.report.repeats import group_repeats
-    from fsdp_exp.tune.perf import costs_for
+    from fsdp_exp.tune.step_time import costs_for
     from fsdp_exp.tune.probe import cpu_perf, probe_key
 
     groups: dict[str, dict] = {}

@@ -50,7 +50,8 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
   tiny all-reduces.
 
 A pipeline-parallel run (``parallel.pp > 1``) is timed by ``fsdp_exp.tune.pipeline_perf`` (its stages from this
-module's counts, the schedule's bubble, the sends between stages, FSDP2 inside each stage).
+module's counts, the schedule's bubble, the sends between stages, FSDP2 inside each stage); callers ask
+``fsdp_exp.tune.step_time``, which dispatches to either.
 
 What it leaves out, knowingly: stragglers, congestion between jobs, NCCL's tree and NVLS algorithms,
 compile (but for float8's casts, fused under it), rowwise float8's slower kernels; on a CPU kernels' efficiency by shape and the backend's per-collective software cost (both in
@@ -645,28 +646,6 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
     )
 
 
-def costs_for(cfg: "RunConfig", topology: "Topology"):
-    """What one step of ``cfg`` does: ``StepCosts``, or for a pipeline run (parallel.pp > 1: stages, a schedule,
-    sends between them) ``fsdp_exp.tune.pipeline_perf.PipelineCosts``; ``time_costs`` times either."""
-    if cfg.parallel.pp > 1:
-        from fsdp_exp.tune.pipeline_perf import pipeline_costs
-
-        return pipeline_costs(cfg, topology)
-    return step_costs(cfg, topology)
-
-
-def time_costs(costs, perf: "DevicePerf") -> StepPrediction:
-    if isinstance(costs, StepCosts):
-        return timing(costs, perf)
-    from fsdp_exp.tune.pipeline_perf import pipeline_timing
-
-    return pipeline_timing(costs, perf)
-
-
-def predict(cfg: "RunConfig", topology: "Topology", perf: "DevicePerf") -> StepPrediction:
-    return time_costs(costs_for(cfg, topology), perf)
-
-
 def counts(costs: StepCosts) -> dict[str, int]:
     """Collectives per step by purpose (what the tests compare with each strategy's schedule)."""
     out: dict[str, int] = {}
@@ -675,4 +654,4 @@ def counts(costs: StepCosts) -> dict[str, int]:
     return out
 
 
-__all__ = ["StepCosts", "StepPrediction", "Traffic", "collective_seconds", "counts", "predict", "step_costs", "timing"]
+__all__ = ["StepCosts", "StepPrediction", "Traffic", "collective_seconds", "counts", "step_costs", "timing"]

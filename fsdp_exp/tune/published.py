@@ -359,7 +359,7 @@ class Configs:
 
 
 def step_samples(paths: list[Path]) -> dict[str, dict]:
-    """The published runs with a throughput, by device: ``{device: {"samples": [(its costs (``perf.costs_for``), published tokens/s of
+    """The published runs with a throughput, by device: ``{device: {"samples": [(its costs (``step_time.costs_for``), published tokens/s of
     the whole run, DevicePerf with the row's network)], "perf": the device's DevicePerf, "runs": n}}``, for
     ``tune.calibrate_from=<a published table>``. Rows that cannot be expressed, or whose mapped architecture
     misses the published parameter count, are left out."""
@@ -367,7 +367,7 @@ def step_samples(paths: list[Path]) -> dict[str, dict]:
     from fsdp_exp.errors import ConfigError
     from fsdp_exp.models import spec_for
     from fsdp_exp.plan.devices import device_table, with_network
-    from fsdp_exp.tune.perf import costs_for
+    from fsdp_exp.tune.step_time import costs_for
     from fsdp_exp.tune.compose import hydra_session
 
     table = device_table()

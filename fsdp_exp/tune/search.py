@@ -375,7 +375,7 @@ def parameter_floor(cfg: "RunConfig", topology, backend, kind: str) -> int:
 
 def time_candidate(w: Weighed, perf: "DevicePerf") -> None:
     """Predict ``w``'s step time (once)."""
-    from fsdp_exp.tune.perf import predict
+    from fsdp_exp.tune.step_time import predict
 
     if w.prediction is not None or w.no_prediction is not None or w.topology is None:
         return

@@ -103,7 +103,7 @@ def test_collectives_between_nodes_run_over_all_the_nodes_cards():
     """MPT-13B's published H100 throughput is flat from 8 to 64 GPUs: inter-node traffic spreads over a node's
     eight cards, so full sharding over 8 nodes costs little more than within one."""
     from fsdp_exp.preflight import validate
-    from fsdp_exp.tune.perf import predict
+    from fsdp_exp.tune.step_time import predict
 
     perf = DEVICES["h100_80gb"].perf
     per_gpu = []
@@ -185,7 +185,7 @@ def _low_precision_row(precision: str, detail: str, **fields) -> published.Row:
 def test_fp8_rows_are_float8_runs_with_their_recipe_and_formats_fsdp_exp_cannot_train_say_why():
     pytest.importorskip("torchao")
     from fsdp_exp.preflight import validate
-    from fsdp_exp.tune.perf import predict
+    from fsdp_exp.tune.step_time import predict
 
     tensorwise = _low_precision_row("fp8", "Float8 tensorwise dynamic scaling (torchao), FSDP float8 all-gather")
     assert tensorwise.not_expressible is None

@@ -15,7 +15,8 @@ from fsdp_exp.parallel.float8 import planned_matmuls
 from fsdp_exp.plan.devices import DEVICES
 from fsdp_exp.preflight import validate
 from fsdp_exp.tune.options import split_argv
-from fsdp_exp.tune.perf import predict, step_costs, timing
+from fsdp_exp.tune.perf import step_costs, timing
+from fsdp_exp.tune.step_time import predict
 from fsdp_exp.tune.search import weigh
 
 from conftest import run_config

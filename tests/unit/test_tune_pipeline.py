@@ -14,7 +14,7 @@ from fsdp_exp.preflight import validate
 from fsdp_exp.tune import published
 from fsdp_exp.tune.compose import hydra_session
 from fsdp_exp.tune.options import split_argv
-from fsdp_exp.tune.perf import predict
+from fsdp_exp.tune.step_time import predict
 from fsdp_exp.tune.pipeline_perf import pipeline_costs
 from fsdp_exp.tune.search import weigh
 
@@ -180,7 +180,7 @@ def test_the_calibration_fits_the_devices_figures_to_pipeline_runs_too():
     """A measured sweep (tune.calibrate_from) or a published table holding pp > 1 runs: their samples are the
     pipeline's costs, timed by the pipeline model while the fit moves the device's figures."""
     from fsdp_exp.tune import calibrate
-    from fsdp_exp.tune.perf import costs_for, time_costs
+    from fsdp_exp.tune.step_time import costs_for, time_costs
 
     cfg, topology = _layout([*LLAMA_7B, "trainer.nproc_per_node=8", "trainer.global_batch_size=32", "parallel.pp=2"])
     costs = costs_for(cfg, topology)
