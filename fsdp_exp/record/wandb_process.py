@@ -3,12 +3,13 @@
 Opening a W&B run costs 1-2 CPU seconds (importing wandb, its service, a first row with a null in it
 importing pandas); in rank 0, or a thread of it, that time holds rank 0 while every other rank waits for
 it at the next collective. A child process does it on another core instead: rank 0 hands it the calls a
-``WandbSink`` takes, pickled through its standard input, and goes on (only its first row waits until
-the run is open); the child makes them, in order, with a ``WandbSink`` of its own. A launcher that forks
+``WandbSink`` takes, pickled through its standard input, and goes on; the child makes them, in order,
+with a ``WandbSink`` of its own, and ``close`` waits until it has finished the run. A launcher that forks
 its ranks starts the child ahead, so that W&B is imported while the launcher prepares. The run id is
-chosen before W&B opens, so run.json and the checkpoints name it at once. The child dies with its parent
-and ignores the stop signals a scheduler or a terminal sends the whole job: the ranks decide when the run
-ends, and ``close`` finishes W&B after their last row.
+chosen before W&B opens, so run.json and the checkpoints name it at once. W&B failing, to open the run
+too, is W&B stopping: the run goes on without it (``error``, recorded in run.json). The child dies with
+its parent and ignores the stop signals a scheduler or a terminal sends the whole job: the ranks decide
+when the run ends.
 
     python -m fsdp_exp.record.wandb_process    # the child; started by WandbProcess only"""
 
@@ -180,6 +181,7 @@ def main() -> int:
     from fsdp_exp.env import die_with_parent
 
     die_with_parent()
+    os.nice(10)  # W&B's work yields the cores to the launcher's and the ranks' (its service inherits this)
     for name in IGNORED_SIGNALS:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     _warm_up()
