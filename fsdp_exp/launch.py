@@ -326,9 +326,7 @@ def _may_fork() -> bool:
     """Is this process (still) one its ranks may be forked from (see above)?"""
     import threading
 
-    return (
-        _threads_when_clean is not None and threading.active_count() == 1 and _os_threads() <= _threads_when_clean
-    )
+    return _threads_when_clean is not None and threading.active_count() == 1 and _os_threads() <= _threads_when_clean
 
 
 def forked_ranks_allowed(context: RunContext) -> bool:

@@ -1,5 +1,5 @@
-"""Rank 0's W&B writer process (fsdp_exp/record/wandb_process.py): a real offline W&B run written by the
-child, read back with W&B's own reader; a run W&B cannot open; a parent that dies. ~15 s on 2 cores."""
+"""Rank 0's W&B writer process (fsdp_exp.record.wandb_process): a real offline W&B run written by the
+child, read back with W&B's own reader; a run W&B cannot open; a parent that dies. ~5 s on 2 cores."""
 
 from __future__ import annotations
 
@@ -18,9 +18,7 @@ from wandb_files import offline_folders, records, summary
 OFFLINE = SimpleNamespace(project="fsdp_exp", entity=None, group=None, name=None, tags=[], mode="offline")
 
 
-def test_the_wandb_process_writes_every_row_and_the_summary_into_the_run_it_named_before_opening(
-    tmp_path, monkeypatch
-):
+def test_the_wandb_process_writes_every_row_and_the_summary_into_the_run_it_named_before_opening(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     sink = WandbProcess(OFFLINE, tmp_path, {"trainer": {"repeat": 0}}, ["sharding=full"], {"sharding": "full"})
     run_id = sink.run_id  # known before W&B has opened the run: run.json and checkpoints name it at once
