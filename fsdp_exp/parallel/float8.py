@@ -165,17 +165,35 @@ def planned_matmuls(cfg: "RunConfig", blocks: tuple[str, ...]) -> tuple[tuple[tu
     ``blocks``, the inventory's names); () when float8 is off. Read from the shared meta model by the same
     filter, without torchao. Converted linears outside the blocks (an unfiltered output projection) are
     not counted."""
-    from torch import nn
-
     from fsdp_exp.models import spec_for
 
     if not enabled(cfg):
         return ()
-    by_name = skipped_fqns(cfg)
+    model = spec_for(cfg.model).meta_model(cfg.model)
+    # tune asks this for thousands of candidates of one model: remembered per (shared meta model, blocks,
+    # filter); the entry holds the model, so its id cannot be reused by another while the entry lives
+    key = (id(model), tuple(blocks), skipped_fqns(cfg))
+    entry = _PLANNED_MATMULS.get(key)
+    if entry is None or entry[0] is not model:
+        if len(_PLANNED_MATMULS) >= 64:
+            _PLANNED_MATMULS.clear()
+        entry = _PLANNED_MATMULS[key] = (model, _converted_per_block(model, key[1], key[2]))
+    return entry[1]
+
+
+_PLANNED_MATMULS: dict = {}
+
+
+def _converted_per_block(model: "nn.Module", blocks: tuple[str, ...], by_name: tuple[str, ...]):
+    from torch import nn
+
+    index = {block: j for j, block in enumerate(blocks)}
     per_block: list[list[tuple[int, int]]] = [[] for _ in blocks]
-    for name, module in spec_for(cfg.model).meta_model(cfg.model).named_modules():
+    for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and why_kept(name, module, by_name) is None:
-            j = next((j for j, block in enumerate(blocks) if name.startswith(block + ".")), None)
+            parts = name.split(".")
+            prefixes = (".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1))
+            j = next((index[p] for p in prefixes if p in index), None)
             if j is not None:
                 per_block[j].append((module.in_features, module.out_features))
     return tuple(tuple(shapes) for shapes in per_block)

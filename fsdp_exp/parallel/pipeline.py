@@ -174,6 +174,13 @@ def _check_split(split: tuple[int, ...], num_stages: int, n_blocks: int) -> None
 
 # ------------------------------------------------------------------------------------------ the cut
 def balanced_split(weights: list[int], num_stages: int, first_extra: int = 0, last_extra: int = 0) -> list[int]:
+    """The first block of every stage but the first (see ``_balanced_split``); remembered per model shape, as
+    tune asks it for every pipeline candidate of one model."""
+    return list(_balanced_split(tuple(weights), num_stages, first_extra, last_extra))
+
+
+@functools.lru_cache(maxsize=256)
+def _balanced_split(weights: tuple[int, ...], num_stages: int, first_extra: int, last_extra: int) -> tuple[int, ...]:
     """The first block of every stage but the first, cutting ``weights`` (parameters per block) into
     ``num_stages`` contiguous runs of at least one block so that the heaviest stage is as light as it can
     be; ``first_extra`` / ``last_extra`` are the parameters the first / last stage hold beside blocks.
@@ -202,7 +209,7 @@ def balanced_split(weights: list[int], num_stages: int, first_extra: int = 0, la
     for k in range(num_stages, 1, -1):
         j = cut[k][j]
         cuts.append(j)
-    return sorted(cuts)
+    return tuple(sorted(cuts))
 
 
 def stage_blocks(settings: PipelineSettings, model_cfg: "ModelConfig") -> list[list[int]]:

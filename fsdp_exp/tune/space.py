@@ -114,10 +114,13 @@ def _divisors(n: int) -> list[int]:
 
 def pipeline_sizes(base: "RunConfig", dp: int) -> list[str]:
     """``parallel.pp`` values: 1 and every divisor of the data-parallel ranks with at most as many stages as the
-    model has blocks."""
+    model has blocks. The family checks its config first (as preflight does), so that a model it refuses is
+    refused by its own message rather than by an error of building it for the inventory."""
     from fsdp_exp.models import spec_for
 
-    blocks = len(spec_for(base.model).inventory(base.model).blocks)
+    spec = spec_for(base.model)
+    spec.check(base.model)
+    blocks = len(spec.inventory(base.model).blocks)
     return [str(d) for d in _divisors(dp) if d <= blocks]
 
 
@@ -263,6 +266,8 @@ def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterat
                     if dim in v:
                         dims.append((dim, v[dim]))
                 for rest in _product(dims):
+                    if _idle_duplicate(dict(rest), base, v, space.dp, stages_compose):
+                        continue
                     changes: dict = {"sharding": sharding}
                     choices = list(sharding_choices)
                     for dim, option in rest:
@@ -279,22 +284,35 @@ def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterat
                         else:
                             changes[dim] = nodes[(dim, option)]
                             choices.append(f"{dim}={option}")
-                    trainer = changes.get("trainer", base.trainer)
-                    parallel = changes.get("parallel", base.parallel)
-                    pipelined = parallel.pp > 1
-                    if pipelined and not stages_compose:
-                        continue  # a sharding the stages do not run (parallel/pipeline.check_sharding): not weighed
-                    if "grad_sync" in v and trainer.grad_sync != v["grad_sync"][0]:
-                        if pipelined or not _accumulates(trainer, space.dp):
-                            continue  # one micro-batch per step, or stages: every grad_sync is the same run
-                    if "pp_schedule" in v and not pipelined and _schedule_of(parallel) != v["pp_schedule"][0]:
-                        continue  # no stages: every schedule is the same run
+                    pipelined = changes.get("parallel", base.parallel).pp > 1
                     if not pipelined and "parallel" in changes:  # no stages: the run's own pipeline keys
                         changes["parallel"] = base.parallel
                     yield Candidate(
-                        f"c{index:04d}", _without_idle_schedule(choices, pipelined), dataclasses.replace(base, **changes)
+                        f"c{index:04d}",
+                        _without_idle_schedule(choices, pipelined),
+                        dataclasses.replace(base, **changes),
                     )
                     index += 1
+
+
+def _idle_duplicate(options: dict, base: "RunConfig", v: dict, dp: int, stages_compose: bool) -> bool:
+    """Whether a combination is not weighed, read from its options before any config is built (tune's space
+    multiplies every dimension, so most pipeline and grad_sync combinations are skipped here): stages with a
+    sharding they do not run (``parallel.pipeline.check_sharding``); a grad_sync other than the first where it
+    changes nothing (one micro-batch per step, or stages); a schedule other than the first without stages."""
+    pp = int(options["pp"]) if "pp" in options else base.parallel.pp
+    pipelined = pp > 1
+    if pipelined and not stages_compose:
+        return True
+    if "grad_sync" in options and options["grad_sync"] != v["grad_sync"][0]:
+        micro = int(options["micro_batch_size"]) if "micro_batch_size" in options else base.trainer.micro_batch_size
+        if pipelined or not _accumulates(base.trainer.global_batch_size, micro, dp):
+            return True
+    if "pp_schedule" in options and not pipelined:
+        schedule = options["pp_schedule"]
+        if schedule != v["pp_schedule"][0]:
+            return True
+    return False
 
 
 def _stages_compose(cfg: "RunConfig") -> bool:
@@ -321,10 +339,6 @@ def _pipeline_change(parallel, dim: str, option: str) -> tuple[object, list[str]
     )
 
 
-def _schedule_of(parallel) -> str:
-    return next((k for k, v in PP_SCHEDULES.items() if v == (parallel.pp_schedule, parallel.pp_stages_per_rank)), "")
-
-
 def _without_idle_schedule(choices: list[str], pipelined: bool) -> list[str]:
     """A candidate without stages names neither pp=1 (the default) nor a schedule: its overrides stay what the run
     would be without the pipeline dimensions."""
@@ -334,10 +348,9 @@ def _without_idle_schedule(choices: list[str], pipelined: bool) -> list[str]:
     return [c for c in choices if not c.startswith(idle)]
 
 
-def _accumulates(trainer, dp: int) -> bool:
+def _accumulates(global_batch_size: int, micro_batch_size: int, dp: int) -> bool:
     """More than one micro-batch per optimizer step on each rank."""
-    per_rank = trainer.global_batch_size // dp
-    return bool(trainer.micro_batch_size) and trainer.micro_batch_size < per_rank
+    return bool(micro_batch_size) and micro_batch_size < global_batch_size // dp
 
 
 def _product(dims: list[tuple[str, list[str]]]) -> Iterator[list[tuple[str, str]]]:
