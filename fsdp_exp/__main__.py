@@ -31,7 +31,8 @@ def hydra_entry(cfg: DictConfig) -> dict:
 
     from fsdp_exp.launch import RunFailed, allow_forked_ranks, launch, record_failure, report_failure
 
-    allow_forked_ranks()  # this process is fsdp_exp's own; the first job's call comes before any work
+    # This process is fsdp_exp's own; the first job's call comes before any work.
+    allow_forked_ranks(wandb=cfg.logger.wandb.mode != "disabled")
 
     hc = HydraConfig.get()
     sweep = hc.mode == RunMode.MULTIRUN

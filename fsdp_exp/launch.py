@@ -107,7 +107,7 @@ def launch(cfg: RunConfig, run_dir: Path, labels: Labels) -> dict:
     """Run one experiment to the end; return its run record. Raises RunFailed if a rank failed."""
     run_dir = Path(run_dir)
     world = external_world()
-    if world is None and _may_fork() and cfg.logger.wandb.mode != "disabled":
+    if world is None and _may_fork() and cfg.logger.wandb.mode != "disabled" and not wandb_process.started_ahead():
         wandb_process.start_ahead()  # rank 0's W&B writer, warming up on the idle core meanwhile
     try:
         context = run_context(cfg, prepare(cfg, world), run_dir, labels)
@@ -305,16 +305,21 @@ def _spawn(context: RunContext, nprocs: int, forward: list[str] = ("SIGTERM",)) 
 _threads_when_clean: Optional[int] = None
 
 
-def allow_forked_ranks() -> None:
+def allow_forked_ranks(wandb: bool) -> None:
     """The command line's launcher calls this once, before it has computed anything: from then on its
     ranks may be forked from it. What threads it has then (torch's import starts numpy's BLAS pool, which
     is fork-safe) is the count it must still have when it forks. A process that does not call this (a
-    test, a notebook, a benchmark launching runs in-process) keeps spawning its ranks."""
+    test, a notebook, a benchmark launching runs in-process) keeps spawning its ranks. ``wandb``: the run
+    logs to W&B; rank 0's W&B writer then starts now, before torch's import (``launch`` discards it if
+    no rank is forked)."""
     global _threads_when_clean
+    if _threads_when_clean is not None:
+        return
+    if wandb and external_world() is None:
+        wandb_process.start_ahead()
     import torch  # noqa: F401 - imported now, so that its import's threads count as clean
 
-    if _threads_when_clean is None:
-        _threads_when_clean = _os_threads()
+    _threads_when_clean = _os_threads()
 
 
 def _os_threads() -> int:

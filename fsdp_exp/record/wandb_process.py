@@ -15,6 +15,7 @@ when the run ends.
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import select
@@ -51,16 +52,16 @@ class WandbProcess:
         self._opened: Optional[bool] = None  # what the child answered once it tried to open the run
         settings = {name: getattr(wandb_cfg, name) for name in WANDB_SETTINGS}
         self._child = _take_ahead() or _start_child()
-        sink_args = (settings, str(run_dir), json_safe(config), list(overrides), dict(choices), run_id, self.run_id)
+        sink_args = (settings, str(run_dir), _builtins(config), list(overrides), dict(choices), run_id, self.run_id)
         self._send("open", *sink_args)
 
     # --------------------------------------------------------------------------- WandbSink's calls
     def log(self, metrics: dict) -> None:
         self._check_opened(wait=False)  # says so at once if W&B could not open the run
-        self._send("log", json_safe(metrics))
+        self._send("log", _builtins(metrics))
 
     def summary(self, summary: dict) -> None:
-        self._send("summary", json_safe(summary))
+        self._send("summary", _builtins(summary))
 
     def log_files(self, files: list[Path], run_dir: Path) -> None:
         self._send("log_files", [Path(p) for p in files], Path(run_dir))
@@ -123,6 +124,20 @@ class WandbProcess:
         )
 
 
+def _builtins(value):
+    """``value`` (json_safe) in Python's own types: what the child unpickles must not import a module (the
+    run's env holds torch.__version__, a str subclass whose unpickling imports torch: 1-2 s)."""
+    value = json_safe(value)
+    if isinstance(value, dict):
+        return {_builtins(k): _builtins(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_builtins(v) for v in value]
+    for kind in (bool, int, float, str):  # bool first: it is an int
+        if isinstance(value, kind):
+            return kind(value)
+    return value
+
+
 # -------------------------------------------------------------------------- a child started ahead
 # A launcher that will fork its ranks starts rank 0's child as soon as it has the config (``start_ahead``):
 # the child imports W&B and starts its service on the core the launcher leaves idle while it validates,
@@ -135,9 +150,16 @@ def _start_child() -> subprocess.Popen:
 
 
 def start_ahead() -> None:
-    """Start rank 0's child now, in the launcher (before it forks the ranks)."""
+    """Start rank 0's child now, in the launcher (before it forks the ranks). One no rank took is killed
+    when the launcher exits (a refused config)."""
     global _ahead
     _ahead = _start_child()
+    atexit.unregister(discard_ahead)  # once, however many jobs of a sweep started one
+    atexit.register(discard_ahead)
+
+
+def started_ahead() -> bool:
+    return _ahead is not None
 
 
 def _take_ahead() -> Optional[subprocess.Popen]:

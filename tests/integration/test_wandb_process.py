@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
@@ -19,9 +20,17 @@ OFFLINE = SimpleNamespace(project="fsdp_exp", entity=None, group=None, name=None
 
 
 def test_the_wandb_process_writes_every_row_and_the_summary_into_the_run_it_named_before_opening(tmp_path, monkeypatch):
+    import torch
+
     monkeypatch.chdir(tmp_path)
-    sink = WandbProcess(OFFLINE, tmp_path, {"trainer": {"repeat": 0}}, ["sharding=full"], {"sharding": "full"})
+    # The run's env holds torch.__version__ (a str subclass): the child gets a str, and never loads torch.
+    config = {"trainer": {"repeat": 0}, "env": {"torch_version": torch.__version__}}
+    sink = WandbProcess(OFFLINE, tmp_path, config, ["sharding=full"], {"sharding": "full"})
     run_id = sink.run_id  # known before W&B has opened the run: run.json and checkpoints name it at once
+    deadline = time.monotonic() + 60
+    while not offline_folders(tmp_path) and time.monotonic() < deadline:  # the child has opened the run
+        time.sleep(0.05)
+    assert "libtorch" not in Path(f"/proc/{sink._child.pid}/maps").read_text()
     rows = [{"step": s, "train/loss": 3.0 - s, "perf/mfu_fp8": None} for s in (1, 2, 3)]
     for row in rows:
         sink.log(row)
@@ -37,6 +46,7 @@ def test_the_wandb_process_writes_every_row_and_the_summary_into_the_run_it_name
     assert summary([recs])["summary/tokens_per_s_median"] == 10.0
     (run,) = [r["run"] for r in recs if r["type"] == "run"]
     assert run["display_name"] == "sharding=full" and "sharding:full" in run["tags"]
+    assert run["config"]["update"]["env"] == {"torch_version": str(torch.__version__)}
 
 
 def test_a_wandb_run_that_cannot_be_opened_lets_the_run_go_on_and_says_why(tmp_path, monkeypatch, capfd):
