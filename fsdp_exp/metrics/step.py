@@ -23,7 +23,6 @@ from fsdp_exp.dist import gather_over_ranks, reduce_over_ranks
 from fsdp_exp.metrics import memory
 from fsdp_exp.metrics.device_peak import device_peak
 from fsdp_exp.metrics.flops import convention_flops_per_token, mfu, recompute_flops_per_token
-from fsdp_exp.metrics.pipeline import PipelineMetrics
 from fsdp_exp.metrics.summary import summarize
 from fsdp_exp.metrics.schema import PHASES
 from fsdp_exp.metrics.tracker import BREAKDOWN, StepMemory
@@ -95,7 +94,11 @@ class StepMetrics:
         self.comm_record: list[dict] = []
         # A pipeline run's per-stage figures: its engine's observer times every step (fsdp_exp.metrics.pipeline).
         observer = getattr(backend, "stage_observer", None)
-        self.pipeline = PipelineMetrics(observer, self.device) if observer else None
+        self.pipeline = None
+        if observer:  # imported here: torch's memory tracker it builds on costs 0.6 s to import
+            from fsdp_exp.metrics.pipeline import PipelineMetrics
+
+            self.pipeline = PipelineMetrics(observer, self.device)
 
     def facts(self) -> dict:
         """What the rows are divided by, for run.json's env: FLOPs per token and the device's peaks."""
