@@ -259,7 +259,12 @@ class PipelineMetrics:
         if self.ranks_times:  # each rank's median over the measured steps, rank order
             steps = torch.stack(self.ranks_times)  # step x rank x TIMES
             for j, key in enumerate(
-                ("pp_compute_s_per_rank", "comm_p2p_wait_s_per_rank", "pp_schedule_time_s_per_rank", "pp_bubble_per_rank")
+                (
+                    "pp_compute_s_per_rank",
+                    "comm_p2p_wait_s_per_rank",
+                    "pp_schedule_time_s_per_rank",
+                    "pp_bubble_per_rank",
+                )
             ):
                 out[f"summary/{key}"] = [shown(statistics.median(rank)) for rank in steps[:, :, j].T.tolist()]
         return out

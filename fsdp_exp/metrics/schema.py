@@ -367,7 +367,9 @@ PIPELINE_METRICS: list[Metric] = [
         "time in the stages' forward_one_chunk / backward_one_chunk / backward_weight_one_chunk (the slowest rank)",
         wandb_summary="mean",
     ),
-    Metric("pp/schedule_time_s_max", "s", "step", "max", f"wall time of {_PP_STEP}, slowest rank", wandb_summary="mean"),
+    Metric(
+        "pp/schedule_time_s_max", "s", "step", "max", f"wall time of {_PP_STEP}, slowest rank", wandb_summary="mean"
+    ),
     Metric(
         "comm/p2p_wait_s",
         "s",

@@ -482,7 +482,9 @@ def table_columns(report: Report) -> list[str]:
 
 def pipeline_columns(report: Report) -> list[str]:
     """Where a report holds pipeline runs: which stage has the peak, and the bubble predicted / measured."""
-    return ["peak on stages", "bubble pred/meas"] if any(r.pp_bubble_predicted is not None for r in report.ranked) else []
+    return (
+        ["peak on stages", "bubble pred/meas"] if any(r.pp_bubble_predicted is not None for r in report.ranked) else []
+    )
 
 
 def fmt_bubble(row: Row) -> str:

@@ -257,7 +257,9 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
         if dp > 1:
             traffic = (
                 Traffic("stage all-gather", "all-gather", dp, dp_nodes, units, e_p * gathered, "forward", True),
-                Traffic("stage reduce-scatter", "reduce-scatter", dp, dp_nodes, units, e_r * gathered, "backward", True),
+                Traffic(
+                    "stage reduce-scatter", "reduce-scatter", dp, dp_nodes, units, e_r * gathered, "backward", True
+                ),
             )
         ranks.append(
             RankCosts(

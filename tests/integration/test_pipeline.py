@@ -247,9 +247,7 @@ def cli_run(tmp_path_factory):
 KILLED_COLLECTIVE_TIMEOUT_S = 180
 
 
-def test_a_killed_rank_ends_the_pipeline_run_naming_it_and_the_resume_trains_step_5_bit_identically(
-    cli_run, tmp_path
-):
+def test_a_killed_rank_ends_the_pipeline_run_naming_it_and_the_resume_trains_step_5_bit_identically(cli_run, tmp_path):
     """Rank 1 (the last stage of pp rank 1) is SIGKILLed at the start of step 5, after the step 4 checkpoint:
     the job exits 1 naming it; rerun in the same run directory, it resumes from step_4 and its step 5 is the
     uninterrupted run's, bit for bit."""

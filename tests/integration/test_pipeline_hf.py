@@ -132,7 +132,10 @@ def test_the_export_of_a_pipeline_run_gathers_every_stage_into_one_model_transfo
     export = pipeline_run / "export"
     record = json.loads((pipeline_run / "run.json").read_text())["export"]
     index = json.loads((export / "model.safetensors.index.json").read_text())
-    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert sorted(set(index["weight_map"].values())) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     assert record["file"] == str(export / "model.safetensors.index.json") and len(record["files"]) == 2
     ours, state = _run_model(pipeline_run / "checkpoints" / f"step_{STEPS}")
     assert sorted(index["weight_map"]) == sorted(state)
@@ -146,4 +149,3 @@ def test_the_export_of_a_pipeline_run_gathers_every_stage_into_one_model_transfo
     assert sorted(offline) == sorted(exported)
     for name, tensor in exported.items():
         assert torch.equal(offline[name], tensor), name
-

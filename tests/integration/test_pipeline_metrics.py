@@ -229,7 +229,8 @@ def test_a_pipeline_run_logs_its_bubble_and_p2p_waits_every_step_beside_the_pred
     assert summary["summary/pp_bubble_predicted"] == cli_run.record["applied"]["pipeline"]["bubble"]
     assert 0 <= summary["summary/pp_bubble_median"] <= 1
     compute, waits, steps, bubbles = (
-        summary[f"summary/{key}_per_rank"] for key in ("pp_compute_s", "comm_p2p_wait_s", "pp_schedule_time_s", "pp_bubble")
+        summary[f"summary/{key}_per_rank"]
+        for key in ("pp_compute_s", "comm_p2p_wait_s", "pp_schedule_time_s", "pp_bubble")
     )
     assert len(compute) == len(waits) == len(steps) == len(bubbles) == 2  # one per rank
     assert all(0 <= b <= 1 for b in bubbles) and all(c > 0 and w >= 0 for c, w in zip(compute, waits))

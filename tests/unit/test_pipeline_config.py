@@ -80,8 +80,12 @@ def test_a_transformers_model_tying_its_head_to_its_embedding_is_refused_under_p
     pytest.importorskip("transformers")
     shrunk = ["+model.hf_overrides.num_hidden_layers=2", "+model.hf_overrides.vocab_size=256"]
     with pytest.raises(ConfigError) as err:
-        validate(run_config(["model=hf_qwen2_7b", *shrunk, "++model.hf_overrides.tie_word_embeddings=true",
-                             "parallel.pp=2"]), cuda_devices=0)
+        validate(
+            run_config(
+                ["model=hf_qwen2_7b", *shrunk, "++model.hf_overrides.tie_word_embeddings=true", "parallel.pp=2"]
+            ),
+            cuda_devices=0,
+        )
     assert "++model.hf_overrides.tie_word_embeddings=false" in str(err.value)
 
 
