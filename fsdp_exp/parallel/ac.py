@@ -33,10 +33,13 @@ def _op_level_context(ops: str):
     return create_selective_checkpoint_contexts(partial(_policy, {False: OpSaver(ops), True: OpSaver(ops)}))
 
 
-def apply(model: nn.Module, cfg: RunConfig) -> dict:
+def apply(model: nn.Module, cfg: RunConfig, first_block: int = 0) -> dict:
+    """Wrap the chosen blocks of ``model`` in place. ``first_block``: the index in the full model of
+    ``model``'s first block (a pipeline stage's), so that a stage checkpoints the blocks the unsplit model
+    would: ``ac.every`` counts the model's blocks, not the stage's."""
     names = blocks(model, cfg)
     every = 1 if cfg.ac.mode == "full" else cfg.ac.every
-    chosen = [name for i, name in enumerate(names) if i % every == 0]
+    chosen = [name for i, name in enumerate(names, first_block) if i % every == 0]
     kwargs = {"preserve_rng_state": False}
     if cfg.ac.ops != "none":
         kwargs["context_fn"] = partial(_op_level_context, cfg.ac.ops)

@@ -310,6 +310,18 @@ def tensor_parallel_stage(stage: "nn.Module", cfg: "RunConfig", mesh: "DeviceMes
     return {"tp": tp.apply(stage, cfg, mesh["tp"])}
 
 
+def checkpoint_stage(stage: "nn.Module", cfg: "RunConfig", first_block: int) -> dict:
+    """Activation checkpointing inside one stage (ac.mode != none), after tensor parallel and before FSDP2 as
+    at pp=1 (parallel/ac.py's applier): ``first_block`` keeps ``ac.every`` counting the full model's blocks, so
+    a stage recomputes the blocks the unsplit model would. The wrapper's ``_checkpoint_wrapped_module`` enters
+    the stage's parameter names as at pp=1; DCP and the export drop it (``models.canonical_name``)."""
+    if cfg.ac.mode == "none":
+        return {}
+    from fsdp_exp.parallel import ac
+
+    return {"ac": ac.apply(stage, cfg, first_block=first_block)}
+
+
 def stage_loss(logits: "torch.Tensor", targets: "torch.Tensor") -> "torch.Tensor":
     """The schedule's loss_fn on the last stage: the project's mean cross-entropy per token. The stage has
     already made the logits, so the "model" handed to ``mean_cross_entropy`` is the identity."""
@@ -434,6 +446,7 @@ def build_pipeline(
     for index in indices:
         stage = build_stage_module(cfg.model, blocks[index], first=index == 0, last=index == last)
         applied["stages"][index] = tensor_parallel_stage(stage, cfg, mesh)
+        applied["stages"][index].update(checkpoint_stage(stage, cfg, first_block=blocks[index][0]))
         applied["stages"][index].update(shard_stage(stage, cfg, mesh["dp"], device))
         stages.append(stage)
         pipeline_stages.append(

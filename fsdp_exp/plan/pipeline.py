@@ -33,7 +33,11 @@ stage allocates one per micro-batch for its input and, but on the last stage, on
 gradient, kept from step to step) and the block backward's temporaries. A micro-batch of a stage holds
 its blocks' saved tensors less the first block's input (in the receive buffer, but on the first stage),
 plus what the stage's forward cache keeps for its backward: its output (the last block's, or on the last
-stage the logits; the final norm and the loss's fp32 log-softmax besides).
+stage the logits; the final norm and the loss's fp32 log-softmax besides). Under activation checkpointing
+(``ac``, applied in each stage to the full model's every ``ac.every``-th block, parallel/pipeline.py) a
+checkpointed block keeps its input alone (with ``ac.ops``, the outputs its op-level policy saves), as
+plan/step.py counts it at pp=1, and its backward recomputes its saved tensors: at the stage's first backward
+(its last block's) that block's full saved tensors replace what it kept, counted with the temporaries.
 """
 
 from __future__ import annotations
@@ -147,8 +151,9 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     micro_batch = cfg.trainer.global_batch_size // dp // s.n_microbatches
     profile = profile_for(cfg.model, micro_batch, cfg.trainer.seq_len, tp=tp, sequence_parallel=False)
-    block_bytes = profile.block_saved(e, False, profile.math_attention(device_kind, e))["total"]
+    full_block = profile.block_saved(e, False, profile.math_attention(device_kind, e))["total"]
     resid = profile.residual(e)  # a stage's input or output, one micro-batch
+    saved = _block_saved(cfg, profile, e, full_block, resid)
     # The last stage: the final norm's saved tensors, the loss's fp32 log-softmax and the logits themselves.
     logits = profile.logits // (tp if cfg.parallel.loss_parallel else 1)  # loss parallel: sharded over the vocabulary
     head_bytes = profile.head_saved(e, False) + 4 * logits + e * logits
@@ -157,7 +162,12 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     def per_microbatch(stage: int) -> int:
         first_input = resid if stage != 0 else 0  # in a receive buffer instead
         output = head_bytes if stage == last else resid
-        return block_bytes * len(blocks[stage]) - first_input + output
+        return sum(saved(b) for b in blocks[stage]) - first_input + output
+
+    def recompute(stage: int) -> int:
+        """A checkpointed block's backward recomputes its forward: at a stage's first backward (its last
+        block's, every block of the micro-batch still held) the block's saved tensors replace what it kept."""
+        return full_block - saved(blocks[stage][-1])
 
     m = s.n_microbatches
     per_round = m // max(1, m // s.pp) if s.schedule == "interleaved_1f1b" else m
@@ -194,12 +204,25 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
                 state_pieces=dict(pieces),
                 p2p_buffers=sum(receive_buffers(stage) for stage in stages),
                 module_buffers=len(stages) * inventory.buffer_bytes,
-                temporaries=temporaries,
+                temporaries=temporaries + max(recompute(stage) for stage in stages),
             )
         )
     return PipelinePlan(
         ranks=tuple(ranks), bubble=bubble_fraction(s.schedule, s.pp, s.n_microbatches, s.stages_per_rank)
     )
+
+
+def _block_saved(cfg: "RunConfig", profile, e: int, full_block: int, resid: int):
+    """block index (in the full model) -> the bytes one micro-batch of it saves for backward: all of a block's,
+    or, for a block the stage checkpoints (parallel/ac.py's choice: every ``ac.every``-th block of the full
+    model), its input alone, and with ``ac.ops`` the outputs the op-level policy keeps (plan/step.py's rule)."""
+    every = {"none": 0, "full": 1, "selective": cfg.ac.every}[cfg.ac.mode]
+    kept = resid + (profile.op_level_saved(e, cfg.ac.ops) if cfg.ac.ops != "none" else 0)
+
+    def saved(block: int) -> int:
+        return kept if every and block % every == 0 else full_block
+
+    return saved
 
 
 def with_worst_stage(result, cfg: "RunConfig", topology, margin=None):

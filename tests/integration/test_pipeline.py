@@ -47,9 +47,16 @@ PP2 = {
 PP2_DP2 = {"1f1b_fsdp2_dp2": dict(pp=2, schedule="1f1b", microbatches=2)}  # 4 sequences per dp rank
 PP2_TP2 = {"1f1b_tp2": dict(pp=2, schedule="1f1b", microbatches=4)}
 BF16 = {"1f1b_fsdp2_dp2_bf16": dict(pp=2, schedule="1f1b", microbatches=2)}
-CASES = {**PP2, **PP2_DP2, **PP2_TP2, **BF16}
-# The overrides a case's run adds to OVERRIDES (its config: the TP plan and loss parallel, the precision).
-CASE_OVERRIDES = {"1f1b_tp2": ["parallel.tp=2"], "1f1b_fsdp2_dp2_bf16": ["precision=bf16"]}
+# ac=selective (every 2nd block) in stages of blocks [0] and [1, 2, 3]: the full model's blocks 0 and 2 are
+# recomputed (counting a stage's own blocks would pick block 1 and 3 instead).
+AC = {"1f1b_fsdp2_dp2_ac_selective": dict(pp=2, schedule="1f1b", microbatches=2, split=(1,))}
+CASES = {**PP2, **PP2_DP2, **PP2_TP2, **BF16, **AC}
+# The overrides a case's run adds to OVERRIDES (its config: the TP plan and loss parallel, the precision, AC).
+CASE_OVERRIDES = {
+    "1f1b_tp2": ["parallel.tp=2"],
+    "1f1b_fsdp2_dp2_bf16": ["precision=bf16"],
+    "1f1b_fsdp2_dp2_ac_selective": ["ac=selective"],
+}
 # One spawned group of 4 ranks runs every case: a (replica, pp, dp, tp) mesh whose two replicas are two
 # independent 2-rank pipelines (each round, replica 0 trains one case while replica 1 trains another),
 # then pipelines over all four: pp=2 x dp=2, pp=2 x tp=2 (the pp, dp, tp mesh), pp=2 x dp=2 in bf16.
@@ -60,6 +67,7 @@ ROUNDS = [
     ((1, 2, 2, 1), ("1f1b_fsdp2_dp2",)),
     ((1, 2, 1, 2), ("1f1b_tp2",)),
     ((1, 2, 2, 1), ("1f1b_fsdp2_dp2_bf16",)),
+    ((1, 2, 2, 1), ("1f1b_fsdp2_dp2_ac_selective",)),
 ]
 NPROCS = 4
 # bf16 compute (fp32 master parameters and gradient reduction), against the fp32 single process: the
@@ -104,6 +112,8 @@ def _rank(rank: int, world: int, port: int, configs: dict, batches: list, out: s
 def _train_case(cfg, name: str, mesh, batches: list, out: Path, rank: int) -> None:
     """Train case ``name`` on the (pp, dp) or (pp, dp, tp) ``mesh``; write its parameters (each stage's first
     rank) and its losses (the mesh's first rank)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
     from fsdp_exp.parallel.pipeline import PipelineSettings, build_pipeline
 
     engine = build_pipeline(cfg, PipelineSettings(**CASES[name]), mesh, torch.device("cpu"))
@@ -113,10 +123,13 @@ def _train_case(cfg, name: str, mesh, batches: list, out: Path, rank: int) -> No
         rows = slice(dp_rank * inputs.shape[0] // dp, (dp_rank + 1) * inputs.shape[0] // dp)
         losses.append(engine.step(inputs[rows], targets[rows]))
         engine.optimizer_step(cfg.trainer.grad_clip)
-    params = {n: p.full_tensor() for stage in engine.stages for n, p in stage.named_parameters()}  # over dp, tp
+    # Under the names DCP saves (an activation-checkpoint wrapper's dropped), gathered over dp and tp.
+    params = {n: p.full_tensor() for stage in engine.stages for n, p in get_model_state_dict(stage).items()}
     first_of_stage = dp_rank == 0 and ("tp" not in mesh.mesh_dim_names or mesh["tp"].get_local_rank() == 0)
     if first_of_stage:
-        torch.save({"params": params, "tp": _tensor_parallel_layout(engine)}, out / f"{name}-params-{rank}.pt")
+        checkpointed = {i: engine.applied["stages"][i].get("ac", {}).get("checkpointed") for i in engine.stage_indices}
+        saved = {"params": params, "tp": _tensor_parallel_layout(engine), "checkpointed": checkpointed}
+        torch.save(saved, out / f"{name}-params-{rank}.pt")
     if mesh["pp"].get_local_rank() == 0 and first_of_stage:
         (out / f"{name}.json").write_text(
             json.dumps(
@@ -153,11 +166,11 @@ def _train_all(out: Path) -> dict:
     results = {}
     for name in CASES:
         results[name] = json.loads((out / f"{name}.json").read_text())
-        results[name]["params"], results[name]["tp"] = {}, {}
+        results[name]["params"], results[name]["tp"], results[name]["checkpointed"] = {}, {}, {}
         for path in out.glob(f"{name}-params-*.pt"):
             saved = torch.load(path)
-            results[name]["params"].update(saved["params"])
-            results[name]["tp"].update(saved["tp"])
+            for key in ("params", "tp", "checkpointed"):
+                results[name][key].update(saved[key])
     return results
 
 
@@ -220,6 +233,14 @@ def test_two_stages_with_fsdp2_in_bf16_train_like_the_fp32_process_within_bf16_t
     _, model = reference
     expected = dict(model.named_parameters())
     assert max((v - expected[n].detach()).abs().max().item() for n, v in run["params"].items()) > PARAM_ATOL
+
+
+def test_two_stages_with_selective_activation_checkpointing_recompute_the_full_models_blocks_and_train_like_one_process(
+    runs, reference
+):
+    run = runs["1f1b_fsdp2_dp2_ac_selective"]
+    assert run["checkpointed"] == {0: ["layers.0"], 1: ["layers.2"]}
+    _assert_matches_reference(run, reference, "1f1b_fsdp2_dp2_ac_selective")
 
 
 # The command line's pipeline run (fsdp_exp's launcher, trainer and preflight: parallel.pp*), checked against

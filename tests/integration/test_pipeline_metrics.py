@@ -49,6 +49,10 @@ CASES = {
     "1f1b_fsdp2_dp2": (dict(pp=2, schedule="1f1b", microbatches=2), OVERRIDES),  # 4 sequences per dp rank
     "1f1b_tp2": (dict(pp=2, schedule="1f1b", microbatches=4), TP),
     "qwen2_1f1b": (dict(pp=2, schedule="1f1b", microbatches=4), QWEN2),
+    # activation checkpointing inside the stages: every block recomputed; every 2nd block of the full model
+    # (blocks 0 and 2) in stages of blocks [0] and [1, 2, 3]
+    "1f1b_ac_full": (dict(pp=2, schedule="1f1b", microbatches=4), [*OVERRIDES, "ac=full"]),
+    "gpipe_ac_selective": (dict(pp=2, schedule="gpipe", microbatches=4, split=(1,)), [*OVERRIDES, "ac=selective"]),
     # not planned yet (the whole model, an upper bound): tracked, for its split backward (autograd.grad first)
     "zbv_zero_bubble": (dict(pp=2, schedule="zbv_zero_bubble", microbatches=4, stages_per_rank=2), OVERRIDES),
 }
@@ -60,6 +64,7 @@ ROUNDS = [
     ((2, 2, 1), ("gpipe", "1f1b")),
     ((2, 2, 1), ("interleaved_1f1b", "zbv_zero_bubble")),
     ((2, 2, 1), ("qwen2_1f1b", "gpipe_8_microbatches")),
+    ((2, 2, 1), ("1f1b_ac_full", "gpipe_ac_selective")),
     ((1, 2, 2), ("1f1b_fsdp2_dp2",)),
     ((2, 1, 2), ("1f1b_tp2",)),  # (pp, dp, tp)
 ]

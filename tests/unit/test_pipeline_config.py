@@ -36,6 +36,12 @@ def test_pipeline_with_tensor_parallel_is_a_pp_dp_tp_mesh_tp_innermost():
     assert (topology.dp_size, topology.tp_size, topology.micro_batch_size) == (2, 2, 4)  # 8 sequences over dp=2
 
 
+@pytest.mark.parametrize("ac", ["full", "selective", "selective_op"])
+def test_activation_checkpointing_runs_inside_pipeline_stages(ac):
+    cfg = run_config(["trainer.nproc_per_node=2", "parallel.pp=2", "model.n_layers=4", f"ac={ac}"])
+    assert validate(cfg, cuda_devices=0).mesh_dim_names == ("pp", "dp")
+
+
 @pytest.mark.parametrize(
     "overrides,fix",
     [
