@@ -36,8 +36,9 @@ plus what the stage's forward cache keeps for its backward: its output (the last
 stage the logits; the final norm and the loss's fp32 log-softmax besides). Under activation checkpointing
 (``ac``, applied in each stage to the full model's every ``ac.every``-th block, parallel/pipeline.py) a
 checkpointed block keeps its input alone (with ``ac.ops``, the outputs its op-level policy saves), as
-plan/step.py counts it at pp=1, and its backward recomputes its saved tensors: at the stage's first backward
-(its last block's) that block's full saved tensors replace what it kept, counted with the temporaries.
+plan/step.py counts it at pp=1, and its backward recomputes its saved tensors: at the stage's first block
+backward (its last block's) that block's full saved tensors replace what it kept, counted with the
+temporaries (on the last stage, less the head's saved tensors, which its backward freed before).
 """
 
 from __future__ import annotations
@@ -165,9 +166,11 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
         return sum(saved(b) for b in blocks[stage]) - first_input + output
 
     def recompute(stage: int) -> int:
-        """A checkpointed block's backward recomputes its forward: at a stage's first backward (its last
-        block's, every block of the micro-batch still held) the block's saved tensors replace what it kept."""
-        return full_block - saved(blocks[stage][-1])
+        """A checkpointed block's backward recomputes its forward: at a stage's first block backward (its last
+        block's, every block of the micro-batch still held) the block's saved tensors replace what it kept. On
+        the last stage the head's backward came first and freed its saved tensors (the logits among them)."""
+        extra = full_block - saved(blocks[stage][-1])
+        return max(0, extra - head_bytes) if stage == last else extra
 
     m = s.n_microbatches
     per_round = m // max(1, m // s.pp) if s.schedule == "interleaved_1f1b" else m

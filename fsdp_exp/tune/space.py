@@ -24,9 +24,9 @@ The dimensions (``tune.space.<name>=[...]`` narrows or widens each):
   ``grad_sync`` is not searched (the stages reduce at the last micro-batch);
 - ``pp_schedule``: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (with ``parallel.pp_stages_per_rank=2``), only for
   pp > 1; fixed by ``parallel.pp_schedule=..`` or ``parallel.pp_stages_per_rank=..``. A sharding the stages do
-  not run (``parallel.pipeline.check_sharding``: FSDP2 full only, today) gets no pp > 1 candidates; what else
-  stages cannot compose with (activation checkpointing, tensor parallel, too few micro-batches) preflight
-  refuses, as for every dimension.
+  not run (``parallel.pipeline.check_sharding``: FSDP2 full only, today) gets no pp > 1 candidates; every ``ac``
+  option runs inside stages and is searched with them; what else stages cannot compose with (compile, too
+  few micro-batches) preflight refuses, as for every dimension.
 
 A dimension the run's overrides already set is the user's choice and is not searched. The model, the
 global batch and the sequence length are training choices: they stay as given. A backend or a model
