@@ -285,7 +285,6 @@ def _validate_pipeline(cfg: RunConfig, world: int):
         )
     pipeline.check_sharding(cfg)
     refused = [
-        ("compile", bool(cfg.compile), "compile=false"),
         ("debug.check_identical_init", cfg.debug.check_identical_init, "debug.check_identical_init=false"),
         ("trainer.eval_every", cfg.trainer.eval_every > 0, "trainer.eval_every=0"),
         ("precision.loss_scaler", cfg.precision.loss_scaler != "none", "precision=fp32|bf16"),
@@ -294,8 +293,8 @@ def _validate_pipeline(cfg: RunConfig, world: int):
         if bad:
             fail(
                 f"{key}={_value(cfg, key)} is not "
-                f"supported with parallel.pp={pp} yet (compile, evaluation and loss scaling under stages are "
-                "not built; docs/pipeline.md).",
+                f"supported with parallel.pp={pp} yet (evaluation and loss scaling under stages are not "
+                "built; docs/pipeline.md).",
                 f"pass {fix}, or parallel.pp=1",
             )
     dp = world // (pp * tp)

@@ -322,6 +322,16 @@ def checkpoint_stage(stage: "nn.Module", cfg: "RunConfig", first_block: int) -> 
     return {"ac": ac.apply(stage, cfg, first_block=first_block)}
 
 
+def compile_stage(stage: "nn.Module", cfg: "RunConfig") -> dict:
+    """``compile=true`` inside one stage: torch.compile of each of its blocks, in place (parallel/compile.py, the
+    pp=1 step), after activation checkpointing and before FSDP2 as at pp=1; parameter names do not change."""
+    if not cfg.compile:
+        return {}
+    from fsdp_exp.parallel import compile
+
+    return {"compile": compile.apply(stage, cfg)}
+
+
 def stage_loss(logits: "torch.Tensor", targets: "torch.Tensor") -> "torch.Tensor":
     """The schedule's loss_fn on the last stage: the project's mean cross-entropy per token. The stage has
     already made the logits, so the "model" handed to ``mean_cross_entropy`` is the identity."""
@@ -447,6 +457,7 @@ def build_pipeline(
         stage = build_stage_module(cfg.model, blocks[index], first=index == 0, last=index == last)
         applied["stages"][index] = tensor_parallel_stage(stage, cfg, mesh)
         applied["stages"][index].update(checkpoint_stage(stage, cfg, first_block=blocks[index][0]))
+        applied["stages"][index].update(compile_stage(stage, cfg))
         applied["stages"][index].update(shard_stage(stage, cfg, mesh["dp"], device))
         stages.append(stage)
         pipeline_stages.append(

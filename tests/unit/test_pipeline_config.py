@@ -36,10 +36,27 @@ def test_pipeline_with_tensor_parallel_is_a_pp_dp_tp_mesh_tp_innermost():
     assert (topology.dp_size, topology.tp_size, topology.micro_batch_size) == (2, 2, 4)  # 8 sequences over dp=2
 
 
-@pytest.mark.parametrize("ac", ["full", "selective", "selective_op"])
-def test_activation_checkpointing_runs_inside_pipeline_stages(ac):
-    cfg = run_config(["trainer.nproc_per_node=2", "parallel.pp=2", "model.n_layers=4", f"ac={ac}"])
+@pytest.mark.parametrize("overrides", [["ac=full"], ["ac=selective"], ["ac=selective_op"], ["compile=true", "ac=full"]])
+def test_activation_checkpointing_and_compile_run_inside_pipeline_stages(overrides):
+    cfg = run_config(["trainer.nproc_per_node=2", "parallel.pp=2", "model.n_layers=4", *overrides])
     assert validate(cfg, cuda_devices=0).mesh_dim_names == ("pp", "dp")
+
+
+def test_a_stage_compiles_its_checkpointed_blocks_keeping_the_full_models_parameter_names():
+    """A stage of blocks 1-3 as build_pipeline prepares it before FSDP2 (AC, then compile, as at pp=1): every block
+    compiled (nn.Module.compile: inductor runs at the first forward), around the checkpoint wrapper where AC
+    chose the block (the full model's every 2nd block: 2); the canonical names are the full model's."""
+    from fsdp_exp.models import canonical_name
+    from fsdp_exp.parallel.pipeline import build_stage_module, checkpoint_stage, compile_stage
+
+    cfg = run_config(["parallel.pp=2", "model.n_layers=4", "ac=selective", "compile=true"])
+    stage = build_stage_module(cfg.model, [1, 2, 3], first=False, last=True)
+    assert checkpoint_stage(stage, cfg, first_block=1)["ac"]["checkpointed"] == ["layers.2"]
+    assert compile_stage(stage, cfg)["compile"]["modules"] == ["layers.1", "layers.2", "layers.3"]
+    assert all(block._compiled_call_impl is not None for block in stage.layers.values())
+    assert type(stage.layers["2"]).__name__ == "CheckpointWrapper"
+    names = {canonical_name(n) for n, _ in stage.named_parameters()}
+    assert "layers.2.attention.wq.weight" in names and "output.weight" in names and not any("layers.0" in n for n in names)
 
 
 @pytest.mark.parametrize(
