@@ -78,6 +78,7 @@ def test_a_stage_compiles_its_checkpointed_blocks_keeping_the_full_models_parame
         (["parallel.pp=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches"),
         (["parallel.pp=2", "parallel.pp_stages_per_rank=2"], "parallel.pp_stages_per_rank=1"),
         (["parallel.pp=2", "parallel.pp_split=[5]"], "parallel.pp_split=null"),
+        (["parallel.pp=2", "precision=float8"], "precision=bf16, or parallel.pp=1"),
         (
             ["parallel.pp=2", "trainer.micro_batch_size=2", "parallel.pp_microbatches=2"],
             "trainer.micro_batch_size=null",
