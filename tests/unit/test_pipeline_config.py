@@ -56,7 +56,9 @@ def test_a_stage_compiles_its_checkpointed_blocks_keeping_the_full_models_parame
     assert all(block._compiled_call_impl is not None for block in stage.layers.values())
     assert type(stage.layers["2"]).__name__ == "CheckpointWrapper"
     names = {canonical_name(n) for n, _ in stage.named_parameters()}
-    assert "layers.2.attention.wq.weight" in names and "output.weight" in names and not any("layers.0" in n for n in names)
+    assert (
+        "layers.2.attention.wq.weight" in names and "output.weight" in names and not any("layers.0" in n for n in names)
+    )
 
 
 @pytest.mark.parametrize(
