@@ -20,7 +20,8 @@ Bubble (the fraction of the step a stage waits): (pp - 1) / (m + pp - 1) for GPi
 Under pipeline parallel FSDP2 keeps each stage unsharded for the whole step (reshard_after_forward=False)
 and torch's stages defer the gradient reduce-scatter to the last micro-batch, so a rank holds its stages'
 unsharded parameters (param dtype) through the step, at dp = 1 too (FSDP2 all-gathers into its own buffer
-on a one-rank mesh), and from the first backward on their unsharded gradients, while the sharded
+on a one-rank mesh), and from the first backward on their unsharded gradients (accumulated in reduce_dtype,
+as FSDP2 does when the reduction waits for the last micro-batch), while the sharded
 gradients appear only at the step's end (when the activations are gone).
 
 A rank's peak (checked against fsdp_exp/metrics/pipeline.py's tracker on every stage, within 5%: see
@@ -150,6 +151,7 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     tp = cfg.parallel.tp  # inside each stage (parallel/pipeline.py's tensor_parallel_stage), no sequence parallel
     infos = param_infos(inventory, unit_names(spec, cfg), backend_for(cfg).planner_rules(cfg), shard=dp, tp=tp)
     e = DTYPE_BYTES[cfg.precision.param_dtype]
+    e_reduce = DTYPE_BYTES[cfg.precision.reduce_dtype] if cfg.precision.reduce_dtype else e
     micro_batch = cfg.trainer.global_batch_size // dp // s.n_microbatches
     profile = profile_for(cfg.model, micro_batch, cfg.trainer.seq_len, tp=tp, sequence_parallel=False)
     full_block = profile.block_saved(e, False, profile.math_attention(device_kind, e))["total"]
@@ -184,15 +186,18 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
         mine = [i for i in infos if stage_of(i) in stages]
         pieces = model_states(mine, offload=False, kind=device_kind).resident
         states = pieces["total"]
-        unsharded_params = e * int(sum(i.gathered_numel for i in mine))
+        gathered = int(sum(i.gathered_numel for i in mine))
+        unsharded_params = e * gathered
+        # FSDP2 accumulates the deferred unsharded gradients in reduce_dtype (fp32 under bf16 parameters)
+        unsharded_grads = e_reduce * gathered
         held = in_flight(s.schedule, s.pp, rank, s.n_microbatches, s.stages_per_rank)
         heaviest = max(per_microbatch(stage) for stage in stages)
         # The first backward (no gradients yet), or a later one (the unsharded gradients, and as many
         # micro-batches again if a forward follows the first backward, else one fewer).
         held_later = held if s.n_microbatches * len(stages) > held else held - 1
         first = forwarded(stages, held, per_microbatch, per_round)
-        later = forwarded(stages, held_later, per_microbatch, per_round) + unsharded_params
-        activations = max(first, later) - (unsharded_params if later > first else 0)
+        later = forwarded(stages, held_later, per_microbatch, per_round) + unsharded_grads
+        activations = max(first, later) - (unsharded_grads if later > first else 0)
         ranks.append(
             RankPlan(
                 rank=rank,
@@ -200,7 +205,7 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
                 blocks=tuple(b for st in stages for b in blocks[st]),
                 params=sum(i.numel for i in mine),
                 model_states=states,
-                unsharded=unsharded_params * (2 if later > first else 1),
+                unsharded=unsharded_params + (unsharded_grads if later > first else 0),
                 per_microbatch=heaviest,
                 in_flight=held,
                 activations=activations,

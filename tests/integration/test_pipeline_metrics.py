@@ -53,6 +53,10 @@ CASES = {
     # (blocks 0 and 2) in stages of blocks [0] and [1, 2, 3]
     "1f1b_ac_full": (dict(pp=2, schedule="1f1b", microbatches=4), [*OVERRIDES, "ac=full"]),
     "gpipe_ac_selective": (dict(pp=2, schedule="gpipe", microbatches=4, split=(1,)), [*OVERRIDES, "ac=selective"]),
+    # bf16 parameters and activations (precision=bf16: fp32 reductions and AdamW states); the deferred unsharded
+    # gradients accumulate in fp32
+    "1f1b_bf16": (dict(pp=2, schedule="1f1b", microbatches=4), [*OVERRIDES, "precision=bf16"]),
+    "gpipe_bf16": (dict(pp=2, schedule="gpipe", microbatches=4), [*OVERRIDES, "precision=bf16"]),
     # not planned yet (the whole model, an upper bound): tracked, for its split backward (autograd.grad first)
     "zbv_zero_bubble": (dict(pp=2, schedule="zbv_zero_bubble", microbatches=4, stages_per_rank=2), OVERRIDES),
 }
@@ -65,6 +69,7 @@ ROUNDS = [
     ((2, 2, 1), ("interleaved_1f1b", "zbv_zero_bubble")),
     ((2, 2, 1), ("qwen2_1f1b", "gpipe_8_microbatches")),
     ((2, 2, 1), ("1f1b_ac_full", "gpipe_ac_selective")),
+    ((2, 2, 1), ("1f1b_bf16", "gpipe_bf16")),
     ((1, 2, 2), ("1f1b_fsdp2_dp2",)),
     ((2, 1, 2), ("1f1b_tp2",)),  # (pp, dp, tp)
 ]
