@@ -912,6 +912,7 @@ EVERY_CUDA_RUN = (
     "fsdp_exp/dist.py:init_distributed",
     "fsdp_exp/record/recorder.py:device_name",
     "fsdp_exp/checkpoint/manager.py:Checkpointer._device_name",
+    "fsdp_exp/launch.py:forked_ranks_allowed",  # the command line's launcher: a CUDA node's ranks are spawned
 )
 # The planner's CUDA rules, which every CUDA run's plan (run.json["plan"]) goes through.
 PLANNER_CUDA_RULES = (
