@@ -182,7 +182,9 @@ def test_the_headline_command_is_refused_with_what_it_needs_what_the_machine_has
     depth = [int(c[0].split("=")[1]) for c in changes if c[0].startswith("model.n_layers=")]
     assert len(depth) == 1, offered
     need, n = planned_total([*HEADLINE, f"model.n_layers={depth[0] + 1}"])
-    assert need * n > room, (depth, need, room)
+    # the fit check read the available RAM at its own moment (the launcher's W&B writer already started), this
+    # test later: the same 5% either way as the changes offered above
+    assert need * n > room * 0.95, (depth, need, room)
     gpus = re.search(
         r"On GPUs it would fit (.*?): see python -m fsdp_exp.plan <these overrides> "
         r"plan.device=(\w+) trainer.nproc_per_node=(\d+)",

@@ -459,6 +459,7 @@ def _every_dimension() -> list[str]:
         "offload=none",
         "prefetch=default",
         "trainer.micro_batch_size=1",
+        "tune.space.pp=[1]",  # no pipeline stages (then no schedule to choose either)
     ]
     return fixed + (["trainer.grad_sync=every_micro_batch"] if hasattr(TrainerConfig(), "grad_sync") else [])
 
