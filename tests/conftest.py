@@ -182,3 +182,15 @@ def run_experiment(overrides: list[str], run_dir: Path) -> dict:
     cfg = compose_config(overrides, return_hydra_config=True)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
     return launch(run_config(overrides), Path(run_dir), Labels(overrides=tuple(overrides), choices=choices))
+
+
+# Qwen2 (transformers) shrunk to 4 layers of width 64 and a vocabulary of 256: the pipeline tests' HF model.
+TINY_QWEN2 = [
+    "model=hf_qwen2_7b",
+    "+model.hf_overrides.num_hidden_layers=4",
+    "+model.hf_overrides.hidden_size=64",
+    "+model.hf_overrides.intermediate_size=128",
+    "+model.hf_overrides.num_attention_heads=4",
+    "+model.hf_overrides.num_key_value_heads=2",
+    "+model.hf_overrides.vocab_size=256",
+]

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import read_metrics, run_cli, run_config  # noqa: E402
+from conftest import TINY_QWEN2, read_metrics, run_cli, run_config  # noqa: E402
 from reference import reference_run  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -23,13 +23,7 @@ pytestmark = pytest.mark.slow
 STEPS = 5
 # Qwen2 shrunk to 4 layers (so that each stage holds 2), fp32, 8 sequences of 32 tokens a step.
 QWEN2 = [
-    "model=hf_qwen2_7b",
-    "+model.hf_overrides.num_hidden_layers=4",
-    "+model.hf_overrides.hidden_size=64",
-    "+model.hf_overrides.intermediate_size=128",
-    "+model.hf_overrides.num_attention_heads=4",
-    "+model.hf_overrides.num_key_value_heads=2",
-    "+model.hf_overrides.vocab_size=256",
+    *TINY_QWEN2,
     "trainer.seq_len=32",
     "trainer.global_batch_size=8",
     f"trainer.steps={STEPS}",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import QUIET, TINY_BATCH, TINY_MODEL, run_cli, run_config
+from conftest import TINY_QWEN2, QUIET, TINY_BATCH, TINY_MODEL, run_cli, run_config
 
 pytestmark = pytest.mark.slow
 
@@ -28,13 +28,7 @@ OVERRIDES = [*TINY_MODEL, "model.n_layers=4", *TRAINING]
 TP = [*OVERRIDES, "parallel.tp=2"]
 # a transformers causal LM (Qwen2 shrunk to 4 layers of width 64, fp32), as tests/integration/test_pipeline_hf.py
 QWEN2 = [
-    "model=hf_qwen2_7b",
-    "+model.hf_overrides.num_hidden_layers=4",
-    "+model.hf_overrides.hidden_size=64",
-    "+model.hf_overrides.intermediate_size=128",
-    "+model.hf_overrides.num_attention_heads=4",
-    "+model.hf_overrides.num_key_value_heads=2",
-    "+model.hf_overrides.vocab_size=256",
+    *TINY_QWEN2,
     "precision=fp32",
     *TRAINING,
 ]
