@@ -91,6 +91,46 @@ def check(cfg: "RunConfig", device_type: str) -> None:
         )
 
 
+def device_refusal(
+    recipe: "str | None", emulate: bool, device: str, fp8_peak: "float | None", gpu: bool
+) -> "tuple[str, str] | None":
+    """Why float8 training cannot run on ``device`` (problem, fix), or None: the one rule that tune, the planner
+    and the ranks share. torch._scaled_mm's float8 matmuls need FP8 tensor cores (compute capability 8.9: Ada,
+    Hopper, Blackwell); a GPU without an FP8 peak in the device tables (an A100) has none, and only torchao's
+    emulation (``precision.float8_emulate``) runs there, no faster than bf16. A CPU (``gpu`` false) runs float8
+    through its own _scaled_mm kernel: not refused. ``fp8_peak``: the device's FP8 TFLOPS from the caller's
+    table (plan/devices.py's DevicePerf, or metrics/flops.py's by CUDA name), None when it has none."""
+    if recipe is None or emulate or not gpu or fp8_peak:
+        return None
+    return (
+        f"precision.float8_recipe={recipe}: {device} has no FP8 tensor cores (no fp8 peak in fsdp_exp/plan/devices.py; "
+        "torch._scaled_mm needs compute capability 8.9 or more), so its float8 matmuls cannot run.",
+        "pass precision=bf16, or precision.float8_emulate=true (torchao's emulation: the casts without the speed)",
+    )
+
+
+def check_gpu_name(cfg: "RunConfig", name: str) -> None:
+    """Refuse float8 on the GPU CUDA names ``name`` ("NVIDIA A100-SXM4-80GB") when it has no FP8 tensor cores; a
+    name no table knows is let through (torchao then says what it can do). Testable without a GPU."""
+    from fsdp_exp.metrics.flops import lookup_peak_tflops
+
+    p = cfg.precision
+    refused = device_refusal(p.float8_recipe, p.float8_emulate, name, lookup_peak_tflops(name, "fp8"), gpu=True)
+    known = lookup_peak_tflops(name, "bf16") is not None
+    if refused and known:
+        fail(*refused)
+
+
+def check_rank_device(cfg: "RunConfig", device) -> None:
+    """In each rank, before the model is built: a CUDA rank's GPU must run float8 (``check_gpu_name``). The
+    launcher does not ask, to hold no CUDA context of its own while the ranks run."""
+    if not enabled(cfg) or device.type != "cuda":
+        return
+    import torch
+
+    check_gpu_name(cfg, torch.cuda.get_device_name(device))
+
+
 def skipped_fqns(cfg: "RunConfig") -> tuple[str, ...]:
     """The modules kept high precision by name: the setting, else the model's output projection."""
     from fsdp_exp.models import spec_for

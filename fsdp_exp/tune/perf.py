@@ -484,18 +484,16 @@ def _gemm_seconds(gemms: tuple, perf: "DevicePerf", rate: float, operand_bytes: 
 
 
 def float8_refusal(costs: StepCosts, perf: "DevicePerf") -> Optional[str]:
-    """Why a float8 step cannot be timed on this device (None: it can). torch._scaled_mm's float8 matmuls need FP8
-    tensor cores (compute capability 8.9: Ada, Hopper, Blackwell); an A100 has none, so only torchao's emulation
-    runs there, and it is no faster than bf16. A CPU's is timed as its high-precision matmuls (the CPU kernel of
-    _scaled_mm is no faster)."""
-    if costs.float8 is None or costs.float8.emulate or not perf.kernels or perf.peak_tflops.get("fp8"):
+    """Why a float8 step cannot be timed on this device (None: it can): fsdp_exp.parallel.float8's rule, the one
+    the planner and the ranks apply too (a GPU without FP8 tensor cores runs only torchao's emulation). A CPU's is
+    timed as its high-precision matmuls (the CPU kernel of _scaled_mm is no faster)."""
+    from fsdp_exp.parallel.float8 import device_refusal
+
+    if costs.float8 is None:
         return None
-    return (
-        f"precision.float8_recipe={costs.float8.recipe}: this GPU has no FP8 tensor cores (no fp8 peak in "
-        "fsdp_exp/plan/devices.py; torch._scaled_mm needs compute capability 8.9 or more), so its float8 matmuls "
-        "cannot run; pass precision=bf16, or precision.float8_emulate=true (torchao's emulation: the casts "
-        "without the speed)"
-    )
+    f8 = costs.float8
+    refused = device_refusal(f8.recipe, f8.emulate, "this GPU", perf.peak_tflops.get("fp8"), gpu=bool(perf.kernels))
+    return f"{refused[0].rstrip('.')}; {refused[1]}" if refused else None
 
 
 def _float8_seconds(f8: "Float8Costs", perf: "DevicePerf", rate: float, e: int) -> tuple[float, float]:
