@@ -95,6 +95,8 @@ class Tuning:
     timing: dict
     baselines: dict[str, Optional[str]]  # name -> candidate id (None: not in the space / refused)
     device_key: str
+    # packages this machine lacks that only running needs (fsdp_exp.packages): module -> (what, install command)
+    missing_packages: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def ranked(self) -> list[Weighed]:
@@ -164,6 +166,22 @@ def device_perf(device: "Device", base: "RunConfig", nproc: int) -> tuple["Devic
 
 
 def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
+    """Weigh the space (``_weigh``). For a GPU of the table (``plan.device``), another machine than this one, a
+    package that only running needs (torchao for float8) need not be installed here: its candidates are weighed,
+    and the package is named (``Tuning.missing_packages``)."""
+    from fsdp_exp.packages import planning_elsewhere
+    from fsdp_exp.plan.devices import device_table
+
+    target = device_table().get(opts.device) if opts.device is not None else None
+    if target is None or target.kind != "cuda":
+        return _weigh(overrides, opts)
+    with planning_elsewhere() as missing:
+        tuning = _weigh(overrides, opts)
+    tuning.missing_packages = dict(missing)
+    return tuning
+
+
+def _weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
     from fsdp_exp.preflight import validate
     from fsdp_exp.config.topology import resolve_nproc
     from fsdp_exp.models import fetch_model_files
