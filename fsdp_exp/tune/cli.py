@@ -86,17 +86,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     return report(tuning, data, status, argv)
 
 
-def terminal_width() -> Optional[int]:
-    """rich's own width where it can tell (a terminal, or ``COLUMNS``); piped without ``COLUMNS``, 100 columns
-    (a log or a pager), not rich's 80 nor a width no terminal has."""
-    import os
-
-    return None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 100
-
-
 def report(tuning, data: dict, status: int, argv: list[str]) -> int:
     from rich.console import Console
 
+    from fsdp_exp.narrow import terminal_width
     from fsdp_exp.tune import output, recommend
     from fsdp_exp.tune.options import split_argv
 
@@ -109,12 +102,13 @@ def report(tuning, data: dict, status: int, argv: list[str]) -> int:
         print(json.dumps(data, indent=1, default=str))
         return status
     console = Console(width=terminal_width())
+    width = console.width
     console.print(
         f"[bold]fsdp_exp tune[/bold]: the best {min(opts.show, len(tuning.ranked))} of "
         f"{len(tuning.ranked):,} candidates that fit, by predicted tokens/s",
         highlight=False,
     )
-    console.print(output.render_table(tuning, opts.show, console.width))
+    console.print(output.render_table(tuning, opts.show, width))
     for line in output.summary_lines(tuning):
         console.print(line, highlight=False, markup=False)
     if data.get("spearman") is not None or data.get("winner", {}).get("measured"):

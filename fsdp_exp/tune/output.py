@@ -138,26 +138,15 @@ MIN_WIDTHS = {"candidate": 30, "fits": 13, "where the time goes": 22, "role": 11
 def render_table(tuning: "Tuning", show: int, width: Optional[int] = None):
     """The ranked candidates, each named by what it changes in the run as given (``recommend.differences``); at
     ``width`` columns, the columns of ``DROP_ORDER`` go first until the rest fits."""
-    from rich.console import Console
-    from rich.measure import Measurement
+    from fsdp_exp.narrow import fit_columns
 
     measured = any(w.measured for w in tuning.candidates)
     columns = list(COLUMNS) + (list(MEASURED_COLUMNS) if measured else []) + ["role"]
     if not any(w.roles for w in rows_shown(tuning, show)):
         columns.remove("role")
-    table = _table(tuning, show, columns)
     if width is None:
-        return table
-    console = Console(width=width)
-    unbounded = console.options.update_width(1 << 16)  # rich clamps a measurement to the width it is given
-
-    for column in DROP_ORDER:
-        if Measurement.get(console, unbounded, table).minimum <= width:
-            break
-        if column in columns:
-            columns.remove(column)
-            table = _table(tuning, show, columns)
-    return table
+        return _table(tuning, show, columns)
+    return fit_columns(lambda kept: _table(tuning, show, kept), columns, DROP_ORDER, width)
 
 
 def _table(tuning: "Tuning", show: int, columns: list[str]):

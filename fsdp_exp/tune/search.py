@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from fsdp_exp.errors import ConfigError, fail
+from fsdp_exp.errors import ConfigError, did_you_mean, fail
 from fsdp_exp.units import GIB
 from fsdp_exp.tune.space import Candidate, Space, build_space, enumerate_candidates, group_nodes, leave_out_float8
 
@@ -125,12 +125,13 @@ class Tuning:
 def resolve_device(name: Optional[str], base: "RunConfig") -> tuple["Device", int]:
     """(the device to plan and time for, CUDA devices per node to validate against)."""
     from fsdp_exp.env import cuda_device_count
-    from fsdp_exp.plan.devices import device_table, local_cuda_device, table_device
+    from fsdp_exp.plan.devices import device_table, local_cuda_device, nearest_device, table_device
 
     table = device_table()
     if name is not None:
         if name not in table:
-            fail(f"plan.device={name!r} is not a known device.", f"pass one of {', '.join(table)}")
+            hint = did_you_mean(nearest_device(name), "plan.device={}", after=" Or ")
+            fail(f"plan.device={name!r} is not a known device.", f"{hint}pass one of {', '.join(table)}")
         device = table[name]
         if device.kind == "cuda":
             n = base.trainer.nproc_per_node

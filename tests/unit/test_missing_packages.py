@@ -32,3 +32,11 @@ def test_float8_without_torchao_passes_while_planning_for_another_machine_and_na
     assert list(missing) == ["torchao"] and "fsdp_exp[float8]" in missing["torchao"][1]
     with pytest.raises(ConfigError):  # once the plan is done, a run is refused again
         float8.check(cfg, "cuda")
+
+
+def test_an_unknown_device_name_offers_the_closest_one(capsys):
+    """``plan.device=h100`` is refused before anything is composed, naming ``h100_80gb``."""
+    from fsdp_exp.plan.cli import main
+
+    assert main(["plan.device=h100"]) == 2
+    assert "did you mean plan.device=h100_80gb?" in capsys.readouterr().err
