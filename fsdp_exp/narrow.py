@@ -20,16 +20,28 @@ def fit_columns(build: Callable[[list[str]], object], columns: list[str], drop_o
     """``build(columns)`` with the columns of ``drop_order`` left out, first to last, until the table's narrowest
     rendering (wrapping columns at their ``min_width``) fits ``width``; what is left when none remains to drop."""
     from rich.console import Console
-    from rich.measure import Measurement
 
     console = Console(width=width, file=open(os.devnull, "w"))
-    unbounded = console.options.update_width(1 << 16)  # rich clamps a measurement to the width it is given
     columns = list(columns)
     table = build(columns)
     for column in drop_order:
-        if Measurement.get(console, unbounded, table).minimum <= width:
+        if _fits(console, table, width):
             break
         if column in columns:
             columns.remove(column)
             table = build(columns)
     return table
+
+
+def _fits(console, table, width: int) -> bool:
+    """Whether ``table`` printed at ``width`` shows every word of every cell whole: rich's measurement says what
+    the narrowest layout could be, not the one it picks (it shrinks columns in proportion and crops what is left
+    over at the edge, a word folded or cut), so the table is laid out and read back."""
+    console.begin_capture()
+    console.print(table)
+    shown = set(console.end_capture().split())
+    for column in table.columns:
+        for cell in column.cells:
+            if not set(str(cell).split()) <= shown:
+                return False
+    return True
