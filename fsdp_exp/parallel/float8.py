@@ -12,9 +12,9 @@ too. Recipes, refusals and measurements: the docs page float8.md.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING
 
+from fsdp_exp import packages
 from fsdp_exp.errors import fail
 
 if TYPE_CHECKING:
@@ -56,8 +56,12 @@ def check(cfg: "RunConfig", device_type: str) -> None:
             f"({', '.join(RECIPES)}).",
             "pass precision.float8_recipe=tensorwise (or null: no float8)",
         )
-    if importlib.util.find_spec("torchao") is None:
-        fail(f"precision.float8_recipe={p.float8_recipe} needs torchao, which is not installed.", INSTALL)
+    packages.require(
+        "torchao",
+        "precision.float8_recipe",
+        f"precision.float8_recipe={p.float8_recipe} needs torchao, which is not installed.",
+        INSTALL,
+    )
     backend = backend_for(cfg)
     if backend.float8_refusal:
         backend.refuse(

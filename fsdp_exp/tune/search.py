@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from fsdp_exp.errors import ConfigError, fail
+from fsdp_exp.errors import ConfigError, did_you_mean, fail
 from fsdp_exp.units import GIB
 from fsdp_exp.tune.space import Candidate, Space, build_space, enumerate_candidates, group_nodes, leave_out_float8
 
@@ -95,6 +95,8 @@ class Tuning:
     timing: dict
     baselines: dict[str, Optional[str]]  # name -> candidate id (None: not in the space / refused)
     device_key: str
+    # packages this machine lacks that only running needs (fsdp_exp.packages): module -> (what, install command)
+    missing_packages: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def ranked(self) -> list[Weighed]:
@@ -123,12 +125,13 @@ class Tuning:
 def resolve_device(name: Optional[str], base: "RunConfig") -> tuple["Device", int]:
     """(the device to plan and time for, CUDA devices per node to validate against)."""
     from fsdp_exp.env import cuda_device_count
-    from fsdp_exp.plan.devices import device_table, local_cuda_device, table_device
+    from fsdp_exp.plan.devices import device_table, local_cuda_device, nearest_device, table_device
 
     table = device_table()
     if name is not None:
         if name not in table:
-            fail(f"plan.device={name!r} is not a known device.", f"pass one of {', '.join(table)}")
+            hint = did_you_mean(nearest_device(name), "plan.device={}", after=" Or ")
+            fail(f"plan.device={name!r} is not a known device.", f"{hint}pass one of {', '.join(table)}")
         device = table[name]
         if device.kind == "cuda":
             n = base.trainer.nproc_per_node
@@ -164,6 +167,22 @@ def device_perf(device: "Device", base: "RunConfig", nproc: int) -> tuple["Devic
 
 
 def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
+    """Weigh the space (``_weigh``). For a GPU of the table (``plan.device``), another machine than this one, a
+    package that only running needs (torchao for float8) need not be installed here: its candidates are weighed,
+    and the package is named (``Tuning.missing_packages``)."""
+    from fsdp_exp.packages import planning_elsewhere
+    from fsdp_exp.plan.devices import device_table
+
+    target = device_table().get(opts.device) if opts.device is not None else None
+    if target is None or target.kind != "cuda":
+        return _weigh(overrides, opts)
+    with planning_elsewhere() as missing:
+        tuning = _weigh(overrides, opts)
+    tuning.missing_packages = dict(missing)
+    return tuning
+
+
+def _weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
     from fsdp_exp.preflight import validate
     from fsdp_exp.config.topology import resolve_nproc
     from fsdp_exp.models import fetch_model_files

@@ -406,15 +406,17 @@ def test_tune_json_has_the_shape_the_issue_asks_for(tuning_7b, tmp_path):
     assert tuning_7b.baselines["DDP"] is None
 
 
-def test_the_printed_table_explains_the_top_candidates(tuning_7b, tmp_path, capsys):
+def test_the_printed_table_explains_the_top_candidates(tuning_7b, tmp_path, capsys, monkeypatch):
     from fsdp_exp.tune.cli import report
 
+    monkeypatch.setenv("COLUMNS", "180")  # wide enough to keep every column (at 100 the time split goes first)
     data = _tune_json(tuning_7b, tmp_path)
     assert report(tuning_7b, data, 0, [f"tune.out={tmp_path}", "tune.show=3"]) == 0
     out = capsys.readouterr().out
     assert "weighed" in out and "candidates/s" in out and "parameters alone" not in out
     assert "compute" in out and "where the time goes" in out
     assert json.loads((tmp_path / "tune.json").read_text())["candidates"]
+    assert out.splitlines()[-1].startswith("  left out: ") or "recommended: " in out  # the answer comes last
 
 
 @pytest.mark.parametrize(
