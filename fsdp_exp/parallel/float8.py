@@ -94,6 +94,33 @@ def check(cfg: "RunConfig", device_type: str) -> None:
             "pass offload=none, or precision.float8_all_gather=false",
         )
 
+    if p.float8_filter_fqns:
+        _refuse_filters_that_match_nothing(cfg)
+
+
+def _refuse_filters_that_match_nothing(cfg: "RunConfig") -> None:
+    """A name in precision.float8_filter_fqns that matches no linear layer keeps nothing high precision:
+    most likely a typo, whose layers would then run in float8 unnoticed."""
+    from torch import nn
+
+    from fsdp_exp.models import build_meta
+
+    linears = [name for name, m in build_meta(cfg.model).named_modules() if isinstance(m, nn.Linear)]
+    unmatched = [fqn for fqn in cfg.precision.float8_filter_fqns if not any(_names(fqn, name) for name in linears)]
+    if unmatched:
+        fail(
+            f"precision.float8_filter_fqns names {', '.join(map(repr, unmatched))}, which match no linear layer of "
+            f"the model (its linear layers include {', '.join(linears[:4])}, ...); the filter would keep nothing "
+            "high precision.",
+            "pass whole parts of the layers' names, e.g. precision.float8_filter_fqns=[output] "
+            "(or null: the model's output projection)",
+        )
+
+
+def _names(fqn: str, name: str) -> bool:
+    """Whether filter entry ``fqn`` names module ``name`` (whole name parts: "feed_forward", "layers.0")."""
+    return f".{fqn}." in f".{name}."
+
 
 def device_refusal(
     recipe: "str | None", emulate: bool, device: str, fp8_peak: "float | None", gpu: bool
@@ -150,7 +177,7 @@ def why_kept(name: str, module: "nn.Module", by_name: tuple[str, ...]) -> str | 
 
     if not isinstance(module, nn.Linear):
         return "not an nn.Linear"
-    if any(f".{fqn}." in f".{name}." for fqn in by_name):  # whole name parts: "feed_forward", "output", "layers.0"
+    if any(_names(fqn, name) for fqn in by_name):
         return "precision.float8_filter_fqns"
     if module.in_features % FLOAT8_MATMUL_MULTIPLE or module.out_features % FLOAT8_MATMUL_MULTIPLE:
         return f"dims {module.in_features}x{module.out_features} not multiples of {FLOAT8_MATMUL_MULTIPLE}"
