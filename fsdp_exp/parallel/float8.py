@@ -12,9 +12,9 @@ too. Recipes, refusals and measurements: the docs page float8.md.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING
 
+from fsdp_exp import packages
 from fsdp_exp.errors import fail
 
 if TYPE_CHECKING:
@@ -56,8 +56,12 @@ def check(cfg: "RunConfig", device_type: str) -> None:
             f"({', '.join(RECIPES)}).",
             "pass precision.float8_recipe=tensorwise (or null: no float8)",
         )
-    if importlib.util.find_spec("torchao") is None:
-        fail(f"precision.float8_recipe={p.float8_recipe} needs torchao, which is not installed.", INSTALL)
+    packages.require(
+        "torchao",
+        "precision.float8_recipe",
+        f"precision.float8_recipe={p.float8_recipe} needs torchao, which is not installed.",
+        INSTALL,
+    )
     backend = backend_for(cfg)
     if backend.float8_refusal:
         backend.refuse(
@@ -89,6 +93,33 @@ def check(cfg: "RunConfig", device_type: str) -> None:
             "run on the host every step.",
             "pass offload=none, or precision.float8_all_gather=false",
         )
+
+    if p.float8_filter_fqns:
+        _refuse_filters_that_match_nothing(cfg)
+
+
+def _refuse_filters_that_match_nothing(cfg: "RunConfig") -> None:
+    """A name in precision.float8_filter_fqns that matches no linear layer keeps nothing high precision:
+    most likely a typo, whose layers would then run in float8 unnoticed."""
+    from torch import nn
+
+    from fsdp_exp.models import build_meta
+
+    linears = [name for name, m in build_meta(cfg.model).named_modules() if isinstance(m, nn.Linear)]
+    unmatched = [fqn for fqn in cfg.precision.float8_filter_fqns if not any(_names(fqn, name) for name in linears)]
+    if unmatched:
+        fail(
+            f"precision.float8_filter_fqns names {', '.join(map(repr, unmatched))}, which match no linear layer of "
+            f"the model (its linear layers include {', '.join(linears[:4])}, ...); the filter would keep nothing "
+            "high precision.",
+            "pass whole parts of the layers' names, e.g. precision.float8_filter_fqns=[output] "
+            "(or null: the model's output projection)",
+        )
+
+
+def _names(fqn: str, name: str) -> bool:
+    """Whether filter entry ``fqn`` names module ``name`` (whole name parts: "feed_forward", "layers.0")."""
+    return f".{fqn}." in f".{name}."
 
 
 def device_refusal(
@@ -146,7 +177,7 @@ def why_kept(name: str, module: "nn.Module", by_name: tuple[str, ...]) -> str | 
 
     if not isinstance(module, nn.Linear):
         return "not an nn.Linear"
-    if any(f".{fqn}." in f".{name}." for fqn in by_name):  # whole name parts: "feed_forward", "output", "layers.0"
+    if any(_names(fqn, name) for fqn in by_name):
         return "precision.float8_filter_fqns"
     if module.in_features % FLOAT8_MATMUL_MULTIPLE or module.out_features % FLOAT8_MATMUL_MULTIPLE:
         return f"dims {module.in_features}x{module.out_features} not multiples of {FLOAT8_MATMUL_MULTIPLE}"
