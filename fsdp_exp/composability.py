@@ -15,6 +15,7 @@ accepted, or refused with preflight's own message. Two uses:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -86,22 +87,46 @@ def _base() -> RunConfig:
         return to_run_config(compose(config_name="config", overrides=list(TINY)))
 
 
-def config_of(overrides: tuple[str, ...]) -> RunConfig:
-    """The tiny run with ``overrides`` (``group=option`` as a command line selects it, ``a.b=x`` one key)."""
+@functools.cache
+def _section(group: str, option: str):
+    """A group's option as a command line selecting it composes it (the group's schema under its file)."""
     from fsdp_exp.config.variants import apply_changes
 
+    return getattr(apply_changes(_base(), (f"{group}={option}",)), group)
+
+
+def _value(section, name: str, text: str):
+    """An override's value typed as the schema declares the key (the simple types the walks set)."""
+    declared = str(next(f.type for f in dataclasses.fields(section) if f.name == name))
+    if text == "null":
+        return None
+    if declared.startswith(("bool", "Optional[bool]")):
+        return text == "true"
+    if declared.startswith(("int", "Optional[int]")):
+        return int(text)
+    if declared.startswith(("float", "Optional[float]")):
+        return float(text)
+    return text
+
+
+def config_of(overrides: tuple[str, ...]) -> RunConfig:
+    """The tiny run with ``overrides``: ``group=option`` as a command line selects it (the option's whole
+    node), then ``a.b=x`` one key, ``compile=true`` a key of the run itself. Built from cached pieces, not
+    composed again: the walks here ask for hundreds."""
     cfg = _base()
-    group_changes = []
-    for change in overrides:
-        key, _, value = change.partition("=")
+    changes = [change.partition("=")[::2] for change in overrides]
+    for key, value in changes:  # group options first: a key set after its group's option
+        if "." not in key and key not in TOP_LEVEL:
+            cfg = dataclasses.replace(cfg, **{key: copy.deepcopy(_section(key, value))})
+    for key, value in changes:
         if key in TOP_LEVEL:
-            cfg = dataclasses.replace(cfg, **{key: value == "true"})
-        else:
-            group_changes.append(change)
-    # Group options first: a key set after its group's option (sharding=grad_op, then sharding.backend=...).
-    options = [c for c in group_changes if "." not in c.partition("=")[0]]
-    keys = [c for c in group_changes if "." in c.partition("=")[0]]
-    return apply_changes(cfg, (*options, *keys))
+            cfg = dataclasses.replace(cfg, **{key: _value(cfg, key, value)})
+        elif "." in key:
+            section, _, name = key.partition(".")
+            current = getattr(cfg, section)
+            updated = dataclasses.replace(current, **{name: _value(current, name, value)})
+            cfg = dataclasses.replace(cfg, **{section: updated})
+    return cfg
 
 
 @functools.cache
@@ -130,14 +155,17 @@ def overrides_of(choice: dict[str, str]) -> tuple[str, ...]:
     return overrides
 
 
-def covering_runs(dimensions: tuple[str, ...] = tuple(DIMENSIONS)) -> tuple[list[dict[str, str]], dict]:
+def covering_runs(
+    dimensions: tuple[str, ...] = tuple(DIMENSIONS), leave_out: tuple[str, ...] = ()
+) -> tuple[list[dict[str, str]], dict]:
     """(runs, refused): runs (dimension -> value) that preflight accepts, in which every pair of values
     of two dimensions that preflight accepts together appears at least once; refused: each pair it
-    refuses on its own -> the message. Greedy: each run starts from an uncovered pair and takes, dimension
+    refuses on its own -> the message. ``leave_out``: values (of any dimension) not tried. Greedy: each run starts from an uncovered pair and takes, dimension
     by dimension, the value that covers most new pairs while preflight still accepts the run."""
+    values = {dim: [v for v in DIMENSIONS[dim] if v not in leave_out] for dim in dimensions}
     pairs = {}
     for a, b in itertools.combinations(dimensions, 2):
-        for va, vb in itertools.product(DIMENSIONS[a], DIMENSIONS[b]):
+        for va, vb in itertools.product(values[a], values[b]):
             pairs[((a, va), (b, vb))] = outcome(overrides_of({a: va, b: vb}))
     uncovered = {pair for pair, refusal in pairs.items() if refusal is None}
     refused = {pair: refusal for pair, refusal in pairs.items() if refusal is not None}
@@ -149,7 +177,7 @@ def covering_runs(dimensions: tuple[str, ...] = tuple(DIMENSIONS)) -> tuple[list
             if dim in run:
                 continue
             scored = []
-            for value in DIMENSIONS[dim]:
+            for value in values[dim]:
                 trial = {**run, dim: value}
                 gain = sum(
                     ((d, v), (dim, value)) in uncovered or ((dim, value), (d, v)) in uncovered for d, v in run.items()
