@@ -45,7 +45,8 @@ def _flat(text: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(COMMANDS))
+# the 70B search: ~40 s of CPU, several minutes of wall time on a shared 2-core machine (past the suite's 300 s)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.timeout(900)) for n in COMMANDS])
 def test_the_figures_docs_choosing_quotes_are_what_the_command_prints_today(name, tmp_path, capsys, monkeypatch):
     import importlib
 
