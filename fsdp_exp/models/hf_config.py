@@ -41,11 +41,16 @@ def transformers():
 def shipped_preset(hub_name: str) -> Optional[str]:
     """The ``model=`` preset shipped with fsdp_exp that writes out ``hub_name``'s config.json field by field (its
     first line names the hub repository in parentheses), so that it plans and runs offline; None if none does."""
-    folder = Path(__file__).resolve().parents[1] / "conf" / "model"
-    for path in sorted(folder.glob("*.yaml")):
+    from importlib.resources import files
+
+    # the package fsdp_exp.conf, wherever it is installed from (conf/ in a checkout: setup.py)
+    folder = files("fsdp_exp.conf") / "model"
+    for path in sorted(folder.iterdir(), key=lambda p: p.name):
+        if not path.name.endswith(".yaml"):
+            continue
         first = path.read_text().partition("\n")[0]
         if f"({hub_name.lower()})" in first.lower():
-            return path.stem
+            return path.name.removesuffix(".yaml")
     return None
 
 

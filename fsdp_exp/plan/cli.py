@@ -18,7 +18,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Optional
 
-from fsdp_exp.errors import EXIT_BAD_CONFIG
+from fsdp_exp.errors import EXIT_BAD_CONFIG, fail
 from fsdp_exp.plan.devices import device_table, fits, local_cuda_device
 from fsdp_exp.plan.fit import MORE_NODES
 from fsdp_exp.units import GIB
@@ -164,11 +164,14 @@ def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
 
         gpus = cuda_device_count()
     topology = validate(cfg, cuda_devices=gpus)
+    if device is not None:
+        _refuse_float8(cfg, device)
     kind = device.kind if device else None
     result = plan(cfg, topology, device_kind=kind, margin=margin)
     if device is None:
         device = table["cpu_host"] if result.device_kind == "cpu" else local_cuda_device()
     if device is not None:
+        _refuse_float8(cfg, device)  # the local GPU's (plan.device's was asked before planning)
         result.device = fits(result, device)
     found = None
     if result.device and not result.device["fits"]:
@@ -216,6 +219,22 @@ def fit_lines(found: Optional[dict], result: Plan, overrides: list[str], argv: l
         f"  check it: python -m fsdp_exp.plan {' '.join([run, *planner])}",
         f"  rank what fits by predicted speed: python -m fsdp_exp.tune {' '.join([*overrides, *planner])}",
     ]
+
+
+def _refuse_float8(cfg: "RunConfig", device) -> None:
+    """float8 on a GPU without FP8 tensor cores is refused as tune and the ranks refuse it (one rule,
+    fsdp_exp.parallel.float8.device_refusal): its plan would describe a run that cannot start."""
+    from fsdp_exp.parallel.float8 import device_refusal
+    from fsdp_exp.plan.devices import table_device
+
+    entry = device if device.perf is not None else table_device(device.description, device.bytes)
+    if entry is None or entry.perf is None:  # a GPU no table knows: nothing to say
+        return
+    p = cfg.precision
+    fp8 = entry.perf.peak_tflops.get("fp8")
+    refused = device_refusal(p.float8_recipe, p.float8_emulate, entry.name, fp8, gpu=bool(entry.perf.kernels))
+    if refused:
+        fail(*refused)
 
 
 def _count(n: int) -> str:

@@ -28,7 +28,7 @@ def _fits(w: "Weighed") -> str:
     if w.fits is None:
         return "refused"
     text = (
-        f"yes, {w.headroom:.0%} left"
+        (f"yes, {w.headroom:.0%} left" if w.headroom >= 0 else f"yes, {-w.headroom:.0%} over, in the planner's band")
         if w.fits
         else f"no, over by {-w.headroom:.0%}" + (" (parameters alone)" if w.floor_bytes is not None else "")
     )

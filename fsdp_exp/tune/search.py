@@ -34,6 +34,17 @@ BORDERLINE = 0.05  # within 5% of the memory limit either way: the planner's err
 BASELINES = {"DDP": "sharding=ddp", "full shard": "sharding=full"}
 
 
+def memory_verdict(need: int, limit: int, kind: str, budgeted: bool) -> str:
+    """fits | borderline | refused, as the launcher's fit check judges it (``fsdp_exp.fit_check.error_band``): on a
+    GPU, a need over the device within the planner's error band on the published record still starts. A CPU host's
+    RAM and a ``tune.budget_gib`` (the user's own limit) are held as they are."""
+    from fsdp_exp.fit_check import error_band
+
+    if kind != "cuda" or budgeted:
+        return "fits" if need <= limit else "refused"
+    return error_band().verdict(need, limit)
+
+
 @dataclass
 class Weighed:
     candidate: Candidate
@@ -62,7 +73,11 @@ class Weighed:
 
     @property
     def borderline(self) -> bool:
-        return self.headroom is not None and abs(self.headroom) < BORDERLINE
+        """Within 5% of the limit either way, or over it within the planner's error band (the launcher starts
+        such a run with a warning: ``fsdp_exp.fit_check.ErrorBand``)."""
+        if self.headroom is None:
+            return False
+        return abs(self.headroom) < BORDERLINE or (bool(self.fits) and self.headroom < 0)
 
     @property
     def ranked(self) -> bool:
@@ -225,6 +240,7 @@ def _weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
             f"({capacity / GIB:.3g} GiB per rank): the device's memory is the limit"
         )
 
+    budgeted = limit < capacity
     weighed: list[Weighed] = []
     first_done = first_cpu = None
     for candidate in enumerate_candidates(base, space, nodes):
@@ -247,7 +263,7 @@ def _weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
             continue
         result = plan(candidate.cfg, topology, device_kind=device.kind, margin=opts.margin)
         w.peak_bytes, w.need_bytes = result.peak["total"], result.per_rank_bytes["total"]
-        w.fits = w.need_bytes <= limit
+        w.fits = memory_verdict(w.need_bytes, limit, device.kind, budgeted) != "refused"
         if w.fits or candidate.id in opts.extra:  # what cannot run here is timed only when asked for (tune.extra)
             time_candidate(w, perf)
         if first_done is None:
