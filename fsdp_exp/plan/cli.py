@@ -356,13 +356,13 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         console = Console(width=terminal_width())
         overrides = split_argv(argv)[1]
-        console.print(opts["header"], highlight=False, markup=False)
+        console.print(opts["header"], highlight=False, markup=False, soft_wrap=True)
         console.print(render_table(result, overrides, opts["options"]))
         line = verdict_line(result)
         if line:
-            console.print(line, highlight=False)
+            console.print(line, highlight=False, soft_wrap=True)
         for line in fit_lines(opts["fit"], result, overrides, argv):
-            console.print(line, highlight=False, markup=False)
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0
 
 

@@ -116,7 +116,7 @@ def render_html(report: Report, png: bytes) -> str:
         ]
     if report.option_means:
         sections += [
-            f"<h2>Mean {escape(header)} by option</h2>",
+            f"<h2>Median {escape(header)} by option (the ranking's statistic)</h2>",
             _table(
                 ["group", "option", "runs", header],
                 [

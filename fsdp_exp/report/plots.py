@@ -36,6 +36,30 @@ def _memory_unit(values: list[float]) -> tuple[str, float]:
     return "KiB", 1024.0**2
 
 
+DODGE = 0.012  # of the memory axis' span: how far apart intervals at the same memory are drawn
+
+
+def dodged(rows: list[Row], scale: float) -> dict[str, float]:
+    """Each configuration's x on the scatter: its peak memory, moved a little sideways where configurations share
+    the same memory (within half a dodge), so that their intervals stand side by side instead of on top of each
+    other. The table and ``report.json`` keep the measured peak; only the drawing moves."""
+    xs = sorted((r.peak_gib * scale, r.label) for r in rows)
+    if not xs:
+        return {}
+    span = (xs[-1][0] - xs[0][0]) or xs[-1][0] or 1.0
+    step = DODGE * span
+    out: dict[str, float] = {}
+    group: list[tuple[float, str]] = []
+    for x, label in xs + [(float("inf"), "")]:
+        if group and x - group[0][0] > step / 2:
+            middle = (len(group) - 1) / 2
+            for i, (gx, glabel) in enumerate(group):
+                out[glabel] = group[0][0] + (i - middle) * step
+            group = []
+        group.append((x, label))
+    return out
+
+
 def plot_report(report: Report) -> tuple[Figure, dict]:
     """The figure and what it shows: ``points`` (each marker: a ranked configuration with its interval, a
     duplicate, or one repeat of a configuration measured more than once), ``front`` and ``bars``."""
@@ -57,12 +81,16 @@ def plot_report(report: Report) -> tuple[Figure, dict]:
     named = len(configurations) + len(duplicates) <= MAX_NAMED_POINTS
     # A duplicate names the run it repeats; the table ranks that run's configuration.
     ranks = {run.label: row.rank for row in report.ranked for run in row.repeats}
+    at = dodged(configurations, scale)  # x of each configuration (and of its repeats): side by side where tied
+
+    def x_of(r: Row) -> float:
+        return at.get(r.repeat_of if r.repeat_of in at else r.label, r.peak_gib * scale)
 
     # The repeats sit on their configuration's error bar (same memory): grey with a white rim, above the bar
     # and under the configuration's marker.
     if repeats:
         ax.scatter(
-            [r.peak_gib * scale for r in repeats],
+            [x_of(r) for r in repeats],
             [r.value(report.metric) for r in repeats],
             marker="o",
             s=28,
@@ -90,7 +118,7 @@ def plot_report(report: Report) -> tuple[Figure, dict]:
                 continue
             what = f"peak from {source}" if source else "peak unknown"
             ax.scatter(
-                [r.peak_gib * scale for r in group],
+                [x_of(r) for r in group],
                 [r.value(report.metric) for r in group],
                 marker=MARKERS[source],
                 s=60,
@@ -106,7 +134,7 @@ def plot_report(report: Report) -> tuple[Figure, dict]:
             continue
         values = [r.value(report.metric) for r in group]
         bars = ax.errorbar(
-            [r.peak_gib * scale for r in group],
+            [x_of(r) for r in group],
             values,
             yerr=[[v - r.ci_low for v, r in zip(values, group)], [r.ci_high - v for v, r in zip(values, group)]],
             fmt="none",
@@ -127,11 +155,12 @@ def plot_report(report: Report) -> tuple[Figure, dict]:
             text = (r.label if named else f"#{r.rank}") + repeat + tie
         else:
             text = f"{r.label} (= {r.duplicate_of})" if named else f"=#{ranks.get(r.duplicate_of)}"
-        ax.annotate(text, (x, y), xytext=(5, 5), textcoords="offset points", fontsize=8)
+        ax.annotate(text, (x_of(r), y), xytext=(5, 5), textcoords="offset points", fontsize=8)
         point = {
             "kind": "duplicate" if r.duplicate_of else "configuration",
             "label": r.label,
             "peak": x,
+            "drawn_at": x_of(r),
             "value": y,
             "peak_source": r.peak_source,
             "duplicate_of": r.duplicate_of,
@@ -151,7 +180,7 @@ def plot_report(report: Report) -> tuple[Figure, dict]:
     if front:
         # A staircase: with memory up to the next front run's, the best throughput on offer is this run's.
         ax.plot(
-            [r.peak_gib * scale for r in front],
+            [x_of(r) for r in front],
             [r.value(report.metric) for r in front],
             "--",
             color="tab:red",
@@ -166,7 +195,7 @@ def plot_report(report: Report) -> tuple[Figure, dict]:
     front_ties = [r for r in configurations if r.pareto_tied]
     if front_ties:
         ax.scatter(
-            [r.peak_gib * scale for r in front_ties],
+            [x_of(r) for r in front_ties],
             [r.value(report.metric) for r in front_ties],
             marker="o",
             s=150,
@@ -199,19 +228,22 @@ def plot_report(report: Report) -> tuple[Figure, dict]:
     ax.grid(True, alpha=0.3)
 
     for index, key in enumerate(bar_keys):
-        bar_ax = fig.add_subplot(grid[1 + index // BARS_PER_ROW, index % BARS_PER_ROW])
+        # The panels of a row share its width: a row of one or two panels leaves no empty slot beside them.
+        row = index // BARS_PER_ROW
+        in_row = min(BARS_PER_ROW, len(bar_keys) - row * BARS_PER_ROW)
+        bar_ax = fig.add_subplot(grid[1 + row, :].subgridspec(1, in_row)[0, index % BARS_PER_ROW])
         options = report.option_means[key]
         positions = range(len(options))
-        bars = bar_ax.bar(positions, [mean for _, mean, _ in options], color="tab:blue")
+        bars = bar_ax.bar(positions, [median for _, median, _ in options], color="tab:blue")
         bar_ax.bar_label(
             bars, labels=[f"{fmt_metric(report.metric, m)}\n{n} run{'s' * (n > 1)}" for _, m, n in options], fontsize=7
         )
         bar_ax.set_xticks(
             list(positions), [o for o, _, _ in options], rotation=20 if len(options) > 3 else 0, fontsize=8
         )
-        bar_ax.set_title(f"{key}: mean {header}", fontsize=9)
+        bar_ax.set_title(f"{key}: median {header}", fontsize=9)
         bar_ax.margins(y=0.25)
-        data["bars"][key] = [{"option": o, "mean": m, "runs": n} for o, m, n in options]
+        data["bars"][key] = [{"option": o, "median": m, "runs": n} for o, m, n in options]
     return fig, data
 
 

@@ -126,7 +126,8 @@ class Report:
     duplicates: list[Row]
     not_ranked: list[Row]
     common_overrides: list[str]
-    # config group (or override key) that varies over the completed runs -> [(option, mean, runs)]
+    # config group (or override key) that varies over the completed runs -> [(option, median, runs)]: the
+    # ranking's statistic (the median of the runs' medians), so that the two never disagree on what "faster" is
     option_means: dict[str, list[tuple[str, float, int]]]
 
     @property
@@ -146,7 +147,7 @@ class Report:
             "duplicates": [asdict(r) for r in self.duplicates],
             "not_ranked": [asdict(r) for r in self.not_ranked],
             "option_means": {
-                k: [{"option": o, "mean": m, "runs": n} for o, m, n in v] for k, v in self.option_means.items()
+                k: [{"option": o, "median": m, "runs": n} for o, m, n in v] for k, v in self.option_means.items()
             },
         }
 
@@ -296,10 +297,11 @@ def option_values(runs: list[Run]) -> dict[str, list[Optional[str]]]:
 
 
 def option_means(runs: list[Run], rows: list[Row], metric: str) -> dict[str, list[tuple[str, float, int]]]:
-    """For each group or key with more than one option among these runs: mean metric per option.
+    """For each group or key with more than one option among these runs: the median metric per option.
 
-    A mean over the runs with that option, whatever else they vary: in a full grid that is the option's
-    main effect, in a partial sweep it is confounded with the rest.
+    The median of the runs with that option, whatever else they vary (in a full grid, the option's main effect;
+    in a partial sweep, confounded with the rest). A median, as the ranking's: a mean here once put grad_op above
+    full while the ranking put full above grad_op, one slow run pulling a mean and not a median.
     """
     result = {}
     for key, column in option_values(runs).items():
@@ -308,7 +310,7 @@ def option_means(runs: list[Run], rows: list[Row], metric: str) -> dict[str, lis
             if value is not None and row.value(metric) is not None:
                 by_option.setdefault(value, []).append(row.value(metric))
         if len(by_option) > 1:
-            result[key] = [(o, statistics.fmean(v), len(v)) for o, v in by_option.items()]
+            result[key] = [(o, statistics.median(v), len(v)) for o, v in by_option.items()]
     return result
 
 
@@ -706,7 +708,10 @@ def print_report(report: Report, console=None) -> None:
         console.print(failed)
 
     if report.option_means:
-        heading(f"Mean {METRICS[report.metric].header} by option (completed runs, duplicates included)")
+        heading(
+            f"Median {METRICS[report.metric].header} by option (the ranking's statistic, over the completed runs, "
+            "duplicates included)"
+        )
         means = Table(box=box.SIMPLE_HEAD)
         means.add_column("group")
         means.add_column("option", overflow="fold")

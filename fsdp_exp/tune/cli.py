@@ -110,7 +110,7 @@ def report(tuning, data: dict, status: int, argv: list[str]) -> int:
     )
     console.print(output.render_table(tuning, opts.show, width))
     for line in output.summary_lines(tuning):
-        console.print(line, highlight=False, markup=False)
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     if data.get("spearman") is not None or data.get("winner", {}).get("measured"):
         winner = data["winner"]
         console.print(
@@ -118,6 +118,7 @@ def report(tuning, data: dict, status: int, argv: list[str]) -> int:
             f"{data['mae_tokens_per_s']:,.0f} tokens/s; {winner['verdict']}",
             highlight=False,
             markup=False,
+            soft_wrap=True,
         )
     check = data.get("budget_check")
     if check:
@@ -126,11 +127,13 @@ def report(tuning, data: dict, status: int, argv: list[str]) -> int:
             f"{len(check['borderline'])} borderline; left out: {check['left_out'] or 'none'}",
             highlight=False,
             markup=False,
+            soft_wrap=True,
         )
     console.print(
         f"wrote {path}" + (f", {out / 'tune.html'}" if (out / "tune.html").exists() else ""),
         highlight=False,
         markup=False,
+        soft_wrap=True,
     )
     if not opts.run:
         console.print(
@@ -138,7 +141,10 @@ def report(tuning, data: dict, status: int, argv: list[str]) -> int:
             f"candidates x {opts.repeats} runs): add tune.run=true, or run\n  {data['measure']['command']}",
             highlight=False,
             markup=False,
+            soft_wrap=True,
         )
-    for line in recommend.lines(data.get("recommendation"), tuning):  # the answer: last, where the eye lands
-        console.print(line, highlight=False, markup=False)
+    # The answer: last, where the eye lands. Lines are not broken (soft_wrap): a command copied from a log must
+    # stay one command.
+    for line in recommend.lines(data.get("recommendation"), tuning):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     return status

@@ -232,18 +232,34 @@ def figure(tuning: "Tuning", comparison: dict):
     fig = Figure(figsize=(8, 6.5), layout="constrained")
     ax = fig.add_subplot()
     points = [w for w in tuning.candidates if w.measured and w.measured.get("tokens_per_s") and w.prediction]
+    points.sort(key=lambda w: w.measured["tokens_per_s"])
     xs = [w.prediction.tokens_per_s for w in points]
     ys = [w.measured["tokens_per_s"] for w in points]
-    for w, x, y in zip(points, xs, ys):
+    for i, (w, x, y) in enumerate(zip(points, xs, ys)):
         ci = w.measured.get("tokens_per_s_ci")
         err = [[y - ci[0]], [ci[1] - y]] if ci else None
         baseline = any(r.startswith("baseline") for r in w.roles)
         ax.errorbar(
             [x], [y], yerr=err, fmt="s" if baseline else "o", capsize=3, color="tab:orange" if baseline else "tab:blue"
         )
-        ax.annotate(f"{w.candidate.id} (#{w.rank})", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        # neighbours in measured tokens/s take turns above and below their point: labels do not print over
+        # each other where points crowd
+        ax.annotate(
+            f"{w.candidate.id} (#{w.rank})",
+            (x, y),
+            textcoords="offset points",
+            xytext=(6, 5 if i % 2 else -11),
+            fontsize=8,
+        )
     if xs:
+        # zoomed to the measured points and the diagonal through them; logarithmic where they span more than a
+        # factor of 10 (a slow baseline beside the fast candidates), so that no cluster sits in one corner
         low, high = min(xs + ys) * 0.9, max(xs + ys) * 1.1
+        if high / low > 10:
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        ax.set_xlim(low, high)
+        ax.set_ylim(low, high)
         ax.plot([low, high], [low, high], ls="--", color="grey", lw=1, label="measured = predicted")
         ax.legend(loc="upper left")
     rho = comparison.get("spearman")

@@ -85,8 +85,15 @@ def recommend(tuning: "Tuning", argv: list[str]) -> Optional[dict]:
     for base_name, cid in tuning.baselines.items():
         if cid is None or cid == best.candidate.id:
             continue
-        other = tuning.by_id(cid).prediction.tokens_per_s
-        why.append(f"{_pct(speed / other - 1)} more tokens/s than the {base_name} baseline, {name(tuning.by_id(cid))}")
+        baseline = tuning.by_id(cid)
+        other = baseline.prediction.tokens_per_s
+        if speed >= other:
+            why.append(f"{_pct(speed / other - 1)} more tokens/s than the {base_name} baseline, {name(baseline)}")
+        else:  # a faster baseline is borderline (else it would be the choice): say what it risks
+            why.append(
+                f"{_pct(1 - speed / other)} fewer tokens/s than the {base_name} baseline, {name(baseline)}, which "
+                f"leaves {_pct(baseline.headroom)} of the memory (borderline)"
+            )
     if runner is not None:
         gap = 1 - runner.prediction.tokens_per_s / speed
         memory = (runner.need_bytes - best.need_bytes) / GIB

@@ -274,3 +274,20 @@ def test_the_caption_says_which_flops_convention_mfu_counts_and_warns_when_runs_
     for run in mixed[::2]:  # sharding=full's repeats (the sweep interleaves them with DDP's)
         run.record["env"]["flops_convention"] = "megatron"
     assert "different conventions here (fsdp_exp, megatron" in caption(build_report(mixed))
+
+
+def test_intervals_at_the_same_memory_stand_side_by_side_and_the_bars_fill_their_row():
+    """Two configurations at one peak: each interval drawn apart (report.json keeps the measured peak), and the
+    one option panel below spans the figure's width, no empty slots beside it."""
+    same = sweep({"full": [1000, 1100, 1200], "grad_op": [1050, 1150, 1250]}, {"full": 8.0, "grad_op": 8.0})
+    report = build_report(same)
+    fig, shown = plot_report(report)
+    drawn = sorted(plotted_intervals(fig))
+    assert len(drawn) == 2 and drawn[0][0] < drawn[1][0]  # apart on the memory axis
+    configurations = [p for p in shown["points"] if p["kind"] == "configuration"]
+    assert {p["peak"] for p in configurations} == {8.0}  # the measured figure is unchanged
+    assert sorted(p["drawn_at"] for p in configurations) == pytest.approx([x for x, _, _ in drawn])
+    scatter = next(a for a in fig.axes if a.get_gid() == "scatter")
+    (panel,) = [a for a in fig.axes if a is not scatter]
+    assert panel.get_position().width > 0.9 * scatter.get_position().width
+    assert shown["bars"]["sharding"] and all("median" in b for b in shown["bars"]["sharding"])

@@ -1,0 +1,63 @@
+"""docs/choosing.md quotes what the commands print today: each block after a ``<!-- checked: <name> -->`` marker
+is checked line by line against a fresh run of the command it names (in this process, no process group: the
+planner and tune weigh on the meta device). A change to the planner or the step-time model that moves a quoted
+figure fails here, and the page is updated with the new output.
+
+The 70B search weighs ~30,000 candidates (~40 s of CPU on 2 busy cores)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PAGE = REPO / "docs" / "choosing.md"
+COMMANDS = {
+    "plan-8b": (
+        "fsdp_exp.plan",
+        "model=llama3_8b trainer.nproc_per_node=8 trainer.seq_len=8192 trainer.global_batch_size=16 "
+        "plan.device=h100_80gb",
+    ),
+    "tune-8b": (
+        "fsdp_exp.tune",
+        "model=llama3_8b trainer.nproc_per_node=8 trainer.seq_len=8192 trainer.global_batch_size=16 "
+        "plan.device=h100_80gb",
+    ),
+    "tune-70b": (
+        "fsdp_exp.tune",
+        "model=llama70b trainer.nproc_per_node=8 trainer.nnodes=8 trainer.global_batch_size=256 "
+        "trainer.seq_len=4096 plan.device=h100_80gb",
+    ),
+}
+
+
+def quoted(name: str) -> list[str]:
+    """The lines of the block after ``<!-- checked: name -->``."""
+    found = re.search(rf"<!-- checked: {name} -->\s*```text\n(.*?)```", PAGE.read_text(), re.S)
+    assert found, f"docs/choosing.md has no block checked as {name}"
+    return [line for line in found.group(1).splitlines() if line.strip()]
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.slow
+# the 70B search: ~40 s of CPU, several minutes of wall time on a shared 2-core machine (past the suite's 300 s)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.timeout(900)) for n in COMMANDS])
+def test_the_figures_docs_choosing_quotes_are_what_the_command_prints_today(name, tmp_path, capsys, monkeypatch):
+    import importlib
+
+    module, args = COMMANDS[name]
+    page = PAGE.read_text()
+    assert f"python -m {module} {args.split()[0]}" in _flat(page)  # the page shows the command it quotes
+    monkeypatch.setenv("COLUMNS", "400")  # a line of output a line, as the page quotes it
+    argv = args.split() + ([f"tune.out={tmp_path}"] if module == "fsdp_exp.tune" else [])
+    main = importlib.import_module(module + ".cli").main
+    capsys.readouterr()
+    assert main(argv) == 0
+    printed = _flat(capsys.readouterr().out)
+    for line in quoted(name):
+        assert _flat(line) in printed, f"docs/choosing.md ({name}) quotes a line the command no longer prints:\n{line}"
