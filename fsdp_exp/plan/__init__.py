@@ -14,4 +14,12 @@ and asks no backend its name.
 
 from fsdp_exp.plan.cli import PlanOptionError, compose, main, plan_from_argv, split_argv  # noqa: F401
 from fsdp_exp.plan.devices import DEVICES, Device, allocator_margin, device_table, fits  # noqa: F401
-from fsdp_exp.plan.predict import PREDICTED_METRICS, PREDICTED_STAGE_METRICS, Plan, plan, plan_for_run  # noqa: F401
+from fsdp_exp.plan.predict import (
+    PREDICTED_METRICS,
+    PREDICTED_STAGE_METRICS,
+    Plan,
+    peak_and_need,
+    peak_floor,
+    plan,
+    plan_for_run,
+)  # noqa: F401

@@ -162,10 +162,17 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     head_bytes = profile.head_saved(e, False) + 4 * logits + e * logits
     temporaries = resid + profile.backward_peak(e) + e * profile.peak_weight_grad
 
-    def per_microbatch(stage: int) -> int:
+    def stage_microbatch(stage: int) -> int:
         first_input = resid if stage != 0 else 0  # in a receive buffer instead
         output = head_bytes if stage == last else resid
         return sum(saved(b) for b in blocks[stage]) - first_input + output
+
+    # Each stage's once: the ranks' walks below ask for it once per micro-batch in flight (a search plans thousands).
+    per_microbatch = [stage_microbatch(stage) for stage in range(s.num_stages)].__getitem__
+    # The parameters' indices by stage, once, so that each rank picks its own in the inventory's order.
+    indices: dict[int, list[int]] = {}
+    for k, info in enumerate(infos):
+        indices.setdefault(stage_of(info), []).append(k)
 
     def recompute(stage: int) -> int:
         """A checkpointed block's backward recomputes its forward: at a stage's first block backward (its last
@@ -183,7 +190,7 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     ranks = []
     for rank in range(s.pp):
         stages = stages_of_rank(s, rank)
-        mine = [i for i in infos if stage_of(i) in stages]
+        mine = [infos[k] for k in sorted(k for stage in stages for k in indices.get(stage, ()))]
         pieces = model_states(mine, offload=False, kind=device_kind).resident
         states = pieces["total"]
         gathered = int(sum(i.gathered_numel for i in mine))
@@ -218,6 +225,53 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     return PipelinePlan(
         ranks=tuple(ranks), bubble=bubble_fraction(s.schedule, s.pp, s.n_microbatches, s.stages_per_rank)
     )
+
+
+_SHARED: dict[tuple, PipelinePlan] = {}
+
+
+def shared_pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_kind: str) -> PipelinePlan:
+    """``pipeline_plan``, shared by the configs that agree on everything it reads (a search's candidates that differ
+    only in what the stages do not plan, prefetch or offload, say). The key holds every config section it reads
+    whole (the parallel and ac sections), so that a key added there later splits the key rather than being lost."""
+    from fsdp_exp.models.spec import config_key
+    from fsdp_exp.parallel.backend import backend_for
+
+    key = (
+        config_key(cfg.model),
+        config_key(cfg.wrap),
+        backend_for(cfg).planner_rules(cfg),
+        cfg.precision.param_dtype,
+        cfg.precision.reduce_dtype,
+        cfg.trainer.global_batch_size,
+        cfg.trainer.seq_len,
+        repr(cfg.parallel),
+        repr(cfg.ac),
+        settings,
+        dp,
+        device_kind,
+    )
+    if key not in _SHARED:
+        if len(_SHARED) >= 4096:
+            _SHARED.clear()
+        _SHARED[key] = pipeline_plan(cfg, settings, dp, device_kind)
+    return _SHARED[key]
+
+
+def stage_states_floor(cfg: "RunConfig", dp: int, device_kind: str) -> int:
+    """The resident parameters and AdamW moments of every stage together, each sharded over ``dp`` as
+    ``pipeline_plan`` holds them: the pp ranks' share of it (``plan.predict.peak_floor``)."""
+    from fsdp_exp.models import spec_for
+    from fsdp_exp.parallel.backend import backend_for
+    from fsdp_exp.plan.states import model_states, param_infos, unit_names
+
+    spec = spec_for(cfg.model)
+    inventory = spec.inventory(cfg.model)
+    infos = param_infos(
+        inventory, unit_names(spec, cfg), backend_for(cfg).planner_rules(cfg), shard=dp, tp=cfg.parallel.tp
+    )
+    pieces = model_states(infos, offload=False, kind=device_kind).resident
+    return pieces["params"] + pieces["optimizer"]
 
 
 def _block_saved(cfg: "RunConfig", profile, e: int, full_block: int, resid: int):

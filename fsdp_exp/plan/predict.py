@@ -53,20 +53,8 @@ def plan(
     backend = backend_for(cfg)
     rules = backend.planner_rules(cfg)
     shard = backend.shard_group(topology)
-    spec = spec_for(cfg.model)
-    inventory = spec.inventory(cfg.model)
-
-    units = unit_names(spec, cfg) if rules.gathers_units else []
-    infos = param_infos(inventory, units, rules, shard, topology.tp_size)
-    states = (
-        model_states(
-            infos, cfg.offload.params and rules.offloads, kind, topology.dp_size if rules.shards_optimizer else 1
-        )
-        if rules.zero_stage is None
-        else zero_model_states(
-            infos, rules.zero_stage, shard, cfg.precision.param_dtype, cfg.offload.params, cfg.offload.optimizer, kind
-        )
-    )  # DeepSpeed's own layout
+    inventory = spec_for(cfg.model).inventory(cfg.model)
+    infos, states = _states(cfg, topology, kind)
     profile = profile_for(
         cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, topology.tp_size, cfg.parallel.sequence_parallel
     )
@@ -113,8 +101,8 @@ def plan(
         world_size=topology.world_size,
         device_kind=kind,
         model_states={
-            "device": on_device,
-            "host": states.host,
+            "device": dict(on_device),  # copies: the states are shared by the plans of one layout (``_states``)
+            "host": dict(states.host),
             "total": states.at_rest["total"],
             "described": states.described,
         },
@@ -131,6 +119,81 @@ def plan(
 
         result = with_worst_stage(result, cfg, topology, margin)
     return result
+
+
+def _states(cfg: "RunConfig", topology: "Topology", kind: str):
+    """(every parameter's per-rank sizes, the model states at rest) under the backend's layout: the first part of
+    ``plan``, cheap after the first call (the inventory and the layouts are cached)."""
+    backend = backend_for(cfg)
+    rules = backend.planner_rules(cfg)
+    shard = backend.shard_group(topology)
+    spec = spec_for(cfg.model)
+    inventory = spec.inventory(cfg.model)
+    units = unit_names(spec, cfg) if rules.gathers_units else []
+    infos = param_infos(inventory, units, rules, shard, topology.tp_size)
+    args = (
+        (cfg.offload.params and rules.offloads, kind, topology.dp_size if rules.shards_optimizer else 1)
+        if rules.zero_stage is None
+        else (rules.zero_stage, shard, cfg.precision.param_dtype, cfg.offload.params, cfg.offload.optimizer, kind)
+    )
+    key = (id(infos), args)  # param_infos' lists are cached and never changed: one per layout
+    if key not in _STATES:
+        if len(_STATES) >= 1024:
+            _STATES.clear()
+        # DeepSpeed's own layout, or the FSDP / DDP one
+        states = model_states(infos, *args) if rules.zero_stage is None else zero_model_states(infos, *args)
+        _STATES[key] = (infos, states)  # holding the list keeps its id from being reused
+    return _STATES[key]
+
+
+_STATES: dict[tuple, tuple] = {}
+
+
+def peak_and_need(
+    cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] = None, margin: Optional[float] = None
+) -> tuple[int, int]:
+    """What a search reads of ``plan``: (``peak["total"]``, ``per_rank_bytes["total"]``), the same figures by the
+    cheapest way. Under a pipeline they are the worst pp rank's (``pipeline.with_worst_stage``), so the whole-model
+    walk (whose phases the plan keeps only as an aside) is skipped and the pipeline's plan is shared by candidates
+    that agree on what it reads; where the pipeline has no activation model the whole plan is made, as ``plan``
+    does."""
+    from fsdp_exp.errors import ConfigError
+
+    kind = device_kind or topology.device_type
+    if cfg.parallel.pp > 1:
+        from fsdp_exp.parallel.pipeline import settings_from
+        from fsdp_exp.plan.pipeline import shared_pipeline_plan
+
+        settings = settings_from(cfg, cfg.trainer.global_batch_size // topology.dp_size)
+        try:
+            worst = shared_pipeline_plan(cfg, settings, topology.dp_size, kind).peak_rank
+        except ConfigError:
+            pass
+        else:
+            return worst.peak, worst.peak + allocator_margin(kind, worst.peak, margin)[0]
+    result = plan(cfg, topology, device_kind=kind, margin=margin)
+    return result.peak["total"], result.per_rank_bytes["total"]
+
+
+def peak_floor(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] = None) -> int:
+    """A lower bound of ``plan(cfg, topology).peak["total"]`` (before the margin) from the model states alone, without
+    walking the step: a search skips the walk where even this is over the device.
+
+    Every phase of the walk holds the resident parameters and optimizer state (``StepWalk.phase``), so the peak is
+    at least their sum. Under a pipeline the worst pp rank's peak (``pipeline.RankPlan.peak``) holds its stages'
+    parameters and moments, at least the average rank's: the whole model's, sharded over the data-parallel ranks,
+    over pp (or the whole model's own plan where the pipeline has no activation model, larger still)."""
+    kind = device_kind or topology.device_type
+    _, states = _states(cfg, topology, kind)
+    floor = states.resident["params"] + states.resident["optimizer"]
+    if cfg.parallel.pp > 1:
+        from fsdp_exp.plan.pipeline import stage_states_floor
+
+        # each rank's pieces are whole bytes (rounded down): the ranks' sum may fall short of the whole's by 2 a rank
+        floor = min(
+            floor, max(0, stage_states_floor(cfg, topology.dp_size, kind) - 2 * cfg.parallel.pp) // cfg.parallel.pp
+        )
+    return floor
 
 
 def assumptions(cfg: "RunConfig", backend_notes: tuple[str, ...], model_notes: list[str]) -> list[str]:

@@ -51,7 +51,7 @@ class Weighed:
     refused: Optional[str] = None  # preflight's reason (its first line)
     refused_fix: Optional[str] = None  # the override preflight's refusal names
     peak_bytes: Optional[int] = None  # the planner's peak, before the allocator margin
-    floor_bytes: Optional[int] = None  # over the limit by a lower bound alone (not walked through the step)
+    floor_bytes: Optional[int] = None  # a lower bound of the need, over the limit alone (not walked through the step)
     topology: Optional[object] = None
     need_bytes: Optional[int] = None  # peak + margin: what must fit
     limit_bytes: Optional[int] = None
@@ -87,7 +87,7 @@ class Weighed:
         if self.refused:
             return f"refused: {self.refused}"
         if self.floor_bytes is not None:
-            return f"over {limit_name}: its share of the parameters alone needs {self.floor_bytes / GIB:.3g} GiB"
+            return f"over {limit_name}: its parameters and optimizer state alone need {self.floor_bytes / GIB:.3g} GiB"
         if self.fits is False:
             return f"over {limit_name} by {-self.headroom:.0%}"
         if self.no_prediction:
@@ -181,28 +181,29 @@ def device_perf(device: "Device", base: "RunConfig", nproc: int) -> tuple["Devic
     )
 
 
-def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
+def weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tuning:
     """Weigh the space (``_weigh``). For a GPU of the table (``plan.device``), another machine than this one, a
     package that only running needs (torchao for float8) need not be installed here: its candidates are weighed,
-    and the package is named (``Tuning.missing_packages``)."""
+    and the package is named (``Tuning.missing_packages``). ``prune=False`` walks every candidate that passes
+    preflight through the step (the exhaustive search the pruned one is tested against)."""
     from fsdp_exp.packages import planning_elsewhere
     from fsdp_exp.plan.devices import device_table
 
     target = device_table().get(opts.device) if opts.device is not None else None
     if target is None or target.kind != "cuda":
-        return _weigh(overrides, opts)
+        return _weigh(overrides, opts, prune)
     with planning_elsewhere() as missing:
-        tuning = _weigh(overrides, opts)
+        tuning = _weigh(overrides, opts, prune)
     tuning.missing_packages = dict(missing)
     return tuning
 
 
-def _weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
+def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tuning:
     from fsdp_exp.preflight import validate
     from fsdp_exp.config.topology import resolve_nproc
     from fsdp_exp.models import fetch_model_files
     from fsdp_exp.parallel.backend import backend_for
-    from fsdp_exp.plan import plan
+    from fsdp_exp.plan import peak_and_need, plan
     from fsdp_exp.tune import calibrate
     from fsdp_exp.tune.compose import hydra_session
 
@@ -253,16 +254,20 @@ def _weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
             w.refused_fix = str(err).partition("\n  fix: ")[2] or None
             continue
         w.topology, w.limit_bytes = topology, limit
-        backend = backend_for(candidate.cfg)
-        w.tracks_memory = backend.tracks_memory
-        floor = parameter_floor(candidate.cfg, topology, backend, device.kind)
-        if floor > limit:  # certain without walking the step
+        w.tracks_memory = backend_for(candidate.cfg).tracks_memory
+        floor = floor_need(candidate.cfg, topology, device.kind, opts.margin) if prune else 0
+        if floor and memory_verdict(floor, limit, device.kind, budgeted) == "refused":  # certain without the walk
             w.floor_bytes, w.fits = floor, False
             if candidate.id in opts.extra:
                 time_candidate(w, perf)
             continue
-        result = plan(candidate.cfg, topology, device_kind=device.kind, margin=opts.margin)
-        w.peak_bytes, w.need_bytes = result.peak["total"], result.per_rank_bytes["total"]
+        if prune:  # the same figures, the pipeline's shared and without the whole model's walk beside it
+            w.peak_bytes, w.need_bytes = peak_and_need(
+                candidate.cfg, topology, device_kind=device.kind, margin=opts.margin
+            )
+        else:
+            result = plan(candidate.cfg, topology, device_kind=device.kind, margin=opts.margin)
+            w.peak_bytes, w.need_bytes = result.peak["total"], result.per_rank_bytes["total"]
         w.fits = memory_verdict(w.need_bytes, limit, device.kind, budgeted) != "refused"
         if w.fits or candidate.id in opts.extra:  # what cannot run here is timed only when asked for (tune.extra)
             time_candidate(w, perf)
@@ -395,17 +400,16 @@ def leave_out_scaled_precisions(space: Space, nodes: dict, perf: "DevicePerf", d
         )
 
 
-def parameter_floor(cfg: "RunConfig", topology, backend, kind: str) -> int:
-    """A lower bound of a rank's memory that needs no walk through the step: its share of the parameters, at 2
-    bytes each (the smallest dtype any backend keeps them in), unless offloading keeps them on the host."""
-    from fsdp_exp.tune.perf import local_parameters
+def floor_need(cfg: "RunConfig", topology, kind: str, margin: Optional[float]) -> int:
+    """A lower bound of what a candidate must fit (peak + allocator margin) without walking the step: the planner's
+    own floor (``fsdp_exp.plan.peak_floor``: the parameters and optimizer state every phase holds) with the margin
+    it would add. Read from the planner's model states, it covers every dimension the states depend on (the
+    layout, the shard group, offload, stages) without naming one: a candidate whose floor is over the limit is
+    over, and its walk through the step (most of a search's time) is skipped."""
+    from fsdp_exp.plan import allocator_margin, peak_floor
 
-    rules = backend.planner_rules(cfg)
-    if cfg.offload.params and rules.offloads and kind == "cuda":
-        return 0
-    if cfg.parallel.pp > 1:  # FSDP2 over dp inside each stage; the heaviest pp rank holds at least 1 / pp of it
-        return 2 * local_parameters(cfg, rules, topology.dp_size, topology.tp_size) // cfg.parallel.pp
-    return 2 * local_parameters(cfg, rules, backend.shard_group(topology), topology.tp_size)
+    floor = peak_floor(cfg, topology, device_kind=kind)
+    return floor + allocator_margin(kind, floor, margin)[0]
 
 
 def time_candidate(w: Weighed, perf: "DevicePerf") -> None:
