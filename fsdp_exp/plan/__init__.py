@@ -14,7 +14,7 @@ and asks no backend its name.
 
 from fsdp_exp.plan.cli import PlanOptionError, compose, main, plan_from_argv, split_argv  # noqa: F401
 from fsdp_exp.plan.devices import DEVICES, Device, allocator_margin, device_table, fits  # noqa: F401
-from fsdp_exp.plan.predict import (
+from fsdp_exp.plan.predict import (  # noqa: F401
     PREDICTED_METRICS,
     PREDICTED_STAGE_METRICS,
     Plan,
@@ -22,4 +22,4 @@ from fsdp_exp.plan.predict import (
     peak_floor,
     plan,
     plan_for_run,
-)  # noqa: F401
+)
