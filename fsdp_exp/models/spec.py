@@ -13,6 +13,7 @@ for backward is the planner's own model of the family (``fsdp_exp.plan.activatio
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -322,9 +323,22 @@ CACHE_SIZE = 16  # model configs whose meta model and inventory are kept
 
 
 def config_key(cfg) -> str:
-    """A hashable key of a model config (a dataclass or a mapping)."""
-    fields = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
-    return json.dumps(fields, sort_keys=True, default=str)
+    """A hashable key of a model config (a dataclass or a mapping). A search asks it of the same few config objects
+    thousands of times (each candidate's plan): a dataclass's key is kept beside a copy of its fields and given again
+    while the object is the same one and its fields still equal the copy."""
+    if not dataclasses.is_dataclass(cfg):
+        return json.dumps(dict(cfg), sort_keys=True, default=str)
+    held = _KEYS.get(id(cfg))
+    if held is not None and held[0] is cfg and held[1] == vars(cfg):
+        return held[2]
+    key = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
+    if len(_KEYS) >= 256:
+        _KEYS.clear()
+    _KEYS[id(cfg)] = (cfg, copy.deepcopy(vars(cfg)), key)  # holding the object keeps its id from being reused
+    return key
+
+
+_KEYS: dict[int, tuple] = {}
 
 
 def no_values_drawn_on_meta():

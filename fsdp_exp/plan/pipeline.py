@@ -232,8 +232,9 @@ _SHARED: dict[tuple, PipelinePlan] = {}
 
 def shared_pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_kind: str) -> PipelinePlan:
     """``pipeline_plan``, shared by the configs that agree on everything it reads (a search's candidates that differ
-    only in what the stages do not plan, prefetch or offload, say). The key holds every config section it reads
-    whole (the parallel and ac sections), so that a key added there later splits the key rather than being lost."""
+    only in what the stages do not plan today: prefetch and offload). The key holds every config section it reads
+    whole, so that a key read there later splits it rather than being lost; a section it starts to read must join
+    the key (tests/integration/test_tune_pruning.py compares with the plan of each candidate's own)."""
     from fsdp_exp.models.spec import config_key
     from fsdp_exp.parallel.backend import backend_for
 
@@ -241,10 +242,9 @@ def shared_pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, 
         config_key(cfg.model),
         config_key(cfg.wrap),
         backend_for(cfg).planner_rules(cfg),
-        cfg.precision.param_dtype,
+        cfg.precision.param_dtype,  # of precision, only the dtypes: the stages plan no float8 yet
         cfg.precision.reduce_dtype,
-        cfg.trainer.global_batch_size,
-        cfg.trainer.seq_len,
+        repr(cfg.trainer),
         repr(cfg.parallel),
         repr(cfg.ac),
         settings,

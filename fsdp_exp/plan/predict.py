@@ -9,7 +9,7 @@ units are built once per model config and reused.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from fsdp_exp.metrics.schema import PHASES as STAGES  # the tracker's phases are the planner's stages
 from fsdp_exp.models import spec_for
@@ -50,38 +50,8 @@ def plan(
 ) -> Plan:
     """Predict one rank's memory (rank 0, the largest) for ``cfg`` on ``topology``."""
     kind = device_kind or topology.device_type
-    backend = backend_for(cfg)
-    rules = backend.planner_rules(cfg)
-    shard = backend.shard_group(topology)
-    inventory = spec_for(cfg.model).inventory(cfg.model)
-    infos, states = _states(cfg, topology, kind)
-    profile = profile_for(
-        cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, topology.tp_size, cfg.parallel.sequence_parallel
-    )
-    setting = StepSetting(
-        kind=kind,
-        param_dtype=cfg.precision.param_dtype,
-        reduce_dtype=cfg.precision.reduce_dtype,
-        grad_accum_steps=topology.grad_accum_steps,
-        tp=topology.tp_size,
-        shard=shard,
-        ac_mode=cfg.ac.mode,
-        ac_every=cfg.ac.every,
-        ac_ops=cfg.ac.ops,
-        prefetch_forward=cfg.prefetch.forward,
-        prefetch_backward=cfg.prefetch.backward,
-        reshard_last_block=cfg.sharding.reshard_last_block,
-        wrap_policy=cfg.wrap.policy,
-        grad_sync=backend.grad_sync(cfg),
-        loss_chunks=cfg.trainer.loss_chunks,
-        loss_parallel=cfg.parallel.loss_parallel,
-        sequence_parallel=cfg.parallel.sequence_parallel,
-        float8_matmuls=float8.planned_matmuls(cfg, inventory.blocks),
-        float8_all_gather=cfg.precision.float8_all_gather,
-    )
-    walk = StepWalk(setting, rules, profile, gathered(infos, inventory), states, inventory.buffer_bytes)
+    walk, infos, states = _walk(cfg, topology, kind)
     phases = walk.phases()
-
     peak = max(phases, key=lambda ph: ph.total)
     stage_peaks = {
         stage: max((ph for ph in phases if ph.stage == stage), key=lambda ph: ph.total).by_piece() for stage in STAGES
@@ -112,13 +82,47 @@ def plan(
         margin_bytes=margin_bytes,
         margin_rule=margin_rule,
         phases=[{"name": ph.name, "stage": ph.stage, "total": ph.total} for ph in phases],
-        assumptions=assumptions(cfg, rules.notes, profile.notes(kind, walk.e)),
+        assumptions=assumptions(cfg, walk.rules.notes, walk.x.notes(kind, walk.e)),
     )
     if cfg.parallel.pp > 1:  # the worst pipeline rank's figures (``fsdp_exp.plan.pipeline``)
         from fsdp_exp.plan.pipeline import with_worst_stage
 
         result = with_worst_stage(result, cfg, topology, margin)
     return result
+
+
+def _walk(cfg: "RunConfig", topology: "Topology", kind: str):
+    """(the step's walk, every parameter's sizes, the model states): all ``plan`` reads of the config."""
+    backend = backend_for(cfg)
+    rules = backend.planner_rules(cfg)
+    shard = backend.shard_group(topology)
+    inventory = spec_for(cfg.model).inventory(cfg.model)
+    infos, states = _states(cfg, topology, kind)
+    profile = profile_for(
+        cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, topology.tp_size, cfg.parallel.sequence_parallel
+    )
+    setting = StepSetting(
+        kind=kind,
+        param_dtype=cfg.precision.param_dtype,
+        reduce_dtype=cfg.precision.reduce_dtype,
+        grad_accum_steps=topology.grad_accum_steps,
+        tp=topology.tp_size,
+        shard=shard,
+        ac_mode=cfg.ac.mode,
+        ac_every=cfg.ac.every,
+        ac_ops=cfg.ac.ops,
+        prefetch_forward=cfg.prefetch.forward,
+        prefetch_backward=cfg.prefetch.backward,
+        reshard_last_block=cfg.sharding.reshard_last_block,
+        wrap_policy=cfg.wrap.policy,
+        grad_sync=backend.grad_sync(cfg),
+        loss_chunks=cfg.trainer.loss_chunks,
+        loss_parallel=cfg.parallel.loss_parallel,
+        sequence_parallel=cfg.parallel.sequence_parallel,
+        float8_matmuls=float8.planned_matmuls(cfg, inventory.blocks),
+        float8_all_gather=cfg.precision.float8_all_gather,
+    )
+    return StepWalk(setting, rules, profile, gathered(infos, inventory), states, inventory.buffer_bytes), infos, states
 
 
 def _states(cfg: "RunConfig", topology: "Topology", kind: str):
@@ -150,13 +154,21 @@ _STATES: dict[tuple, tuple] = {}
 
 
 def peak_and_need(
-    cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] = None, margin: Optional[float] = None
-) -> tuple[int, int]:
-    """What a search reads of ``plan``: (``peak["total"]``, ``per_rank_bytes["total"]``), the same figures by the
-    cheapest way. Under a pipeline they are the worst pp rank's (``pipeline.with_worst_stage``), so the whole-model
-    walk (whose phases the plan keeps only as an aside) is skipped and the pipeline's plan is shared by candidates
-    that agree on what it reads; where the pipeline has no activation model the whole plan is made, as ``plan``
-    does."""
+    cfg: "RunConfig",
+    topology: "Topology",
+    *,
+    device_kind: Optional[str] = None,
+    margin: Optional[float] = None,
+    over: Optional[Callable[[int], bool]] = None,
+) -> tuple[int, int, bool]:
+    """What a search reads of ``plan``: (``peak["total"]``, ``per_rank_bytes["total"]``, True), the same figures by
+    the cheapest way. Under a pipeline they are the worst pp rank's (``pipeline.with_worst_stage``), so the
+    whole-model walk (whose phases the plan keeps only as an aside) is skipped and the pipeline's plan is shared by
+    candidates that agree on what it reads; where the pipeline has no activation model the whole plan is made, as
+    ``plan`` does.
+
+    ``over``: a test of a need (peak + margin). Without stages the forward's phases are walked first; where their
+    need alone passes it, the rest of the step is not walked and the figures are that lower bound (False)."""
     from fsdp_exp.errors import ConfigError
 
     kind = device_kind or topology.device_type
@@ -170,9 +182,14 @@ def peak_and_need(
         except ConfigError:
             pass
         else:
-            return worst.peak, worst.peak + allocator_margin(kind, worst.peak, margin)[0]
+            return worst.peak, worst.peak + allocator_margin(kind, worst.peak, margin)[0], True
+    elif over is not None:  # the forward's phases are some of the step's: their largest is at most its peak
+        ahead = max(ph.total for ph in _walk(cfg, topology, kind)[0].forward())
+        need = ahead + allocator_margin(kind, ahead, margin)[0]
+        if over(need):
+            return ahead, need, False
     result = plan(cfg, topology, device_kind=kind, margin=margin)
-    return result.peak["total"], result.per_rank_bytes["total"]
+    return result.peak["total"], result.per_rank_bytes["total"], True
 
 
 def peak_floor(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] = None) -> int:

@@ -30,7 +30,7 @@ def _fits(w: "Weighed") -> str:
     text = (
         (f"yes, {w.headroom:.0%} left" if w.headroom >= 0 else f"yes, {-w.headroom:.0%} over, in the planner's band")
         if w.fits
-        else f"no, over by {-w.headroom:.0%}" + (" (model states alone)" if w.floor_bytes is not None else "")
+        else f"no, over by {-w.headroom:.0%}" + (" (a lower bound)" if w.floor_bytes is not None else "")
     )
     return text + (" (borderline)" if w.borderline else "")
 

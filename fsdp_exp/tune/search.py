@@ -52,6 +52,7 @@ class Weighed:
     refused_fix: Optional[str] = None  # the override preflight's refusal names
     peak_bytes: Optional[int] = None  # the planner's peak, before the allocator margin
     floor_bytes: Optional[int] = None  # a lower bound of the need, over the limit alone (not walked through the step)
+    floor_of: Optional[str] = None  # what that bound counts
     topology: Optional[object] = None
     need_bytes: Optional[int] = None  # peak + margin: what must fit
     limit_bytes: Optional[int] = None
@@ -87,7 +88,7 @@ class Weighed:
         if self.refused:
             return f"refused: {self.refused}"
         if self.floor_bytes is not None:
-            return f"over {limit_name}: its parameters and optimizer state alone need {self.floor_bytes / GIB:.3g} GiB"
+            return f"over {limit_name}: {self.floor_of} alone need {self.floor_bytes / GIB:.3g} GiB"
         if self.fits is False:
             return f"over {limit_name} by {-self.headroom:.0%}"
         if self.no_prediction:
@@ -242,6 +243,10 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
         )
 
     budgeted = limit < capacity
+
+    def over_limit(need: int) -> bool:
+        return memory_verdict(need, limit, device.kind, budgeted) == "refused"
+
     weighed: list[Weighed] = []
     first_done = first_cpu = None
     for candidate in enumerate_candidates(base, space, nodes):
@@ -256,15 +261,21 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
         w.topology, w.limit_bytes = topology, limit
         w.tracks_memory = backend_for(candidate.cfg).tracks_memory
         floor = floor_need(candidate.cfg, topology, device.kind, opts.margin) if prune else 0
-        if floor and memory_verdict(floor, limit, device.kind, budgeted) == "refused":  # certain without the walk
-            w.floor_bytes, w.fits = floor, False
+        if floor and over_limit(floor):  # certain without the walk
+            w.floor_bytes, w.floor_of, w.fits = floor, "its parameters and optimizer state", False
             if candidate.id in opts.extra:
                 time_candidate(w, perf)
             continue
-        if prune:  # the same figures, the pipeline's shared and without the whole model's walk beside it
-            w.peak_bytes, w.need_bytes = peak_and_need(
-                candidate.cfg, topology, device_kind=device.kind, margin=opts.margin
+        if prune:  # the same figures, the pipeline's shared; a need over the limit by the forward alone stops there
+            peak, need, whole = peak_and_need(
+                candidate.cfg, topology, device_kind=device.kind, margin=opts.margin, over=over_limit
             )
+            if not whole:
+                w.floor_bytes, w.floor_of, w.fits = need, "its forward's phases", False
+                if candidate.id in opts.extra:
+                    time_candidate(w, perf)
+                continue
+            w.peak_bytes, w.need_bytes = peak, need
         else:
             result = plan(candidate.cfg, topology, device_kind=device.kind, margin=opts.margin)
             w.peak_bytes, w.need_bytes = result.peak["total"], result.per_rank_bytes["total"]

@@ -52,6 +52,8 @@ def test_the_floor_skips_walks_and_never_exceeds_the_planned_peak(searches):
     pruned, exhaustive = searches
     floored = [w for w in pruned.candidates if w.floor_bytes is not None]
     assert floored and all(w.need_bytes is None and w.fits is False for w in floored)
+    kinds = {w.floor_of for w in floored}  # the model states' floor and the forward's walk both prune here
+    assert kinds == {"its parameters and optimizer state", "its forward's phases"}, kinds
     assert any(w.candidate.cfg.parallel.pp > 1 for w in pruned.ranked)  # the stages' shared plans were ranked too
     for w in exhaustive.candidates:
         if w.need_bytes is not None:

@@ -94,7 +94,11 @@ def test_grad_sync_is_searched_where_micro_batches_accumulate_and_weighs_memory_
         by_choices[(*common, "trainer.grad_sync=every_micro_batch")],
         by_choices[(*common, "trainer.grad_sync=last_micro_batch")],
     )
-    assert every.peak_bytes < last.peak_bytes
+    # over the 12 GiB budget, tune does not walk them to their peak (its forward already is over): the planner does
+    from fsdp_exp.plan import plan
+
+    peaks = [plan(w.candidate.cfg, w.topology, device_kind="cuda").peak["total"] for w in (every, last)]
+    assert peaks[0] < peaks[1]
     times = [predict(w.candidate.cfg, w.topology, H100).step_time_s for w in (every, last)]
     assert times[0] > times[1]
     zero3 = [
