@@ -1066,7 +1066,6 @@ CHECKS = (
             "fsdp_exp/tune/search.py:weigh",
             "fsdp_exp/tune/search.py:_weigh",  # a GPU's capacity is the device's, a CPU's shared by its ranks
             "fsdp_exp/tune/search.py:memory_verdict",  # a GPU over its memory within the fit band: borderline
-            "fsdp_exp/tune/search.py:parameter_floor",
         ),
     ),
     Check(
