@@ -268,7 +268,7 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
 
 
 def _validate_pipeline(cfg: RunConfig, world: int):
-    """parallel.pp > 1: the (pp, dp) mesh, (pp, dp, tp) under tensor parallel, FSDP2 inside each stage;
+    """parallel.pp > 1: the (pp, dp) mesh, (pp, dp, tp) under tensor parallel, FSDP2 or DDP inside each stage;
     what the pipeline does not compose with yet is refused by name. Returns (shape, names, dp)."""
     from fsdp_exp.parallel import pipeline
 
@@ -288,18 +288,17 @@ def _validate_pipeline(cfg: RunConfig, world: int):
         ("debug.check_identical_init", cfg.debug.check_identical_init, "debug.check_identical_init=false"),
         ("trainer.eval_every", cfg.trainer.eval_every > 0, "trainer.eval_every=0"),
         ("precision.loss_scaler", cfg.precision.loss_scaler != "none", "precision=fp32|bf16"),
-        # the stages' linears are not converted (build_pipeline has no float8 step): the run would train in bf16
-        ("precision.float8_recipe", cfg.precision.float8_recipe is not None, "precision=bf16"),
     ]
     for key, bad, fix in refused:
         if bad:
             fail(
                 f"{key}={_value(cfg, key)} is not "
-                f"supported with parallel.pp={pp} yet (evaluation, loss scaling and float8 under stages are "
+                f"supported with parallel.pp={pp} yet (evaluation and loss scaling under stages are "
                 "not built; docs/pipeline.md).",
                 f"pass {fix}, or parallel.pp=1",
             )
     dp = world // (pp * tp)
+    pipeline.stage_dp_layout(cfg, dp)  # sharding=hybrid: the split of a stage's dp ranks
     t = cfg.trainer
     local_batch = t.global_batch_size // dp
     settings = pipeline.settings_from(cfg, local_batch)

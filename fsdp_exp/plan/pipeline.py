@@ -130,9 +130,9 @@ class PipelinePlan:
 
 
 def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_kind: str = "cpu") -> PipelinePlan:
-    """The plan of ``cfg`` cut as ``settings`` say, FSDP2 over ``dp`` ranks in each stage."""
+    """The plan of ``cfg`` cut as ``settings`` say, FSDP2 (or HSDP, or replicas) over ``dp`` ranks in each stage."""
     from fsdp_exp.models import spec_for
-    from fsdp_exp.parallel.backend import backend_for
+    from fsdp_exp.parallel.pipeline import stage_dp_layout, stage_planner_rules
     from fsdp_exp.plan.activations import profile_for
     from fsdp_exp.plan.states import model_states, param_infos, unit_names
 
@@ -149,7 +149,8 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
         return 0 if info.name in inventory.input_params else last
 
     tp = cfg.parallel.tp  # inside each stage (parallel/pipeline.py's tensor_parallel_stage), no sequence parallel
-    infos = param_infos(inventory, unit_names(spec, cfg), backend_for(cfg).planner_rules(cfg), shard=dp, tp=tp)
+    shard = stage_dp_layout(cfg, dp)[1]  # the stage's shard group: dp, 1 replicated (DDP), or HSDP's shard
+    infos = param_infos(inventory, unit_names(spec, cfg), stage_planner_rules(cfg), shard=shard, tp=tp)
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     e_reduce = DTYPE_BYTES[cfg.precision.reduce_dtype] if cfg.precision.reduce_dtype else e
     micro_batch = cfg.trainer.global_batch_size // dp // s.n_microbatches

@@ -24,7 +24,8 @@ The dimensions (``tune.space.<name>=[...]`` narrows or widens each):
   ``grad_sync`` is not searched (the stages reduce at the last micro-batch);
 - ``pp_schedule``: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (with ``parallel.pp_stages_per_rank=2``), only for
   pp > 1; fixed by ``parallel.pp_schedule=..`` or ``parallel.pp_stages_per_rank=..``. A sharding the stages do
-  not run (``parallel.pipeline.check_sharding``: FSDP2 full only, today) gets no pp > 1 candidates; every ``ac``
+  not run (``parallel.pipeline.check_sharding``: FSDP2 full and DDP are searched; HSDP stages run but are not
+  searched, the shard sizes here splitting the run's dp ranks, not a stage's) gets no pp > 1 candidates; every ``ac``
   option runs inside stages and is searched with them; what else stages cannot compose with (compile, too
   few micro-batches) preflight refuses, as for every dimension.
 
@@ -325,7 +326,8 @@ def _stages_compose(cfg: "RunConfig") -> bool:
         check_sharding(cfg)
     except ConfigError:
         return False
-    return True
+    # HSDP inside stages runs, but the space's shard sizes split the run's dp ranks, not a stage's: left out
+    return cfg.sharding.strategy != HYBRID
 
 
 def _pipeline_change(parallel, dim: str, option: str) -> tuple[object, list[str]]:

@@ -61,13 +61,28 @@ def test_a_stage_compiles_its_checkpointed_blocks_keeping_the_full_models_parame
     )
 
 
+def test_ddp_and_hsdp_inside_pipeline_stages_are_accepted():
+    for overrides in (["sharding=ddp"], ["sharding=hybrid", "sharding.replicate_size=2"]):
+        topology = validate(run_config(["parallel.pp=2", "trainer.nproc_per_node=4", *overrides]), cuda_devices=0)
+        assert topology.mesh_dim_names == ("pp", "dp") and topology.dp_size == 2
+
+
 @pytest.mark.parametrize(
     "overrides,fix",
     [
         (["parallel.pp=3"], "parallel.pp=2"),
-        (["parallel.pp=2", "sharding.backend=fsdp1"], "sharding=full (FSDP2), or parallel.pp=1"),
-        (["parallel.pp=2", "sharding=zero2"], "sharding=full (FSDP2), or parallel.pp=1"),
-        (["parallel.pp=2", "sharding=ddp"], "sharding=full (FSDP2), or parallel.pp=1"),
+        (["parallel.pp=2", "sharding.backend=fsdp1"], "sharding=hybrid or sharding=ddp, or parallel.pp=1"),
+        (["parallel.pp=2", "sharding=zero2"], "sharding=hybrid or sharding=ddp, or parallel.pp=1"),
+        (["parallel.pp=2", "sharding=grad_op"], "sharding=hybrid or sharding=ddp, or parallel.pp=1"),
+        (["parallel.pp=2", "sharding=optimizer"], "sharding=hybrid or sharding=ddp, or parallel.pp=1"),
+        (
+            ["parallel.pp=2", "sharding=hybrid", "trainer.nproc_per_node=4"],
+            "pass sharding.replicate_size (or sharding.shard_size) dividing 2",
+        ),
+        (
+            ["parallel.pp=2", "sharding=hybrid", "sharding.replicate_size=3", "trainer.nproc_per_node=4"],
+            "whose product is 2",
+        ),
         (
             ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "trainer.nproc_per_node=4"],
             "parallel.sequence_parallel=false",
@@ -80,7 +95,6 @@ def test_a_stage_compiles_its_checkpointed_blocks_keeping_the_full_models_parame
         (["parallel.pp=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches"),
         (["parallel.pp=2", "parallel.pp_stages_per_rank=2"], "parallel.pp_stages_per_rank=1"),
         (["parallel.pp=2", "parallel.pp_split=[5]"], "parallel.pp_split=null"),
-        (["parallel.pp=2", "precision=float8"], "precision=bf16, or parallel.pp=1"),
         (
             ["parallel.pp=2", "trainer.micro_batch_size=2", "parallel.pp_microbatches=2"],
             "trainer.micro_batch_size=null",

@@ -200,7 +200,10 @@ def test_only_the_shardings_stages_run_get_pipeline_candidates_and_one_stage_nam
         space = build_space(base, run, {"pp": ["1", "2"]}, groups, world=8)
         candidates = list(enumerate_candidates(base, space, group_nodes(run, space, compose)))
     staged = [c for c in candidates if c.cfg.parallel.pp > 1]
-    assert staged and {(c.cfg.sharding.backend, c.cfg.sharding.strategy) for c in staged} == {("fsdp2", "full")}
+    assert staged and {(c.cfg.sharding.backend, c.cfg.sharding.strategy) for c in staged} == {
+        ("fsdp2", "full"),
+        ("ddp", "no_shard"),
+    }
     assert {c.cfg.sharding.backend for c in candidates} > {"fsdp2"}  # the others still searched at pp=1
     for c in candidates:
         if c.cfg.parallel.pp == 1:
