@@ -284,6 +284,7 @@ def _validate_pipeline(cfg: RunConfig, world: int):
             f"pass parallel.tp={_largest_divisor_at_most(world // pp, tp)} (a divisor of {world // pp})",
         )
     pipeline.check_sharding(cfg)
+    pipeline.check_stage_settings(cfg)  # what the stages would otherwise ignore
     refused = [
         ("debug.check_identical_init", cfg.debug.check_identical_init, "debug.check_identical_init=false"),
         ("trainer.eval_every", cfg.trainer.eval_every > 0, "trainer.eval_every=0"),

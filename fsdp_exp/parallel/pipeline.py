@@ -163,6 +163,34 @@ def check_sharding(cfg: "RunConfig") -> None:
         )
 
 
+def check_stage_settings(cfg: "RunConfig") -> None:
+    """Refuse, naming the override, what the stages would otherwise ignore (preflight): they keep every unit
+    unsharded from the first forward to the last backward of a step (``shard_stage``: no resharding, so no
+    all-gather to prefetch) and reduce the gradients once, after the last micro-batch (torch's schedule)."""
+    from fsdp_exp.config.schema import EVERY_MICRO_BATCH, PrefetchConfig
+
+    p, s, t = cfg.parallel, cfg.sharding, cfg.trainer
+    if s.reshard_after_forward.lower() not in ("auto", "false"):
+        fail(
+            f"sharding.reshard_after_forward={s.reshard_after_forward} with parallel.pp={p.pp}: the stages keep "
+            "their parameters unsharded between the micro-batches of a step (resharding would all-gather every "
+            "unit again for each of them).",
+            "pass sharding.reshard_after_forward=auto (or false), or parallel.pp=1",
+        )
+    if cfg.prefetch != PrefetchConfig():
+        fail(
+            f"a prefetch setting with parallel.pp={p.pp}: the stages gather each unit once a step and keep it, so "
+            "there is no all-gather to prefetch.",
+            "leave the prefetch group at its default (drop prefetch=...), or parallel.pp=1",
+        )
+    if t.grad_sync == EVERY_MICRO_BATCH:
+        fail(
+            f"trainer.grad_sync={t.grad_sync} with parallel.pp={p.pp}: torch's pipeline schedule reduces the "
+            "stages' gradients once, after the last micro-batch.",
+            "pass trainer.grad_sync=auto (or last_micro_batch), or parallel.pp=1",
+        )
+
+
 def stage_dp_layout(cfg: "RunConfig", dp: int) -> tuple[int, int]:
     """(replicate, shard) of a stage's dp ranks: (1, dp) fully sharded, (dp, 1) under DDP, and under
     sharding=hybrid the sizes the config names (one of them at least: a stage's dp ranks are not laid out by
@@ -391,14 +419,13 @@ def compile_stage(stage: "nn.Module", cfg: "RunConfig") -> dict:
     return {"compile": compile.apply(stage, cfg)}
 
 
-def stage_loss(logits: "torch.Tensor", targets: "torch.Tensor") -> "torch.Tensor":
-    """The schedule's loss_fn on the last stage: the project's mean cross-entropy per token. The stage has
-    already made the logits, so the "model" handed to ``mean_cross_entropy`` is the identity."""
-    from torch import nn
+def stage_loss(logits: "torch.Tensor", targets: "torch.Tensor", chunks: int = 1) -> "torch.Tensor":
+    """The schedule's loss_fn on the last stage: the project's mean cross-entropy per token of the logits the
+    stage made, in ``trainer.loss_chunks`` slices of the sequence (each slice's fp32 log-softmax alone at a
+    time; the logits themselves are the stage's output, made whole)."""
+    from fsdp_exp.models.loss import logits_cross_entropy
 
-    from fsdp_exp.models.loss import mean_cross_entropy
-
-    return mean_cross_entropy(nn.Identity(), logits, targets, chunks=1)
+    return logits_cross_entropy(logits, targets, chunks)
 
 
 @dataclass
@@ -530,10 +557,11 @@ def build_pipeline(
             pipelining.PipelineStage(stage, index, settings.num_stages, device, group=mesh["pp"].get_group())
         )
     schedule_class = getattr(pipelining, SCHEDULES[settings.schedule][0])
+    loss_fn = functools.partial(stage_loss, chunks=cfg.trainer.loss_chunks)
     if settings.schedule in SINGLE_STAGE:
-        schedule = schedule_class(pipeline_stages[0], settings.n_microbatches, loss_fn=stage_loss)
+        schedule = schedule_class(pipeline_stages[0], settings.n_microbatches, loss_fn=loss_fn)
     else:
-        schedule = schedule_class(pipeline_stages, settings.n_microbatches, loss_fn=stage_loss)
+        schedule = schedule_class(pipeline_stages, settings.n_microbatches, loss_fn=loss_fn)
     observer = StageObserver(
         pp_rank=mesh["pp"].get_local_rank(),
         stages_of={r: stages_of_rank(settings, r) for r in range(settings.pp)},
@@ -546,7 +574,9 @@ def build_pipeline(
         n_microbatches=settings.n_microbatches,
         local_stages=indices,
         mesh={"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names)},
-        loss="mean cross-entropy of each micro-batch's logits on the last stage (trainer.loss_chunks not applied)",
+        loss="mean cross-entropy of each micro-batch's logits on the last stage, in trainer.loss_chunks slices "
+        "of the sequence",
+        loss_chunks=cfg.trainer.loss_chunks,
     )
     stage_optimizers = (
         [build_optimizer(stage, cfg.optim, matrix_parameter_names(stage)) for stage in stages] if optimizers else []
@@ -649,6 +679,7 @@ def parallelize_pipeline(cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.de
     count and every stage's blocks (the cut), ``applied["pipeline"]["stages"]`` the FSDP2 settings per stage."""
     from torch import nn
 
+    from fsdp_exp.config.schema import LAST_MICRO_BATCH
     from fsdp_exp.parallel.fsdp2 import BACKEND as FSDP2_BACKEND
 
     settings = settings_from(cfg, cfg.trainer.global_batch_size // mesh["dp"].size())
@@ -663,7 +694,9 @@ def parallelize_pipeline(cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.de
                 settings.schedule, settings.pp, settings.n_microbatches, settings.stages_per_rank
             ),
             **engine.applied,
-        }
+        },
+        # torch's schedule reduces the gradients after the last micro-batch (check_stage_settings refuses the rest)
+        "grad_sync": {"trainer.grad_sync": cfg.trainer.grad_sync, "resolved": LAST_MICRO_BATCH},
     }
     return PipelineParallelized(
         model=nn.ModuleList(engine.stages),
@@ -672,6 +705,6 @@ def parallelize_pipeline(cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.de
         backend=StagesBackend(FSDP2_BACKEND, engine.observer, mesh=mesh),
         cfg=cfg,
         device=device,
-        grad_sync="last_micro_batch",
+        grad_sync=LAST_MICRO_BATCH,
         engine=engine,
     )

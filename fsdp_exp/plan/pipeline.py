@@ -160,7 +160,10 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     saved = _block_saved(cfg, profile, e, full_block, resid)
     # The last stage: the final norm's saved tensors, the loss's fp32 log-softmax and the logits themselves.
     logits = profile.logits // (tp if cfg.parallel.loss_parallel else 1)  # loss parallel: sharded over the vocabulary
-    head_bytes = profile.head_saved(e, False) + 4 * logits + e * logits
+    # trainer.loss_chunks: the stage's loss takes the logits in slices of the sequence, one slice's fp32
+    # log-softmax at a time (parallel/pipeline.py's stage_loss); the logits themselves are the stage's output
+    chunks = max(1, min(cfg.trainer.loss_chunks, cfg.trainer.seq_len))
+    head_bytes = profile.head_saved(e, False) + 4 * -(-logits // chunks) + e * logits
     temporaries = resid + profile.backward_peak(e) + e * profile.peak_weight_grad
 
     def per_microbatch(stage: int) -> int:

@@ -4,13 +4,18 @@ within 5% of the same layout in bf16 (the bar test_float8.py holds the plain FSD
 
 Two spawned runs serve each test: its layout in bf16 and in float8, over the same 20 steps of the same data.
 Float8 with sequence parallel gathers activations in float8, which gloo cannot carry: preflight refuses it on a
-CPU (tests/unit/test_float8_settings.py) and benchmarks/gpu_check.py's float8_tp_sp runs it on CUDA."""
+CPU (tests/unit/test_float8_settings.py) and benchmarks/gpu_check.py's float8_tp_sp runs it on CUDA.
+
+And torchtitan's float8 layouts at their size, weighed by tune without a process group (seconds each, so here
+rather than in the unit tier)."""
 
 from __future__ import annotations
 
 import pytest
 
 from conftest import BASE_ENV, TINY_BATCH, TINY_MODEL, read_metrics, run_experiment
+from fsdp_exp.tune.options import split_argv
+from fsdp_exp.tune.search import weigh
 
 pytest.importorskip("torchao", reason='float8 training needs torchao: pip install "fsdp_exp[float8]"')
 
@@ -107,3 +112,37 @@ def test_float8_inside_pipeline_stages_trains_within_5_percent_of_bf16_with_floa
 def _stage0(record: dict) -> dict:
     stages = record["applied"]["pipeline"]["stages"]
     return stages.get("0", stages.get(0))
+
+
+# torchtitan's float8 layouts (its Llama 3 float8 tables: FSDP x TP 8, tensorwise with float8 all-gathers and
+# rowwise; the 405B rows' FSDP x TP 8 x PP 8 are weighed in test_tune_pipeline.py) on 8 nodes of 8 H100.
+TITAN_TP8 = [
+    "model=llama70b",
+    "model.max_seq_len=8192",
+    "trainer.seq_len=8192",
+    "trainer.nproc_per_node=8",
+    "trainer.nnodes=8",
+    "trainer.device=cuda",
+    "sharding=full",
+    "parallel.tp=8",
+    "parallel.sequence_parallel=true",
+    "ac=full",
+    "compile=true",
+    "offload=none",
+    "prefetch=default",
+    "trainer.global_batch_size=16",
+    "trainer.micro_batch_size=2",
+    "plan.device=h100_80gb",
+    "tune.space.pp=[1]",
+]
+
+
+@pytest.mark.parametrize(
+    "recipe", [["precision.float8_all_gather=true"], ["precision.float8_recipe=rowwise"]], ids=["tensorwise", "rowwise"]
+)
+def test_torchtitans_float8_tensor_parallel_layouts_are_one_fixed_tune_candidate_with_a_prediction(recipe):
+    opts, overrides = split_argv([*TITAN_TP8, "precision=float8", *recipe])
+    tuning = weigh(overrides, opts)
+    (only,) = tuning.candidates
+    assert only.refused is None and only.fits and only.prediction.tokens_per_s > 0
+    assert only.candidate.cfg.parallel.tp == 8 and only.candidate.cfg.precision.float8_recipe is not None

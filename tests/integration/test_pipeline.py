@@ -332,3 +332,7 @@ def test_the_command_line_pipeline_run_trains_like_one_process_and_records_its_c
     assert (pipeline["schedule"], pipeline["n_microbatches"]) == ("ScheduleInterleaved1F1B", 4)
     assert pipeline["stage_blocks"] == [[0], [1], [2], [3]] and pipeline["local_stages"] == [0, 2]
     assert result.record["topology"]["mesh_dim_names"] == ["pp", "dp"]
+    # Nothing ignored: the last stage takes the loss in trainer.loss_chunks slices (8, the default), and the
+    # gradients are reduced after the last micro-batch, as recorded
+    assert pipeline["loss_chunks"] == 8
+    assert result.record["applied"]["grad_sync"] == {"trainer.grad_sync": "auto", "resolved": "last_micro_batch"}
