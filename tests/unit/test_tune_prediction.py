@@ -505,3 +505,21 @@ def test_the_refusal_with_every_dimension_fixed_names_the_run_as_given(tmp_path,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "the only candidate, (the run as given), needs" in err and ", ," not in err, err
+
+
+def test_an_empty_space_with_every_dimension_fixed_names_the_refused_setting_and_why(tmp_path, capsys):
+    """Stages with a sharding they do not run leave no candidate before any is weighed; the message still says
+    which setting preflight refuses and why, with its fix."""
+    argv = [
+        "model=llama7b",
+        "trainer.nproc_per_node=8",
+        "plan.device=h100_80gb",
+        *[o for o in EVERY_DIMENSION if o not in ("sharding=full", "tune.space.pp=[1]")],
+        "sharding.backend=fsdp1",
+        "parallel.pp=2",
+        f"tune.out={tmp_path}",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the search space holds no candidate" in err and "the run as given is refused" in err, err
+    assert "sharding.backend=fsdp1" in err and "fix: pass sharding=full (FSDP2)" in err, err
