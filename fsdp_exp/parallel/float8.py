@@ -76,6 +76,8 @@ def check(cfg: "RunConfig", device_type: str) -> None:
             "pass parallel.sequence_parallel=false, or precision.float8_recipe=rowwise (its activations travel "
             "high precision), or run on CUDA",
         )
+    if p.float8_filter_fqns:
+        _check_filter(cfg)
     if p.float8_all_gather and not backend.float8_all_gather:
         backend.refuse(
             "precision.float8_all_gather=true",
@@ -93,6 +95,21 @@ def check(cfg: "RunConfig", device_type: str) -> None:
             "precision.float8_all_gather=true with offload=params: the float8 cast of the offloaded shards would "
             "run on the host every step.",
             "pass offload=none, or precision.float8_all_gather=false",
+        )
+
+
+def _check_filter(cfg: "RunConfig") -> None:
+    """Every name of precision.float8_filter_fqns names a module (whole dotted parts, as ``why_kept`` matches):
+    a misspelt one would keep nothing high precision, silently."""
+    from fsdp_exp.models import spec_for
+
+    names = [f".{name}." for name, _ in spec_for(cfg.model).meta_model(cfg.model).named_modules() if name]
+    unmatched = [fqn for fqn in cfg.precision.float8_filter_fqns if not any(f".{fqn}." in n for n in names)]
+    if unmatched:
+        fail(
+            f"precision.float8_filter_fqns names {unmatched}, which matches no module of this model (a name or a "
+            "run of its dotted parts, e.g. output, feed_forward, layers.0).",
+            "name a module as run.json lists them (applied.float8.converted, kept_high_precision), or drop it",
         )
 
 

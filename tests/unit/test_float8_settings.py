@@ -112,6 +112,7 @@ def test_float8_layers_train_on_the_cpu_with_and_without_emulation(recipe, emula
             "gloo (this CPU run's backend) cannot carry float8 tensors",
         ),
         (["precision=bf16", "precision.float8_all_gather=true"], "precision=float8"),
+        (["precision.float8_filter_fqns=[output,feedforward]"], "names ['feedforward'], which matches no module"),
     ],
 )
 def test_float8_refusals_name_the_setting_and_the_fix(overrides, named):
