@@ -1,6 +1,8 @@
 """Parallelism, applied in a fixed order like a recipe: float8 training (float8.py), tensor parallel,
 activation checkpointing, compile, then the data-parallel backend (``backend_for(cfg)``: FSDP2, FSDP1, DDP or DeepSpeed, see backend.py),
-which also materializes the model and initializes it identically on every rank. Each step records what
+which also materializes the model and initializes it identically on every rank. A backend whose units
+must hold the checkpointed region (FSDP1, ``checkpoints_inside_units``) has its blocks checkpointed after
+it wrapped them instead. Each step records what
 it handed to torch ("applied"); the backend then reads back what torch holds (``applied["inspected"]``).
 
 The result binds the backend to this run's model, config and device, so that the training step asks it
@@ -76,16 +78,11 @@ class Parallelized:
         return grad_norm
 
 
-def _without_tp(mesh: "DeviceMesh") -> "DeviceMesh":
-    """The data-parallel dims of the run's mesh (tensor parallel has already used its own)."""
-    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n != "tp")
-    return mesh[names] if len(names) < len(mesh.mesh_dim_names or ()) else mesh
-
-
 def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.device") -> Parallelized:
     """``model`` is on the meta device; the result is sharded, materialized and initialized. Under
     parallel.pp > 1 the stages are built from the config instead (parallel/pipeline.py)."""
     from fsdp_exp.parallel import ac, compile, float8, tp
+    from fsdp_exp.parallel.mesh import dense_dp_mesh
 
     if cfg.parallel.pp > 1:
         from fsdp_exp.parallel.pipeline import parallelize_pipeline
@@ -98,12 +95,16 @@ def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device
         applied["float8"] = float8.apply(model, cfg)
     if cfg.parallel.tp > 1:
         applied["tp"] = tp.apply(model, cfg, mesh["tp"])
-    if cfg.ac.mode != "none":
-        applied["ac"] = ac.apply(model, cfg)
     backend = backend_for(cfg)
+    checkpointed = ac.chosen(model, cfg) if cfg.ac.mode != "none" else None
+    if checkpointed is not None and not backend.checkpoints_inside_units:
+        applied["ac"] = ac.apply(model, cfg, targets=checkpointed)
     if cfg.compile and not backend.compiles_itself:
         applied["compile"] = compile.apply(model, cfg)
-    model, dp_applied = backend.apply(model, cfg, _without_tp(mesh), device)
+    # The data-parallel dims (tensor parallel has used its own), with cp folded into the shard dim.
+    model, dp_applied = backend.apply(model, cfg, dense_dp_mesh(mesh), device)
+    if checkpointed is not None and backend.checkpoints_inside_units:  # the blocks, where the wrapping put them
+        applied["ac"] = {**ac.apply(model, cfg, targets=checkpointed), "order": "after the backend's wrapping"}
     # What torch holds, read back from the wrapped model (tests compare it with the config).
     grad_sync = backend.grad_sync(cfg)
     applied["grad_sync"] = {"trainer.grad_sync": cfg.trainer.grad_sync, "resolved": grad_sync}
