@@ -310,7 +310,7 @@ def _check_ep(cfg: RunConfig, shard_ranks: int) -> None:
 
 
 def _validate_pipeline(cfg: RunConfig, world: int):
-    """parallel.pp > 1: the (pp, dp) mesh, (pp, dp, tp) under tensor parallel, FSDP2 inside each stage;
+    """parallel.pp > 1: the (pp, dp) mesh, (pp, dp, tp) under tensor parallel, FSDP2 or DDP inside each stage;
     what the pipeline does not compose with yet is refused by name. Returns (shape, names, dp)."""
     from fsdp_exp.parallel import pipeline
 
@@ -326,23 +326,23 @@ def _validate_pipeline(cfg: RunConfig, world: int):
             f"pass parallel.tp={_largest_divisor_at_most(world // pp, tp)} (a divisor of {world // pp})",
         )
     pipeline.check_sharding(cfg)
+    pipeline.check_stage_settings(cfg)  # what the stages would otherwise ignore
     refused = [
         ("debug.check_identical_init", cfg.debug.check_identical_init, "debug.check_identical_init=false"),
         ("trainer.eval_every", cfg.trainer.eval_every > 0, "trainer.eval_every=0"),
         ("precision.loss_scaler", cfg.precision.loss_scaler != "none", "precision=fp32|bf16"),
-        # the stages' linears are not converted (build_pipeline has no float8 step): the run would train in bf16
-        ("precision.float8_recipe", cfg.precision.float8_recipe is not None, "precision=bf16"),
     ]
     for key, bad, fix in refused:
         if bad:
             fail(
                 f"{key}={_value(cfg, key)} is not "
-                f"supported with parallel.pp={pp} yet (evaluation, loss scaling and float8 under stages are "
+                f"supported with parallel.pp={pp} yet (evaluation and loss scaling under stages are "
                 "not built; docs/pipeline.md).",
                 f"pass {fix}, or parallel.pp=1",
             )
     dp = world // (pp * tp * cfg.parallel.cp)
     _check_ep(cfg, shard_ranks=dp * cfg.parallel.cp)
+    pipeline.stage_dp_layout(cfg, dp)  # sharding=hybrid: the split of a stage's dp ranks
     t = cfg.trainer
     local_batch = t.global_batch_size // dp
     settings = pipeline.settings_from(cfg, local_batch)

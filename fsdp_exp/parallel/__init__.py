@@ -1,4 +1,4 @@
-"""Parallelism, applied in a fixed order like a recipe: tensor parallel, float8 training (float8.py),
+"""Parallelism, applied in a fixed order like a recipe: float8 training (float8.py), tensor parallel,
 activation checkpointing, compile, then the data-parallel backend (``backend_for(cfg)``: FSDP2, FSDP1, DDP or DeepSpeed, see backend.py),
 which also materializes the model and initializes it identically on every rank. A backend whose units
 must hold the checkpointed region (FSDP1, ``checkpoints_inside_units``) has its blocks checkpointed after
@@ -89,10 +89,12 @@ def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device
 
         return parallelize_pipeline(cfg, mesh, device)
     applied: dict = {}
+    # float8 first: tensor parallel's float8 styles shard the converted layers, and AC and compile wrap them
+    # (torchtitan converts the model before it parallelizes it)
+    if float8.enabled(cfg):
+        applied["float8"] = float8.apply(model, cfg)
     if cfg.parallel.tp > 1:
         applied["tp"] = tp.apply(model, cfg, mesh["tp"])
-    if float8.enabled(cfg):  # before AC and compile, which wrap the converted layers (as torchtitan orders it)
-        applied["float8"] = float8.apply(model, cfg)
     backend = backend_for(cfg)
     checkpointed = ac.chosen(model, cfg) if cfg.ac.mode != "none" else None
     compiles = cfg.compile and not backend.compiles_itself

@@ -98,6 +98,7 @@ class FSDP2(Backend):
     float8_refusal = None
     float8_all_gather = True  # torchao extends fully_shard's all-gather (fsdp_pre_all_gather)
     strategies = tuple(RESHARD_AFTER_FORWARD)
+    stage_strategies = ("full", "hybrid")  # FSDP and HSDP inside pipeline stages (parallel/pipeline.py)
     column_title = "FSDP2 (`fully_shard`)"
 
     # -------------------------------------------------------------------------------- BackendChecks
@@ -298,9 +299,10 @@ class FSDP2(Backend):
             "trainer.grad_sync=every_micro_batch": "`set_requires_gradient_sync(True)` every micro-batch (auto)",
             "trainer.grad_sync=last_micro_batch": "`set_requires_gradient_sync(False)` until the last micro-batch",
             "compile=true": "`Module.compile()` per block, before sharding",
-            "parallel.tp=N": "`parallelize_module` (Colwise / Rowwise) on a (dp, tp) mesh",
-            "parallel.pp=N": "`fully_shard` over dp inside each `PipelineStage` of a (pp, dp[, tp]) mesh "
-            "(`sharding=full` only; docs/pipeline.md)",
+            "parallel.tp=N": "`parallelize_module` (Colwise / Rowwise; torchao's float8 styles under tensorwise float8) on a "
+            "(dp, tp) mesh",
+            "parallel.pp=N": "`fully_shard` over dp inside each `PipelineStage` of a (pp, dp[, tp]) mesh, over "
+            "(replicate, shard) of dp under `sharding=hybrid` (docs/pipeline.md)",
         }
 
 

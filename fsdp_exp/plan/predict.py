@@ -88,7 +88,7 @@ def plan(
         loss_chunks=cfg.trainer.loss_chunks,
         loss_parallel=cfg.parallel.loss_parallel,
         sequence_parallel=cfg.parallel.sequence_parallel,
-        float8_matmuls=float8.planned_matmuls(cfg, inventory.blocks),
+        float8_matmuls=float8.planned_matmuls(cfg, inventory.blocks, topology.tp_size),
         float8_all_gather=cfg.precision.float8_all_gather,
     )
     walk = StepWalk(setting, rules, profile, gathered(infos, inventory), states, inventory.buffer_bytes)

@@ -16,7 +16,8 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
   - a backend that replicates (DDP): the gradients all-reduced in 25 MiB buckets (DDP's default), once
     per step (per micro-batch under every_micro_batch);
   - tensor parallel: two all-reduces of the residual stream per block in forward and two in backward,
-    every micro-batch, on the critical path;
+    every micro-batch, on the critical path (under sequence parallel each a reduce-scatter and an all-gather,
+    the all-gathers in float8 under torchao's float8 styles);
   - two tiny all-reduces per step over the world (the loss statistics and the gradient norm).
 - **offload** (``offload=params`` where the backend offloads): each all-gather first copies the unit's
   fp32 shard from the host, the gradient shards go back once per step, and AdamW steps on the host.
@@ -202,8 +203,29 @@ def local_parameters(cfg: "RunConfig", rules, shard: int, tp: int) -> int:
     return _units(cfg, rules, shard, tp)[1]
 
 
-def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
+def _tensor_parallel_traffic(cfg: "RunConfig", topology: "Topology", blocks: int, e_p: int, G: int, tp: int) -> list:
+    """Tensor parallel's collectives on the critical path: per block and phase, two of the residual stream. An
+    all-reduce each; under sequence parallel a reduce-scatter and an all-gather (the same bytes and rounds),
+    whose all-gathers move float8 (1 byte an element) under torchao's float8 styles (parallel/tp.py: the
+    input cast before the sequence is gathered, the output's gradient cast before backward gathers it)."""
+    from fsdp_exp.parallel.float8 import tensor_parallel_styles
     from fsdp_exp.plan.activations import profile_for
+
+    stream = profile_for(cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, 1, False).residual(1)
+    count = G * 2 * blocks
+    if not cfg.parallel.sequence_parallel:
+        kinds = (("all-reduce", "all-reduce", e_p),)
+    else:
+        gather = 1 if tensor_parallel_styles(cfg) else e_p
+        kinds = (("reduce-scatter", "reduce-scatter", e_p), ("all-gather", "all-gather", gather))
+    return [
+        Traffic(f"tensor-parallel {label} ({phase})", kind, tp, 1, count, count * stream * e, phase, False)
+        for phase in ("forward", "backward")
+        for label, kind, e in kinds
+    ]
+
+
+def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
     from fsdp_exp.parallel.backend import backend_for
     from fsdp_exp.tune.work import work
 
@@ -241,7 +263,7 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
     if rules.gathers_units:
         regathered = units - 1 if rules.reshard_after_forward else 0  # the last block stays gathered
         # precision.float8_all_gather: the converted weights travel in float8, 1 byte an element
-        gathered = e_p * full_numel - (e_p - 1) * float8_all_gathered_numel(cfg)
+        gathered = e_p * full_numel - (e_p - 1) * float8_all_gathered_numel(cfg, tp)
         if shard > 1:
             traffic.append(
                 Traffic(
@@ -317,21 +339,7 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
         offload_b = R * e_r * optimizer_numel
         offload_after = e_p * optimizer_numel
     if tp > 1:
-        stream = profile_for(cfg.model, topology.micro_batch_size, seq, 1, False).residual(e_p)
-        blocks = len(w.block_forward_flops)
-        for phase in ("forward", "backward"):
-            traffic.append(
-                Traffic(
-                    f"tensor-parallel all-reduce ({phase})",
-                    "all-reduce",
-                    tp,
-                    1,
-                    G * 2 * blocks,
-                    G * 2 * blocks * stream,
-                    phase,
-                    False,
-                )
-            )
+        traffic += _tensor_parallel_traffic(cfg, topology, len(w.block_forward_flops), e_p, G, tp)
     kernels = _kernel_classes(w, cfg, tokens_rank / tp, topology.micro_batch_size * seq, tp, e_p)
     float8 = None
     if float8_on(cfg):
@@ -421,11 +429,12 @@ def _converted_shapes(cfg: "RunConfig") -> dict[tuple[int, int], int]:
     return shapes
 
 
-def float8_all_gathered_numel(cfg: "RunConfig") -> float:
-    """The converted weights' elements, which a float8 all-gather moves at 1 byte each (0 without it)."""
+def float8_all_gathered_numel(cfg: "RunConfig", tp: int = 1) -> float:
+    """The converted weights' elements one tensor-parallel rank holds (the blocks' linears are split over tp),
+    which a float8 all-gather moves at 1 byte each (0 without it)."""
     if not (float8_on(cfg) and cfg.precision.float8_all_gather):
         return 0.0
-    return float(sum(k * n * count for (k, n), count in _converted_shapes(cfg).items()))
+    return float(sum(k * n * count for (k, n), count in _converted_shapes(cfg).items())) / tp
 
 
 def float8_costs(
@@ -455,7 +464,7 @@ def float8_costs(
         forward += calls * cast * (m * k + weight_casts * k * n)  # input, weight
         grads = 1 if gw_hp else 2  # the output's gradient, once per float8 backward matmul
         backward += calls * cast * (grads * m * n + weight_casts * k * n + (0 if gw_hp else m * k))
-    gathered = float8_all_gathered_numel(cfg) / max(shard, 1)  # this rank's shard of the converted weights
+    gathered = float8_all_gathered_numel(cfg, tp) / max(shard, 1)  # this rank's shard of the converted weights
     shard_cast = FLOAT8_HP_TO_FP32 + 1
     return tuple(kept), Float8Costs(
         p.float8_recipe,

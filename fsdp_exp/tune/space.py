@@ -21,10 +21,12 @@ The dimensions (``tune.space.<name>=[...]`` narrows or widens each):
 - ``pp``: pipeline stages (``parallel.pp``), every divisor of the data-parallel ranks up to the model's
   blocks, 1 (no pipeline) first; fixed by ``parallel.pp=..``. Under pp > 1 ``micro_batch_size`` is the
   pipeline's micro-batch, so its values are the schedule's micro-batch counts (``global / dp / micro``), and
-  ``grad_sync`` is not searched (the stages reduce at the last micro-batch);
+  ``grad_sync`` is neither searched nor named in its candidates (the stages reduce at the last micro-batch), nor
+  ``prefetch`` beyond its default (stages gather each unit once a step);
 - ``pp_schedule``: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (with ``parallel.pp_stages_per_rank=2``), only for
   pp > 1; fixed by ``parallel.pp_schedule=..`` or ``parallel.pp_stages_per_rank=..``. A sharding the stages do
-  not run (``parallel.pipeline.check_sharding``: FSDP2 full only, today) gets no pp > 1 candidates; every ``ac``
+  not run (``parallel.pipeline.check_sharding``: FSDP2 full and DDP are searched; HSDP stages run but are not
+  searched, the shard sizes here splitting the run's dp ranks, not a stage's) gets no pp > 1 candidates; every ``ac``
   option runs inside stages and is searched with them; what else stages cannot compose with (compile, too
   few micro-batches) preflight refuses, as for every dimension.
 
@@ -268,6 +270,8 @@ def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterat
                 for rest in _product(dims):
                     if _idle_duplicate(dict(rest), base, v, space.dp, stages_compose):
                         continue
+                    if _idle_in_stages(dict(rest), base, v, nodes):
+                        continue
                     changes: dict = {"sharding": sharding}
                     choices = list(sharding_choices)
                     for dim, option in rest:
@@ -287,6 +291,9 @@ def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterat
                     pipelined = changes.get("parallel", base.parallel).pp > 1
                     if not pipelined and "parallel" in changes:  # no stages: the run's own pipeline keys
                         changes["parallel"] = base.parallel
+                    if pipelined and "trainer" in changes:  # stages reduce at the last micro-batch: no label
+                        changes["trainer"] = dataclasses.replace(changes["trainer"], grad_sync=base.trainer.grad_sync)
+                        choices = [c for c in choices if not c.startswith("trainer.grad_sync=")]
                     yield Candidate(
                         f"c{index:04d}",
                         _without_idle_schedule(choices, pipelined),
@@ -315,6 +322,19 @@ def _idle_duplicate(options: dict, base: "RunConfig", v: dict, dp: int, stages_c
     return False
 
 
+def _idle_in_stages(options: dict, base: "RunConfig", v: dict, nodes: dict) -> bool:
+    """A pp > 1 combination whose prefetch option is not the default, where the space holds the default: stages
+    gather each unit once a step, so every prefetch option would be the same candidate (preflight refuses the
+    others under pp, ``parallel.pipeline.check_stage_settings``)."""
+    from fsdp_exp.config.schema import PrefetchConfig
+
+    pp = int(options["pp"]) if "pp" in options else base.parallel.pp
+    if pp == 1 or "prefetch" not in options:
+        return False
+    default = [o for o in v["prefetch"] if nodes[("prefetch", o)] == PrefetchConfig()]
+    return bool(default) and options["prefetch"] != default[0]
+
+
 def _stages_compose(cfg: "RunConfig") -> bool:
     """Whether pipeline stages run this sharding (the engine's own rule, ``parallel.pipeline.check_sharding``):
     the others are left out of the pp > 1 candidates rather than each weighed and refused."""
@@ -325,7 +345,8 @@ def _stages_compose(cfg: "RunConfig") -> bool:
         check_sharding(cfg)
     except ConfigError:
         return False
-    return True
+    # HSDP inside stages runs, but the space's shard sizes split the run's dp ranks, not a stage's: left out
+    return cfg.sharding.strategy != HYBRID
 
 
 def _pipeline_change(parallel, dim: str, option: str) -> tuple[object, list[str]]:

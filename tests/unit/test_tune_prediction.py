@@ -572,3 +572,21 @@ def test_a_cpu_prices_a_dtype_at_what_its_probed_step_reaches_not_at_its_matmul_
     peak_rate, step_rate = compute_seconds(costs, cpu)[0] - host, compute_seconds(costs, probed)[0] - host
     assert step_rate == pytest.approx(4 * peak_rate)
     assert step_rate == pytest.approx(costs.forward_flops / (0.05e12 * 0.5))  # the fp32 rate, as the probe measured
+
+
+def test_an_empty_space_with_every_dimension_fixed_names_the_refused_setting_and_why(tmp_path, capsys):
+    """Stages with a sharding they do not run leave no candidate before any is weighed; the message still says
+    which setting preflight refuses and why, with its fix."""
+    argv = [
+        "model=llama7b",
+        "trainer.nproc_per_node=8",
+        "plan.device=h100_80gb",
+        *[o for o in EVERY_DIMENSION if o not in ("sharding=full", "tune.space.pp=[1]")],
+        "sharding.backend=fsdp1",
+        "parallel.pp=2",
+        f"tune.out={tmp_path}",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the search space holds no candidate" in err and "the run as given is refused" in err, err
+    assert "sharding.backend=fsdp1" in err and "fix: pass sharding=full (FSDP2)" in err, err
