@@ -19,7 +19,8 @@ def _existing(namespace, names: tuple[str, ...]) -> frozenset:
 
 # The ops a linear layer dispatches to (addmm: with a bias). torchtitan's models have no biases, so its rule,
 # which counts aten.mm, counts the same matmuls there.
-LINEAR_MATMULS = _existing(torch.ops.aten, ("mm", "addmm"))
+# A mixture of experts' grouped matmul (fsdp_exp.models.moe) is its experts' linear layers, and counts as one.
+LINEAR_MATMULS = _existing(torch.ops.aten, ("mm", "addmm", "_grouped_mm"))
 BATCHED_MATMULS = _existing(torch.ops.aten, ("bmm",))
 # SDPA's kernels (their output and log-sum-exp): CUDA's flash, memory-efficient and cuDNN ones, the CPU's flash.
 ATTENTION = _existing(

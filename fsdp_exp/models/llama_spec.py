@@ -17,7 +17,8 @@ import torch
 from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.config.topology import largest_divisor_at_most
 from fsdp_exp.errors import fail
-from fsdp_exp.models.llama import Llama, MoEFeedForward, TransformerBlock, ffn_hidden_dim
+from fsdp_exp.models.llama import Llama, TransformerBlock, ffn_hidden_dim, head_dim
+from fsdp_exp.models.moe import ROUTER_SCORES, MoE, moe_hidden_dim
 from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan
 
 # fsdp_exp's names in a block -> Hugging Face's (model.layers.<i>.<name>), and at the root.
@@ -65,10 +66,10 @@ class LlamaSpec(ModelSpec):
                 f"model.n_kv_heads={m.n_kv_heads} must be positive.",
                 "pass model.n_kv_heads=null (as many as model.n_heads) or a divisor of model.n_heads",
             )
-        if m.dim % m.n_heads:
+        if m.head_dim is None and m.dim % m.n_heads:
             fail(
                 f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.",
-                "pick model.n_heads that divides model.dim",
+                "pick model.n_heads that divides model.dim, or set model.head_dim",
             )
         kv = m.n_kv_heads or m.n_heads
         if m.n_heads % kv:
@@ -76,10 +77,15 @@ class LlamaSpec(ModelSpec):
                 f"model.n_kv_heads={kv} does not divide model.n_heads={m.n_heads} (grouped-query attention).",
                 "pick model.n_kv_heads that divides model.n_heads, or null",
             )
-        if (m.dim // m.n_heads) % 2:
+        if m.head_dim is not None and m.head_dim < 1:
             fail(
-                f"head dimension model.dim/model.n_heads={m.dim // m.n_heads} is odd; rotary embeddings need it even.",
-                "change model.dim or model.n_heads",
+                f"model.head_dim={m.head_dim} must be positive.", "pass model.head_dim=null (model.dim / model.n_heads)"
+            )
+        if head_dim(m) % 2:
+            named = f"model.head_dim={m.head_dim}" if m.head_dim else f"model.dim/model.n_heads={head_dim(m)}"
+            fail(
+                f"head dimension {named} is odd; rotary embeddings need it even.",
+                "change model.dim or model.n_heads, or pass an even model.head_dim",
             )
         self._check_feed_forward(m)
         self._check_numbers(m)
@@ -126,7 +132,9 @@ class LlamaSpec(ModelSpec):
                 f"model.n_experts={m.n_experts} is negative.",
                 "pass model.n_experts=0 (a dense feed-forward) or the number of experts (model=moe_tiny has 4)",
             )
-        if m.n_experts and not 1 <= m.experts_top_k <= m.n_experts:
+        if not m.n_experts:
+            return
+        if not 1 <= m.experts_top_k <= m.n_experts:
             # Too many: torch's topk cannot pick them; none: every token's mixing weights are 0/0.
             good = m.n_experts if m.experts_top_k > m.n_experts else min(2, m.n_experts)
             fail(
@@ -134,8 +142,45 @@ class LlamaSpec(ModelSpec):
                 f"has {m.n_experts} (model.n_experts): it must lie between 1 and {m.n_experts}.",
                 f"pass model.experts_top_k={good}" + (" (or raise model.n_experts)" if good == m.n_experts else ""),
             )
+        LlamaSpec._check_routing(m)
+        width = moe_hidden_dim(m, ffn_hidden_dim(m))
+        for name, value in (("model.dim", m.dim), ("the experts' width (model.moe_hidden_dim)", width)):
+            if value % 8:
+                # torch's grouped matmul wants every operand's rows 16-byte aligned: 8 elements at bf16.
+                fail(
+                    f"{name} is {value}: the experts' grouped matmul needs it a multiple of 8 (16-byte rows in bf16).",
+                    f"pass a multiple of 8 (e.g. {8 * max(1, round(value / 8))})",
+                )
+
+    @staticmethod
+    def _check_routing(m: ModelConfig) -> None:
+        # Each value a rank would otherwise meet as a shape error, a NaN or a silently unbalanced router.
+        if m.router_score not in ROUTER_SCORES:
+            fail(
+                f"model.router_score={m.router_score!r} is not a router ({', '.join(ROUTER_SCORES)}).",
+                "pass model.router_score=softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3)",
+            )
+        if m.moe_hidden_dim is not None and m.moe_hidden_dim < 1:
+            fail(f"model.moe_hidden_dim={m.moe_hidden_dim} must be positive.", "pass model.moe_hidden_dim=null")
+        if m.n_shared_experts < 0:
+            fail(f"model.n_shared_experts={m.n_shared_experts} is negative.", "pass model.n_shared_experts=0")
+        for name in ("aux_loss_coef", "expert_bias_rate"):
+            if getattr(m, name) < 0:
+                fail(f"model.{name}={getattr(m, name)} is negative.", f"pass model.{name}=0 (off) or a small rate")
+        if m.capacity_factor is not None and not m.capacity_factor > 0:
+            fail(
+                f"model.capacity_factor={m.capacity_factor} must be positive: it caps each expert's tokens.",
+                "pass model.capacity_factor=null (dropless) or e.g. 1.25",
+            )
 
     def check_tensor_parallel(self, m: ModelConfig, tp: int) -> None:
+        if m.n_experts:
+            # The plan splits the SwiGLU projections of a dense block; routed experts have no such plan here.
+            fail(
+                f"parallel.tp={tp} with a mixture of experts (model.n_experts={m.n_experts}): tensor parallel "
+                "has no plan for the routed experts.",
+                "pass parallel.tp=1 and split the experts over ranks with parallel.ep instead",
+            )
         # Each rank holds whole heads and an equal slice of the SwiGLU width (the colwise projections).
         for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads or m.n_heads)):
             if value % tp:
@@ -157,14 +202,21 @@ class LlamaSpec(ModelSpec):
 
     # ------------------------------------------------------------------------------------ SpecFacts
     def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> int:
-        """Training FLOPs per token: 6 N + 12 L d S (forward + backward, no recompute).
+        """Training FLOPs per token: 6 N + 12 L h S (forward + backward, no recompute).
 
-        N counts parameters without the input embedding (a lookup, no matmul); the output projection
-        is a matmul and counts. 12 L d S is attention's score and value products (PaLM appendix B).
+        N counts the parameters a token computes with (``active_params``) without the input embedding (a
+        lookup, no matmul); the output projection is a matmul and counts. 12 L h S is attention's score and
+        value products (PaLM appendix B), h the query width (n_heads x head_dim).
         """
         inventory = self.inventory(cfg)
-        n = sum(p.numel for p in inventory.params if p.name not in inventory.input_params)
-        return 6 * n + 12 * cfg.n_layers * cfg.dim * seq_len
+        n = self.active_params(cfg) - sum(p.numel for p in inventory.params if p.name in inventory.input_params)
+        return 6 * n + 12 * cfg.n_layers * cfg.n_heads * head_dim(cfg) * seq_len
+
+    def active_params(self, cfg: ModelConfig) -> int:
+        """Parameters one token computes with: all of a dense model's; of a mixture of experts, its top k of
+        the routed experts (the convention behind Mixtral's 12.9B of 46.7B and Qwen3's 3.3B of 30.5B)."""
+        share = cfg.experts_top_k / cfg.n_experts if cfg.n_experts else 1
+        return round(sum(p.numel * (share if ".experts." in p.name else 1) for p in self.inventory(cfg).params))
 
     # ------------------------------------------------------------------------------------ SpecBuild
     def build(self, cfg: ModelConfig) -> Llama:
@@ -179,12 +231,7 @@ class LlamaSpec(ModelSpec):
         return {"output.weight": "tok_embeddings.weight"} if cfg.tie_embeddings else {}
 
     def expert_modules(self, model: Llama) -> list[str]:
-        return [
-            f"{name}.experts.{i}"
-            for name, m in model.named_modules()
-            if isinstance(m, MoEFeedForward)
-            for i in range(len(m.experts))
-        ]
+        return [f"{name}.experts" for name, m in model.named_modules() if isinstance(m, MoE)]
 
     def tensor_parallel_plan(self, cfg: ModelConfig) -> TensorParallelPlan:
         """Attention: wq/wk/wv colwise (each rank holds n_heads/tp heads), wo rowwise. SwiGLU: w1/w3
@@ -211,6 +258,8 @@ class LlamaSpec(ModelSpec):
     def why_no_hf_export(self, cfg: ModelConfig) -> Optional[str]:
         if cfg.n_experts > 0:
             return "HF export writes LlamaForCausalLM; a mixture-of-experts model has no such layout"
+        if cfg.qk_norm:
+            return "HF export writes LlamaForCausalLM, which has no query / key norms (model.qk_norm)"
         return None
 
     def to_hf(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -246,7 +295,7 @@ class LlamaSpec(ModelSpec):
             "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
-            "head_dim": cfg.dim // cfg.n_heads,
+            "head_dim": head_dim(cfg),
             "vocab_size": cfg.vocab_size,
             "max_position_embeddings": cfg.max_seq_len,
             "rms_norm_eps": cfg.norm_eps,

@@ -232,8 +232,8 @@ class SpecLayout(ABC):
         return self.output_modules
 
     def expert_modules(self, model: "nn.Module") -> list[str]:
-        """Qualified names of a mixture-of-experts model's experts, each its own sharding unit under
-        ``wrap=experts``; none for a dense model (the default)."""
+        """Qualified names of a mixture-of-experts model's routed-expert modules (one per layer: its stacked
+        expert weights), each its own sharding unit under ``wrap=experts``; none for a dense model (the default)."""
         return []
 
     def tied_weights(self, cfg) -> dict[str, str]:
