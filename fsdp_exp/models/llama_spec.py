@@ -18,7 +18,7 @@ from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.config.topology import largest_divisor_at_most
 from fsdp_exp.errors import fail
 from fsdp_exp.models.llama import Llama, TransformerBlock, ffn_hidden_dim, head_dim
-from fsdp_exp.models.moe import ROUTER_SCORES, MoE, moe_hidden_dim
+from fsdp_exp.models.moe import ROUTER_SCORES, MoE, grouped_mm_in_any_dtype, moe_hidden_dim
 from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan
 
 # fsdp_exp's names in a block -> Hugging Face's (model.layers.<i>.<name>), and at the root.
@@ -197,6 +197,15 @@ class LlamaSpec(ModelSpec):
                 f"parallel.tp), or parallel.tp={largest_divisor_at_most(width, tp)}",
             )
 
+    def check_pipeline(self, m: ModelConfig) -> None:
+        if m.n_experts:
+            # Each stage would count and balance only its own layers' experts; not built yet.
+            fail(
+                f"parallel.pp > 1 with a mixture of experts (model.n_experts={m.n_experts}) is not built yet: the "
+                "routing counts and the loss-free bias are kept over every rank.",
+                "pass parallel.pp=1 (and shard the experts with parallel.ep)",
+            )
+
     def depth_override(self, cfg: ModelConfig, n_layers: int) -> str:
         return f"model.n_layers={n_layers}"
 
@@ -221,6 +230,10 @@ class LlamaSpec(ModelSpec):
     # ------------------------------------------------------------------------------------ SpecBuild
     def build(self, cfg: ModelConfig) -> Llama:
         return Llama(cfg)
+
+    def shapes_only(self):
+        """The experts' grouped matmul on meta and fake tensors in any dtype (its meta kernel takes bf16 only)."""
+        return grouped_mm_in_any_dtype()
 
     def retie(self, model: Llama) -> None:
         if model.cfg.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:

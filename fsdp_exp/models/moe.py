@@ -85,11 +85,13 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2) -> torch.T
     and the experts' width multiples of 8: ``LlamaSpec.check``)."""
     offsets = counts.cumsum(0).to(torch.int32)
     w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
+    # The same holds for the gradient of x in backward: the mask on the way in zeroes it there.
+    valid = (torch.arange(x.shape[0], device=x.device) < offsets[-1])[:, None]
+    x = torch.where(valid, x, x.new_zeros(()))
     h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
     h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
     out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
-    rows = torch.arange(x.shape[0], device=x.device)
-    return torch.where((rows < offsets[-1])[:, None], out, out.new_zeros(()))
+    return torch.where(valid, out, out.new_zeros(()))
 
 
 class AuxLossGradient(torch.autograd.Function):
@@ -123,6 +125,7 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts, dtype=torch.float32), persistent=False)
         self.register_buffer("dropped", torch.zeros((), dtype=torch.float32), persistent=False)
         self.register_buffer("aux_loss", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.float32), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (tokens, dim) -> (order, weights, counts, kept, scores): ``order`` lists the routed copies
@@ -179,18 +182,54 @@ class MoE(nn.Module):
             return  # activation checkpointing's recompute, inside backward: already counted
         self.tokens_per_expert += counts.float()
         self.dropped += (~kept).sum().float()
+        self.forwards += 1
         if aux is not None:
             self.aux_loss += aux.detach().float()
 
     @torch.no_grad()
     def reset_counts(self) -> None:
-        self.tokens_per_expert.zero_()
-        self.dropped.zero_()
-        self.aux_loss.zero_()
+        for counter in (self.tokens_per_expert, self.dropped, self.aux_loss, self.forwards):
+            counter.zero_()
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def reset_routing_counts(model: nn.Module) -> None:
+    """Start a step's counts (the trainer, before each step): loads, drops and aux losses are per step."""
+    for m in moe_layers(model):
+        m.reset_counts()
+
+
+def routing_counts(model: nn.Module) -> Optional[torch.Tensor]:
+    """This rank's counts since the reset, as one flat fp64 tensor that sums over ranks: every layer's routed
+    copies per expert, then the dropped copies, the aux losses' sum and the forwards counted (both summed over
+    layers). None for a model without experts. ``routing_row`` reads the summed tensor."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    loads = torch.cat([m.tokens_per_expert for m in layers])
+    totals = [sum(getattr(m, name) for m in layers) for name in ("dropped", "aux_loss", "forwards")]
+    return torch.cat([loads, torch.stack(totals)]).double()
+
+
+def routing_row(model: nn.Module, summed: torch.Tensor, ranks: int) -> dict[str, float]:
+    """The step's ``moe/*`` metrics from ``routing_counts`` summed over ``ranks`` ranks."""
+    layers = moe_layers(model)
+    loads = summed[:-3].view(len(layers), -1)
+    dropped, aux, forwards = summed[-3:].tolist()
+    per_layer = loads.max(-1).values / loads.mean(-1).clamp(min=1e-9)
+    routed = loads.sum().item()
+    return {
+        "moe/tokens_per_expert_max": loads.max().item(),
+        "moe/tokens_per_expert_mean": loads.mean().item(),
+        "moe/load_imbalance_max": per_layer.max().item(),
+        "moe/load_imbalance_mean": per_layer.mean().item(),
+        "moe/aux_loss": aux / forwards * len(layers) if forwards else 0.0,
+        "moe/dropped_tokens": dropped,
+        "moe/dropped_fraction": dropped / (routed + dropped) if routed + dropped else 0.0,
+    }
 
 
 @torch.no_grad()
@@ -208,13 +247,16 @@ def update_expert_bias(model: nn.Module, rate: float, all_reduce: Callable[[torc
         m.router.expert_bias += rate * torch.sign(load.mean() - load)
 
 
-def dense_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+def dense_reference(moe: MoE, x: torch.Tensor, keep: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The same layer computed densely: every expert on every token, the outputs mixed by each token's routing
-    weights (zero outside its top k; dropless). The yardstick of the grouped path in the tests; it never runs
-    in training (a 128-expert model would do 16x the work of its top 8)."""
+    weights (zero outside its top k, and where ``keep`` (tokens, k) is False: a dropped copy). The yardstick
+    of the grouped path in the tests; it never runs in training (a 128-expert model would do 16x the work of
+    its top 8)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     weights, experts, _ = moe.router(x)
+    if keep is not None:
+        weights = torch.where(keep, weights, 0.0)
     mix = torch.zeros(x.shape[0], moe.n_experts, dtype=torch.float32, device=x.device).scatter(-1, experts, weights)
     e = moe.experts
     outputs = torch.stack(
@@ -224,3 +266,41 @@ def dense_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     if moe.shared_experts is not None:
         y = y + moe.shared_experts(x)
     return y.reshape(shape)
+
+
+def grouped_mm_in_any_dtype():
+    """A dispatch mode giving meta and fake tensors torch's grouped matmul (``aten._grouped_mm``: our
+    experts', and transformers' default experts path for MoE models) in every dtype.
+
+    The op runs in fp32, bf16 and fp16: CUDA's fast kernel takes bf16, its composite fallback (the CPU's,
+    and CUDA's for other dtypes) any dtype. Its meta kernel, which fake tensors use, checks the fast
+    kernel's bf16 only, so an fp32 or fp16 measurement (the planner's, the FLOP count's) stopped there. Outside bf16 this mode returns the
+    op's result as the fallback makes it: its documented shape (``torch.nn.functional.grouped_mm``), the
+    operands' dtype, contiguous. Autograd saves the same operands whichever kernel runs."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+                return _grouped_mm_result(*args, **kwargs)
+            return func(*args, **kwargs)
+
+    return Mode()
+
+
+def _grouped_mm_result(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """An empty tensor shaped as ``grouped_mm(mat_a, mat_b, offs=offs)``: 2-D operands are cut into
+    ``offs.size(0)`` groups along their shared (2-D x 2-D) or leading (2-D x 3-D) dimension."""
+    import torch
+
+    if mat_a.dim() == 2 and mat_b.dim() == 2:  # a weight gradient: one (M, N) product per group
+        shape = (offs.size(0), mat_a.size(0), mat_b.size(1))
+    elif mat_a.dim() == 2:  # tokens grouped by expert times one weight per expert
+        shape = (mat_a.size(0), mat_b.size(-1))
+    elif mat_b.dim() == 2:
+        shape = (mat_a.size(1), mat_b.size(1))
+    else:  # a batched matmul
+        shape = (mat_a.size(0), mat_a.size(1), mat_b.size(-1))
+    return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)

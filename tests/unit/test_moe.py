@@ -4,7 +4,6 @@ presets' parameter counts against the published figures."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -75,24 +74,24 @@ def test_the_routers_tokens_per_expert_equal_a_top_k_counted_here():
 def test_a_capacity_factor_drops_and_counts_the_copies_past_each_experts_capacity():
     cfg = tiny("model.capacity_factor=0.5")
     moe = built(cfg).layers["0"].feed_forward
-    dropless = dataclasses.replace(cfg, capacity_factor=None)
-    reference = built(dropless).layers["0"].feed_forward
-    x = hidden(cfg, tokens=32)
-    with torch.no_grad():
-        y, y_dropless = moe(x), reference(x)
+    x = hidden(cfg, tokens=32).requires_grad_()
+    y = moe(x)
     capacity = int(0.5 * 32 * 2 / 4)
     _, experts, _ = moe.router(x.reshape(-1, cfg.dim))
     loads = torch.bincount(experts.flatten(), minlength=4)
     assert moe.dropped.item() == (loads - capacity).clamp(min=0).sum().item() > 0
     assert torch.equal(moe.tokens_per_expert, loads.clamp(max=capacity).float())
-    # Within each expert the earliest tokens keep their place; a token none of whose copies was dropped
-    # comes out as in the dropless layer.
+    # Within each expert the earliest copies (by token, then slot) keep their place; the rest count for nothing,
+    # forward and backward (torch's grouped matmul leaves the rows past its groups unwritten both ways).
     flat = experts.flatten()
     rank_in_expert = torch.stack([(flat[:i] == flat[i]).sum() for i in range(flat.numel())])
-    whole = (rank_in_expert < capacity).view(-1, 2).all(-1)
-    assert 0 < whole.sum() < 32
-    torch.testing.assert_close(y.reshape(-1, cfg.dim)[whole], y_dropless.reshape(-1, cfg.dim)[whole])
-    assert not torch.allclose(y.reshape(-1, cfg.dim)[~whole], y_dropless.reshape(-1, cfg.dim)[~whole])
+    keep = (rank_in_expert < capacity).view(-1, 2)
+    dense = dense_reference(moe, x, keep)
+    torch.testing.assert_close(y, dense, rtol=1e-5, atol=1e-6)
+    g = torch.randn_like(y)
+    params = [x, moe.experts.w1, moe.experts.w2, moe.router.gate.weight]
+    for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(dense, params, g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_the_aux_loss_is_counted_and_its_gradient_reaches_the_router_only_through_it():
@@ -189,3 +188,15 @@ def test_the_planner_counts_what_a_mixture_of_experts_block_saves_within_5_perce
     tracked -= out.untyped_storage().nbytes() + cos.nbytes + sin.nbytes  # what the block was handed or gives
     planned = profile_for(cfg, 2, 32, 1, False).block_saved(dtype.itemsize)["total"]
     assert abs(planned / tracked - 1) < 0.05, (planned, tracked)
+
+
+def test_the_flop_count_of_a_routed_model_is_its_active_parameters_as_torchs_counter_sees_them():
+    """torch's FlopCounterMode has no grouped-matmul formula (fsdp_exp.ops adds one); on the meta model in fp32
+    (whose grouped-matmul meta kernel takes bf16 only) it counts what 6 x active parameters says."""
+    from fsdp_exp.metrics.flops import counted_flops_per_token
+    from fsdp_exp.models import flops_per_token
+
+    for preset in ("moe_tiny", "llama_tiny"):  # the dense model shows the counter's own margin
+        cfg = run_config([f"model={preset}"])
+        counted, formula = counted_flops_per_token(cfg, 32), flops_per_token(cfg.model, 32)
+        assert abs(counted / formula - 1) < 0.005, (preset, counted, formula)
