@@ -76,16 +76,11 @@ class Parallelized:
         return grad_norm
 
 
-def _without_tp(mesh: "DeviceMesh") -> "DeviceMesh":
-    """The data-parallel dims of the run's mesh (tensor parallel has already used its own)."""
-    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n != "tp")
-    return mesh[names] if len(names) < len(mesh.mesh_dim_names or ()) else mesh
-
-
 def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.device") -> Parallelized:
     """``model`` is on the meta device; the result is sharded, materialized and initialized. Under
     parallel.pp > 1 the stages are built from the config instead (parallel/pipeline.py)."""
     from fsdp_exp.parallel import ac, compile, float8, tp
+    from fsdp_exp.parallel.mesh import dense_dp_mesh
 
     if cfg.parallel.pp > 1:
         from fsdp_exp.parallel.pipeline import parallelize_pipeline
@@ -101,7 +96,8 @@ def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device
     backend = backend_for(cfg)
     if cfg.compile and not backend.compiles_itself:
         applied["compile"] = compile.apply(model, cfg)
-    model, dp_applied = backend.apply(model, cfg, _without_tp(mesh), device)
+    # The data-parallel dims (tensor parallel has used its own), with cp folded into the shard dim.
+    model, dp_applied = backend.apply(model, cfg, dense_dp_mesh(mesh), device)
     # What torch holds, read back from the wrapped model (tests compare it with the config).
     grad_sync = backend.grad_sync(cfg)
     applied["grad_sync"] = {"trainer.grad_sync": cfg.trainer.grad_sync, "resolved": grad_sync}
