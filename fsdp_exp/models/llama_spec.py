@@ -206,6 +206,18 @@ class LlamaSpec(ModelSpec):
                 "pass parallel.pp=1 (and shard the experts with parallel.ep)",
             )
 
+    def check_expert_parallel(self, m: ModelConfig, ep: int) -> None:
+        if not m.n_experts:
+            fail(
+                f"parallel.ep={ep} with a dense model (model.n_experts=0): there are no experts to split.",
+                "pass parallel.ep=1, or a mixture of experts (model=moe_tiny, or model.n_experts=8)",
+            )
+        if m.n_experts % ep:
+            fail(
+                f"parallel.ep={ep} does not divide model.n_experts={m.n_experts}: each rank holds an equal share.",
+                f"pass parallel.ep={largest_divisor_at_most(m.n_experts, ep)}",
+            )
+
     def depth_override(self, cfg: ModelConfig, n_layers: int) -> str:
         return f"model.n_layers={n_layers}"
 

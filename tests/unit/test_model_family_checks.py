@@ -161,6 +161,11 @@ def hf_cases(saved):
             "parallel.tp=1",
         ),
         "tp-divides-heads": ([*MISTRAL, *TP4], "does not divide num_key_value_heads=2", "parallel.tp"),
+        "no-expert-parallel-for-transformers-moe": (
+            [*mixtral, "trainer.nproc_per_node=4", "parallel.ep=2"],
+            "expert parallel is not built for MixtralForCausalLM",
+            "parallel.ep=1",
+        ),
     }
 
 
@@ -173,6 +178,7 @@ HF_CASES = (
     "config-class-refusal-names-the-override",
     "tp-has-a-plan",
     "tp-divides-heads",
+    "no-expert-parallel-for-transformers-moe",
 )
 
 

@@ -94,7 +94,7 @@ def test_the_inventory_places_every_parameter_without_the_planner_knowing_names(
     assert inventory.output_params == {"output.weight"}
     head_dim = cfg.dim // cfg.n_heads
     rotary = 2 * 4 * cfg.max_seq_len * head_dim // 2  # the rotary tables, fp32
-    routing = cfg.n_layers * 4 * (2 * cfg.n_experts + 2)  # per layer: expert bias and load, dropped, aux loss (fp32)
+    routing = cfg.n_layers * 4 * (2 * cfg.n_experts + 3)  # per layer: expert bias and load; dropped, aux, forwards
     assert inventory.buffer_bytes == rotary + routing
     assert count_params(cfg) == sum(p.numel() for p in build_meta(cfg).parameters())
     tied = run_config(["model=llama_tiny", "model.tie_embeddings=true"]).model

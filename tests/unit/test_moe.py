@@ -200,3 +200,33 @@ def test_the_flop_count_of_a_routed_model_is_its_active_parameters_as_torchs_cou
         cfg = run_config([f"model={preset}"])
         counted, formula = counted_flops_per_token(cfg, 32), flops_per_token(cfg.model, 32)
         assert abs(counted / formula - 1) < 0.005, (preset, counted, formula)
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["parallel.ep=3"], "parallel.ep=2 (a divisor of 4)"),
+        (["parallel.ep=4", "model.n_experts=6"], "does not divide model.n_experts=6"),
+        (["parallel.ep=2", "sharding.backend=fsdp1"], "sharding.backend=fsdp2"),
+        (["parallel.ep=2", "model=llama_tiny"], "no experts to split"),
+        (["parallel.ep=2", "compile=true"], "compile=false"),
+    ],
+    ids=["ep-divides-shard-ranks", "ep-divides-experts", "fsdp2-only", "dense-model", "compile"],
+)
+def test_expert_parallel_refuses_what_it_cannot_do_by_name_before_any_rank_starts(overrides, needle):
+    from fsdp_exp.config import ConfigError
+    from fsdp_exp.preflight import validate
+
+    with pytest.raises(ConfigError) as refused:
+        validate(run_config(["model=moe_tiny", "trainer.nproc_per_node=4", *overrides]), cuda_devices=0)
+    assert needle in str(refused.value)
+
+
+def test_expert_parallel_passes_preflight_where_it_composes():
+    from fsdp_exp.preflight import validate
+
+    for ep in (2, 4):
+        topology = validate(
+            run_config(["model=moe_tiny", "trainer.nproc_per_node=4", f"parallel.ep={ep}"]), cuda_devices=0
+        )
+        assert topology.ep_size == ep
