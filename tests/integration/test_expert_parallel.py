@@ -25,6 +25,9 @@ OVERRIDES = [
     "trainer.warmup_steps=1",
 ]
 CASES = [(precision, ep) for precision in ("fp32", "bf16") for ep in (1, 2, 4)]
+# Expert parallel inside HSDP (2 replicas x 2 shards: the EP group is a replica's shard ranks) with every block
+# activation-checkpointed (its recompute runs the all-to-alls again in backward).
+HYBRID_AC = ["sharding=hybrid", "sharding.shard_size=2", "ac=full"]
 
 
 def _free_port() -> int:
@@ -83,6 +86,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     for precision, ep in CASES:
         cfg = run_config([*OVERRIDES, f"precision={precision}", f"parallel.ep={ep}"])
         results[(precision, ep)] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"))
+    cfg = run_config([*OVERRIDES, *HYBRID_AC, "parallel.ep=2"])
+    results[("fp32", "hybrid+ac")] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"))
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "results.pt"))
     dist.destroy_process_group()
@@ -96,9 +101,11 @@ def trained(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep", [2, 4])
-@pytest.mark.parametrize("precision,tolerance", [("fp32", 1e-5), ("bf16", 1e-2)])
-def test_expert_parallel_gives_fsdp_alones_losses_and_expert_gradients(trained, ep, precision, tolerance):
+@pytest.mark.parametrize(
+    "precision,tolerance,ep",
+    [("fp32", 1e-5, 2), ("fp32", 1e-5, 4), ("fp32", 1e-5, "hybrid+ac"), ("bf16", 1e-2, 2), ("bf16", 1e-2, 4)],
+)
+def test_expert_parallel_gives_fsdp_alones_losses_and_expert_gradients(trained, precision, tolerance, ep):
     losses, grads = trained[(precision, ep)]
     ref_losses, ref_grads = trained[(precision, 1)]
     for loss, ref in zip(losses, ref_losses):
@@ -119,7 +126,7 @@ def test_expert_parallel_gives_fsdp_alones_losses_and_expert_gradients(trained, 
 def test_a_killed_rank_ends_an_expert_parallel_run_naming_it_and_the_resume_is_bit_identical(tmp_path):
     """ep=2 on 4 ranks, checkpoints every 3 steps: rank 1 SIGKILLed after step 5 ends the job naming it; the
     rerun resumes from step 3 (the experts' DTensors through torch.distributed.checkpoint) and logs steps 4 and
-    5 bit for bit as the first attempt did."""
+    5 bit for bit as the first attempt did. Step 4 is profiled: its all-to-alls show in comm/all_to_all_s."""
     from fsdp_exp.launch import RunFailed
 
     from conftest import read_metrics, run_experiment
@@ -130,13 +137,17 @@ def test_a_killed_rank_ends_an_expert_parallel_run_naming_it_and_the_resume_is_b
         "trainer.warmup_steps=1",
         "parallel.ep=2",
         "checkpoint.every=3",
+        "trainer.profile_steps=[3]",  # step 4's row: the collectives' times from its trace
         "logger.wandb.mode=disabled",
     ]
     with pytest.raises(RunFailed) as failed:
         run_experiment([*overrides, "debug.fail_at_step=5", "debug.fail_rank=1", "debug.fail_signal=SIGKILL"], tmp_path)
     assert failed.value.rank == 1 and "SIGKILL" in failed.value.summary
-    first = {r["step"]: r["train/loss"] for r in read_metrics(tmp_path)}
+    rows = read_metrics(tmp_path)
+    first = {r["step"]: r["train/loss"] for r in rows}
     assert max(first) == 5
+    profiled = next(r for r in rows if r["step"] == 4)
+    assert 0 < profiled["comm/all_to_all_s"] < profiled["comm/total_s"]  # the dispatch and combine, timed
     record = run_experiment(overrides, tmp_path)
     assert record["status"] == "completed" and record["resumed_from"]["step"] == 3
     resumed = {r["step"]: r["train/loss"] for r in read_metrics(tmp_path)}
