@@ -282,7 +282,16 @@ class LlamaSpec(ModelSpec):
     # ----------------------------------------------------------------------------------- SpecExport
     def why_no_hf_export(self, cfg: ModelConfig) -> Optional[str]:
         if cfg.n_experts > 0:
-            return "HF export writes LlamaForCausalLM; a mixture-of-experts model has no such layout"
+            # Mixtral's and Qwen3-MoE's routers: softmax over every expert, top k, no bias, no shared experts.
+            for bad, why in (
+                (cfg.router_score != "softmax", "model.router_score=sigmoid"),
+                (cfg.n_shared_experts > 0, "shared experts (model.n_shared_experts)"),
+                (cfg.expert_bias_rate > 0, "the loss-free expert bias (model.expert_bias_rate)"),
+                (not cfg.qk_norm and not cfg.router_renormalize, "model.router_renormalize=false without Qwen3's"),
+            ):
+                if bad:
+                    return f"HF export writes MixtralForCausalLM or Qwen3MoeForCausalLM, which have no {why}"
+            return None
         if cfg.qk_norm:
             return "HF export writes LlamaForCausalLM, which has no query / key norms (model.qk_norm)"
         return None
@@ -295,7 +304,21 @@ class LlamaSpec(ModelSpec):
         n_kv = cfg.n_kv_heads or n_heads
         tied = self.tied_weights(cfg)
         out = {}
+        experts: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in state.items():
+            if name.endswith("router.expert_bias"):
+                continue  # zero: the export refuses models that train it (why_no_hf_export)
+            if ".feed_forward." in name and cfg.n_experts:
+                layer, _, rest = name.removeprefix("layers.").partition(".feed_forward.")
+                experts.setdefault(layer, {})[rest] = tensor
+                continue
+            if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+                # Per-head vectors, rotated like the query / key rows they scale.
+                layer = name.split(".")[1]
+                out[f"model.layers.{layer}.self_attn.{name.split('.')[-2]}.weight"] = interleaved_to_half(
+                    tensor[:, None], 1
+                )[:, 0]
+                continue
             if name in HF_ROOT_NAMES:
                 if name in tied:
                     continue  # HF ties lm_head to embed_tokens itself
@@ -309,9 +332,54 @@ class LlamaSpec(ModelSpec):
             elif parts[2] == "attention.wk.weight":
                 tensor = interleaved_to_half(tensor, n_kv)
             out[f"model.layers.{parts[1]}.{HF_BLOCK_NAMES[parts[2]]}"] = tensor
+        for layer, t in experts.items():
+            # transformers 5 keeps each layer's experts stacked: gate and up fused (gate first), then down.
+            prefix = f"model.layers.{layer}.mlp"
+            out[f"{prefix}.gate.weight"] = t["router.gate.weight"]
+            out[f"{prefix}.experts.gate_up_proj"] = torch.cat([t["experts.w1"], t["experts.w3"]], dim=1)
+            out[f"{prefix}.experts.down_proj"] = t["experts.w2"]
         return out
 
     def hf_config(self, cfg: ModelConfig) -> dict:
+        if cfg.n_experts:
+            return self._hf_moe_config(cfg)
+        return self._hf_llama_config(cfg)
+
+    def _hf_moe_config(self, cfg: ModelConfig) -> dict:
+        base = self._hf_llama_config(cfg)
+        for key in ("mlp_bias", "pretraining_tp", "intermediate_size"):
+            base.pop(key)
+        width = moe_hidden_dim(cfg, ffn_hidden_dim(cfg))
+        experts = {"num_experts_per_tok": cfg.experts_top_k, "output_router_logits": False}
+        if cfg.qk_norm:
+            return {
+                **base,
+                **experts,
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                "num_experts": cfg.n_experts,
+                "moe_intermediate_size": width,
+                "intermediate_size": width,
+                "norm_topk_prob": bool(cfg.router_renormalize),
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "router_aux_loss_coef": cfg.aux_loss_coef,
+                "use_sliding_window": False,
+                "sliding_window": None,
+            }
+        return {
+            **base,
+            **experts,
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": cfg.n_experts,
+            "intermediate_size": width,
+            "router_aux_loss_coef": cfg.aux_loss_coef,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
+
+    def _hf_llama_config(self, cfg: ModelConfig) -> dict:
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",

@@ -230,3 +230,30 @@ def test_expert_parallel_passes_preflight_where_it_composes():
             run_config(["model=moe_tiny", "trainer.nproc_per_node=4", f"parallel.ep={ep}"]), cuda_devices=0
         )
         assert topology.ep_size == ep
+
+
+@pytest.mark.parametrize(
+    "overrides,architecture",
+    [([], "MixtralForCausalLM"), (["model.qk_norm=true", "model.head_dim=32"], "Qwen3MoeForCausalLM")],
+    ids=["mixtral", "qwen3-moe"],
+)
+def test_a_tiny_mixtral_and_qwen3_moe_export_to_safetensors_that_transformers_loads_with_the_same_logits(
+    tmp_path, overrides, architecture
+):
+    """The presets' layouts at tiny size (mixtral_8x7b: softmax top-k, renormalized; qwen3_moe_30b_a3b: query /
+    key norms and a wider head). Every weight random, the norms too, so a misplaced row or a norm left
+    unpermuted by the rotary reordering shows in the logits."""
+    transformers = pytest.importorskip("transformers")
+    from fsdp_exp.export import write_export
+
+    cfg = tiny(*overrides)
+    model = built(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
+    write_export({k: v.detach() for k, v in model.state_dict().items()}, cfg, tmp_path, "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    assert type(hf).__name__ == architecture
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=1e-4, atol=1e-5)
