@@ -6,6 +6,7 @@ the same batches. Every step's loss and every expert weight's gradient (gathered
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 
 import pytest
@@ -126,7 +127,8 @@ def test_expert_parallel_gives_fsdp_alones_losses_and_expert_gradients(trained, 
 def test_a_killed_rank_ends_an_expert_parallel_run_naming_it_and_the_resume_is_bit_identical(tmp_path):
     """ep=2 on 4 ranks, checkpoints every 3 steps: rank 1 SIGKILLed after step 5 ends the job naming it; the
     rerun resumes from step 3 (the experts' DTensors through torch.distributed.checkpoint) and logs steps 4 and
-    5 bit for bit as the first attempt did. Step 4 is profiled: its all-to-alls show in comm/all_to_all_s."""
+    5 bit for bit as the first attempt did. Step 4 is profiled: its all-to-alls show in comm/all_to_all_s. The
+    step-3 checkpoint then resumes at ep=4 too, with the same losses within 1e-5."""
     from fsdp_exp.launch import RunFailed
 
     from conftest import read_metrics, run_experiment
@@ -153,3 +155,12 @@ def test_a_killed_rank_ends_an_expert_parallel_run_naming_it_and_the_resume_is_b
     resumed = {r["step"]: r["train/loss"] for r in read_metrics(tmp_path)}
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     assert [resumed[s] for s in (4, 5)] == [first[s] for s in (4, 5)]
+    # The same checkpoint resumed at ep=4: torch.distributed.checkpoint reshards the experts' DTensors.
+    other = tmp_path / "at_ep4"
+    shutil.copytree(tmp_path / "checkpoints" / "step_3", other / "checkpoints" / "step_3")
+    record = run_experiment([*overrides, "parallel.ep=4"], other)
+    assert record["resumed_from"]["step"] == 3 and record["resumed_from"]["config_changes"] == {"parallel.ep": [2, 4]}
+    at_ep4 = {r["step"]: r["train/loss"] for r in read_metrics(other)}
+    assert sorted(at_ep4) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert abs(at_ep4[step] / resumed[step] - 1) < 1e-5, (step, at_ep4, resumed)
