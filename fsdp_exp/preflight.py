@@ -295,18 +295,17 @@ def _check_cp(cfg: RunConfig, world: int) -> int:
 
 
 def _check_ep(cfg: RunConfig, shard_ranks: int) -> None:
-    """parallel.ep: expert parallel borrows its ranks from the shard x cp ranks, so it must divide them."""
+    """parallel.ep: expert parallel borrows its ranks from the shard x cp ranks, so it must divide them; what
+    it composes with is expert parallel's own check (fsdp_exp.parallel.expert.check)."""
+    from fsdp_exp.parallel import expert
+
     ep = cfg.parallel.ep
     if ep < 1 or shard_ranks % ep:
         fail(
             f"parallel.ep={ep} does not divide the {shard_ranks} shard x cp ranks the experts are spread over.",
             f"pass parallel.ep={_largest_divisor_at_most(shard_ranks, max(ep, 1))} (a divisor of {shard_ranks})",
         )
-    if ep > 1:
-        fail(
-            f"parallel.ep={ep}: expert parallel is not built yet.",
-            "pass parallel.ep=1",
-        )
+    expert.check(cfg, ep)
 
 
 def _validate_pipeline(cfg: RunConfig, world: int):

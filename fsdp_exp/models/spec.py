@@ -20,6 +20,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
+from fsdp_exp.errors import fail
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -121,6 +123,15 @@ class SpecChecks(ABC):
 
     def check_pipeline(self, cfg) -> None:
         """Refuse a model that ``cut_stage`` cannot cut into pipeline stages (``parallel.pp > 1``)."""
+
+    def check_expert_parallel(self, cfg, ep: int) -> None:
+        """Refuse ``parallel.ep > 1`` for a model whose routed experts cannot be split over ``ep`` ranks
+        (default: the family has no routed experts fsdp_exp can dispatch to)."""
+        fail(
+            f"parallel.ep={ep}: expert parallel is not built for {self.architecture(cfg)} (model.name={cfg.name}): "
+            "fsdp_exp's dispatcher is placed into the llama family's experts only.",
+            "pass parallel.ep=1, or a mixture of experts of the llama family (model=moe_tiny, model=mixtral_8x7b)",
+        )
 
 
 class SpecFacts(ABC):
@@ -232,8 +243,8 @@ class SpecLayout(ABC):
         return self.output_modules
 
     def expert_modules(self, model: "nn.Module") -> list[str]:
-        """Qualified names of a mixture-of-experts model's experts, each its own sharding unit under
-        ``wrap=experts``; none for a dense model (the default)."""
+        """Qualified names of a mixture-of-experts model's routed-expert modules (one per layer: its stacked
+        expert weights), each its own sharding unit under ``wrap=experts``; none for a dense model (the default)."""
         return []
 
     def tied_weights(self, cfg) -> dict[str, str]:

@@ -95,6 +95,13 @@ def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device
         applied["float8"] = float8.apply(model, cfg)
     if cfg.parallel.tp > 1:
         applied["tp"] = tp.apply(model, cfg, mesh["tp"])
+    if cfg.parallel.ep > 1:  # the experts' weights onto the EP group, before AC wraps the blocks
+        from fsdp_exp.models import spec_for
+        from fsdp_exp.parallel import expert
+        from fsdp_exp.parallel.mesh import expert_meshes
+
+        ep_mesh, efsdp_mesh = expert_meshes(mesh, cfg.parallel.ep)
+        applied["ep"] = expert.apply(model, spec_for(cfg.model).expert_modules(model), ep_mesh, efsdp_mesh)
     backend = backend_for(cfg)
     checkpointed = ac.chosen(model, cfg) if cfg.ac.mode != "none" else None
     compiles = cfg.compile and not backend.compiles_itself

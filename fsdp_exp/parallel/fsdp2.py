@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_exp.config import RunConfig
-from fsdp_exp.models import init_weights
+from fsdp_exp.models import canonical_name, init_weights
 from fsdp_exp.parallel.backend import Backend, PlannerRules
 from fsdp_exp.parallel.common import describe, dtype_of, refuse_zero_only_knobs, unit_label
 from fsdp_exp.parallel.wrap import top_level, unit_names
@@ -157,6 +157,14 @@ class FSDP2(Backend):
         units = unit_names(model, cfg)
         chain = top_level(units)
         applied_units: list[dict] = []
+        # Expert parallel's experts first (parallel/expert.py): their own unit, over the ranks EP leaves them.
+        for name, module in model.named_modules():
+            if getattr(module, "efsdp_mesh", None) is not None:
+                kwargs = {**common, "mesh": module.efsdp_mesh, "reshard_after_forward": reshard}
+                fully_shard(module, **kwargs)
+                applied_units.append({"module": name, "fully_shard": describe(kwargs)})
+        sharded = {unit["module"] for unit in applied_units}
+        units = [name for name in units if canonical_name(name) not in {canonical_name(n) for n in sharded}]
         for name in units:
             # The last unit in forward is the first in backward: resharding it would all-gather it again.
             keep_last = name == chain[-1] and reshard is not False and not cfg.sharding.reshard_last_block
@@ -293,7 +301,7 @@ class FSDP2(Backend):
             "prefetch.backward_timing": "pre only",
             "wrap=block": "`fully_shard` per transformer block, then the root",
             "wrap=size": "`fully_shard` per module by the size rule",
-            "wrap=experts": "`fully_shard` per expert, then per block",
+            "wrap=experts": "`fully_shard` per layer's stacked experts, then per block",
             "wrap=none": "`fully_shard` on the root only",
             "ac=full / selective / selective_op": "`checkpoint_wrapper` on blocks, before sharding",
             "trainer.grad_sync=every_micro_batch": "`set_requires_gradient_sync(True)` every micro-batch (auto)",

@@ -142,6 +142,12 @@ def assumptions(cfg: "RunConfig", backend_notes: tuple[str, ...], model_notes: l
         notes.append(f"ac.ops={cfg.ac.ops} under tensor parallel: the collectives' saved outputs estimated")
     if cfg.wrap.policy == "size":
         notes.append("wrap=size: units inside blocks are treated like MoE experts (estimated)")
+    if cfg.parallel.ep > 1:
+        # Under full sharding each rank holds 1/dp of the experts' states with or without EP; what EP changes
+        # (a gathered unit of experts/ep, the all-to-all buffers, the routed copies under imbalance) is not yet.
+        notes.append(
+            f"parallel.ep={cfg.parallel.ep}: planned as FSDP alone (EP's gathers and all-to-alls not modelled)"
+        )
     return notes + model_notes
 
 
