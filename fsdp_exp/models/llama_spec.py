@@ -17,7 +17,7 @@ import torch
 from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.config.topology import largest_divisor_at_most
 from fsdp_exp.errors import fail
-from fsdp_exp.models.llama import Llama, MoEFeedForward, TransformerBlock, ffn_hidden_dim
+from fsdp_exp.models.llama import CausalAttention, Llama, MoEFeedForward, TransformerBlock, ffn_hidden_dim
 from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan
 
 # fsdp_exp's names in a block -> Hugging Face's (model.layers.<i>.<name>), and at the root.
@@ -185,6 +185,24 @@ class LlamaSpec(ModelSpec):
             if isinstance(m, MoEFeedForward)
             for i in range(len(m.experts))
         ]
+
+    def check_context_parallel(self, cfg: ModelConfig, cp: int, tp: int) -> None:
+        """Ulysses hands each CP rank cp-th of the local query heads; key/value heads cp does not divide are
+        repeated up to the query heads (fsdp_exp.parallel.context)."""
+        local = cfg.n_heads // tp
+        if local % cp:
+            fail(
+                f"parallel.cp={cp} does not divide the {local} query heads each rank holds (model.n_heads="
+                f"{cfg.n_heads} over parallel.tp={tp}): all-to-all attention gives each CP rank whole heads "
+                "(key/value heads that cp does not divide are repeated up to the query heads).",
+                f"pass parallel.cp={largest_divisor_at_most(local, cp)}, or a model.n_heads that {cp * tp} divides",
+            )
+
+    def attention_kernels(self, model: Llama) -> list[str]:
+        return [name for name, m in model.named_modules() if isinstance(m, CausalAttention)]
+
+    def position_buffers(self, model: Llama) -> dict[str, int]:
+        return {"rope_cos": 0, "rope_sin": 0}
 
     def tensor_parallel_plan(self, cfg: ModelConfig) -> TensorParallelPlan:
         """Attention: wq/wk/wv colwise (each rank holds n_heads/tp heads), wo rowwise. SwiGLU: w1/w3

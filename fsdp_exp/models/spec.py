@@ -257,6 +257,29 @@ class SpecLayout(ABC):
             model.set_submodule(name, nn.Identity())
         return model
 
+    # Context parallel (fsdp_exp.parallel.context): the family says whether its attention can be split over
+    # the sequence, where its attention kernels are and which buffers are indexed by position.
+    def check_context_parallel(self, cfg, cp: int, tp: int) -> None:
+        """Refuse ``parallel.cp`` where this family's attention cannot be wrapped (the default: every family
+        that has not said how)."""
+        from fsdp_exp.errors import fail
+
+        fail(
+            f"parallel.cp={cp}: the {self.architecture(cfg)} attention of model family {self.name!r} cannot be "
+            "split over the sequence yet (context parallel wraps an attention kernel module that takes "
+            "(batch, heads, seq, head_dim) queries, keys and values; this family has none).",
+            "pass parallel.cp=1, or a Llama model (model=llama_tiny|llama7b|llama3_8b...)",
+        )
+
+    def attention_kernels(self, model: "nn.Module") -> list[str]:
+        """Qualified names of the modules that compute causal attention from (batch, heads, seq, head_dim)
+        queries, keys and values, after the rotary embedding."""
+        return []
+
+    def position_buffers(self, model: "nn.Module") -> dict[str, int]:
+        """Buffer name -> its sequence dim, for the buffers the model slices by position (rotary tables)."""
+        return {}
+
     @abstractmethod
     def tensor_parallel_plan(self, cfg) -> TensorParallelPlan:
         """Module -> colwise | rowwise, as data (``TensorParallelPlan``): ``fsdp_exp.parallel.tp`` turns it

@@ -1,0 +1,57 @@
+"""Context parallel without a process group: the causal load balance of the sequence shards and the
+re-ordering that all-to-all attention relies on (the exchange itself runs in tests/integration)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fsdp_exp.parallel.context import (
+    RING_REFUSAL,
+    balanced_positions,
+    causal_pairs,
+    gathered_order,
+    resolve_method,
+)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_the_cp_ranks_hold_every_position_once(cp):
+    seq = 64
+    held = torch.cat([balanced_positions(seq, cp, r) for r in range(cp)])
+    assert sorted(held.tolist()) == list(range(seq))
+
+
+def test_each_rank_holds_a_head_chunk_and_its_mirror_tail_chunk():
+    # 16 tokens over cp 2: chunks of 4; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2.
+    assert balanced_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert balanced_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_causal_work_is_equal_on_every_rank_and_a_plain_split_is_not(cp):
+    seq = 256
+    balanced = {causal_pairs(seq, cp, r) for r in range(cp)}
+    assert len(balanced) == 1
+    assert balanced.pop() * cp == seq * (seq + 1) // 2  # every query-key pair of the mask, counted once
+    chunk = seq // cp  # the plain split: the last rank's queries see every key
+    plain = [sum(range(r * chunk + 1, (r + 1) * chunk + 1)) for r in range(cp)]
+    assert plain[-1] > 1.5 * plain[0]
+
+
+def test_the_gathered_sequence_returns_to_its_natural_order():
+    order = gathered_order(24, 3)
+    natural = torch.arange(24).index_select(0, order).index_select(0, torch.argsort(order))
+    assert natural.tolist() == list(range(24))
+
+
+def test_a_sequence_that_does_not_cut_into_2cp_chunks_is_refused():
+    with pytest.raises(ValueError, match="2 x cp = 8"):
+        balanced_positions(20, 4, 0)
+
+
+def test_auto_picks_ring_on_cuda_and_all_to_all_on_the_cpu():
+    assert resolve_method("auto", "cuda") == "ring"
+    assert resolve_method("auto", "cpu") == "all_to_all"
+    assert resolve_method("ring", "cpu") == "ring"  # preflight refuses it there, naming RING_REFUSAL
+    assert "_scaled_dot_product_flash_attention_for_cpu" in RING_REFUSAL
