@@ -169,6 +169,13 @@ class ParallelConfig:
     )
     pp_stages_per_rank: int = 1  # stages each pp rank holds (interleaved_1f1b, looped_bfs: any; the V schedules: 2)
     pp_split: Optional[list[int]] = None  # first block of every stage but the first; null = balanced by parameters
+    # Context parallel: each sequence split over cp ranks taken from the data-parallel ranks (a "cp" mesh dim
+    # between the data-parallel dims and tp; FSDP shards dense weights over shard x cp). fsdp_exp/parallel/mesh.py
+    cp: int = 1
+    cp_method: str = "auto"  # auto | ring (torch's context_parallel) | all_to_all (heads exchanged for sequence)
+    # Expert parallel: the experts of each MoE layer split over ep ranks borrowed from shard x cp; expert weights
+    # FSDP-sharded over the shard x cp ranks left (fsdp_exp/parallel/mesh.py: expert_meshes)
+    ep: int = 1
 
 
 @dataclass

@@ -61,6 +61,53 @@ def resolve_method(method: str, device_type: str) -> str:
     return method
 
 
+def check(cfg: "RunConfig", world: int, device_type: str) -> None:
+    """preflight's context-parallel checks (before any rank starts): the method, the sequence, the
+    family's heads, and every dimension cp does not compose with yet, each refused by name."""
+    from fsdp_exp.errors import fail
+    from fsdp_exp.models import spec_for
+
+    p, seq = cfg.parallel, cfg.trainer.seq_len
+    if p.cp_method not in METHODS:
+        fail(f"parallel.cp_method={p.cp_method!r} is not one of {', '.join(METHODS)}.", "pass parallel.cp_method=auto")
+    if p.cp < 1:
+        fail(
+            f"parallel.cp={p.cp} must be at least 1.",
+            "pass parallel.cp=1 (no context parallel) or a divisor of the ranks",
+        )
+    if p.cp == 1:
+        return
+    if resolve_method(p.cp_method, device_type) == "ring":
+        if device_type != "cuda":
+            fail(
+                f"parallel.cp_method=ring cannot run on the CPU: {RING_REFUSAL}.",
+                "pass parallel.cp_method=all_to_all (or auto)",
+            )
+        fail(
+            "parallel.cp_method=ring (torch's context_parallel on CUDA's SDPA kernels) is not wired into fsdp_exp's "
+            "trainer yet; all_to_all runs any kernel.",
+            "pass parallel.cp_method=all_to_all (or auto)",
+        )
+    if seq % (2 * p.cp):
+        fail(
+            f"trainer.seq_len={seq} does not cut into 2 x parallel.cp = {2 * p.cp} equal chunks (each CP rank holds "
+            "a head and a tail chunk of every sequence, for causal load balance).",
+            f"pass trainer.seq_len={max(2 * p.cp, seq // (2 * p.cp) * 2 * p.cp)} (a multiple of {2 * p.cp})",
+        )
+    spec_for(cfg.model).check_context_parallel(cfg.model, p.cp, p.tp)
+    refused = [
+        (
+            p.pp > 1,
+            f"parallel.pp={p.pp}",
+            "the pipeline's stages take whole sequences (parallel/pipeline.py)",
+            "parallel.pp=1",
+        ),
+    ]
+    for bad, what, why, fix in refused:
+        if bad:
+            fail(f"{what} with parallel.cp={p.cp} is not supported yet: {why}.", f"pass {fix}, or parallel.cp=1")
+
+
 # ------------------------------------------------------------------------------- load balancing
 def balanced_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """The positions CP rank ``rank`` holds, in the order it holds them: chunk ``rank`` then chunk
@@ -156,35 +203,33 @@ class ContextShards:
         return shard(inputs, self.positions, 1), shard(targets, self.positions, 1)
 
 
-def apply(model: nn.Module, cfg: "RunConfig", cp_mesh: "DeviceMesh", method: str) -> tuple[dict, ContextShards]:
-    """After the backend materialized ``model``: wrap each attention kernel the family names and keep this
-    rank's rows of its position buffers. Returns what was applied and the batch sharder."""
+def wrap_attention(model: nn.Module, cp_mesh: "DeviceMesh", method: str, seq_len: int) -> dict:
+    """On the meta model, after tensor parallel and before checkpointing, compile and sharding (which then
+    wrap the exchange with the rest of the block): each attention kernel the family names sees the whole
+    sequence for a share of the heads."""
     from fsdp_exp.models import spec_of
 
-    spec, cp, rank = spec_of(model), cp_mesh.size(), cp_mesh.get_local_rank()
-    seq_len = cfg.trainer.seq_len
-    shards = ContextShards(seq_len, cp, rank)
-    buffers = spec.position_buffers(model)
-    for name, dim in buffers.items():
+    if method != "all_to_all":
+        raise NotImplementedError(f"parallel.cp_method={method} has no runner here: {RING_REFUSAL}")
+    cp, group = cp_mesh.size(), cp_mesh.get_group()
+    kernels = spec_of(model).attention_kernels(model)
+    for name in kernels:
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        setattr(owner, attr, AllToAllAttention(getattr(owner, attr), cp, group, seq_len))
+    return {"cp": cp, "method": method, "attention_kernels": len(kernels), "api": "funcol.all_to_all_single_autograd"}
+
+
+def shard_positions(model: nn.Module, cp_mesh: "DeviceMesh", seq_len: int) -> ContextShards:
+    """After the backend materialized ``model`` (and the family filled its position buffers): this rank keeps
+    its own rows of them. Returns the batch sharder."""
+    from fsdp_exp.models import spec_of
+
+    shards = ContextShards(seq_len, cp_mesh.size(), cp_mesh.get_local_rank())
+    for name, dim in spec_of(model).position_buffers(model).items():
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name) if owner_name else model
         full = getattr(owner, attr)
         # The first seq_len rows are the ones the model slices; this rank keeps its own positions of them.
         setattr(owner, attr, shard(full.narrow(dim, 0, seq_len), shards.positions, dim))
-    kernels = spec.attention_kernels(model)
-    if method == "all_to_all":
-        group = cp_mesh.get_group()
-        for name in kernels:
-            owner_name, _, attr = name.rpartition(".")
-            owner = model.get_submodule(owner_name)
-            setattr(owner, attr, AllToAllAttention(getattr(owner, attr), cp, group, seq_len))
-    else:
-        raise NotImplementedError(f"parallel.cp_method={method} has no runner here: {RING_REFUSAL}")
-    return {
-        "cp": cp,
-        "method": method,
-        "rank": rank,
-        "positions": f"chunks {rank} and {2 * cp - 1 - rank} of {2 * cp}",
-        "attention_kernels": len(kernels),
-        "position_buffers": sorted(buffers),
-    }, shards
+    return shards
