@@ -77,16 +77,10 @@ def check(cfg: "RunConfig", world: int, device_type: str) -> None:
         )
     if p.cp == 1:
         return
-    if resolve_method(p.cp_method, device_type) == "ring":
-        if device_type != "cuda":
-            fail(
-                f"parallel.cp_method=ring cannot run on the CPU: {RING_REFUSAL}.",
-                "pass parallel.cp_method=all_to_all (or auto)",
-            )
+    if resolve_method(p.cp_method, device_type) == "ring" and device_type != "cuda":
         fail(
-            "parallel.cp_method=ring (torch's context_parallel on CUDA's SDPA kernels) is not wired into fsdp_exp's "
-            "trainer yet; all_to_all runs any kernel.",
-            "pass parallel.cp_method=all_to_all (or auto)",
+            f"parallel.cp_method=ring cannot run on the CPU: {RING_REFUSAL}.",
+            "pass parallel.cp_method=all_to_all (or auto, which picks it here)",
         )
     if seq % (2 * p.cp):
         fail(
@@ -186,6 +180,39 @@ class AllToAllAttention(nn.Module):
         return sequence_for_heads(out.index_select(2, self.to_gathered.to(out.device)), cp, group)
 
 
+class RingAttention(nn.Module):
+    """Wraps a family's attention kernel in torch's ring attention (CUDA only): the kernel's q, k, v enter as
+    DTensors sharded over the sequence on the CP mesh, and SDPA's CUDA kernels dispatch to torch's ring
+    handlers, which pass keys and values round the group and merge the partial outputs. Its head-and-tail load
+    balancing is this module's layout (``balanced_positions``). Grouped-query heads are repeated first: the
+    ring handlers take the flash / memory-efficient / cuDNN ops, which have no grouped-query argument."""
+
+    def __init__(self, kernel: nn.Module, cp_mesh: "DeviceMesh"):
+        from torch.distributed.tensor.experimental._context_parallel import _ContextParallel
+
+        super().__init__()
+        style = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA)
+        self.kernel = style._apply(kernel, cp_mesh)  # forward hooks: local tensors in, DTensors to SDPA, local out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        return self.kernel(q, k, v)
+
+
+def _enable_ring() -> None:
+    """torch's switches for ring attention: the SDPA ops' ring handlers on DTensors, and the causal mask read
+    as the head-and-tail layout (the ranks' chunks r and 2cp-1-r)."""
+    from torch.distributed.tensor.experimental._context_parallel import (
+        _cp_options,
+        _enable_context_parallel_dispatcher,
+    )
+
+    _cp_options.enable_load_balance = True
+    _enable_context_parallel_dispatcher()
+
+
 # ------------------------------------------------------------------------------- applying it
 class ContextShards:
     """One rank's share of every sequence: what the trainer applies to a batch's inputs and targets."""
@@ -205,19 +232,26 @@ class ContextShards:
 
 def wrap_attention(model: nn.Module, cp_mesh: "DeviceMesh", method: str, seq_len: int) -> dict:
     """On the meta model, after tensor parallel and before checkpointing, compile and sharding (which then
-    wrap the exchange with the rest of the block): each attention kernel the family names sees the whole
-    sequence for a share of the heads."""
+    wrap the exchange with the rest of the block): each attention kernel the family names is wrapped in the
+    method's runner (``AllToAllAttention`` or ``RingAttention``)."""
     from fsdp_exp.models import spec_of
 
-    if method != "all_to_all":
-        raise NotImplementedError(f"parallel.cp_method={method} has no runner here: {RING_REFUSAL}")
     cp, group = cp_mesh.size(), cp_mesh.get_group()
     kernels = spec_of(model).attention_kernels(model)
+    if method == "ring":
+        _enable_ring()
     for name in kernels:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
-        setattr(owner, attr, AllToAllAttention(getattr(owner, attr), cp, group, seq_len))
-    return {"cp": cp, "method": method, "attention_kernels": len(kernels), "api": "funcol.all_to_all_single_autograd"}
+        kernel = getattr(owner, attr)
+        wrapped = RingAttention(kernel, cp_mesh) if method == "ring" else AllToAllAttention(kernel, cp, group, seq_len)
+        setattr(owner, attr, wrapped)
+    api = (
+        "torch.distributed.tensor.experimental context parallel (_ContextParallel, SDPA ring handlers)"
+        if method == "ring"
+        else "funcol.all_to_all_single_autograd"
+    )
+    return {"cp": cp, "method": method, "attention_kernels": len(kernels), "api": api}
 
 
 def shard_positions(model: nn.Module, cp_mesh: "DeviceMesh", seq_len: int) -> ContextShards:
