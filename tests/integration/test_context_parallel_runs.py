@@ -28,7 +28,8 @@ def sweep(tmp_path_factory) -> dict[int, Path]:
     cmd = ["-m", "experiment=long_sequence", *SHORT, f"hydra.sweep.dir={root}"]
     result = run_cli(cmd, root / "cli", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    return {cp: root / f"{i}_parallel.cp={cp}" for i, cp in enumerate(CPS)}
+    jobs = {cp: next(root.glob(f"{i}_*parallel.cp={cp}*")) for i, cp in enumerate(CPS)}  # Hydra's job folders
+    return jobs
 
 
 def _record(run_dir: Path) -> dict:

@@ -55,3 +55,18 @@ def test_auto_picks_ring_on_cuda_and_all_to_all_on_the_cpu():
     assert resolve_method("auto", "cpu") == "all_to_all"
     assert resolve_method("ring", "cpu") == "ring"  # preflight refuses it there, naming RING_REFUSAL
     assert "_scaled_dot_product_flash_attention_for_cpu" in RING_REFUSAL
+
+
+def test_a_published_context_parallel_row_is_expressed_as_parallel_cp_with_its_method():
+    from fsdp_exp.tune.published import sharding_overrides
+
+    row = {"sharding": "FSDP2 fully_shard", "framework": "torchtitan", "cp": "4", "ep": "", "tp": "2", "pp": "1"}
+    assert sharding_overrides({**row, "notes": ""}) == [
+        "sharding=full",
+        "parallel.tp=2",
+        "parallel.cp=4",
+        "parallel.cp_method=ring",  # torchtitan's context parallel passes keys and values round the group
+    ]
+    ulysses = sharding_overrides({**row, "notes": "DeepSpeed-Ulysses sequence parallel"})
+    assert ulysses[-1] == "parallel.cp_method=all_to_all"
+    assert "expert parallel" in sharding_overrides({**row, "ep": "8", "notes": ""})
