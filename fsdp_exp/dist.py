@@ -12,7 +12,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_exp.config import Topology
 
@@ -45,10 +44,6 @@ def init_distributed(topology: Topology, timeout_s: float = 600.0) -> RankInfo:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     return RankInfo(rank=rank, local_rank=local_rank, world_size=world, device=device)
-
-
-def build_mesh(topology: Topology) -> DeviceMesh:
-    return init_device_mesh(topology.device_type, topology.mesh_shape, mesh_dim_names=topology.mesh_dim_names)
 
 
 def gather_over_ranks(values: list[float], device: torch.device) -> torch.Tensor:

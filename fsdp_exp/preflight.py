@@ -15,6 +15,7 @@ from fsdp_exp.checkpoint.checks import check_checkpoint
 from fsdp_exp.context import sampled_steps
 from fsdp_exp.errors import fail
 from fsdp_exp.parallel.backend import backend_for, check_backend_name
+from fsdp_exp.parallel.mesh import layout as mesh_layout
 
 
 def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = None) -> Topology:
@@ -213,6 +214,8 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
         tp_size=cfg.parallel.tp,
         mesh_shape=mesh_shape,
         mesh_dim_names=mesh_names,
+        cp_size=cfg.parallel.cp,
+        ep_size=cfg.parallel.ep,
         # Under pipeline parallel the trainer feeds each dp rank's whole batch to the schedule,
         # which cuts it into parallel.pp_microbatches (trainer.micro_batch_size is that cut).
         micro_batch_size=micro if cfg.parallel.pp == 1 else per_rank,
@@ -221,6 +224,7 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
 
 
 STRATEGIES = ("full", "grad_op", "hybrid", "no_shard", "optimizer")
+CP_METHODS = ("auto", "ring", "all_to_all")
 
 
 def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str):
@@ -240,9 +244,10 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
         )
     if tp > 1:
         _validate_tp(cfg, tp)
+    cp = _check_cp(cfg, world, device_type)
     if cfg.parallel.pp != 1:
         return _validate_pipeline(cfg, world)
-    dp = world // tp
+    dp = world // (tp * cp)
     replicate, shard = 1, dp
     if s.strategy == "hybrid":
         local_dp = max(1, min(nproc // tp, dp)) if nproc >= tp else 1
@@ -262,9 +267,43 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
             "drop them, or pass sharding=hybrid",
         )
     shape, names = backend_for(cfg).data_parallel_mesh(s.strategy, dp, replicate, shard)
-    if tp > 1:
-        shape, names = (*shape, tp), (*names, "tp")
-    return shape, names, dp
+    _check_ep(cfg, shard_ranks=shape[names.index("shard")] * cp if "shard" in names else cp)
+    return (*mesh_layout(shape, names, cp=cp, tp=tp), dp)
+
+
+def _check_cp(cfg: RunConfig, world: int, device_type: str) -> int:
+    """parallel.cp and parallel.cp_method; returns cp (it must divide the ranks left by pp and tp)."""
+    p = cfg.parallel
+    if p.cp_method not in CP_METHODS:
+        fail(
+            f"parallel.cp_method={p.cp_method!r} is not one of {', '.join(CP_METHODS)}.",
+            "pass parallel.cp_method=auto",
+        )
+    rest = world // max(p.pp, 1) // max(p.tp, 1)
+    if p.cp < 1 or rest % p.cp:
+        fail(
+            f"parallel.cp={p.cp} does not divide the {rest} ranks left by parallel.pp={p.pp} x parallel.tp={p.tp}.",
+            f"pass parallel.cp={_largest_divisor_at_most(rest, max(p.cp, 1))} (a divisor of {rest})",
+        )
+    from fsdp_exp.parallel import context
+
+    context.check(cfg, device_type)  # the sequence, the heads, the method on this device, what cp refuses
+    return p.cp
+
+
+def _check_ep(cfg: RunConfig, shard_ranks: int) -> None:
+    """parallel.ep: expert parallel borrows its ranks from the shard x cp ranks, so it must divide them."""
+    ep = cfg.parallel.ep
+    if ep < 1 or shard_ranks % ep:
+        fail(
+            f"parallel.ep={ep} does not divide the {shard_ranks} shard x cp ranks the experts are spread over.",
+            f"pass parallel.ep={_largest_divisor_at_most(shard_ranks, max(ep, 1))} (a divisor of {shard_ranks})",
+        )
+    if ep > 1:
+        fail(
+            f"parallel.ep={ep}: expert parallel is not built yet.",
+            "pass parallel.ep=1",
+        )
 
 
 def _validate_pipeline(cfg: RunConfig, world: int):
@@ -299,7 +338,8 @@ def _validate_pipeline(cfg: RunConfig, world: int):
                 "not built; docs/pipeline.md).",
                 f"pass {fix}, or parallel.pp=1",
             )
-    dp = world // (pp * tp)
+    dp = world // (pp * tp * cfg.parallel.cp)
+    _check_ep(cfg, shard_ranks=dp * cfg.parallel.cp)
     t = cfg.trainer
     local_batch = t.global_batch_size // dp
     settings = pipeline.settings_from(cfg, local_batch)
@@ -316,7 +356,7 @@ def _validate_pipeline(cfg: RunConfig, world: int):
         )
     if t.global_batch_size % dp == 0:  # otherwise the batch check after this one names the fix
         pipeline.check(settings, cfg.model, local_batch)
-    return (*pipeline.mesh_layout(pp, dp, tp), dp)
+    return (*pipeline.mesh_layout(pp, dp, tp, cfg.parallel.cp), dp)
 
 
 def _value(cfg: RunConfig, key: str):

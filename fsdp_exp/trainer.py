@@ -34,7 +34,7 @@ from fsdp_exp.context import RunContext
 from fsdp_exp.data import build_data
 from fsdp_exp.debug.faults import inject_step_fault
 from fsdp_exp.debug.init_check import check_identical_init
-from fsdp_exp.dist import RankInfo, broadcast_object, build_mesh, init_distributed, reduce_over_ranks
+from fsdp_exp.dist import RankInfo, broadcast_object, init_distributed, reduce_over_ranks
 from fsdp_exp.env import default_threads
 from fsdp_exp.guard import StopGuard
 from fsdp_exp.metrics.step import StepMetrics
@@ -42,6 +42,7 @@ from fsdp_exp.models import build_meta, canonical_name, matrix_parameter_names
 from fsdp_exp.models.loss import mean_cross_entropy
 from fsdp_exp.optim import build_scheduler
 from fsdp_exp.parallel import ac, parallelize
+from fsdp_exp.parallel.mesh import build_mesh
 from fsdp_exp.record.recorder import Recorder
 
 
@@ -86,9 +87,7 @@ class Trainer:
         setup_s = time.perf_counter() - setup_start
         # fp16: a loss scaler that agrees over ranks on skipped steps (sharded for FSDP).
         self.scaler = self.parallel.grad_scaler() if cfg.precision.loss_scaler == "dynamic" else None
-        self.data = build_data(
-            cfg, topology, dp_rank=info.rank // topology.tp_size % topology.dp_size, device=self.device
-        )  # rank = (pp_index, dp_index, tp_index), pp outermost
+        self.data = build_data(cfg, topology, dp_rank=topology.dp_rank(info.rank), device=self.device)
         self.loss_chunks = cfg.trainer.loss_chunks  # the output projection and loss per slice of the sequence
 
         # Diagnostics, then resume: everything a checkpoint restores exists now (``fsdp_exp.checkpoint``).

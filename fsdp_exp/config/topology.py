@@ -16,12 +16,21 @@ class Topology:
     nproc_per_node: int
     nnodes: int
     world_size: int
-    dp_size: int  # data-parallel ranks: world / tp_size
+    dp_size: int  # data-parallel ranks, the batch's shards: world / (pp x cp x tp)
     tp_size: int  # tensor-parallel ranks per data-parallel rank
-    mesh_shape: tuple[int, ...]  # (shard,) or (replicate, shard), with a trailing tp dim when tp > 1
+    # The run's DeviceMesh, outermost first: [pp,] the backend's data-parallel dims ((shard,), (replicate,
+    # shard), or (dp,) under pp), [cp,] [tp,]; fsdp_exp/parallel/mesh.py builds it and its sub-meshes.
+    mesh_shape: tuple[int, ...]
     mesh_dim_names: tuple[str, ...]
     micro_batch_size: int
     grad_accum_steps: int
+    cp_size: int = 1  # context-parallel ranks per sequence (they read the same sequences)
+    ep_size: int = 1  # expert-parallel ranks per MoE layer, borrowed from the shard x cp ranks
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel index (which share of the batch) of global ``rank``: the mesh is laid out
+        rank = ((pp_i x dp + dp_i) x cp + cp_i) x tp + tp_i."""
+        return rank // (self.tp_size * self.cp_size) % self.dp_size
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -82,20 +82,11 @@ class Parallelized:
         return grad_norm
 
 
-def _without_tp(mesh: "DeviceMesh") -> "DeviceMesh":
-    """The data-parallel dims of the run's mesh (tensor parallel has already used its own)."""
-    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n != "tp")
-    return mesh[names] if len(names) < len(mesh.mesh_dim_names or ()) else mesh
-
-
-def _cp_mesh(mesh: "DeviceMesh"):
-    return mesh["cp"] if "cp" in (mesh.mesh_dim_names or ()) else None
-
-
 def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.device") -> Parallelized:
     """``model`` is on the meta device; the result is sharded, materialized and initialized. Under
     parallel.pp > 1 the stages are built from the config instead (parallel/pipeline.py)."""
     from fsdp_exp.parallel import ac, compile, context, float8, tp
+    from fsdp_exp.parallel.mesh import cp_mesh as context_mesh, dense_dp_mesh
 
     if cfg.parallel.pp > 1:
         from fsdp_exp.parallel.pipeline import parallelize_pipeline
@@ -104,7 +95,7 @@ def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device
     applied: dict = {}
     if cfg.parallel.tp > 1:
         applied["tp"] = tp.apply(model, cfg, mesh["tp"])
-    cp_mesh = _cp_mesh(mesh)
+    cp_mesh = context_mesh(mesh)
     if cp_mesh is not None:  # after TP (the local heads), before AC and compile (which then take the exchange along)
         method = context.resolve_method(cfg.parallel.cp_method, device.type)
         applied["cp"] = context.wrap_attention(model, cp_mesh, method, cfg.trainer.seq_len)
@@ -115,7 +106,8 @@ def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device
     backend = backend_for(cfg)
     if cfg.compile and not backend.compiles_itself:
         applied["compile"] = compile.apply(model, cfg)
-    model, dp_applied = backend.apply(model, cfg, _without_tp(mesh), device)
+    # The data-parallel dims (tensor parallel has used its own), with cp folded into the shard dim.
+    model, dp_applied = backend.apply(model, cfg, dense_dp_mesh(mesh), device)
     shards = context.shard_positions(model, cp_mesh, cfg.trainer.seq_len) if cp_mesh is not None else None
     # What torch holds, read back from the wrapped model (tests compare it with the config).
     grad_sync = backend.grad_sync(cfg)

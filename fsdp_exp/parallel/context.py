@@ -37,8 +37,6 @@ if TYPE_CHECKING:
 
     from fsdp_exp.config import RunConfig
 
-METHODS = ("auto", "ring", "all_to_all")
-
 # What torch 2.13 does when asked for ring attention on the CPU, found by running it (2 gloo ranks):
 # context_parallel() turns q, k, v into sequence-sharded DTensors and dispatches SDPA's ATen op to a
 # ring handler, and only CUDA's kernels have one. The CPU's SDPA lowers to
@@ -61,20 +59,14 @@ def resolve_method(method: str, device_type: str) -> str:
     return method
 
 
-def check(cfg: "RunConfig", world: int, device_type: str) -> None:
-    """preflight's context-parallel checks (before any rank starts): the method, the sequence, the
-    family's heads, and every dimension cp does not compose with yet, each refused by name."""
+def check(cfg: "RunConfig", device_type: str) -> None:
+    """preflight's context-parallel checks (before any rank starts; preflight has checked that cp divides the
+    ranks and names a method): the method on this device, the sequence, the family's heads, and every dimension
+    cp does not compose with yet, each refused by name."""
     from fsdp_exp.errors import fail
     from fsdp_exp.models import spec_for
 
     p, seq = cfg.parallel, cfg.trainer.seq_len
-    if p.cp_method not in METHODS:
-        fail(f"parallel.cp_method={p.cp_method!r} is not one of {', '.join(METHODS)}.", "pass parallel.cp_method=auto")
-    if p.cp < 1:
-        fail(
-            f"parallel.cp={p.cp} must be at least 1.",
-            "pass parallel.cp=1 (no context parallel) or a divisor of the ranks",
-        )
     if p.cp == 1:
         return
     if resolve_method(p.cp_method, device_type) == "ring" and device_type != "cuda":

@@ -245,17 +245,17 @@ def stages_of_rank(settings: PipelineSettings, pp_rank: int) -> list[int]:
 
 # ------------------------------------------------------------------------------------------ building
 def pipeline_mesh(device_type: str, pp: int, dp: int, tp: int = 1) -> "DeviceMesh":
-    """The (pp, dp) mesh, (pp, dp, tp) when tp > 1: pp outermost, tp innermost, as torchtitan orders its
-    dims (pp, dp_replicate, dp_shard, cp, tp); preflight's topology gives the run's mesh this shape."""
-    from torch.distributed.device_mesh import init_device_mesh
+    """The (pp, dp) mesh, (pp, dp, tp) when tp > 1 (fsdp_exp/parallel/mesh.py orders the dims)."""
+    from fsdp_exp.parallel.mesh import build
 
-    shape, names = mesh_layout(pp, dp, tp)
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return build(device_type, *mesh_layout(pp, dp, tp))
 
 
-def mesh_layout(pp: int, dp: int, tp: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """(shape, dim names) of a pipeline run's mesh: rank = (pp_index * dp + dp_index) * tp + tp_index."""
-    return ((pp, dp, tp), ("pp", "dp", "tp")) if tp > 1 else ((pp, dp), ("pp", "dp"))
+def mesh_layout(pp: int, dp: int, tp: int = 1, cp: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(shape, dim names) of a pipeline run's mesh: a stage's data-parallel ranks are one ``dp`` dim."""
+    from fsdp_exp.parallel.mesh import layout
+
+    return layout((dp,), ("dp",), pp=pp, cp=cp, tp=tp)
 
 
 def build_stage_module(model_cfg: "ModelConfig", blocks: list[int], first: bool, last: bool) -> "nn.Module":
