@@ -70,3 +70,60 @@ def test_a_published_context_parallel_row_is_expressed_as_parallel_cp_with_its_m
     ulysses = sharding_overrides({**row, "notes": "DeepSpeed-Ulysses sequence parallel"})
     assert ulysses[-1] == "parallel.cp_method=all_to_all"
     assert "expert parallel" in sharding_overrides({**row, "ep": "8", "notes": ""})
+
+
+TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256"]
+SHRINK_QWEN2 = [
+    "model=hf_qwen2_7b",
+    "+model.hf_overrides.num_hidden_layers=2",
+    "+model.hf_overrides.hidden_size=64",
+    "+model.hf_overrides.intermediate_size=128",
+    "+model.hf_overrides.num_attention_heads=4",
+    "+model.hf_overrides.num_key_value_heads=2",
+    "+model.hf_overrides.vocab_size=256",
+]
+
+
+@pytest.mark.parametrize(
+    "overrides,problem,fix",
+    [
+        (["parallel.cp=2", "parallel.cp_method=ring"], "cannot run on the CPU", "parallel.cp_method=all_to_all"),
+        (
+            ["parallel.cp=4", "trainer.seq_len=36", "trainer.nproc_per_node=4"],
+            "2 x parallel.cp = 8",
+            "trainer.seq_len=32",
+        ),
+        (["parallel.cp=4", "parallel.tp=2", "trainer.nproc_per_node=8"], "2 query heads", "parallel.cp=2"),
+        (
+            ["parallel.cp=2", "parallel.pp=2", "trainer.nproc_per_node=4"],
+            "parallel.pp=2 with parallel.cp=2",
+            "parallel.pp=1",
+        ),
+        (["parallel.cp=2", "sharding.backend=fsdp1"], "FSDP2 only", "sharding.backend=fsdp2"),
+        (["parallel.cp=2", "sharding=ddp"], "FSDP2 only", "sharding.backend=fsdp2"),
+        (["parallel.cp=3", "trainer.nproc_per_node=4"], "does not divide the 4 ranks", "parallel.cp=2"),
+        ([*SHRINK_QWEN2, "parallel.cp=2"], "Qwen2ForCausalLM", "parallel.cp=1"),
+    ],
+    ids=["ring_on_cpu", "seq_len", "heads_after_tp", "pipeline", "fsdp1", "ddp", "divides_ranks", "transformers"],
+)
+def test_what_context_parallel_cannot_run_is_refused_by_name_before_any_rank_starts(overrides, problem, fix):
+    from fsdp_exp.config import ConfigError
+    from fsdp_exp.preflight import validate
+
+    from conftest import run_config
+
+    model = [] if "model=hf_qwen2_7b" in overrides else TINY
+    cfg = run_config([*model, "trainer.seq_len=32", *overrides])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, cuda_devices=0)
+    assert problem in str(info.value) and fix in str(info.value), str(info.value)
+
+
+def test_a_cp_run_lays_out_its_mesh_and_batch_as_torchtitan_orders_them():
+    from fsdp_exp.preflight import validate
+
+    from conftest import run_config
+
+    t = validate(run_config([*TINY, "parallel.cp=2", "parallel.tp=2", "trainer.nproc_per_node=8"]), cuda_devices=0)
+    assert (t.mesh_dim_names, t.mesh_shape) == (("shard", "cp", "tp"), (2, 2, 2))
+    assert (t.dp_size, t.cp_size) == (2, 2)  # 2 batch shards, each sequence over 2 CP ranks
