@@ -301,6 +301,8 @@ class FSDP2(Backend):
             "parallel.tp=N": "`parallelize_module` (Colwise / Rowwise) on a (dp, tp) mesh",
             "parallel.pp=N": "`fully_shard` over dp inside each `PipelineStage` of a (pp, dp[, tp]) mesh "
             "(`sharding=full` only; docs/pipeline.md)",
+            "parallel.cp=N": "`fully_shard` over shard x cp; each attention kernel wrapped: all-to-all of heads for "
+            "sequence, or torch's ring `_ContextParallel` on CUDA (docs/context_parallel.md)",
         }
 
 

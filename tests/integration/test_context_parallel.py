@@ -8,7 +8,8 @@ round's mesh is ("replica", *the case's own mesh as preflight lays it out), so t
 side. Tolerances, fp32: the same operations on the same values, summed in another order (the all-to-alls
 move values without arithmetic; FSDP2's reduce-scatter sums over shard x cp), so float rounding only:
 1e-5 relative on the loss and the gradients, 1e-5 absolute on the parameters (as test_pipeline.py). bf16
-compute against the fp32 process: 1e-2 on the loss (test_backends.py's bar for every backend's bf16).
+compute against the fp32 process: 1e-2 on the loss (test_backends.py's bar for every backend's bf16), and
+float8's linears the same. Compiled blocks (compile=true) are held to fp32's bars.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ CASES = {
     "hybrid_cp2": ["parallel.cp=2", "sharding=hybrid", "sharding.replicate_size=2", "sharding.shard_size=1"],
     # 2 local heads after TP, cp 2 of them; 1 local key/value head, repeated.
     "tp2_cp2": ["parallel.cp=2", "parallel.tp=2"],
+    # Each block compiled with the exchange inside it (funcol's all-to-all traces); torchao's float8 linears
+    # (emulated on a CPU) around the unchanged attention.
+    "cp2_compile": ["parallel.cp=2", "compile=true"],
+    "cp2_float8": ["parallel.cp=2", "precision=float8"],
 }
 # (ranks per case, the cases trained side by side)
 ROUNDS = [
@@ -56,7 +61,10 @@ ROUNDS = [
     (4, ("shard2_cp2",)),
     (4, ("hybrid_cp2",)),
     (4, ("tp2_cp2",)),
+    (2, ("cp2_compile", "cp2_float8")),
 ]
+# float8's matmuls round their operands to 8 bits: against the fp32 process, bf16's bar.
+FLOAT8_LOSS_RTOL = 1e-2
 
 
 def _case_config(name: str, ranks: int):
@@ -154,9 +162,14 @@ def _train_all(out: Path) -> dict:
         for name in names:
             cfg = _case_config(name, ranks)
             cases[name] = (plain(cfg), validate(cfg, cuda_devices=0).as_dict())
-    mp.start_processes(
-        _rank, args=(NPROCS, free_port(), cases, _global_batches(STEPS), str(out)), nprocs=NPROCS, start_method="spawn"
-    )
+    with pytest.MonkeyPatch.context() as env:  # compile=true: inductor's cache shared by this session's tests
+        env.setenv("TORCHINDUCTOR_CACHE_DIR", str(out.parent / "inductor-cache"))
+        mp.start_processes(
+            _rank,
+            args=(NPROCS, free_port(), cases, _global_batches(STEPS), str(out)),
+            nprocs=NPROCS,
+            start_method="spawn",
+        )
     results = {}
     for name in CASES:
         per_rank = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}-losses-*.json"))]
@@ -210,7 +223,7 @@ def _assert_matches_reference(run: dict, reference, case: str, loss_rtol: float 
 
 
 @pytest.mark.parametrize(
-    "case", ["cp2", "cp4", "shard2_cp2", "hybrid_cp2", "tp2_cp2", "cp2_ac_full", "cp2_loss_chunks"]
+    "case", ["cp2", "cp4", "shard2_cp2", "hybrid_cp2", "tp2_cp2", "cp2_ac_full", "cp2_loss_chunks", "cp2_compile"]
 )
 def test_a_sequence_split_over_context_parallel_ranks_trains_like_one_process(runs, reference, case):
     assert runs[case]["applied"]["method"] == "all_to_all"
@@ -224,3 +237,8 @@ def test_context_parallel_in_bf16_follows_the_fp32_process_within_bf16_rounding(
 def test_every_attention_kernel_is_wrapped_and_each_rank_holds_a_head_and_a_tail_chunk(runs):
     assert runs["cp4"]["applied"]["attention_kernels"] == 2  # one per block of the tiny Llama
     assert runs["cp4"]["applied"]["cp"] == 4
+
+
+def test_context_parallel_with_float8_linears_follows_the_fp32_process_within_their_rounding(runs, reference):
+    assert runs["cp2_float8"]["applied"]["method"] == "all_to_all"
+    _assert_matches_reference(runs["cp2_float8"], reference, "cp2_float8", loss_rtol=FLOAT8_LOSS_RTOL, exact=False)
