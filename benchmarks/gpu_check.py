@@ -811,8 +811,6 @@ def check_ddp_bf16(ctx: Context) -> dict:
 
 def check_ring_attention(ctx: Context) -> dict:
     """CP 2 with torch's ring attention against CP 1 on the same batches: the same losses (bf16: within 1e-2)."""
-    if ctx.ranks < 2:
-        raise Skip(f"skipped: needs 2 GPUs ({ctx.gpus} here)")
     one, two = ctx.completed("cp1"), ctx.completed("cp2_ring")
     methods = find_key(two.record["applied"], "method")
     expect(methods == ["ring"], f"cp_method applied: {methods}")
@@ -926,7 +924,7 @@ class Check:
     what: str
     runs: tuple[str, ...]
     evaluate: Callable[[Context], dict]
-    needs: str = ""  # "" (any device), "cuda", "2 ranks" (2 GPUs on CUDA; the CPU run has 2 ranks)
+    needs: str = ""  # "" (any device), "cuda", "2 ranks" (2 GPUs on CUDA; the CPU run has 2 ranks), "2 GPUs"
     covers: tuple[str, ...] = ()  # the inventory's places this check exercises
 
 
@@ -1118,16 +1116,18 @@ CHECKS = (
         "context parallel, torch's ring attention: CP 2 against CP 1 on the same batches, the same losses",
         ("cp1", "cp2_ring"),
         check_ring_attention,
-        needs="cuda",
+        needs="2 GPUs",
         covers=("fsdp_exp/parallel/context.py:resolve_method", "fsdp_exp/parallel/context.py:check"),
     ),
 )
 
 
 def skip_reason(check: Check, ctx: Context) -> Optional[str]:
-    if check.needs == "cuda" and ctx.device != "cuda":
+    if check.needs in ("cuda", "2 GPUs") and ctx.device != "cuda":
         return "skipped: needs CUDA"
     if check.needs == "2 ranks" and ctx.ranks < 2:
+        return f"skipped: needs 2 GPUs ({ctx.gpus} here)"
+    if check.needs == "2 GPUs" and ctx.ranks < 2:
         return f"skipped: needs 2 GPUs ({ctx.gpus} here)"
     return None
 
@@ -1179,7 +1179,7 @@ def _run_checks(
             "check": check.name,
             "what": check.what,
             "needs": check.needs or "any",
-            "cpu": check.needs != "cuda",
+            "cpu": check.needs not in ("cuda", "2 GPUs"),
             "covers": list(check.covers),
             "figures": {},
             "note": "",
