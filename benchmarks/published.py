@@ -48,7 +48,7 @@ from fsdp_exp.tune.published import CONVENTION, Configs, Row, _int, express, fra
 
 HERE = Path(__file__).resolve().parent
 RECORD = HERE / "published"
-CALIBRATION = ("llmfoundry_a100", "llmfoundry_history_2023", "torchtitan_a100_2024")
+CALIBRATION = ("llmfoundry_a100", "llmfoundry_history_2023", "llmfoundry_h100", "torchtitan_a100_2024")
 
 
 def load(part: str, rows_per_file: Optional[int] = None, files: Optional[list[Path]] = None) -> list[Row]:

@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
+from fsdp_exp.checkpoint.checks import check_resume_path
 from fsdp_exp.config import RunConfig, Topology, fail, plain
 from fsdp_exp.context import Labels, Prediction, RunContext
 from fsdp_exp.preflight import validate
@@ -110,7 +111,9 @@ def launch(cfg: RunConfig, run_dir: Path, labels: Labels) -> dict:
     if world is None and _may_fork() and cfg.logger.wandb.mode != "disabled" and not wandb_process.started_ahead():
         wandb_process.start_ahead()  # rank 0's W&B writer, warming up on the idle core meanwhile
     try:
-        context = run_context(cfg, prepare(cfg, world), run_dir, labels)
+        topology = prepare(cfg, world)
+        check_resume_path(cfg)  # the folder must exist now, when the ranks would read it
+        context = run_context(cfg, topology, run_dir, labels)
         # Real data is tokenized and packed into its cache here, once, before any rank exists (under
         # torchrun every rank gets here: the first builds under a file lock, the others reuse it).
         from fsdp_exp.data import prepare_data

@@ -148,6 +148,7 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
             f"pass trainer.micro_batch_size={_largest_divisor_at_most(per_rank, max(micro, 1))} "
             "(a divisor of the per-rank batch) or null",
         )
+    _validate_loss_chunks(cfg)
 
     # Precision.
     for name in ("param_dtype", "reduce_dtype"):
@@ -458,6 +459,20 @@ def _validate_data(cfg: RunConfig) -> None:
     from fsdp_exp.data import check_config
 
     check_config(cfg)
+
+
+def _validate_loss_chunks(cfg: RunConfig) -> None:
+    """The loss is taken in trainer.loss_chunks slices of the sequence (``fsdp_exp.models.loss``); more
+    chunks than tokens would be quietly cut down to one token each. Under sequence parallel the slices
+    are of the micro-batch instead (the hidden states arrive sharded over the sequence), as many as it
+    has sequences: the default of 8 with micro-batches of 1 or 2 is the common case there, not a mistake."""
+    t = cfg.trainer
+    if t.loss_chunks > t.seq_len and not (cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel):
+        fail(
+            f"trainer.loss_chunks={t.loss_chunks} exceeds trainer.seq_len={t.seq_len}: the loss is taken in "
+            "slices of the sequence, one token each at the most.",
+            f"pass trainer.loss_chunks={t.seq_len} or less",
+        )
 
 
 def _validate_optim(o: OptimConfig, steps: int) -> None:

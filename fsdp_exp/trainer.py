@@ -41,7 +41,7 @@ from fsdp_exp.metrics.step import StepMetrics
 from fsdp_exp.models import build_meta, canonical_name, matrix_parameter_names
 from fsdp_exp.models.loss import mean_cross_entropy
 from fsdp_exp.optim import build_scheduler
-from fsdp_exp.parallel import ac, parallelize
+from fsdp_exp.parallel import ac, float8, parallelize
 from fsdp_exp.parallel.mesh import build_mesh
 from fsdp_exp.record.recorder import Recorder
 
@@ -76,6 +76,7 @@ class Trainer:
 
         # Build: meta model -> parallelize (TP, AC, compile, shard) -> this rank's shards, seeded init.
         self.mesh = build_mesh(topology)
+        float8.check_rank_device(cfg, self.device)  # float8 on a GPU without FP8 tensor cores: refused before the build
         setup_start = time.perf_counter()  # perf/setup_time_s: build, shard, materialize, wrap, optimizer
         meta_model = build_meta(cfg.model)
         decay_names = matrix_parameter_names(meta_model)

@@ -49,3 +49,17 @@ def check_checkpoint(cfg) -> None:
                 f"checkpoint.every={c.every} never saves step {d.fail_at_step}.",
                 "pass checkpoint.every=N and debug.fail_at_step=<a positive multiple of N>",
             )
+
+
+def check_resume_path(cfg) -> None:
+    """A ``checkpoint.resume`` path must name a complete checkpoint on this disk. Asked by the launcher just
+    before it starts the ranks, not in ``validate``: a sweep (or a test) validates its jobs before any has
+    run, and a later job may resume from an earlier one's checkpoint. Otherwise rank 0 finds it out only after
+    every rank started and built its model."""
+    from fsdp_exp.checkpoint.layout import resume_refusal
+
+    if cfg.checkpoint.resume in ("auto", "none"):
+        return
+    refused = resume_refusal(cfg.checkpoint.resume)
+    if refused is not None:
+        fail(f"{refused[0]}.", refused[1])

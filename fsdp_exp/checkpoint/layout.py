@@ -98,21 +98,40 @@ def find_resume(value: str, root: Path) -> Optional[Path]:
         return None
     if value == "auto":
         return latest_checkpoint(root)
+    refused = resume_refusal(value)
+    if refused is not None:
+        raise CheckpointError("; ".join(refused))
     path = Path(value).expanduser()
-    if path.is_dir() and not path.name.startswith(STEP_PREFIX):  # a checkpoint dir: its newest
-        newest = latest_checkpoint(path)
-        if newest is None:
-            raise CheckpointError(
-                f"checkpoint.resume={value}: no complete checkpoint (step_<N>/{META_FILE}) in it; "
-                "pass checkpoint.resume=auto or none"
-            )
-        return newest
-    if not is_complete(path):
-        raise CheckpointError(
-            f"checkpoint.resume={value} is not a complete checkpoint (no {META_FILE} / .metadata: "
-            "an unfinished save leaves only a .tmp folder); pass a step_<N> folder, auto or none"
+    return latest_checkpoint(path) if _is_checkpoints_folder(path) else path
+
+
+def resume_refusal(value: str) -> Optional[tuple[str, str]]:
+    """Why ``checkpoint.resume=value`` (a path) names no checkpoint to continue from, as (problem, fix), or
+    None when it names one: a step_<N> folder that is complete, or a folder of them holding a complete one."""
+    path = Path(value).expanduser()
+    if not path.exists():
+        return (
+            f"checkpoint.resume={value}: no such folder",
+            "pass the step_<N> folder of a saved run (or the checkpoints folder that holds it), auto or none",
         )
-    return path
+    if _is_checkpoints_folder(path):  # a checkpoint dir: its newest
+        if latest_checkpoint(path) is None:
+            return (
+                f"checkpoint.resume={value}: no complete checkpoint (step_<N>/{META_FILE}) in it",
+                "pass checkpoint.resume=auto or none",
+            )
+        return None
+    if not is_complete(path):
+        return (
+            f"checkpoint.resume={value} is not a complete checkpoint (no {META_FILE} / .metadata: "
+            "an unfinished save leaves only a .tmp folder)",
+            "pass a step_<N> folder, auto or none",
+        )
+    return None
+
+
+def _is_checkpoints_folder(path: Path) -> bool:
+    return path.is_dir() and not path.name.startswith(STEP_PREFIX)
 
 
 def resolve_resume(cfg, run_dir: Path) -> Optional[Path]:

@@ -253,5 +253,14 @@ def explain_composition_error(exc: BaseException, schema: type) -> str | None:
             + (f", or write {near}" if near else "")
             + " (python -m fsdp_exp --cfg job lists every key)"
         ).strip()
+    # One value for a key that holds a list (data.files=/some/train.txt): Hydra cannot merge a string into a
+    # typed list, so the fix is the same value in brackets, a one-element list.
+    given = re.match(r"Error merging override (\S+?)=(.*)$", where)
+    if given and key == given.group(1).lstrip("+~") and "is not a ListConfig" in text:
+        value = given.group(2)
+        return (
+            f"{where}\n{key} holds a list, and {value} is a single value.\n"
+            f"  fix: pass {key}=[{value}] (a list of one, in brackets; several are comma-separated)"
+        )
     details = f"\n{cause}" if isinstance(cause, OmegaConfBaseException) else ""
     return f"{exc}{details}".strip()

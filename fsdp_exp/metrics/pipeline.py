@@ -7,7 +7,8 @@ step's time splits into the stage's own compute and waiting on its neighbours.
   counts every live storage on this rank by kind: the parameters, gradients and optimizer states it
   was handed at the start, then every allocation and free of the sampled step (through its
   TorchDispatchMode and the storage ``resize_`` that FSDP2 uses), and keeps the peak. Each pp rank holds
-  only its stages, so a rank's peak is its stages' peak.
+  only its stages, so a rank's peak is its stages' peak. Under activation checkpointing the blocks' forwards
+  recomputed in backward are activations (as torch's own tracker books them), not backward temporaries.
 - **Time**: ``StageObserver`` wraps each ``PipelineStage``'s ``forward_one_chunk`` /
   ``backward_one_chunk`` / ``backward_weight_one_chunk`` (the stage's compute) and, while the schedule
   steps, torch's ``schedules._wait_batch_p2p`` (every wait on a send or a receive of a neighbour). Per
@@ -26,6 +27,7 @@ import contextlib
 import functools
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -47,7 +49,8 @@ class _ForwardModTracker(ModTracker):
             self._user_pre_fw_hook(mod, input)
 
     def _fw_post_hook(self, mod, input, output) -> None:
-        pass
+        if self._user_post_fw_hook is not None:  # the stage tracker's: the end of a forward recomputed in backward
+            self._user_post_fw_hook(mod, input, output)
 
 
 class StageMemTracker(MemTracker):
@@ -63,9 +66,15 @@ class StageMemTracker(MemTracker):
     def _pre_fw_hook(self, module, inputs) -> None:
         # FSDP2 swaps in the unsharded parameters just before the module's forward: counted as parameters
         self._track_module_params_and_buffers(module, install_grad_hooks=True)
+        # A forward inside backward is activation checkpointing recomputing a block: what it allocates until that
+        # outermost module's forward ends is activations, as torch's MemTracker books it (``_in_ac``), not the
+        # backward's temporaries.
+        if self._mod_tracker.is_bw and self._ac_mod is None:
+            self._ac_mod, self._in_ac = weakref.ref(module), True
 
     def _post_fw_hook(self, module, inputs, outputs) -> None:
-        pass
+        if self._ac_mod is not None and self._ac_mod() is module:
+            self._ac_mod, self._in_ac = None, False
 
     def _pre_bw_hook(self, module, args) -> None:
         pass
@@ -90,6 +99,7 @@ class StepTimes:
     compute_s: float = 0.0  # inside the stages' forward/backward chunks
     p2p_wait_s: float = 0.0  # waiting on a neighbour's send or receive
     schedule_s: float = 0.0  # the schedule's whole step
+    p2p_waits: int = 0  # how many waits torch's schedule made through the timed _wait_batch_p2p
 
     @property
     def bubble(self) -> float:
@@ -134,15 +144,23 @@ class StageObserver:
     def receive_buffers(self) -> list[torch.Tensor]:
         """The tensors torch's stages receive into, one per micro-batch for the activations coming in (but on the
         first stage) and for the gradients coming back (but on the last), allocated at the first step and kept:
-        made before a tracked step, so handed to its tracker (``stage_memory_tracker``)."""
-        infos = [
-            info
-            for stage in self._stages
-            for recv in (stage.args_recv_info, stage.grad_recv_info)
-            for per_chunk in recv.values()
-            for info in per_chunk
-        ]
-        return [info.buffer for info in infos if getattr(info, "buffer", None) is not None]
+        made before a tracked step, so handed to its tracker (``stage_memory_tracker``). Read from torch's private
+        ``args_recv_info`` / ``grad_recv_info`` and their ``_RecvInfo.buffer``: a stage that receives and shows no
+        buffer there (torch renamed or moved them) raises, rather than the tracker under-counting in silence."""
+        buffers = []
+        for stage in self._stages:
+            for name, receives in (("args_recv_info", not stage.is_first), ("grad_recv_info", not stage.is_last)):
+                infos = [info for per_chunk in _torch_private(stage, name).values() for info in per_chunk]
+                found = [_torch_private(info, "buffer") for info in infos]
+                found = [b for b in found if b is not None]  # a root input (the first stage's) has none
+                if receives and not found:
+                    raise RuntimeError(
+                        f"pipeline stage {stage.stage_index} receives from a neighbour, but torch's PipelineStage."
+                        f"{name} holds no receive buffer after a step: torch {torch.__version__} keeps them elsewhere; "
+                        "fsdp_exp/metrics/pipeline.py (StageObserver.receive_buffers) must follow it"
+                    )
+                buffers += found
+        return buffers
 
     def _timed(self, chunk: Callable, phase: str) -> Callable:
         def timed(*args, **kwargs):
@@ -174,6 +192,7 @@ class StageObserver:
                 return original(work)
             finally:
                 times.p2p_wait_s += time.perf_counter() - started
+                times.p2p_waits += 1
 
         schedules._wait_batch_p2p = timed_wait
         started = time.perf_counter()
@@ -182,6 +201,24 @@ class StageObserver:
         finally:
             times.schedule_s = time.perf_counter() - started
             schedules._wait_batch_p2p = original
+        if times.p2p_waits == 0:  # every stage of a pipeline of 2 or more waits on a neighbour each step
+            raise RuntimeError(
+                f"torch's pipeline schedule stepped without waiting through schedules._wait_batch_p2p: torch "
+                f"{torch.__version__} waits on its P2P work elsewhere, and comm/p2p_wait_s would read 0; "
+                "fsdp_exp/metrics/pipeline.py (StageObserver.timing) must follow it"
+            )
+
+
+def _torch_private(owner, name: str):
+    """A private attribute of torch's pipelining that the stage tracker reads; its absence (torch renamed it) is
+    an error naming what to change, never a default that would count nothing."""
+    try:
+        return getattr(owner, name)
+    except AttributeError:
+        raise RuntimeError(
+            f"torch {torch.__version__}'s {type(owner).__name__} has no {name}: fsdp_exp/metrics/pipeline.py reads it "
+            "to count the stages' receive buffers and must follow torch's new name"
+        ) from None
 
 
 class PipelineMetrics:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from fsdp_exp.errors import closest, did_you_mean, fail
 
@@ -38,6 +38,34 @@ def transformers():
 
 
 # ------------------------------------------------------------------------------------ the file
+def shipped_preset(hub_name: str) -> Optional[str]:
+    """The ``model=`` preset shipped with fsdp_exp that writes out ``hub_name``'s config.json field by field (its
+    first line names the hub repository in parentheses), so that it plans and runs offline; None if none does."""
+    from importlib.resources import files
+
+    # the package fsdp_exp.conf, wherever it is installed from (conf/ in a checkout: setup.py)
+    folder = files("fsdp_exp.conf") / "model"
+    for path in sorted(folder.iterdir(), key=lambda p: p.name):
+        if not path.name.endswith(".yaml"):
+            continue
+        first = path.read_text().partition("\n")[0]
+        if f"({hub_name.lower()})" in first.lower():
+            return path.name.removesuffix(".yaml")
+    return None
+
+
+def _shipped_fix(hub_name: str) -> str:
+    preset = shipped_preset(hub_name)
+    return f"pass model={preset} (shipped with fsdp_exp: no hub, no file needed), or " if preset else ""
+
+
+def _without_transformers() -> str:
+    import importlib.util
+
+    missing = importlib.util.find_spec("transformers") is None
+    return f" transformers, which model=hf builds with, is not installed either ({INSTALL})." if missing else ""
+
+
 def is_local(spec: str) -> bool:
     """Whether ``model.hf_config`` names a local file or folder (else it is a hub name)."""
     return Path(spec).expanduser().exists() or spec.startswith(("/", ".", "~")) or spec.endswith(".json")
@@ -64,8 +92,9 @@ def fetch(m) -> None:
     if why:
         fail(
             f"model.hf_config={m.hf_config!r} is a hub name, {why}, and the hub cache ({constants.HF_HUB_CACHE}) "
-            f"holds no copy of its {HUB_FILE}.",
-            f"pass model.hf_config=<a local folder or config.json>, or {hub.how_to_reach()}",
+            f"holds no copy of its {HUB_FILE}." + _without_transformers(),
+            _shipped_fix(m.hf_config)
+            + f"pass model.hf_config=<a local folder or config.json>, or {hub.how_to_reach()}",
         )
     try:
         hf_hub_download(m.hf_config, HUB_FILE, revision=m.revision, etag_timeout=5)
@@ -96,7 +125,8 @@ def config_file(m) -> Path:
     if found is None:
         fail(
             f"model.hf_config={spec!r} is a hub name whose {HUB_FILE} is not in the local hub cache.",
-            "run through python -m fsdp_exp (its launcher fetches it), or pass a local folder or config.json",
+            _shipped_fix(spec) + "run through python -m fsdp_exp (its launcher fetches it), or pass a local folder or "
+            "config.json",
         )
     return found
 

@@ -1,6 +1,8 @@
 """Parallelism, applied in a fixed order like a recipe: tensor parallel, float8 training (float8.py),
 activation checkpointing, compile, then the data-parallel backend (``backend_for(cfg)``: FSDP2, FSDP1, DDP or DeepSpeed, see backend.py),
-which also materializes the model and initializes it identically on every rank. Each step records what
+which also materializes the model and initializes it identically on every rank. A backend whose units
+must hold the checkpointed region (FSDP1, ``checkpoints_inside_units``) has its blocks checkpointed after
+it wrapped them instead. Each step records what
 it handed to torch ("applied"); the backend then reads back what torch holds (``applied["inspected"]``).
 
 The result binds the backend to this run's model, config and device, so that the training step asks it
@@ -101,13 +103,16 @@ def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device
         applied["cp"] = context.wrap_attention(model, cp_mesh, method, cfg.trainer.seq_len)
     if float8.enabled(cfg):  # before AC and compile, which wrap the converted layers (as torchtitan orders it)
         applied["float8"] = float8.apply(model, cfg)
-    if cfg.ac.mode != "none":
-        applied["ac"] = ac.apply(model, cfg)
     backend = backend_for(cfg)
+    checkpointed = ac.chosen(model, cfg) if cfg.ac.mode != "none" else None
+    if checkpointed is not None and not backend.checkpoints_inside_units:
+        applied["ac"] = ac.apply(model, cfg, targets=checkpointed)
     if cfg.compile and not backend.compiles_itself:
         applied["compile"] = compile.apply(model, cfg)
     # The data-parallel dims (tensor parallel has used its own), with cp folded into the shard dim.
     model, dp_applied = backend.apply(model, cfg, dense_dp_mesh(mesh), device)
+    if checkpointed is not None and backend.checkpoints_inside_units:  # the blocks, where the wrapping put them
+        applied["ac"] = {**ac.apply(model, cfg, targets=checkpointed), "order": "after the backend's wrapping"}
     shards = context.shard_positions(model, cp_mesh, cfg.trainer.seq_len) if cp_mesh is not None else None
     # What torch holds, read back from the wrapped model (tests compare it with the config).
     grad_sync = backend.grad_sync(cfg)

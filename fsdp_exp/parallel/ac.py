@@ -33,25 +33,32 @@ def _op_level_context(ops: str):
     return create_selective_checkpoint_contexts(partial(_policy, {False: OpSaver(ops), True: OpSaver(ops)}))
 
 
-def apply(model: nn.Module, cfg: RunConfig, first_block: int = 0) -> dict:
-    """Wrap the chosen blocks of ``model`` in place. ``first_block``: the index in the full model of
+def chosen(model: nn.Module, cfg: RunConfig, first_block: int = 0) -> dict[str, nn.Module]:
+    """The blocks of ``model`` to checkpoint, by name. ``first_block``: the index in the full model of
     ``model``'s first block (a pipeline stage's), so that a stage checkpoints the blocks the unsplit model
     would: ``ac.every`` counts the model's blocks, not the stage's."""
     names = blocks(model, cfg)
     every = 1 if cfg.ac.mode == "full" else cfg.ac.every
-    chosen = [name for i, name in enumerate(names, first_block) if i % every == 0]
+    return {name: model.get_submodule(name) for i, name in enumerate(names, first_block) if i % every == 0}
+
+
+def apply(model: nn.Module, cfg: RunConfig, first_block: int = 0, targets: dict[str, nn.Module] | None = None) -> dict:
+    """Wrap the chosen blocks of ``model`` in place (``chosen``). ``targets``: blocks chosen before a
+    backend wrapped ``model`` (FSDP1, whose units must hold the checkpointed region, see
+    ``Backend.checkpoints_inside_units``): each is found where the wrapping put it and wrapped there."""
+    targets = chosen(model, cfg, first_block) if targets is None else targets
     kwargs = {"preserve_rng_state": False}
     if cfg.ac.ops != "none":
         kwargs["context_fn"] = partial(_op_level_context, cfg.ac.ops)
-    for name in chosen:
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, checkpoint_wrapper(getattr(owner, child), **kwargs))
+    owners = {id(child): (owner, attr) for owner in model.modules() for attr, child in owner.named_children()}
+    for block in targets.values():
+        owner, attr = owners[id(block)]
+        setattr(owner, attr, checkpoint_wrapper(block, **kwargs))
     return {
         "mode": cfg.ac.mode,
-        "every": every,
+        "every": 1 if cfg.ac.mode == "full" else cfg.ac.every,
         "ops": cfg.ac.ops,
-        "checkpointed": chosen,
+        "checkpointed": list(targets),
         "api": "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
         "kwargs": {
             "preserve_rng_state": False,

@@ -105,6 +105,11 @@ class BackendChecks(ABC):
     # compile=true: the backend compiles the wrapped model itself (DeepSpeed's engine.compile), instead of
     # the recipe compiling each block before it (``fsdp_exp.parallel.compile``)
     compiles_itself: bool = False
+    # ac != none: the checkpointed region must lie inside the backend's unit (FSDP1 casts a unit's inputs to
+    # param_dtype in its pre-forward but skips that during the recomputation, so a checkpoint wrapped around
+    # the unit would recompute in fp32 what it saved in bf16): the recipe then checkpoints the blocks after
+    # the backend wrapped them. False: before, as FSDP2 needs (fully_shard on the checkpoint wrapper).
+    checkpoints_inside_units: bool = False
     # precision.float8_recipe (``fsdp_exp.parallel.float8``): why this backend cannot train torchao's float8
     # linear layers (None: it can), and whether it all-gathers float8 weights (precision.float8_all_gather)
     float8_refusal: Optional[str] = "fsdp_exp has not checked torchao's float8 training with it."

@@ -12,9 +12,9 @@ too. Recipes, refusals and measurements: the docs page float8.md.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING
 
+from fsdp_exp import packages
 from fsdp_exp.errors import fail
 
 if TYPE_CHECKING:
@@ -56,8 +56,12 @@ def check(cfg: "RunConfig", device_type: str) -> None:
             f"({', '.join(RECIPES)}).",
             "pass precision.float8_recipe=tensorwise (or null: no float8)",
         )
-    if importlib.util.find_spec("torchao") is None:
-        fail(f"precision.float8_recipe={p.float8_recipe} needs torchao, which is not installed.", INSTALL)
+    packages.require(
+        "torchao",
+        "precision.float8_recipe",
+        f"precision.float8_recipe={p.float8_recipe} needs torchao, which is not installed.",
+        INSTALL,
+    )
     backend = backend_for(cfg)
     if backend.float8_refusal:
         backend.refuse(
@@ -90,6 +94,73 @@ def check(cfg: "RunConfig", device_type: str) -> None:
             "pass offload=none, or precision.float8_all_gather=false",
         )
 
+    if p.float8_filter_fqns:
+        _refuse_filters_that_match_nothing(cfg)
+
+
+def _refuse_filters_that_match_nothing(cfg: "RunConfig") -> None:
+    """A name in precision.float8_filter_fqns that matches no linear layer keeps nothing high precision:
+    most likely a typo, whose layers would then run in float8 unnoticed."""
+    from torch import nn
+
+    from fsdp_exp.models import build_meta
+
+    linears = [name for name, m in build_meta(cfg.model).named_modules() if isinstance(m, nn.Linear)]
+    unmatched = [fqn for fqn in cfg.precision.float8_filter_fqns if not any(_names(fqn, name) for name in linears)]
+    if unmatched:
+        fail(
+            f"precision.float8_filter_fqns names {', '.join(map(repr, unmatched))}, which match no linear layer of "
+            f"the model (its linear layers include {', '.join(linears[:4])}, ...); the filter would keep nothing "
+            "high precision.",
+            "pass whole parts of the layers' names, e.g. precision.float8_filter_fqns=[output] "
+            "(or null: the model's output projection)",
+        )
+
+
+def _names(fqn: str, name: str) -> bool:
+    """Whether filter entry ``fqn`` names module ``name`` (whole name parts: "feed_forward", "layers.0")."""
+    return f".{fqn}." in f".{name}."
+
+
+def device_refusal(
+    recipe: "str | None", emulate: bool, device: str, fp8_peak: "float | None", gpu: bool
+) -> "tuple[str, str] | None":
+    """Why float8 training cannot run on ``device`` (problem, fix), or None: the one rule that tune, the planner
+    and the ranks share. torch._scaled_mm's float8 matmuls need FP8 tensor cores (compute capability 8.9: Ada,
+    Hopper, Blackwell); a GPU without an FP8 peak in the device tables (an A100) has none, and only torchao's
+    emulation (``precision.float8_emulate``) runs there, no faster than bf16. A CPU (``gpu`` false) runs float8
+    through its own _scaled_mm kernel: not refused. ``fp8_peak``: the device's FP8 TFLOPS from the caller's
+    table (plan/devices.py's DevicePerf, or metrics/flops.py's by CUDA name), None when it has none."""
+    if recipe is None or emulate or not gpu or fp8_peak:
+        return None
+    return (
+        f"precision.float8_recipe={recipe}: {device} has no FP8 tensor cores (no fp8 peak in fsdp_exp/plan/devices.py; "
+        "torch._scaled_mm needs compute capability 8.9 or more), so its float8 matmuls cannot run.",
+        "pass precision=bf16, or precision.float8_emulate=true (torchao's emulation: the casts without the speed)",
+    )
+
+
+def check_gpu_name(cfg: "RunConfig", name: str) -> None:
+    """Refuse float8 on the GPU CUDA names ``name`` ("NVIDIA A100-SXM4-80GB") when it has no FP8 tensor cores; a
+    name no table knows is let through (torchao then says what it can do). Testable without a GPU."""
+    from fsdp_exp.metrics.flops import lookup_peak_tflops
+
+    p = cfg.precision
+    refused = device_refusal(p.float8_recipe, p.float8_emulate, name, lookup_peak_tflops(name, "fp8"), gpu=True)
+    known = lookup_peak_tflops(name, "bf16") is not None
+    if refused and known:
+        fail(*refused)
+
+
+def check_rank_device(cfg: "RunConfig", device) -> None:
+    """In each rank, before the model is built: a CUDA rank's GPU must run float8 (``check_gpu_name``). The
+    launcher does not ask, to hold no CUDA context of its own while the ranks run."""
+    if not enabled(cfg) or device.type != "cuda":
+        return
+    import torch
+
+    check_gpu_name(cfg, torch.cuda.get_device_name(device))
+
 
 def skipped_fqns(cfg: "RunConfig") -> tuple[str, ...]:
     """The modules kept high precision by name: the setting, else the model's output projection."""
@@ -106,7 +177,7 @@ def why_kept(name: str, module: "nn.Module", by_name: tuple[str, ...]) -> str | 
 
     if not isinstance(module, nn.Linear):
         return "not an nn.Linear"
-    if any(f".{fqn}." in f".{name}." for fqn in by_name):  # whole name parts: "feed_forward", "output", "layers.0"
+    if any(_names(fqn, name) for fqn in by_name):
         return "precision.float8_filter_fqns"
     if module.in_features % FLOAT8_MATMUL_MULTIPLE or module.out_features % FLOAT8_MATMUL_MULTIPLE:
         return f"dims {module.in_features}x{module.out_features} not multiples of {FLOAT8_MATMUL_MULTIPLE}"

@@ -91,6 +91,7 @@ class FSDP1(Backend):
         "parameters, and fsdp_exp has not checked it there."
     )
     strategies = tuple(STRATEGY_NAMES)
+    checkpoints_inside_units = True  # FSDP(checkpoint(block)): see BackendChecks.checkpoints_inside_units
     tracks_memory = False  # torch's MemTracker cannot hook FSDP1's parameters (views into flat parameters)
     column_title = "FSDP1 (`FullyShardedDataParallel`)"
 
@@ -122,6 +123,16 @@ class FSDP1(Backend):
                 "sharding.use_orig_params=false with weight decay",
                 "flat parameters mix matrices and norm weights, so weight decay could not skip the norms.",
                 "pass optim.weight_decay=0, or drop sharding.use_orig_params=false",
+            )
+        if cfg.ac.ops != "none" and cfg.wrap.policy in ("size", "experts"):
+            # A unit inside a checkpointed block gathers its parameters in the forward but not in the
+            # recomputation (FSDP1 skips a unit's pre-forward there), so op-level checkpointing, which
+            # replays the block's ops one by one, finds ops it never saw.
+            self.refuse(
+                f"ac.ops={cfg.ac.ops} with wrap={cfg.wrap.policy}",
+                "FSDP1's units inside a checkpointed block run other ops in the recomputation than in the "
+                "forward, which op-level checkpointing cannot replay.",
+                "pass wrap=block, ac=full or ac=selective (whole blocks), or sharding.backend=fsdp2",
             )
         if cfg.compile and s.use_orig_params is False:
             self.refuse(
@@ -291,7 +302,7 @@ class FSDP1(Backend):
             "wrap=none": "no `auto_wrap_policy`",
             "sharding.use_orig_params": "`use_orig_params` (default true)",
             "sharding.sync_module_states": "`sync_module_states` (CUDA only)",
-            "ac=full / selective / selective_op": "`checkpoint_wrapper` on blocks, before wrapping",
+            "ac=full / selective / selective_op": "`checkpoint_wrapper` on blocks inside their units, after wrapping",
             "trainer.grad_sync=every_micro_batch": "no `no_sync()`: each backward reduce-scatters (auto)",
             "trainer.grad_sync=last_micro_batch": "`no_sync()` until the last micro-batch",
             "compile=true": "same (needs use_orig_params)",

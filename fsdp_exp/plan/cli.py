@@ -18,8 +18,9 @@ import json
 import sys
 from typing import TYPE_CHECKING, Optional
 
-from fsdp_exp.errors import EXIT_BAD_CONFIG
+from fsdp_exp.errors import EXIT_BAD_CONFIG, fail
 from fsdp_exp.plan.devices import device_table, fits, local_cuda_device
+from fsdp_exp.plan.fit import MORE_NODES
 from fsdp_exp.units import GIB
 from fsdp_exp.plan.predict import Plan, plan
 
@@ -133,8 +134,12 @@ def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
     if "device" in options:
         device = table.get(options["device"])
         if device is None:
+            from fsdp_exp.errors import did_you_mean
+            from fsdp_exp.plan.devices import nearest_device
+
+            hint = did_you_mean(nearest_device(options["device"]), "plan.device={}", after=" Or ")
             raise PlanOptionError(
-                f"plan.device={options['device']!r} is not a known device.\n  fix: pass one of {', '.join(table)}"
+                f"plan.device={options['device']!r} is not a known device.\n  fix: {hint}pass one of {', '.join(table)}"
             )
     margin = None
     if "margin" in options:
@@ -159,13 +164,77 @@ def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
 
         gpus = cuda_device_count()
     topology = validate(cfg, cuda_devices=gpus)
+    if device is not None:
+        _refuse_float8(cfg, device)
     kind = device.kind if device else None
     result = plan(cfg, topology, device_kind=kind, margin=margin)
     if device is None:
         device = table["cpu_host"] if result.device_kind == "cpu" else local_cuda_device()
     if device is not None:
+        _refuse_float8(cfg, device)  # the local GPU's (plan.device's was asked before planning)
         result.device = fits(result, device)
-    return result, {"format": fmt, "options": price_options(cfg, result, gpus, kind, margin)}
+    found = None
+    if result.device and not result.device["fits"]:
+        from fsdp_exp.plan.fit import find_fit
+
+        found = find_fit(cfg, topology.dp_size, device, gpus, margin)
+    return result, {
+        "format": fmt,
+        "options": price_options(cfg, result, gpus, kind, margin),
+        "fit": found,
+        "header": header(cfg, result, options.get("device"), overrides),
+    }
+
+
+def header(cfg: "RunConfig", result: Plan, device_name: Optional[str], overrides: list[str]) -> str:
+    """What was planned, in the words of the overrides that set it: a plan of the tiny defaults reads as one."""
+    t = cfg.trainer
+    micro = f", micro-batch {t.micro_batch_size}" if t.micro_batch_size else ""
+    where = device_name or ("this machine's " + result.device_kind.upper())
+    model = next((o.partition("=")[2] for o in overrides if o.startswith("model=")), "the default")
+    return (
+        f"model={model} ({_count(result.num_params)} parameters), "
+        f"sequence {t.seq_len}, global batch {t.global_batch_size}{micro}, {result.world_size} ranks "
+        f"({t.nnodes} node{'s' * (t.nnodes > 1)}), on {where}"
+    )
+
+
+def fit_lines(found: Optional[dict], result: Plan, overrides: list[str], argv: list[str]) -> list[str]:
+    """The cheapest combination that fits (``fit.find_fit``), as the command to run and the one to check it."""
+    dv = result.device
+    if not dv or dv["fits"]:
+        return []
+    if found is None:
+        return [
+            f"no combination of the memory options (ac, precision, sharding, offload, micro-batch, up to "
+            f"{max(MORE_NODES)}x the nodes) fits {dv['name']}: try a larger device (plan.device=...) or a smaller model"
+        ]
+    planner = [a for a in argv if a.startswith("plan.")]
+    run = " ".join(overrides + found["changes"])
+    return [
+        f"fits with {' '.join(found['changes'])}: needs {found['needed_bytes'] / GIB:.1f} of "
+        f"{found['device_bytes'] / GIB:.1f} GiB (the cheapest of {found['tried']} combinations planned; the order of "
+        "cost: fsdp_exp/plan/fit.py PRICES)",
+        f"  run it:   python -m fsdp_exp {run}",
+        f"  check it: python -m fsdp_exp.plan {' '.join([run, *planner])}",
+        f"  rank what fits by predicted speed: python -m fsdp_exp.tune {' '.join([*overrides, *planner])}",
+    ]
+
+
+def _refuse_float8(cfg: "RunConfig", device) -> None:
+    """float8 on a GPU without FP8 tensor cores is refused as tune and the ranks refuse it (one rule,
+    fsdp_exp.parallel.float8.device_refusal): its plan would describe a run that cannot start."""
+    from fsdp_exp.parallel.float8 import device_refusal
+    from fsdp_exp.plan.devices import table_device
+
+    entry = device if device.perf is not None else table_device(device.description, device.bytes)
+    if entry is None or entry.perf is None:  # a GPU no table knows: nothing to say
+        return
+    p = cfg.precision
+    fp8 = entry.perf.peak_tflops.get("fp8")
+    refused = device_refusal(p.float8_recipe, p.float8_emulate, entry.name, fp8, gpu=bool(entry.perf.kernels))
+    if refused:
+        fail(*refused)
 
 
 def _count(n: int) -> str:
@@ -185,7 +254,7 @@ def render_table(result: Plan, overrides: list[str], options: Optional[list[dict
     unit, scale = ("GiB", GIB) if per["total"] >= GIB else ("MiB", 2**20)
 
     def fmt(n: float) -> str:
-        return f"{n / scale:.3f}" if n < 10 * scale else f"{n / scale:.1f}"
+        return f"{n / scale:.3f}" if abs(n) < 10 * scale else f"{n / scale:.1f}"  # the same digits either sign
 
     title = (
         f"Memory plan per rank: {_count(result.num_params)} parameters, {result.world_size} ranks, {result.device_kind}"
@@ -202,14 +271,24 @@ def render_table(result: Plan, overrides: list[str], options: Optional[list[dict
     )
     if ms["host"]["total"]:
         table.add_row("model states on host", fmt(ms["host"]["total"]), "offload=params", end_section=True)
-    table.add_row("activations", fmt(per["activations"]), "at the peak, with their gradients")
+    stage = next(ph["stage"] for ph in result.phases if ph["name"] == pk["phase"])
+    # per_rank_bytes["activations"] sums three pieces that hold different things: each is its own row
+    table.add_row("activations", fmt(pk["activations"]), "saved for backward, alive at the peak")
+    table.add_row(
+        "temporaries",
+        fmt(pk["temporaries"]),
+        "the optimizer step's working tensors"
+        if stage == "optimizer"
+        else "activations' gradients and working tensors at the peak",
+    )
+    if pk["inputs"]:
+        table.add_row("inputs", fmt(pk["inputs"]), "token ids and targets")
     table.add_row(
         "buffers",
         fmt(per["buffers"]),
         f"at the peak: unsharded params {fmt(pk['unsharded'])}, "
         f"comm {fmt(pk['comm'])}, module {fmt(pk['module_buffers'])}",
     )
-    stage = next(ph["stage"] for ph in result.phases if ph["name"] == pk["phase"])
     table.add_row(
         "peak", fmt(pk["total"]), f"at {pk['phase']} ({STAGE_WORDS[stage]}); gradients alive then {fmt(pk['grads'])}"
     )
@@ -269,15 +348,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"fsdp_exp.plan: {refused}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if opts["format"] == "json":
-        print(json.dumps({**result.to_dict(), "options": opts["options"]}, indent=1))
+        print(json.dumps({**result.to_dict(), "options": opts["options"], "fit": opts["fit"]}, indent=1))
     else:
         from rich.console import Console
 
-        console = Console()
-        console.print(render_table(result, split_argv(argv)[1], opts["options"]))
+        from fsdp_exp.narrow import terminal_width
+
+        console = Console(width=terminal_width())
+        overrides = split_argv(argv)[1]
+        console.print(opts["header"], highlight=False, markup=False)
+        console.print(render_table(result, overrides, opts["options"]))
         line = verdict_line(result)
         if line:
-            console.print(line)
+            console.print(line, highlight=False)
+        for line in fit_lines(opts["fit"], result, overrides, argv):
+            console.print(line, highlight=False, markup=False)
     return 0
 
 

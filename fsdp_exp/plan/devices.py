@@ -503,3 +503,12 @@ def fits(result, device: Device) -> dict:
         "fits": need * ranks <= device.bytes,
         "headroom_bytes": device.bytes - need * ranks,
     }
+
+
+def nearest_device(name: str) -> Optional[str]:
+    """The device a mistyped ``plan.device`` most likely meant: the first of the table whose name starts with it
+    (``h100`` -> ``h100_80gb``, the table listing each GPU's common form first), else the closest spelling."""
+    from fsdp_exp.errors import closest
+
+    table = device_table()
+    return next((d for d in table if d.startswith(name.lower())), None) or closest(name, table)

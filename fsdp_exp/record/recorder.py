@@ -47,7 +47,9 @@ class Recorder:
         if not self.is_main:
             return []
         self.jsonl = JsonlSink(self.run_dir, keep_through_step=keep_through_step)
-        self.console = ConsoleSink(cfg.trainer.steps, cfg.logger.progress, cfg.logger.summary_table)
+        self.console = ConsoleSink(
+            cfg.trainer.steps, cfg.logger.progress, cfg.logger.summary_table, start_step=keep_through_step or 0
+        )
         self.open = True
         return list(self.jsonl.kept)
 

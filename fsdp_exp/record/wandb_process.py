@@ -216,7 +216,12 @@ def main() -> int:
         pickle.dump(message, answers)
         answers.flush()
 
-    _, (settings, run_dir, config, overrides, choices, run_id, new_id) = pickle.load(calls)
+    try:
+        _, (settings, run_dir, config, overrides, choices, run_id, new_id) = pickle.load(calls)
+    except (EOFError, pickle.UnpicklingError):
+        # Its parent ended before handing it a run: a launcher that refused the config, a rank 0 that failed
+        # while building (the run's own error says why). There is no W&B run to leave: end without a word.
+        return 0
     try:
         sink = WandbSink(SimpleNamespace(**settings), Path(run_dir), config, overrides, choices, run_id, new_id)
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the run
@@ -226,7 +231,8 @@ def main() -> int:
     while True:
         try:
             call, args = pickle.load(calls)
-        except EOFError:  # rank 0 ended without closing (it failed): leave the run as a killed one would
+        except (EOFError, pickle.UnpicklingError):  # rank 0 ended without closing (it failed, maybe mid-call):
+            # leave the run as a killed one would
             os._exit(1)
         if call == "close":
             sink.close(*args)

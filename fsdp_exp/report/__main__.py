@@ -83,6 +83,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     from rich.console import Console
 
+    from fsdp_exp.narrow import terminal_width
+
     args = parse_args(argv)
     try:
         if args.wandb:
@@ -95,8 +97,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"fsdp_exp.report: {err}", file=sys.stderr)
         return EXIT_NO_RUNS
     report = build_report(runs, metric=args.metric, sources=sources)
-    # Piped into a file or CI log, rich would wrap at 80 columns; a report row is wider than that.
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    # Piped into a file or CI log: 100 columns, the ranking dropping its least needed columns (table.DROP_ORDER).
+    console = Console(width=terminal_width())
     print_report(report, console)
     if not args.no_files:
         fig, _ = plot_report(report)

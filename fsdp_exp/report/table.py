@@ -11,6 +11,8 @@ configurations whose interval overlaps the best one's. A configuration measured 
 
 from __future__ import annotations
 
+import re
+
 import json
 import statistics
 from dataclasses import asdict, dataclass, field, replace
@@ -592,6 +594,61 @@ def repeat_cells(report: Report, run: Row) -> list[str]:
     ]
 
 
+# The ranking's columns dropped first to last where the console is too narrow for all of them (the CSV and the
+# HTML keep every one): how the interval was made and where the peak came from, then the secondary figures. The
+# rank, the run's configuration, the ranking statistic, its interval and the peak stay at any width.
+DROP_ORDER = (
+    "interval over",
+    "peak from",
+    "predicted peak",
+    "peak on stages",
+    "bubble pred/meas",
+    "final loss",
+    "status",
+    "vs #1",
+    METRICS["mfu"].header,
+)
+RUN_MIN_WIDTH = 28  # narrower, a run's label breaks every override onto its own line
+
+
+def readable(label: str) -> str:
+    """A run's label with a space after each comma that starts another override, so that the console wraps it by
+    overrides (``sharding=full, precision=bf16``) rather than inside one; commas inside a value stay."""
+    return re.sub(r",(?=[\w.+~/]+=)", ", ", label)
+
+
+def ranking_table(report: Report, width: Optional[int] = None):
+    """The ranked table; at ``width`` columns, the columns of ``DROP_ORDER`` go first until it fits."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    from fsdp_exp.narrow import fit_columns
+
+    every = table_columns(report)
+
+    def build(columns: list[str]):
+        # collapse_padding: two spaces between columns, not three; the ranked table has many of them.
+        table = Table(caption=Text(caption(report)), caption_justify="left", box=box.SIMPLE_HEAD, collapse_padding=True)
+        for column in columns:
+            # Only the label wraps (by words, then folds): a number or an interval over two lines reads as two values.
+            table.add_column(
+                column,
+                justify="left" if column in ("run", "peak from", "status") else "right",
+                overflow="fold",
+                no_wrap=column != "run",
+                min_width=RUN_MIN_WIDTH if column == "run" else None,
+            )
+        for row in report.ranked:
+            values = dict(zip(every, table_cells(report, row)))
+            values["run"] = readable(values["run"])
+            table.add_row(*[Text(values[c]) for c in columns])
+        return table
+
+    keep = [c for c in DROP_ORDER if c != METRICS[report.metric].header]  # never the ranking statistic
+    return build(every) if width is None else fit_columns(build, every, keep, width)
+
+
 def print_report(report: Report, console=None) -> None:
     """The ranked table, the runs of repeated configurations, duplicates, runs that did not complete and
     per-option means (rich)."""
@@ -616,19 +673,7 @@ def print_report(report: Report, console=None) -> None:
         f"fsdp_exp report: {len(report.ranked)} configurations ranked, from {len(report.completed)} completed "
         f"of {total} runs ({escape(', '.join(report.sources))})"
     )
-    # collapse_padding: two spaces between columns, not three; the ranked table has many of them.
-    table = Table(caption=Text(caption(report)), caption_justify="left", box=box.SIMPLE_HEAD, collapse_padding=True)
-    for column in table_columns(report):
-        # Only the label folds: a number, an interval or a status split over two lines reads as two values.
-        table.add_column(
-            column,
-            justify="left" if column in ("run", "peak from", "status") else "right",
-            overflow="fold",
-            no_wrap=column != "run",
-        )
-    for row in report.ranked:
-        table.add_row(*cells(*table_cells(report, row)))
-    console.print(table)
+    console.print(ranking_table(report, console.width))
 
     runs = repeated(report)
     if runs:

@@ -89,7 +89,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 def report(tuning, data: dict, status: int, argv: list[str]) -> int:
     from rich.console import Console
 
-    from fsdp_exp.tune import output
+    from fsdp_exp.narrow import terminal_width
+    from fsdp_exp.tune import output, recommend
     from fsdp_exp.tune.options import split_argv
 
     opts, _ = split_argv(argv)
@@ -100,13 +101,14 @@ def report(tuning, data: dict, status: int, argv: list[str]) -> int:
     if opts.format == "json":
         print(json.dumps(data, indent=1, default=str))
         return status
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = Console(width=terminal_width())
+    width = console.width
     console.print(
         f"[bold]fsdp_exp tune[/bold]: the best {min(opts.show, len(tuning.ranked))} of "
         f"{len(tuning.ranked):,} candidates that fit, by predicted tokens/s",
         highlight=False,
     )
-    console.print(output.render_table(tuning, opts.show))
+    console.print(output.render_table(tuning, opts.show, width))
     for line in output.summary_lines(tuning):
         console.print(line, highlight=False, markup=False)
     if data.get("spearman") is not None or data.get("winner", {}).get("measured"):
@@ -137,4 +139,6 @@ def report(tuning, data: dict, status: int, argv: list[str]) -> int:
             highlight=False,
             markup=False,
         )
+    for line in recommend.lines(data.get("recommendation"), tuning):  # the answer: last, where the eye lands
+        console.print(line, highlight=False, markup=False)
     return status

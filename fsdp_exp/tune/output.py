@@ -28,7 +28,7 @@ def _fits(w: "Weighed") -> str:
     if w.fits is None:
         return "refused"
     text = (
-        f"yes, {w.headroom:.0%} left"
+        (f"yes, {w.headroom:.0%} left" if w.headroom >= 0 else f"yes, {-w.headroom:.0%} over, in the planner's band")
         if w.fits
         else f"no, over by {-w.headroom:.0%}" + (" (parameters alone)" if w.floor_bytes is not None else "")
     )
@@ -73,6 +73,8 @@ def tune_json(
 ) -> dict:
     from dataclasses import asdict
 
+    from fsdp_exp.tune.recommend import recommend
+
     order = tuning.ranked + [w for w in tuning.candidates if w.rank is None]
     return {
         "command": "python -m fsdp_exp.tune " + " ".join(argv),
@@ -99,6 +101,8 @@ def tune_json(
         or {"predicted": tuning.ranked[0].candidate.id, "measured": None, "predicted_ties_measured": None},
         "mae_tokens_per_s": (comparison or {}).get("mae_tokens_per_s"),
         "budget_check": budget,
+        "missing_packages": {m: {"needed_by": w, "install": i} for m, (w, i) in tuning.missing_packages.items()},
+        "recommendation": recommend(tuning, argv),
     }
 
 
@@ -119,46 +123,68 @@ def rows_shown(tuning: "Tuning", show: int) -> list["Weighed"]:
     return top + sorted(extra, key=lambda w: (w.rank or 1 << 30, w.candidate.id))
 
 
-def render_table(tuning: "Tuning", show: int):
+# The table's columns, and the order they are dropped in when the terminal is too narrow for all of them: how
+# the time splits first (tune.json keeps it), then the step time (tokens/s says it), the MFU, the id (the
+# recommendation names the ids that matter), the role. The rank, the candidate, whether it fits, its peak and
+# its tokens/s stay at any width.
+COLUMNS = ("#", "id", "candidate", "fits", "peak/rank", "tokens/s", "step", "MFU", "where the time goes")
+MEASURED_COLUMNS = ("measured tokens/s", "95% interval", "measured peak")
+DROP_ORDER = ("where the time goes", "95% interval", "step", "MFU", "measured peak", "id", "role")
+# The narrowest the wrapping columns may get before a column is dropped: below these a label breaks every word
+# onto its own line. The longest single words of a label ("precision=float8_all_gather") still fold.
+MIN_WIDTHS = {"candidate": 30, "fits": 13, "where the time goes": 22, "role": 11}
+
+
+def render_table(tuning: "Tuning", show: int, width: Optional[int] = None):
+    """The ranked candidates, each named by what it changes in the run as given (``recommend.differences``); at
+    ``width`` columns, the columns of ``DROP_ORDER`` go first until the rest fits."""
+    from fsdp_exp.narrow import fit_columns
+
+    measured = any(w.measured for w in tuning.candidates)
+    columns = list(COLUMNS) + (list(MEASURED_COLUMNS) if measured else []) + ["role"]
+    if not any(w.roles for w in rows_shown(tuning, show)):
+        columns.remove("role")
+    if width is None:
+        return _table(tuning, show, columns)
+    return fit_columns(lambda kept: _table(tuning, show, kept), columns, DROP_ORDER, width)
+
+
+def _table(tuning: "Tuning", show: int, columns: list[str]):
     from rich import box
     from rich.table import Table
     from rich.text import Text
 
-    measured = any(w.measured for w in tuning.candidates)
-    table = Table(box=box.SIMPLE_HEAD, collapse_padding=True)
-    columns = ["#", "id", "candidate", "fits", "peak/rank", "tokens/s", "step", "MFU", "where the time goes"]
-    if measured:
-        columns += ["measured tokens/s", "95% interval", "measured peak"]
-    columns.append("role")
+    from fsdp_exp.tune.recommend import changes
+
+    table = Table(box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    wraps = ("candidate", "fits", "where the time goes", "role")
     for column in columns:
         table.add_column(
             column,
-            justify="left" if column in ("candidate", "fits", "where the time goes", "role", "id") else "right",
+            justify="left" if column in wraps + ("id",) else "right",
             overflow="fold",
-            no_wrap=column not in ("candidate", "where the time goes"),
+            no_wrap=column not in wraps,
+            min_width=MIN_WIDTHS.get(column),
         )
     for w in rows_shown(tuning, show):
         p, m = w.prediction, w.measured or {}
-        cells = [
-            str(w.rank or "-"),
-            w.candidate.id,
-            label(w.candidate.choices),
-            _fits(w),
-            _gib(w.need_bytes),
-            _tokens(p.tokens_per_s) if p else "n/a",
-            f"{p.step_time_s:.3g} s" if p else "n/a",
-            f"{p.mfu:.0%}" if p and p.mfu is not None else "n/a",
-            (p.explain() if p else w.why_not(tuning.limit_name)),
-        ]
-        if measured:
-            ci = m.get("tokens_per_s_ci")
-            cells += [
-                _tokens(m.get("tokens_per_s")) if m else "",
-                f"{_tokens(ci[0])} – {_tokens(ci[1])}" if ci else ("" if not m else "n/a"),
-                _gib(m["peak_gib"] * GIB) if m.get("peak_gib") is not None else "",
-            ]
-        cells.append(", ".join(w.roles))
-        table.add_row(*[Text(c) for c in cells])
+        ci = m.get("tokens_per_s_ci")
+        cells = {
+            "#": str(w.rank or "-"),
+            "id": w.candidate.id,
+            "candidate": label(changes(tuning, w)),
+            "fits": _fits(w),
+            "peak/rank": _gib(w.need_bytes),
+            "tokens/s": _tokens(p.tokens_per_s) if p else "n/a",
+            "step": f"{p.step_time_s:.3g} s" if p else "n/a",
+            "MFU": f"{p.mfu:.0%}" if p and p.mfu is not None else "n/a",
+            "where the time goes": (p.explain() if p else w.why_not(tuning.limit_name)),
+            "measured tokens/s": _tokens(m.get("tokens_per_s")) if m else "",
+            "95% interval": f"{_tokens(ci[0])} – {_tokens(ci[1])}" if ci else ("" if not m else "n/a"),
+            "measured peak": _gib(m["peak_gib"] * GIB) if m.get("peak_gib") is not None else "",
+            "role": ", ".join(w.roles),
+        }
+        table.add_row(*[Text(cells[c]) for c in columns])
     return table
 
 
@@ -178,21 +204,12 @@ def summary_lines(tuning: "Tuning") -> list[str]:
         else f"in {t['total_s']:.1f} s",
         "space: " + tuning.space.describe(),
     ]
-    ranked = tuning.ranked
-    close = [w for w in ranked if w.prediction.tokens_per_s >= 0.98 * ranked[0].prediction.tokens_per_s]
-    if len(close) > 1:
-        lines.append(
-            f"{len(close)} candidates are predicted within 2% of the best: the model cannot order them; "
-            "measuring can (tune.run=true)"
-        )
     from fsdp_exp.tune.search import BASELINES
 
     for name, cid in tuning.baselines.items():
         if cid is None:
             lines.append(f"no {name} baseline: no candidate with {BASELINES[name]} can run and fit here")
-    for reason, n in tuning.refusals(3):
-        lines.append(f"  refused ({n:,}): {reason}")
-    lines += [f"  note: {n}" for n in tuning.space.notes]
+    # the near-ties, preflight's refusals and the space's notes: the recommendation's lines (tune.recommend)
     cal = tuning.calibration
     lines.append(
         f"model: {tuning.perf_note}"

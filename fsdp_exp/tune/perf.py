@@ -26,8 +26,12 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
   - two tiny all-reduces per step over the world (the loss statistics and the gradient norm).
 - **offload** (``offload=params`` where the backend offloads): each all-gather first copies the unit's
   fp32 shard from the host, the gradient shards go back once per step, and AdamW steps on the host.
+  ``offload=optimizer`` (DeepSpeed's offload_optimizer): the parameters stay on the device; each reduction's
+  gradient partition goes to the host during backward (hidden as a collective is), AdamW steps on the host,
+  and the updated partition comes back in ``param_dtype`` before the next forward (exposed).
 - **the optimizer step**: AdamW reads parameters, gradients and both moments and writes three of them
-  back: 28 bytes per local parameter through the device's memory (the host's, offloaded).
+  back: 28 bytes per parameter of the rank's optimizer partition (its shard; ZeRO-1/2's and ZeRO-1 on DDP's
+  share of the whole) through the device's memory (the host's, offloaded, shared by the node's ranks).
 
 ``timing(costs, perf)`` turns the counts into seconds with a ``DevicePerf``:
 
@@ -115,6 +119,7 @@ class StepCosts:
     traffic: tuple[Traffic, ...]
     offload_forward_bytes: float  # host -> device copies before the forward's all-gathers
     offload_backward_bytes: float  # host -> device before backward's re-gathers, device -> host gradients
+    offload_after_step_bytes: float  # host -> device after the host's optimizer step (offload=optimizer), exposed
     optimizer_bytes: float  # bytes the optimizer streams (through the host's memory when offloaded)
     optimizer_on_host: bool
     ranks_per_node: int
@@ -235,7 +240,10 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
     dp_nodes = _group_nodes(tp, dp, nproc)
     traffic: list[Traffic] = []
     offload = bool(cfg.offload.params and rules.offloads)
-    offload_f = offload_b = 0.0
+    # offload=optimizer (DeepSpeed's offload_optimizer): the parameters stay on the device, the optimizer's
+    # partition lives and steps on the host, so its gradients go down and its updated parameters come back
+    offload_optimizer = bool(cfg.offload.optimizer and rules.offloads and not offload)
+    offload_f = offload_b = offload_after = 0.0
     units = len(unit_numel)
     regathered = 0
     if rules.gathers_units:
@@ -305,6 +313,17 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
                 "gradient all-reduce (buckets)", "all-reduce", dp, dp_nodes, R * units, R * grad_bytes, "backward", True
             )
         )
+    # The optimizer's partition: ZeRO-1/2 keep whole parameters on every rank but split the optimizer over the
+    # data-parallel ranks (as ZeRO-1 on DDP does); a gathering backend steps its shard.
+    optimizer_numel = local_numel
+    if not rules.gathers_units and (rules.zero_stage or rules.shards_optimizer):
+        optimizer_numel = local_numel / max(dp, 1)
+    if offload_optimizer:
+        # the partition's gradients (reduce_dtype) go to the host at each reduction, as their buckets are reduced
+        # during backward (they can overlap it); the updated partition (param_dtype) comes back after the host's
+        # step, before the next forward can start (no delayed update): nothing to hide it behind
+        offload_b = R * e_r * optimizer_numel
+        offload_after = e_p * optimizer_numel
     if tp > 1:
         stream = profile_for(cfg.model, topology.micro_batch_size, seq, 1, False).residual(e_p)
         blocks = len(w.block_forward_flops)
@@ -344,8 +363,9 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
         traffic=tuple(traffic),
         offload_forward_bytes=offload_f,
         offload_backward_bytes=offload_b,
-        optimizer_bytes=ADAMW_BYTES_PER_PARAM * local_numel,
-        optimizer_on_host=offload,
+        offload_after_step_bytes=offload_after,
+        optimizer_bytes=ADAMW_BYTES_PER_PARAM * optimizer_numel,
+        optimizer_on_host=offload or offload_optimizer,
         ranks_per_node=nproc,
         world=topology.world_size,
         model_flops=model_flops,
@@ -536,18 +556,16 @@ def _gemm_seconds(gemms: tuple, perf: "DevicePerf", rate: float, operand_bytes: 
 
 
 def float8_refusal(costs: StepCosts, perf: "DevicePerf") -> Optional[str]:
-    """Why a float8 step cannot be timed on this device (None: it can). torch._scaled_mm's float8 matmuls need FP8
-    tensor cores (compute capability 8.9: Ada, Hopper, Blackwell); an A100 has none, so only torchao's emulation
-    runs there, and it is no faster than bf16. A CPU's is timed as its high-precision matmuls (the CPU kernel of
-    _scaled_mm is no faster)."""
-    if costs.float8 is None or costs.float8.emulate or not perf.kernels or perf.peak_tflops.get("fp8"):
+    """Why a float8 step cannot be timed on this device (None: it can): fsdp_exp.parallel.float8's rule, the one
+    the planner and the ranks apply too (a GPU without FP8 tensor cores runs only torchao's emulation). A CPU's is
+    timed as its high-precision matmuls (the CPU kernel of _scaled_mm is no faster)."""
+    from fsdp_exp.parallel.float8 import device_refusal
+
+    if costs.float8 is None:
         return None
-    return (
-        f"precision.float8_recipe={costs.float8.recipe}: this GPU has no FP8 tensor cores (no fp8 peak in "
-        "fsdp_exp/plan/devices.py; torch._scaled_mm needs compute capability 8.9 or more), so its float8 matmuls "
-        "cannot run; pass precision=bf16, or precision.float8_emulate=true (torchao's emulation: the casts "
-        "without the speed)"
-    )
+    f8 = costs.float8
+    refused = device_refusal(f8.recipe, f8.emulate, "this GPU", perf.peak_tflops.get("fp8"), gpu=bool(perf.kernels))
+    return f"{refused[0].rstrip('.')}; {refused[1]}" if refused else None
 
 
 def _float8_seconds(f8: "Float8Costs", perf: "DevicePerf", rate: float, e: int) -> tuple[float, float]:
@@ -669,7 +687,9 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
     exposed_comm = exposed_f + exposed_b - exposed_offload
 
     if costs.optimizer_on_host:
-        optimizer, offload_opt = 0.0, costs.optimizer_bytes / (perf.host_memory_gbps / costs.ranks_per_node * 1e9)
+        optimizer = 0.0
+        offload_opt = costs.optimizer_bytes / (perf.host_memory_gbps / costs.ranks_per_node * 1e9)
+        offload_opt += costs.offload_after_step_bytes / (copy.gbps * 1e9)
     else:
         optimizer, offload_opt = costs.optimizer_bytes / (perf.memory_gbps * 1e9), 0.0
     if costs.float8 and perf.kernels:  # float8 all-gather: the next all-gathers' scales, from the updated weights

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from fsdp_exp.errors import ConfigError, fail
+from fsdp_exp.errors import ConfigError, did_you_mean, fail
 from fsdp_exp.units import GIB
 from fsdp_exp.tune.space import Candidate, Space, build_space, enumerate_candidates, group_nodes, leave_out_float8
 
@@ -32,6 +32,17 @@ if TYPE_CHECKING:
 BORDERLINE = 0.05  # within 5% of the memory limit either way: the planner's error could decide it
 # The baselines a measurement always includes: the run as given, with each of these shipped presets.
 BASELINES = {"DDP": "sharding=ddp", "full shard": "sharding=full"}
+
+
+def memory_verdict(need: int, limit: int, kind: str, budgeted: bool) -> str:
+    """fits | borderline | refused, as the launcher's fit check judges it (``fsdp_exp.fit_check.error_band``): on a
+    GPU, a need over the device within the planner's error band on the published record still starts. A CPU host's
+    RAM and a ``tune.budget_gib`` (the user's own limit) are held as they are."""
+    from fsdp_exp.fit_check import error_band
+
+    if kind != "cuda" or budgeted:
+        return "fits" if need <= limit else "refused"
+    return error_band().verdict(need, limit)
 
 
 @dataclass
@@ -62,7 +73,11 @@ class Weighed:
 
     @property
     def borderline(self) -> bool:
-        return self.headroom is not None and abs(self.headroom) < BORDERLINE
+        """Within 5% of the limit either way, or over it within the planner's error band (the launcher starts
+        such a run with a warning: ``fsdp_exp.fit_check.ErrorBand``)."""
+        if self.headroom is None:
+            return False
+        return abs(self.headroom) < BORDERLINE or (bool(self.fits) and self.headroom < 0)
 
     @property
     def ranked(self) -> bool:
@@ -95,6 +110,8 @@ class Tuning:
     timing: dict
     baselines: dict[str, Optional[str]]  # name -> candidate id (None: not in the space / refused)
     device_key: str
+    # packages this machine lacks that only running needs (fsdp_exp.packages): module -> (what, install command)
+    missing_packages: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def ranked(self) -> list[Weighed]:
@@ -123,12 +140,13 @@ class Tuning:
 def resolve_device(name: Optional[str], base: "RunConfig") -> tuple["Device", int]:
     """(the device to plan and time for, CUDA devices per node to validate against)."""
     from fsdp_exp.env import cuda_device_count
-    from fsdp_exp.plan.devices import device_table, local_cuda_device, table_device
+    from fsdp_exp.plan.devices import device_table, local_cuda_device, nearest_device, table_device
 
     table = device_table()
     if name is not None:
         if name not in table:
-            fail(f"plan.device={name!r} is not a known device.", f"pass one of {', '.join(table)}")
+            hint = did_you_mean(nearest_device(name), "plan.device={}", after=" Or ")
+            fail(f"plan.device={name!r} is not a known device.", f"{hint}pass one of {', '.join(table)}")
         device = table[name]
         if device.kind == "cuda":
             n = base.trainer.nproc_per_node
@@ -164,6 +182,22 @@ def device_perf(device: "Device", base: "RunConfig", nproc: int) -> tuple["Devic
 
 
 def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
+    """Weigh the space (``_weigh``). For a GPU of the table (``plan.device``), another machine than this one, a
+    package that only running needs (torchao for float8) need not be installed here: its candidates are weighed,
+    and the package is named (``Tuning.missing_packages``)."""
+    from fsdp_exp.packages import planning_elsewhere
+    from fsdp_exp.plan.devices import device_table
+
+    target = device_table().get(opts.device) if opts.device is not None else None
+    if target is None or target.kind != "cuda":
+        return _weigh(overrides, opts)
+    with planning_elsewhere() as missing:
+        tuning = _weigh(overrides, opts)
+    tuning.missing_packages = dict(missing)
+    return tuning
+
+
+def _weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
     from fsdp_exp.preflight import validate
     from fsdp_exp.config.topology import resolve_nproc
     from fsdp_exp.models import fetch_model_files
@@ -206,6 +240,7 @@ def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
             f"({capacity / GIB:.3g} GiB per rank): the device's memory is the limit"
         )
 
+    budgeted = limit < capacity
     weighed: list[Weighed] = []
     first_done = first_cpu = None
     for candidate in enumerate_candidates(base, space, nodes):
@@ -228,7 +263,7 @@ def weigh(overrides: list[str], opts: "TuneOptions") -> Tuning:
             continue
         result = plan(candidate.cfg, topology, device_kind=device.kind, margin=opts.margin)
         w.peak_bytes, w.need_bytes = result.peak["total"], result.per_rank_bytes["total"]
-        w.fits = w.need_bytes <= limit
+        w.fits = memory_verdict(w.need_bytes, limit, device.kind, budgeted) != "refused"
         if w.fits or candidate.id in opts.extra:  # what cannot run here is timed only when asked for (tune.extra)
             time_candidate(w, perf)
         if first_done is None:

@@ -389,6 +389,14 @@ def _without_idle_context(choices: list[str], split: bool) -> list[str]:
     return [c for c in choices if not c.startswith(("parallel.cp=", "parallel.cp_method="))]
 
 
+def idle_choice(key: str, cfg: "RunConfig", dp: int) -> bool:
+    """Whether the override ``key`` changes nothing in this candidate: the gradients' sync without micro-batches
+    to accumulate (a label or a command can leave it out)."""
+    if key == "trainer.grad_sync":
+        return not _accumulates(cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size, dp)
+    return False
+
+
 def _accumulates(global_batch_size: int, micro_batch_size: int, dp: int) -> bool:
     """More than one micro-batch per optimizer step on each rank."""
     return bool(micro_batch_size) and micro_batch_size < global_batch_size // dp
@@ -441,6 +449,10 @@ def label(choices: list[str]) -> str:
             rest.append(value)
         elif key == "parallel.pp_schedule":
             rest.append(value)
+        elif key == "trainer.micro_batch_size":
+            rest.append(f"mb={value}")
+        elif key == "trainer.grad_sync":  # every_micro_batch / last_micro_batch: the first word says it
+            rest.append(f"grad_sync={value.partition('_')[0]}")
         else:
-            rest.append(f"mb={value}" if key == "trainer.micro_batch_size" else choice)
+            rest.append(choice.removeprefix("trainer."))
     return " · ".join(([" ".join(sharding)] if sharding else []) + rest) or "(the run as given)"

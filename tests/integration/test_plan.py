@@ -347,3 +347,29 @@ def test_loss_parallel_keeps_the_logits_sharded_with_the_reference_losses(tmp_pa
         assert abs(a / b - 1) < 1e-5, f"step {step}: {a} vs single process {b}"
     gathered = _plan([*overrides, "parallel.loss_parallel=false"])
     assert planned.peak["total"] < gathered.peak["total"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # the planner over ~300 published rows: ~75 s cold on the 2-core CI machine, more loaded
+def test_the_fit_checks_band_is_derived_from_the_published_record():
+    """The launcher's fit check and tune judge memory by one band (``fsdp_exp.fit_check.PLANNER_BAND``); here it is
+    read again from the record: every calibration run that ran, planned as the planner counts it now, and every run
+    published as out of memory. No process group: the planner on the meta device."""
+    import importlib.util
+
+    from fsdp_exp.fit_check import PLANNER_BAND, band_from
+
+    spec = importlib.util.spec_from_file_location("published_benchmark", REPO / "benchmarks" / "published.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.load("calibration")
+    bench.predict_all(rows, memory=True)
+    ran = [r.need_gib / r.device_gib - 1 for r in rows if r.published_tokens and r.need_gib]
+    oom = [r.need_gib / r.device_gib - 1 for r in rows if r.published_oom and r.need_gib]
+    derived = band_from(ran, oom, PLANNER_BAND.source)
+    assert (PLANNER_BAND.over, PLANNER_BAND.ran) == (derived.over, derived.ran), derived
+    assert PLANNER_BAND.oom_least == pytest.approx(derived.oom_least, abs=0.0005), derived
+    assert all(
+        band_verdict != "refused" for band_verdict in (r.verdict for r in rows if r.published_tokens and r.need_gib)
+    )
+    assert all(r.verdict == "refused" for r in rows if r.published_oom and r.need_gib)

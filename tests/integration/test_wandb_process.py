@@ -84,3 +84,18 @@ def test_the_wandb_process_ends_when_the_process_that_started_it_is_killed(tmp_p
         assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
     finally:
         parent.kill()
+
+
+def test_a_wandb_process_whose_parent_ends_before_handing_it_a_run_ends_without_a_word():
+    """A launcher that refused the config, or a rank 0 that failed while building, closes the pipe of the
+    writer it started ahead before sending it anything: the run's own error is the only thing to print."""
+    child = subprocess.run(
+        [sys.executable, "-m", "fsdp_exp.record.wandb_process"],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,  # the end of its input at once
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 0, child.stderr
+    assert child.stderr == "" and child.stdout == ""

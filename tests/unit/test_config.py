@@ -79,6 +79,7 @@ def test_auto_nproc_and_batch_split():
         (["trainer.nproc_per_node=zero"], "trainer.nproc_per_node=auto"),
         (["model.n_kv_heads=3"], "model.n_kv_heads"),
         (["trainer.loss_chunks=0"], "trainer.loss_chunks=8"),
+        (["trainer.seq_len=16", "trainer.loss_chunks=17"], "trainer.loss_chunks=16 or less"),
         (["precision=bf16_pure", "precision.output_dtype=bf16"], "trainer.loss_chunks=1"),
     ],
 )
@@ -86,3 +87,11 @@ def test_validation_messages_name_the_fix(overrides, fix):
     with pytest.raises(ConfigError) as err:
         validate(run_config(overrides), cuda_devices=0)
     assert fix in str(err.value)
+
+
+def test_loss_chunks_up_to_the_sequence_are_accepted_and_sequence_parallel_slices_the_batch_instead():
+    """One token a chunk at most; under sequence parallel the loss is sliced over the micro-batch (the default 8
+    chunks with a micro-batch of 1 is the usual case there), so the sequence does not bound it."""
+    validate(run_config(["trainer.seq_len=16", "trainer.loss_chunks=16"]), cuda_devices=0)
+    sp = ["parallel.tp=2", "parallel.sequence_parallel=true", "trainer.nproc_per_node=4"]
+    validate(run_config([*sp, "trainer.seq_len=16", "trainer.loss_chunks=32"]), cuda_devices=0)

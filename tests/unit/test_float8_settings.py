@@ -137,3 +137,22 @@ def test_fp8_peaks_are_the_dense_data_sheet_figures_and_absent_without_fp8_tenso
     assert lookup_peak_tflops("NVIDIA H100 80GB HBM3", "fp8") == 1979.0
     assert lookup_peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
     assert lookup_peak_tflops("NVIDIA A100-SXM4-80GB", "fp8") is None
+
+
+def test_a_float8_filter_naming_no_linear_layer_is_refused_by_name():
+    """A misspelt filter ("feedforward") would keep nothing high precision and convert those layers unnoticed."""
+    with pytest.raises(ConfigError) as err:
+        validate(
+            run_config([*TINY_MODEL, "precision=float8", "precision.float8_filter_fqns=[output,feedforward]"]),
+            cuda_devices=0,
+        )
+    message = str(err.value)
+    assert (
+        "'feedforward'" in message and "'output'" not in message and "precision.float8_filter_fqns=[output]" in message
+    )
+    # A whole part of a name matches; a prefix of one does not (the rule that picks the layers kept).
+    validate(
+        run_config([*TINY_MODEL, "precision=float8", "precision.float8_filter_fqns=[layers.1,wq]"]), cuda_devices=0
+    )
+    with pytest.raises(ConfigError, match="'feed'"):
+        validate(run_config([*TINY_MODEL, "precision=float8", "precision.float8_filter_fqns=[feed]"]), cuda_devices=0)

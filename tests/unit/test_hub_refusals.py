@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 
 import pytest
@@ -102,3 +103,18 @@ def test_a_tokenizer_or_a_model_config_out_of_reach_is_refused_within_seconds(ov
     if hub.unreachable() is not None:
         assert "cannot be reached from this machine" in str(err.value)
     assert seconds < 10, f"refused after {seconds:.1f} s"
+
+
+def test_a_hub_model_out_of_reach_names_the_preset_shipped_offline_and_a_missing_transformers(monkeypatch):
+    """``model=hf model.hf_config=mistralai/Mistral-7B-v0.1`` without the hub: the refusal offers model=hf_mistral_7b
+    (its config.json written out, no hub needed) and says when transformers is not installed (hidden here)."""
+    from fsdp_exp.models import fetch_model_files
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub, whatever this machine can reach
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    cfg = run_config(["model=hf", "model.hf_config=mistralai/Mistral-7B-v0.1"])
+    with pytest.raises(ConfigError) as err:
+        fetch_model_files(cfg.model)
+    text = str(err.value)
+    assert "fix: pass model=hf_mistral_7b (shipped with fsdp_exp" in text, text
+    assert "transformers, which model=hf builds with, is not installed" in text, text

@@ -11,7 +11,7 @@ import pytest
 from fsdp_exp.config import ConfigError, RunConfig
 from fsdp_exp.config.strict import check_keys, schema_keys
 
-from conftest import run_config
+from conftest import compose_config, run_config
 
 
 @dataclass
@@ -85,3 +85,20 @@ def test_an_open_map_is_assigned_with_or_without_a_plus_and_its_neighbours_stay_
 def test_every_schema_key_is_listed():
     keys = set(schema_keys(RunConfig))
     assert {"trainer.steps", "model.dim", "logger.wandb.mode", "checkpoint.every"} <= keys
+
+
+@pytest.mark.parametrize(
+    "override,fix",
+    [
+        ("data.files=/some/train.txt", "fix: pass data.files=[/some/train.txt] (a list of one"),
+        ("trainer.profile_steps=3", "fix: pass trainer.profile_steps=[3] (a list of one"),
+    ],
+)
+def test_one_value_for_a_key_that_holds_a_list_names_the_same_value_in_brackets(override, fix):
+    from fsdp_exp.config.strict import explain_composition_error
+
+    with pytest.raises(Exception) as info:
+        compose_config(["data=text", override])
+    message = explain_composition_error(info.value, RunConfig)
+    assert fix in message, message
+    assert "ListConfig" not in message  # OmegaConf's words, not the user's

@@ -160,3 +160,36 @@ def test_tune_searches_float8_where_the_device_has_fp8_tensor_cores_and_leaves_i
     with pytest.raises(ConfigError, match="no FP8 tensor cores") as refused:
         _precisions(["plan.device=a100_80gb", "precision=float8"])
     assert "fix: pass precision=bf16, or precision.float8_emulate=true" in str(refused.value)
+
+
+def test_the_planner_refuses_float8_on_a_gpu_without_fp8_tensor_cores_as_tune_does():
+    from fsdp_exp.plan.cli import plan_from_argv
+
+    with pytest.raises(ConfigError, match="a100_80gb has no FP8 tensor cores") as refused:
+        plan_from_argv(["precision=float8", "plan.device=a100_80gb", "trainer.nproc_per_node=8"])
+    assert "fix: pass precision=bf16, or precision.float8_emulate=true" in str(refused.value)
+    # what it lets through is the same rule's, asked by GPU name below
+
+
+@pytest.mark.parametrize(
+    "name,overrides,refused",
+    [
+        ("NVIDIA A100-SXM4-80GB", ["precision=float8"], True),
+        ("NVIDIA A100 80GB PCIe", ["precision=float8"], True),
+        ("NVIDIA A100-SXM4-80GB", ["precision=float8", "precision.float8_emulate=true"], False),
+        ("NVIDIA A100-SXM4-80GB", ["precision=bf16"], False),
+        ("NVIDIA H100 80GB HBM3", ["precision=float8"], False),
+        ("NVIDIA H200", ["precision=float8"], False),
+        ("NVIDIA GeForce GTX 9999", ["precision=float8"], False),  # no table knows it: torchao says what it can do
+    ],
+)
+def test_a_rank_refuses_float8_on_a_gpu_cuda_names_without_fp8_tensor_cores(name, overrides, refused):
+    from fsdp_exp.parallel.float8 import check_gpu_name
+
+    cfg = run_config(overrides)
+    if not refused:
+        check_gpu_name(cfg, name)
+        return
+    with pytest.raises(ConfigError, match=f"{name} has no FP8 tensor cores") as error:
+        check_gpu_name(cfg, name)
+    assert "fix: pass precision=bf16, or precision.float8_emulate=true" in str(error.value)

@@ -318,6 +318,40 @@ def test_offloading_adds_host_copies_and_the_host_optimizer():
     assert off.step_time_s > on.step_time_s
 
 
+def test_an_offloaded_optimizer_costs_its_host_step_and_its_copies():
+    """DeepSpeed's offload=optimizer keeps the parameters on the GPU but steps AdamW on the host: the gradients go
+    down, the updated partition comes back, and the host's memory streams the partition's states. Before, tune
+    priced none of it and ranked it first for Llama-3 8B on 8 H100 (issue 34, item 8)."""
+    base = [
+        "model=llama3_8b",
+        "trainer.nproc_per_node=8",
+        "trainer.seq_len=8192",
+        "trainer.global_batch_size=16",
+        "sharding.backend=deepspeed",
+        "sharding=full",
+        "precision=bf16",
+    ]
+    cfg, topology = _prep(base + ["offload=optimizer"])
+    costs = step_costs(cfg, topology)
+    on_host = predict(cfg, topology, H100)
+    on_gpu = predict(*_prep(base), H100)
+    local = costs.optimizer_bytes / 28  # this rank's partition: an eighth of Llama-3 8B
+    assert local == pytest.approx(8.03e9 / 8, rel=0.02)
+    host_step = 28 * local / (H100.host_memory_gbps / 8 * 1e9)
+    copy_back = 2 * local / (H100.host.gbps * 1e9)
+    assert on_host.breakdown["offload"] >= host_step + copy_back
+    assert on_host.breakdown["optimizer"] == 0.0 < on_gpu.breakdown["optimizer"]
+    assert on_host.step_time_s - on_gpu.step_time_s >= host_step + copy_back - on_gpu.breakdown["optimizer"]
+
+
+def test_zero_1_and_2_step_the_optimizer_over_their_partition_only():
+    base = ["model=llama7b", "trainer.nproc_per_node=8", "precision=bf16", "sharding.backend=deepspeed"]
+    zero3 = step_costs(*_prep(base + ["sharding=full"]))
+    for strategy in ("optimizer", "grad_op"):
+        partitioned = step_costs(*_prep(base + [f"sharding={strategy}"]))
+        assert partitioned.optimizer_bytes == pytest.approx(zero3.optimizer_bytes, rel=0.01), strategy
+
+
 def _prep(overrides: list[str]):
     cfg = run_config(overrides)
     return cfg, validate(cfg, cuda_devices=8)
@@ -406,15 +440,17 @@ def test_tune_json_has_the_shape_the_issue_asks_for(tuning_7b, tmp_path):
     assert tuning_7b.baselines["DDP"] is None
 
 
-def test_the_printed_table_explains_the_top_candidates(tuning_7b, tmp_path, capsys):
+def test_the_printed_table_explains_the_top_candidates(tuning_7b, tmp_path, capsys, monkeypatch):
     from fsdp_exp.tune.cli import report
 
+    monkeypatch.setenv("COLUMNS", "180")  # wide enough to keep every column (at 100 the time split goes first)
     data = _tune_json(tuning_7b, tmp_path)
     assert report(tuning_7b, data, 0, [f"tune.out={tmp_path}", "tune.show=3"]) == 0
     out = capsys.readouterr().out
     assert "weighed" in out and "candidates/s" in out and "parameters alone" not in out
     assert "compute" in out and "where the time goes" in out
     assert json.loads((tmp_path / "tune.json").read_text())["candidates"]
+    assert out.splitlines()[-1].startswith("  left out: ") or "recommended: " in out  # the answer comes last
 
 
 @pytest.mark.parametrize(

@@ -57,8 +57,8 @@ class LlamaActivations(TokenCounts):
     def block_saved(self, e: int, autocast: bool = False, math_attention: bool = False) -> dict[str, int]:
         """Bytes one transformer block keeps for backward, tensor by tensor.
 
-        FSDP computes everything in ``param_dtype`` (its parameters are cast): RMSNorm saves two fp32
-        copies of its input when that is not fp32 (``x.float()`` twice) or the input itself in fp32,
+        FSDP computes everything in ``param_dtype`` (its parameters are cast): RMSNorm saves one fp32
+        copy of its input when that is not fp32 (``x.float()``, used twice) or the input itself in fp32,
         its rsqrt, the normalized tensor and the weighted one (the input of the next linear); attention
         saves the rotated q and k, v, the softmax log-sum-exp (fp32) and the output; SwiGLU saves w1's
         and w3's outputs, silu's output and the product. Under DDP's autocast (``autocast=True``) the
@@ -75,7 +75,7 @@ class LlamaActivations(TokenCounts):
             residual = 2 * 4 * resid  # the block input and h, fp32
             casts = e * bs * self.d * (3 + 2)  # the inputs of wq, wk, wv and w1, w3, each cast
         else:
-            copies = 0 if e == 4 else 2 * 4 * resid  # x.float() twice when x is not fp32
+            copies = 0 if e == 4 else 4 * resid  # x.float() when x is not fp32
             norms = 2 * (copies + 4 * bs // self.sp + e * resid + e * bs * self.d)
             residual = 2 * 4 * resid if e == 4 else 0  # fp32: the norms save the residual tensors themselves
             casts = 0
@@ -161,7 +161,7 @@ class LlamaActivations(TokenCounts):
         bs = self.tokens
         if autocast:
             return 4 * bs * self.d + 4 * bs + 4 * bs * self.d + e * bs * self.d
-        return (4 if e == 4 else 2 * 4) * bs * self.d + 4 * bs + 2 * e * bs * self.d
+        return 4 * bs * self.d + 4 * bs + 2 * e * bs * self.d
 
     def math_attention(self, device_kind: str, e: int) -> bool:
         """SDPA falls back to its math kernel on CUDA in fp32 with grouped-query attention."""

@@ -1,0 +1,125 @@
+"""When a configuration does not fit: the cheapest combination of memory options that does, as one command.
+
+The planner's price list (``cli.price_options``) says what each change alone would save; a large model often needs
+several at once (Llama-3 8B in fp32 on 8 H100: no single change fits it). ``find_fit`` plans every combination of
+the memory options below, one value per dimension (the run's own value included), and keeps the cheapest that fits.
+
+"Cheapest" is a stated order, not a timing (the step-time model lives above the planner, in ``fsdp_exp.tune``;
+``python -m fsdp_exp.tune`` weighs the fitting ones by predicted tokens/s): each change has a price in ``PRICES``, a
+combination costs the sum, and ties go to fewer changes, then to the smaller need. bf16 costs nothing (on a GPU its
+matmuls are faster than fp32's); sharding and a smaller micro-batch cost a little (more collectives, smaller
+matmuls); recomputing activations costs its forward again (selective less than full); offloading moves the
+parameters over PCIe every step; more ranks cost hardware, the most of all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from fsdp_exp.config.schema import RunConfig
+    from fsdp_exp.plan.devices import Device
+
+PRICES = {
+    "precision": {"bf16": 0},
+    "sharding": {"full": 1},
+    "ac": {"selective_op": 1, "full": 2},
+    "offload": {"params": 4},
+}
+MICRO_BATCH_PRICE = 1  # per halving of the micro-batch
+RANKS_PRICE = 6  # per doubling of the nodes
+MORE_NODES = (2, 4)  # the node counts tried, as multiples of the run's
+
+
+def _dimensions(cfg: "RunConfig", group_node, dp: int) -> list[list[tuple[str, int, object]]]:
+    """Each dimension's values as (override, price, how to apply it); the first is the run's own (no override)."""
+    dims: list[list[tuple[str, int, object]]] = []
+    for group, options in PRICES.items():
+        values = [("", 0, None)]
+        for option, price in options.items():
+            node = group_node(group, option)
+            if node is not None and node != getattr(cfg, group):
+                values.append((f"{group}={option}", price, (group, node)))
+        dims.append(values)
+    t = cfg.trainer
+    micro, values = t.micro_batch_size, [("", 0, None)]
+    per_rank = micro or (t.global_batch_size // dp if dp and t.global_batch_size % dp == 0 else None)
+    if per_rank:
+        halvings, m = 0, per_rank
+        while m > 1:
+            m, halvings = m // 2, halvings + 1
+            values.append((f"trainer.micro_batch_size={m}", halvings * MICRO_BATCH_PRICE, ("micro_batch_size", m)))
+    dims.append(values)
+    nodes = [("", 0, None)]
+    for times in MORE_NODES:
+        if t.global_batch_size % (times * t.nnodes) == 0:
+            price = RANKS_PRICE * (times.bit_length() - 1)
+            nodes.append((f"trainer.nnodes={t.nnodes * times}", price, ("nnodes", t.nnodes * times)))
+    dims.append(nodes)
+    return dims
+
+
+def _apply(cfg: "RunConfig", picks) -> "RunConfig":
+    changes, trainer = {}, {}
+    for _, _, how in picks:
+        if how is None:
+            continue
+        key, value = how
+        if key in ("micro_batch_size", "nnodes"):
+            trainer[key] = value
+        else:
+            changes[key] = value
+    if trainer:
+        changes["trainer"] = dataclasses.replace(cfg.trainer, **trainer)
+    return dataclasses.replace(cfg, **changes)
+
+
+def find_fit(cfg: "RunConfig", dp: int, device: "Device", cuda_devices: int, margin: Optional[float]) -> Optional[dict]:
+    """The cheapest combination of memory options with which ``cfg`` fits ``device``: {"changes", "price",
+    "needed_bytes", "device_bytes", "tried"}; None when none of them fits (or ``cfg`` fits as it is)."""
+    from fsdp_exp.config.variants import apply_changes
+    from fsdp_exp.errors import ConfigError
+    from fsdp_exp.plan.devices import fits
+    from fsdp_exp.plan.predict import plan
+    from fsdp_exp.preflight import validate
+
+    nodes: dict[tuple[str, str], object] = {}
+
+    def group_node(group: str, option: str):
+        if (group, option) not in nodes:
+            try:
+                nodes[(group, option)] = getattr(apply_changes(cfg, (f"{group}={option}",)), group)
+            except Exception:  # noqa: BLE001 - an option this config cannot take is not offered
+                nodes[(group, option)] = None
+        return nodes[(group, option)]
+
+    combos = []
+    for picks in itertools.product(*_dimensions(cfg, group_node, dp)):
+        changes = [p[0] for p in picks if p[0]]
+        if changes:
+            combos.append((sum(p[1] for p in picks), len(changes), changes, picks))
+    combos.sort(key=lambda c: (c[0], c[1]))
+    best, tried = None, 0
+    for price, count, changes, picks in combos:
+        if best is not None and (price, count) > (best["price"], len(best["changes"])):
+            break  # every later combination costs more than the one found
+        variant = _apply(cfg, picks)
+        try:
+            topology = validate(variant, cuda_devices=cuda_devices)
+        except ConfigError:
+            continue
+        tried += 1
+        result = plan(variant, topology, device_kind=device.kind, margin=margin)
+        verdict = fits(result, device)
+        if verdict["fits"] and (best is None or verdict["needed_bytes"] < best["needed_bytes"]):
+            best = {
+                "changes": changes,
+                "price": price,
+                "needed_bytes": verdict["needed_bytes"],
+                "device_bytes": verdict["bytes"],
+            }
+    if best is not None:
+        best["tried"] = tried
+    return best
