@@ -1093,6 +1093,8 @@ CHECKS = (
         covers=(
             "fsdp_exp/tune/search.py:resolve_device",
             "fsdp_exp/tune/search.py:weigh",
+            "fsdp_exp/tune/search.py:_weigh",  # a GPU's capacity is the device's, a CPU's shared by its ranks
+            "fsdp_exp/tune/search.py:memory_verdict",  # a GPU over its memory within the fit band: borderline
             "fsdp_exp/tune/search.py:parameter_floor",
         ),
     ),

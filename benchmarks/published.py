@@ -65,7 +65,8 @@ MFU_WITHIN = 0.01  # published MFU reproduced within 1% (relative)
 
 
 # ------------------------------------------------------------------------------------------------ predict
-def predict_all(rows: list[Row], memory: bool = True) -> dict:
+def predict_all(rows: list[Row], memory: bool = True, speed: bool = True) -> dict:
+    """Plan (``memory``) and time (``speed``) every expressible row in place."""
     from fsdp_exp.fit_check import error_band
     from fsdp_exp.preflight import validate
     from fsdp_exp.errors import ConfigError
@@ -101,7 +102,8 @@ def predict_all(rows: list[Row], memory: bool = True) -> dict:
                     need = plan(cfg, topology, device_kind="cuda").per_rank_bytes["total"]
                     row.need_gib, row.device_gib = need / GIB, device.bytes / GIB
                     row.verdict = band.verdict(need, device.bytes)
-                row.predicted_tokens = predict(cfg, topology, perf).tokens_per_s / topology.world_size
+                if speed:
+                    row.predicted_tokens = predict(cfg, topology, perf).tokens_per_s / topology.world_size
                 convention = CONVENTION.get(framework(row.fields))
                 if convention and row.published_tokens:
                     peak = perf.peak_tflops[cfg.precision.param_dtype]

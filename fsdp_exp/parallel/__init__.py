@@ -105,9 +105,16 @@ def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device
         applied["float8"] = float8.apply(model, cfg)
     backend = backend_for(cfg)
     checkpointed = ac.chosen(model, cfg) if cfg.ac.mode != "none" else None
+    compiles = cfg.compile and not backend.compiles_itself
+    # Under tensor parallel each block is compiled before it is checkpointed (checkpoint(compiled block)):
+    # torch cannot compile a checkpointed region whose saved tensors are DTensors (its AOT autograd finds
+    # the DeviceMesh among them and fails an assertion from the second step on).
+    compile_first = cfg.parallel.tp > 1
+    if compiles and compile_first:
+        applied["compile"] = {**compile.apply(model, cfg), "order": "inside the activation checkpoint"}
     if checkpointed is not None and not backend.checkpoints_inside_units:
         applied["ac"] = ac.apply(model, cfg, targets=checkpointed)
-    if cfg.compile and not backend.compiles_itself:
+    if compiles and not compile_first:
         applied["compile"] = compile.apply(model, cfg)
     # The data-parallel dims (tensor parallel has used its own), with cp folded into the shard dim.
     model, dp_applied = backend.apply(model, cfg, dense_dp_mesh(mesh), device)

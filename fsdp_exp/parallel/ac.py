@@ -1,4 +1,5 @@
-"""Activation checkpointing, applied to the transformer blocks before sharding.
+"""Activation checkpointing, applied to the transformer blocks before sharding (after it for a backend whose
+units must hold the checkpointed region, FSDP1: ``Backend.checkpoints_inside_units``).
 
 ``ac=full`` recomputes every block in backward; ``ac=selective`` every ``ac.every``-th block. With
 ``ac.ops`` (op-level selective checkpointing, torch's selective checkpoint API) the checkpointed blocks

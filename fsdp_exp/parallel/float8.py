@@ -134,7 +134,7 @@ def device_refusal(
     if recipe is None or emulate or not gpu or fp8_peak:
         return None
     return (
-        f"precision.float8_recipe={recipe}: {device} has no FP8 tensor cores (no fp8 peak in fsdp_exp/plan/devices.py; "
+        f"precision.float8_recipe={recipe}: {device} has no FP8 tensor cores (no fp8 peak in fsdp_exp's device tables; "
         "torch._scaled_mm needs compute capability 8.9 or more), so its float8 matmuls cannot run.",
         "pass precision=bf16, or precision.float8_emulate=true (torchao's emulation: the casts without the speed)",
     )

@@ -72,6 +72,9 @@ class DevicePerf:
     # The share of ``peak_tflops["fp8"]`` a float8 matmul reaches (precision=float8), as ``efficiency`` is of the
     # bf16 peak; 0 on a device without FP8 tensor cores (no "fp8" peak).
     fp8_efficiency: float = 0.0
+    # A CPU's: dtype -> the share of ``efficiency`` a step in that dtype reaches against fp32's, measured on a block's
+    # forward and backward by the probe (fsdp_exp.tune.probe: a bf16 step gains far less than the bf16 peak says)
+    dtype_scale: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

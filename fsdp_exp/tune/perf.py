@@ -43,7 +43,7 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
   the forward that activation checkpointing runs again. Under ``precision=float8`` the linears torchao
   converts run at the FP8 peak x ``fp8_efficiency`` (operands 1 byte) and their casts add memory-bound bytes
   (``float8_costs``; a GPU without an FP8 peak refuses, unless emulated). On a CPU: FLOPs / (peak of
-  ``param_dtype`` x efficiency). The operators cost ``dispatch_us`` each, hidden behind the device's work where dispatch is
+  ``param_dtype`` x efficiency x the probe's step-like scale of that dtype, ``DevicePerf.dtype_scale``). The operators cost ``dispatch_us`` each, hidden behind the device's work where dispatch is
   asynchronous (CUDA), added to it where it is not (eager CPU);
 - a collective over a ring of n ranks (the alpha-beta model): an all-gather or a reduce-scatter takes
   ``(n-1) x latency + (n-1)/n x bytes / bandwidth``, an all-reduce twice that; the link is the node's
@@ -632,7 +632,7 @@ def compute_seconds(costs: StepCosts, perf: "DevicePerf") -> tuple[float, float]
     """(forward, backward) seconds of the step's compute on this rank: by kernel class on a GPU, else FLOPs at the
     peak x efficiency; the host's dispatch hidden behind the device's work where it is asynchronous."""
     peak = perf.peak_tflops[costs.dtype]
-    rate = peak * 1e12 * perf.efficiency
+    rate = peak * 1e12 * perf.efficiency * perf.dtype_scale.get(costs.dtype, 1.0)
     dispatch = perf.dispatch_us * 1e-6
 
     def compute(flops: float, ops: float) -> float:

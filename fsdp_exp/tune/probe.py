@@ -7,6 +7,12 @@ work too:
 
 - the matmul peak per dtype: the trainer's own measurement and cache (``fsdp_exp.metrics.flops``: a
   figure the runs already cached is used as it is, so that predicted and reported MFU share a peak);
+- what a training step's work reaches in each dtype against fp32: one Llama block (the family's own code, width
+  256, 256 tokens) forward and backward, timed per dtype. A CPU's bf16 matmul peak (AMX, AVX-512 BF16) is
+  several times its fp32 one, but a bf16 step also runs the casts around the fp32 norms, rotary and the loss,
+  and elementwise kernels that are no faster, if not slower, than fp32's: the step-like ratio, not the peaks',
+  is what a bf16 candidate gains (``step_scale``: per dtype, the block's rate over fp32's, divided by the
+  peaks' ratio; the model's rate for that dtype is its peak x efficiency x this);
 - the cost of dispatching one small operator (eager CPU: it adds to the work);
 - memory bandwidth: a 64 MiB copy (read + write traffic), which also stands for offload's copies
   between "host" and "device", here the same memory;
@@ -52,7 +58,8 @@ def probe_key(ranks_per_node: int, threads: int) -> str:
 
     from fsdp_exp.metrics.flops import cpu_model
 
-    return f"{cpu_model()} | {ranks_per_node} ranks/node | {threads} threads/rank | torch {torch.__version__}"
+    # "step v2": entries without the step-like dtype ratios (``step_scale``) are measured again
+    return f"{cpu_model()} | {ranks_per_node} ranks/node | {threads} threads/rank | torch {torch.__version__} | step v2"
 
 
 def _read(key: str) -> Optional[dict]:
@@ -100,6 +107,7 @@ def cpu_perf(ranks_per_node: int, threads: int):
         efficiency=CPU_EFFICIENCY,
         overlap=CPU_OVERLAP,
         dispatch_us=entry["dispatch_us"],
+        dtype_scale=entry.get("step_scale", {}),
         async_dispatch=False,
         step_overhead_ms=CPU_STEP_OVERHEAD_MS,
         source=f"matmul peak per rank, all ranks at once ({entry['peak_source']}); memory: 64 MiB copies ({where})",
@@ -144,6 +152,29 @@ def _timed(fn, repeats: int = REPEATS) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _block_tflops(dtype: str) -> float:
+    """TFLOPS one Llama block (fsdp_exp.models.llama, width 256, 2 x 128 tokens) reaches forward and backward in
+    ``dtype``, as FSDP's mixed precision runs it (weights and activations in that dtype, the norms in fp32)."""
+    import torch
+
+    from fsdp_exp.config.schema import ModelConfig
+    from fsdp_exp.models import llama
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    cfg = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=256, max_seq_len=128)
+    torch.manual_seed(0)
+    block = llama.TransformerBlock(cfg).to(torch_dtype)
+    cos, sin = llama.rope_tables(cfg.dim // cfg.n_heads, 128, cfg.rope_theta)
+    x = torch.randn(2, 128, cfg.dim, dtype=torch_dtype, requires_grad=True)
+
+    def step():
+        block(x, cos, sin).float().sum().backward()
+
+    matmul = sum(p.numel() for p in block.parameters() if p.dim() == 2)
+    flops = 6 * matmul * x.shape[0] * x.shape[1] + 3 * 4 * x.shape[0] * x.shape[1] ** 2 * cfg.dim  # + attention
+    return flops / _timed(step) / 1e12
+
+
 def _rank(rank: int, world: int, threads: int, port: int, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import warnings
@@ -173,6 +204,13 @@ def _rank(rank: int, world: int, threads: int, port: int, out: str) -> None:
             peaks[dtype] = both[0].item() / world
             shares.append(both[1].item() / world)
             sources.append(f"{dtype}: measured, {local['n']}x{local['n']} matmuls")
+
+        dist.barrier()
+        block_rate = {dtype: _block_tflops(dtype) for dtype in ("fp32", "bf16", "fp16")}
+        step_scale = {
+            dtype: min(1.0, (block_rate[dtype] / block_rate["fp32"]) / (peaks[dtype] / peaks["fp32"]))
+            for dtype in ("bf16", "fp16")
+        }
 
         a, b, c = torch.ones(8), torch.ones(8), torch.empty(8)
         dist.barrier()
@@ -204,6 +242,8 @@ def _rank(rank: int, world: int, threads: int, port: int, out: str) -> None:
                         "peak_tflops": peaks,
                         "peak_source": "; ".join(sources),
                         "dispatch_us": dispatch * 1e6,
+                        "step_scale": step_scale,
+                        "block_tflops": block_rate,
                         "copy_gbps": copy_gbps,
                         "gloo_latency_us": latency_us,
                         "gloo_gbps": min(gbps, 1e4),

@@ -6,7 +6,7 @@ MPT (llm-foundry) is GPT-2's block in transformers (``model=hf``: LayerNorm with
 linear, a GELU MLP of ``ffn_dim``, full multi-head attention, tied embeddings, a learned position table of
 ``seq_len`` rows): the parameter count matches the published one exactly, which the caller checks. Llama 2/3
 (torchtitan) is the llama family with the row's width, depth, heads, vocabulary and SwiGLU rounding. FSDP1
-``FULL_SHARD`` -> ``sharding=fsdp1``, FSDP2 -> ``sharding=full``, HSDP -> ``sharding=hybrid``; composer's
+``FULL_SHARD`` -> ``sharding=fsdp1`` (composer's: ``prefetch=none``, its FSDPConfig's forward_prefetch=False), FSDP2 -> ``sharding=full``, HSDP -> ``sharding=hybrid``; composer's
 ``amp_bf16`` (FSDP ``mixed_precision=DEFAULT``: fp32 reduction) -> ``precision=bf16``, ``PURE`` ->
 ``precision=bf16_pure``; FP8 -> ``precision=float8`` with the scaling recipe the row names (torchao's tensorwise,
 rowwise, rowwise_with_gw_hp; torchtitan's default, tensorwise, where a torchtitan row names none) and float8
@@ -165,8 +165,11 @@ def sharding_overrides(f: dict) -> list[str] | str:
         return "expert parallel rows are not expressible (no such dimension yet)"
     tp = [f"parallel.tp={_int(f['tp'], 1)}"] if _int(f["tp"], 1) > 1 else []
     tp += pipeline_overrides(f) + context_overrides(f)
+    # composer (llm-foundry) runs FSDP1 with its FSDPConfig's defaults: forward_prefetch=False (each unit's
+    # all-gather issued when the unit runs), backward_prefetch=BACKWARD_POST, limit_all_gathers=True
+    composer = ["prefetch=none"] if "COMPOSER" in text else []
     if "FULL_SHARD" in text and "FSDP1" in text:
-        return ["sharding=fsdp1"] + tp
+        return ["sharding=fsdp1"] + composer + tp
     if "HYBRID" in text or "HSDP" in text:
         return ["sharding=hybrid"] + tp
     if "FSDP2" in text or "FULLY_SHARD" in text:

@@ -84,9 +84,16 @@ CASES = {
 }
 
 
+# Inductor's fused kernels round fp32 otherwise than eager ops: a compiled TP x FSDP2 run was 3.2e-5 off
+# the single-process reference at its 2nd step (the same run uncompiled: within 1e-5).
+COMPILED_TP_TOLERANCE = 1e-4
+
+
 def _check_losses(run_dir, overrides):
     cfg = run_config(overrides)
     tolerance = TOLERANCE[cfg.precision.param_dtype]
+    if cfg.compile and cfg.parallel.tp > 1:
+        tolerance = max(tolerance, COMPILED_TP_TOLERANCE)
     got = [m["train/loss"] for m in read_metrics(run_dir)]
     expected = reference_losses(run_config(overrides), STEPS)
     assert len(got) == STEPS
@@ -195,13 +202,20 @@ FOUR_RANKS = {
     ],
     "fsdp2-full-reshard-to-2": ["sharding=full", "sharding.reshard_after_forward=2"],
     "fsdp2-tp2-sequence-parallel": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    # Each block compiled inside its checkpoint: a compiled checkpointed region of DTensors failed from the
+    # second step on (AssertionError: expected all tensors_saved_with_vc_check to be Tensors ... DeviceMesh).
+    "fsdp2-tp2-ac-compile": ["parallel.tp=2", "ac=full", "compile=true", "trainer.warmup_steps=2"],
     "fsdp2-hybrid-tp2": ["sharding=hybrid", "parallel.tp=2", "sharding.replicate_size=2", "sharding.shard_size=1"],
 }
 
 
 @pytest.mark.parametrize("name", sorted(FOUR_RANKS))
 @pytest.mark.slow
-def test_four_rank_meshes(tmp_path, name):
+@pytest.mark.timeout(600)  # 4 ranks on 2 cores; the compiled case compiles with a cold inductor cache
+def test_four_rank_meshes(tmp_path, name, monkeypatch):
+    monkeypatch.setenv(
+        "TORCHINDUCTOR_CACHE_DIR", str(tmp_path.parent / "inductor-cache")
+    )  # as test_compiled_blocks_match
     overrides = [*SMALL, "trainer.nproc_per_node=4", *FOUR_RANKS[name]]
     record = run_experiment(overrides, tmp_path)
     assert record["status"] == "completed"
@@ -212,6 +226,8 @@ def test_four_rank_meshes(tmp_path, name):
     units = record["applied"]["inspected"]
     if cfg.sharding.backend == "fsdp1":
         assert all(u["sharding_strategy"] == "HYBRID_SHARD" and u["shard_group_size"] == 2 for u in units)
+    if cfg.compile:
+        assert record["applied"]["compile"]["order"] == "inside the activation checkpoint"
     if cfg.parallel.tp > 1:
         assert record["applied"]["tp"]["tp"] == 2
         # FSDP2 shards over the data-parallel dims only; TP is the last mesh dim.
@@ -274,8 +290,9 @@ def test_vocabulary_docs_are_generated_from_the_backends():
     from fsdp_exp.parallel.vocabulary import render_markdown, sharding_rows
 
     docs = Path(__file__).resolve().parents[2] / "docs" / "vocabulary.md"
-    assert docs.read_text() == render_markdown(), (
-        "regenerate: python -m fsdp_exp.parallel.vocabulary > docs/vocabulary.md"
+    # The page's rest, the composability table, is tests/unit/test_composability.py's.
+    assert docs.read_text().startswith(render_markdown()), (
+        "regenerate: python -m fsdp_exp.composability > docs/vocabulary.md"
     )
     rows = {row[0]: row for row in sharding_rows()}
     for strategy in ("full", "grad_op", "hybrid", "no_shard"):

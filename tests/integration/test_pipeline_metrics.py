@@ -42,9 +42,9 @@ PLANNER_RTOL = 0.05  # the issue's bar: the planner's per-stage peak within 5% o
 CASES = {
     "gpipe": (dict(pp=2, schedule="gpipe", microbatches=4), OVERRIDES),
     "gpipe_8_microbatches": (dict(pp=2, schedule="gpipe", microbatches=8), OVERRIDES),  # of one sequence
-    # The bubble against the schedule's formula: micro-batches of one sequence of 128 tokens through blocks of width
-    # 256 (tens of ms of compute each on this CPU), so that what each micro-batch pays besides compute (the sends,
-    # the schedule's Python: about a ms) stays small beside it. Their count varies the batch, not their size.
+    # The bubble against the schedule's formula, at a size where a micro-batch's compute (one sequence of 128
+    # tokens through blocks of width 256: tens of ms on this CPU) outweighs what each pays besides (the sends, the
+    # schedule's Python). Their count varies the batch, not their size, so that this cost keeps its share.
     **{
         f"bubble_pp{pp}_m{m}": (
             dict(pp=pp, schedule="gpipe", microbatches=m),
@@ -76,7 +76,8 @@ ROUNDS = [
     ((2, 2, 1), ("gpipe", "1f1b")),
     ((2, 2, 1), ("interleaved_1f1b", "zbv_zero_bubble")),
     ((2, 2, 1), ("qwen2_1f1b", "gpipe_8_microbatches")),
-    # the bubble cases: two copies of one pipeline side by side (the same load on every rank), or one of 4 stages
+    # the bubble cases: two copies of one pipeline side by side, so that every rank bears the same load (two different
+    # pipelines side by side lend each other the cores one idles on, and the comparison inverts), or one of 4 stages
     *(((2, 2, 1), (f"bubble_pp2_m{m}",) * 2) for m in (2, 4, 8)),
     ((1, 4, 1), ("bubble_pp4_m4",)),
     ((2, 2, 1), ("1f1b_ac_full", "gpipe_ac_selective")),
@@ -87,7 +88,7 @@ ROUNDS = [
 NPROCS = 4
 VOCAB = 256  # every model here
 # the last step is tracked; the first makes the optimizer's states and the stages' buffers; the others are timed
-STEPS = 4
+STEPS = 8  # 6 timed steps: this machine's other load comes and goes between rounds
 TIMED_STEPS = range(1, STEPS - 1)  # untimed: the first (allocations) and the tracked one (the tracker's dispatch)
 
 

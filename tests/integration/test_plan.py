@@ -350,7 +350,7 @@ def test_loss_parallel_keeps_the_logits_sharded_with_the_reference_losses(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # the planner over ~300 published rows: ~75 s cold on the 2-core CI machine, more loaded
+@pytest.mark.timeout(1800)  # the planner over ~300 published rows: about a minute on 2 idle cores, 15+ at load 30
 def test_the_fit_checks_band_is_derived_from_the_published_record():
     """The launcher's fit check and tune judge memory by one band (``fsdp_exp.fit_check.PLANNER_BAND``); here it is
     read again from the record: every calibration run that ran, planned as the planner counts it now, and every run
@@ -363,7 +363,7 @@ def test_the_fit_checks_band_is_derived_from_the_published_record():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     rows = bench.load("calibration")
-    bench.predict_all(rows, memory=True)
+    bench.predict_all(rows, memory=True, speed=False)
     ran = [r.need_gib / r.device_gib - 1 for r in rows if r.published_tokens and r.need_gib]
     oom = [r.need_gib / r.device_gib - 1 for r in rows if r.published_oom and r.need_gib]
     derived = band_from(ran, oom, PLANNER_BAND.source)

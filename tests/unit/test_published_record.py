@@ -235,3 +235,15 @@ def test_fp8_rows_are_float8_runs_with_their_recipe_and_formats_fsdp_exp_cannot_
             assert cfg == compose(row.overrides)
             tokens.append(predict(cfg, validate(cfg, cuda_devices=8), perf).tokens_per_s)
     assert tokens[1] > 1.1 * tokens[0]
+
+
+def test_llm_foundrys_fsdp1_rows_run_composers_prefetch_defaults():
+    """composer's FSDPConfig defaults to forward_prefetch=False (each unit's all-gather issued when it runs),
+    BACKWARD_POST and limit_all_gathers: its rows are expressed with prefetch=none, torchtitan's FSDP2 rows with
+    fsdp_exp's default. Before, every row took the default and the model hid the forward's all-gathers that
+    llm-foundry's runs waited for (issue 34, item 5: most visible on the H100, whose compute is 3x the A100's and
+    NVLink 1.5x)."""
+    rows = _rows({"llmfoundry_a100": [0], "llmfoundry_h100": [29], "torchtitan_a100_2024": [3]})
+    by_source = {row.source: row.overrides for row in rows}
+    assert "prefetch=none" in by_source["llmfoundry_a100"] and "prefetch=none" in by_source["llmfoundry_h100"]
+    assert not any(o.startswith("prefetch=") for o in by_source["torchtitan_a100_2024"])

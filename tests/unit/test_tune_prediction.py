@@ -541,3 +541,34 @@ def test_the_refusal_with_every_dimension_fixed_names_the_run_as_given(tmp_path,
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "the only candidate, (the run as given), needs" in err and ", ," not in err, err
+
+
+def test_a_cpu_prices_a_dtype_at_what_its_probed_step_reaches_not_at_its_matmul_peak():
+    """On a CPU a bf16 step gains far less than the bf16 matmul peak says (the casts around fp32 norms and the
+    elementwise kernels do not speed up): the probe's block-step scale of the dtype divides its rate. Before, CPU
+    tune predicted bf16 five times too fast (issue 34, item 7)."""
+    from fsdp_exp.plan.devices import DevicePerf, Link
+    from fsdp_exp.tune.perf import compute_seconds
+
+    cfg, topology = _prep(["model=llama_tiny", "precision=bf16", "trainer.nproc_per_node=2", "trainer.device=cpu"])
+    costs = step_costs(cfg, topology)
+    link = Link(1.0, 10.0, "test")
+    cpu = DevicePerf(
+        peak_tflops={"fp32": 0.05, "bf16": 0.2},
+        memory_gbps=10.0,
+        intra=link,
+        inter=link,
+        host=link,
+        host_memory_gbps=10.0,
+        efficiency=0.5,
+        overlap=0.5,
+        dispatch_us=10.0,
+        async_dispatch=False,
+        step_overhead_ms=2.0,
+        source="test",
+    )
+    probed = dataclasses.replace(cpu, dtype_scale={"bf16": 0.25})
+    host = costs.forward_ops * cpu.dispatch_us * 1e-6
+    peak_rate, step_rate = compute_seconds(costs, cpu)[0] - host, compute_seconds(costs, probed)[0] - host
+    assert step_rate == pytest.approx(4 * peak_rate)
+    assert step_rate == pytest.approx(costs.forward_flops / (0.05e12 * 0.5))  # the fp32 rate, as the probe measured
