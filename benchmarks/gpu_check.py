@@ -506,6 +506,22 @@ def define_runs(ctx: Context, extra: list[str]) -> dict[str, Run]:
             240,
             feature="sharding.backend",
         ),
+        # Context parallel with torch's ring attention (CUDA's SDPA kernels only): the same global batch at cp 1
+        # and cp 2, the second splitting every sequence over 2 GPUs.
+        Run("cp1", [*functional, "precision=bf16", *short, "trainer.digest_shards=false"], 150),
+        Run(
+            "cp2_ring",
+            [
+                *functional,
+                "precision=bf16",
+                *short,
+                "trainer.digest_shards=false",
+                "parallel.cp=2",
+                "parallel.cp_method=ring",
+            ],
+            150,
+            feature="parallel.cp",
+        ),
         Run("compile", compiled, 300 if ctx.size == "full" else 200),
         Run("float8", float8, 300 if ctx.size == "full" else 200),
         # torchao's float8 tensor-parallel styles under sequence parallel gather the sequence in float8, which
@@ -821,6 +837,19 @@ def check_ddp_bf16(ctx: Context) -> dict:
     return out
 
 
+def check_ring_attention(ctx: Context) -> dict:
+    """CP 2 with torch's ring attention against CP 1 on the same batches: the same losses (bf16: within 1e-2)."""
+    one, two = ctx.completed("cp1"), ctx.completed("cp2_ring")
+    methods = find_key(two.record["applied"], "method")
+    expect(methods == ["ring"], f"cp_method applied: {methods}")
+    a = [r["train/loss"] for r in one.rows() if "train/loss" in r]
+    b = [r["train/loss"] for r in two.rows() if "train/loss" in r]
+    worst = max(abs(x / y - 1) for x, y in zip(a, b)) if a and len(a) == len(b) else float("inf")
+    figures = {"cp1 losses": [round(x, 4) for x in a], "cp2 losses": [round(x, 4) for x in b], "worst": sig(worst)}
+    expect(worst < 1e-2, f"ring CP 2 losses differ from CP 1's by {worst:.3g} (relative)", figures)
+    return {**perf(two), **figures}
+
+
 def check_checkpoint(ctx: Context) -> dict:
     first = ctx.completed("ckpt_save")
     saved = {p.name for p in (first.run_dir / "checkpoints").glob("step_*")}
@@ -1121,6 +1150,14 @@ CHECKS = (
         check_float8_tp_sp,
         needs="cuda 2 ranks",
         covers=("fsdp_exp/parallel/float8.py:check",),
+    ),
+    Check(
+        "ring_attention",
+        "context parallel, torch's ring attention: CP 2 against CP 1 on the same batches, the same losses",
+        ("cp1", "cp2_ring"),
+        check_ring_attention,
+        needs="cuda 2 ranks",
+        covers=("fsdp_exp/parallel/context.py:resolve_method", "fsdp_exp/parallel/context.py:check"),
     ),
 )
 

@@ -245,7 +245,7 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
         )
     if tp > 1:
         _validate_tp(cfg, tp)
-    cp = _check_cp(cfg, world)
+    cp = _check_cp(cfg, world, device_type)
     if cfg.parallel.pp != 1:
         return _validate_pipeline(cfg, world)
     dp = world // (tp * cp)
@@ -272,7 +272,7 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
     return (*mesh_layout(shape, names, cp=cp, tp=tp), dp)
 
 
-def _check_cp(cfg: RunConfig, world: int) -> int:
+def _check_cp(cfg: RunConfig, world: int, device_type: str) -> int:
     """parallel.cp and parallel.cp_method; returns cp (it must divide the ranks left by pp and tp)."""
     p = cfg.parallel
     if p.cp_method not in CP_METHODS:
@@ -286,11 +286,9 @@ def _check_cp(cfg: RunConfig, world: int) -> int:
             f"parallel.cp={p.cp} does not divide the {rest} ranks left by parallel.pp={p.pp} x parallel.tp={p.tp}.",
             f"pass parallel.cp={_largest_divisor_at_most(rest, max(p.cp, 1))} (a divisor of {rest})",
         )
-    if p.cp > 1:
-        fail(
-            f"parallel.cp={p.cp}: context parallel is not built yet.",
-            "pass parallel.cp=1",
-        )
+    from fsdp_exp.parallel import context
+
+    context.check(cfg, device_type)  # the sequence, the heads, the method on this device, what cp refuses
     return p.cp
 
 

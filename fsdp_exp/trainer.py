@@ -221,12 +221,13 @@ class Trainer:
         accum = self.topology.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(self.data.micro_batches(step)):
+            inputs, targets = self.parallel.sequence_shard(batch.inputs, batch.targets)  # parallel.cp: this rank's
             # Reduced into the sharded gradient every micro-batch, or only after the last one
             # (trainer.grad_sync, resolved by the backend); otherwise accumulated locally.
             with self.parallel.gradient_sync(last=i == accum - 1):
                 with self.parallel.loss_parallel():
                     with self.parallel.autocast():
-                        loss = mean_cross_entropy(self.model, batch.inputs, batch.targets, self.loss_chunks) / accum
+                        loss = mean_cross_entropy(self.model, inputs, targets, self.loss_chunks) / accum
                     if phase:
                         phase("backward")
                     self.parallel.backward(loss, self.scaler)
@@ -264,10 +265,11 @@ class Trainer:
         tokens = 0
         with torch.no_grad():
             for batch in self.data.val_micro_batches():
+                inputs, targets = self.parallel.sequence_shard(batch.inputs, batch.targets)
                 with self.parallel.loss_parallel(), self.parallel.autocast():
-                    mean = mean_cross_entropy(self.model, batch.inputs, batch.targets, self.loss_chunks)
-                total += mean.double() * batch.targets.numel()
-                tokens += batch.targets.numel()
+                    mean = mean_cross_entropy(self.model, inputs, targets, self.loss_chunks)
+                total += mean.double() * targets.numel()
+                tokens += targets.numel()
         _, mean = reduce_over_ranks([total.item() / max(tokens, 1)], self.device)  # equal tokens per rank
         return mean[0]
 

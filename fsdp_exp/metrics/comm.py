@@ -29,7 +29,7 @@ def kind_of(name: str) -> str:
         ("allgather", "all_gather"),
         ("reducescatter", "reduce_scatter"),
         ("allreduce", "all_reduce"),
-        ("alltoall", "all_to_all"),  # expert parallel's dispatch and combine
+        ("alltoall", "all_to_all"),  # expert parallel's dispatch and combine, context parallel's exchange
     )
     for needle, kind in needles:
         if needle in flat:

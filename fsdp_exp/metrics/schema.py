@@ -374,8 +374,9 @@ _COMM = {
     "all_gather_s": "time all-gathers were in flight (union of their intervals)",
     "reduce_scatter_s": "time reduce-scatters were in flight (FSDP's gradient reduction)",
     "all_reduce_s": "time all-reduces were in flight (DDP's buckets, HSDP's replicas, the grad norm)",
-    "all_to_all_s": "time all-to-alls were in flight (expert parallel's token dispatch and combine, and the "
-    "counts exchanged before them; 0 without parallel.ep)",
+    "all_to_all_s": "time all-to-alls were in flight (expert parallel's token dispatch and combine with the "
+    "counts exchanged before them; context parallel's exchange of heads for sequence, parallel.cp_method="
+    "all_to_all; 0 without either)",
     "other_s": "time other collectives were in flight (broadcast, send/recv)",
     "total_s": "time any collective was in flight",
     "exposed_s": "part of comm/total_s with no compute running (CUDA: no other kernel on any stream; CPU: the "

@@ -17,7 +17,7 @@ import torch
 from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.config.topology import largest_divisor_at_most
 from fsdp_exp.errors import fail
-from fsdp_exp.models.llama import Llama, TransformerBlock, ffn_hidden_dim, head_dim
+from fsdp_exp.models.llama import CausalAttention, Llama, TransformerBlock, ffn_hidden_dim, head_dim
 from fsdp_exp.models.moe import ROUTER_SCORES, MoE, grouped_mm_in_any_dtype, moe_hidden_dim
 from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan
 
@@ -257,6 +257,24 @@ class LlamaSpec(ModelSpec):
 
     def expert_modules(self, model: Llama) -> list[str]:
         return [f"{name}.experts" for name, m in model.named_modules() if isinstance(m, MoE)]
+
+    def check_context_parallel(self, cfg: ModelConfig, cp: int, tp: int) -> None:
+        """Ulysses hands each CP rank cp-th of the local query heads; key/value heads cp does not divide are
+        repeated up to the query heads (fsdp_exp.parallel.context)."""
+        local = cfg.n_heads // tp
+        if local % cp:
+            fail(
+                f"parallel.cp={cp} does not divide the {local} query heads each rank holds (model.n_heads="
+                f"{cfg.n_heads} over parallel.tp={tp}): all-to-all attention gives each CP rank whole heads "
+                "(key/value heads that cp does not divide are repeated up to the query heads).",
+                f"pass parallel.cp={largest_divisor_at_most(local, cp)}, or a model.n_heads that {cp * tp} divides",
+            )
+
+    def attention_kernels(self, model: Llama) -> list[str]:
+        return [name for name, m in model.named_modules() if isinstance(m, CausalAttention)]
+
+    def position_buffers(self, model: Llama) -> dict[str, int]:
+        return {"rope_cos": 0, "rope_sin": 0}
 
     def tensor_parallel_plan(self, cfg: ModelConfig) -> TensorParallelPlan:
         """Attention: wq/wk/wv colwise (each rank holds n_heads/tp heads), wo rowwise. SwiGLU: w1/w3

@@ -1,13 +1,14 @@
 """What a model family supplies, so that no code outside ``fsdp_exp.models`` knows a parameter's name.
 
 A family is a ``ModelSpec`` subclass with one instance in ``fsdp_exp.models.REGISTRY``, under the
-``model.name`` it answers to. ``ModelSpec`` combines five roles, each a small class here (its docstring says
+``model.name`` it answers to. ``ModelSpec`` combines six roles, each a small class here (its docstring says
 what it owns) that the callers of one concern need: ``SpecChecks`` (config checks, the hub fetch, the fit
 check's depth override; every refusal is ``fail(problem, fix)``), ``SpecFacts`` (vocabulary, sequence
 length, tokenizer, architecture, FLOPs per token), ``SpecBuild`` (the plain ``nn.Module``, the shared meta
 model, initial values drawn from (seed, name) alone, so any world size and sharding agree), ``SpecLayout``
 (blocks, the residual stream's two ends, experts, ties, pipeline stages, the tensor-parallel plan as data,
-the planner's ``Inventory``) and ``SpecExport`` (Hugging Face's names and config.json). What a block saves
+the planner's ``Inventory``), ``SpecContextParallel`` (attention kernels and position buffers for
+context parallel) and ``SpecExport`` (Hugging Face's names and config.json). What a block saves
 for backward is the planner's own model of the family (``fsdp_exp.plan.activations``).
 """
 
@@ -304,6 +305,32 @@ class SpecLayout(ABC):
         )
 
 
+class SpecContextParallel(ABC):
+    """Role: what context parallel (``fsdp_exp.parallel.context``) needs of a family: whether its attention
+    can be split over the sequence, where its attention kernels are and which buffers are indexed by position."""
+
+    def check_context_parallel(self, cfg, cp: int, tp: int) -> None:
+        """Refuse ``parallel.cp`` where this family's attention cannot be wrapped (the default: every family
+        that has not said how)."""
+        from fsdp_exp.errors import fail
+
+        fail(
+            f"parallel.cp={cp}: the {self.architecture(cfg)} attention of model family {self.name!r} cannot be "
+            "split over the sequence yet (context parallel wraps an attention kernel module that takes "
+            "(batch, heads, seq, head_dim) queries, keys and values; this family has none).",
+            "pass parallel.cp=1, or a Llama model (model=llama_tiny|llama7b|llama3_8b...)",
+        )
+
+    def attention_kernels(self, model: "nn.Module") -> list[str]:
+        """Qualified names of the modules that compute causal attention from (batch, heads, seq, head_dim)
+        queries, keys and values, after the rotary embedding."""
+        return []
+
+    def position_buffers(self, model: "nn.Module") -> dict[str, int]:
+        """Buffer name -> its sequence dim, for the buffers the model slices by position (rotary tables)."""
+        return {}
+
+
 class SpecExport(ABC):
     """Role: the model under Hugging Face's names and config (``checkpoint.export=hf``)."""
 
@@ -320,7 +347,7 @@ class SpecExport(ABC):
         raise ValueError(self.why_no_hf_export(cfg))
 
 
-class ModelSpec(SpecChecks, SpecFacts, SpecBuild, SpecLayout, SpecExport):
+class ModelSpec(SpecChecks, SpecFacts, SpecBuild, SpecLayout, SpecContextParallel, SpecExport):
     """A model family: every role above (see the module docstring); a subclass implements each role's
     abstract methods. Defaults are generic."""
 

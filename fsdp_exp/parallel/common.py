@@ -56,6 +56,12 @@ def refuse_fsdp2_only_knobs(backend: "BackendChecks", cfg) -> None:
             f"parallel.tp={tp} composes with FSDP2 only, not sharding.backend={backend.name}.",
             "pass sharding.backend=fsdp2 (or parallel.tp=1)",
         )
+    if cfg.parallel.cp > 1:
+        fail(
+            f"parallel.cp={cfg.parallel.cp} composes with FSDP2 only, not sharding.backend={backend.name}: its "
+            "context-parallel ranks must share one gradient reduction over shard x cp (FSDP2's mesh).",
+            "pass sharding.backend=fsdp2 (or parallel.cp=1)",
+        )
     if cfg.parallel.pp > 1 and not backend.stage_strategies:
         fail(
             f"parallel.pp={cfg.parallel.pp} runs FSDP2 (or DDP) inside each pipeline stage, "

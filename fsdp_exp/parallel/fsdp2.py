@@ -311,6 +311,8 @@ class FSDP2(Backend):
             "(dp, tp) mesh",
             "parallel.pp=N": "`fully_shard` over dp inside each `PipelineStage` of a (pp, dp[, tp]) mesh, over "
             "(replicate, shard) of dp under `sharding=hybrid` (docs/pipeline.md)",
+            "parallel.cp=N": "`fully_shard` over shard x cp; each attention kernel wrapped: all-to-all of heads for "
+            "sequence, or torch's ring `_ContextParallel` on CUDA (docs/context_parallel.md)",
         }
 
 

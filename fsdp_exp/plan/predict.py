@@ -68,7 +68,12 @@ def plan(
         )
     )  # DeepSpeed's own layout
     profile = profile_for(
-        cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, topology.tp_size, cfg.parallel.sequence_parallel
+        cfg.model,
+        topology.micro_batch_size,
+        cfg.trainer.seq_len,
+        topology.tp_size,
+        cfg.parallel.sequence_parallel,
+        cp=cfg.parallel.cp,
     )
     setting = StepSetting(
         kind=kind,

@@ -436,7 +436,7 @@ def _disk_key(key: tuple) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def profile(spec, m, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> HfActivations:
+def profile(spec, m, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool, cp: int = 1) -> HfActivations:
     """A Hugging Face model's per-rank profile, measured on the model (sequence parallel has no plan here).
 
     Every family's ``profile`` in ``PROFILES`` has this signature.

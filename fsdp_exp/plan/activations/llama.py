@@ -29,6 +29,20 @@ class LlamaActivations(TokenCounts):
     tp: int = 1  # tensor-parallel degree: a row-parallel output is reduced by a collective inside the block
     top_k: int = 0  # routed copies of each token
     shared_ffn: int = 0  # the shared experts' SwiGLU width (0: none)
+    cp: int = 1  # context-parallel degree: s is already this rank's share of the sequence
+
+    @property
+    def cp_repeats_kv(self) -> bool:
+        """All-to-all attention repeats the key/value heads up to the query heads when cp does not divide them."""
+        return self.cp > 1 and (self.heads * self.dkv // self.dq) % self.cp != 0
+
+    def cp_saved(self, e: int) -> int:
+        """What all-to-all attention adds to a block's saved tensors: wo's input is a new tensor after the
+        exchange back (without CP it is a view of the kernel's output), and repeated key/value heads are what
+        the kernel keeps instead of the grouped ones."""
+        if self.cp == 1:
+            return 0
+        return e * self.tokens * self.dq + (2 * e * self.tokens * (self.dq - self.dkv) if self.cp_repeats_kv else 0)
 
     @property
     def peak_weight_grad(self) -> int:
@@ -73,7 +87,7 @@ class LlamaActivations(TokenCounts):
             norms = 2 * (copies + 4 * bs // self.sp + e * resid + e * bs * self.d)
             residual = 2 * 4 * resid if e == 4 else 0  # fp32: the norms save the residual tensors themselves
             casts = 0
-        attention = e * bs * self.dq * 2 + 2 * e * bs * self.dkv + 4 * self.b * self.heads * self.s
+        attention = e * bs * self.dq * 2 + 2 * e * bs * self.dkv + 4 * self.b * self.heads * self.s + self.cp_saved(e)
         if math_attention:
             attention += e * self.b * self.heads * self.s * self.s + 2 * e * bs * (self.dq - self.dkv)
         if self.experts:
@@ -188,7 +202,9 @@ class LlamaActivations(TokenCounts):
         ]
 
 
-def profile(spec, cfg, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> LlamaActivations:
+def profile(
+    spec, cfg, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool, cp: int = 1
+) -> LlamaActivations:
     """A Llama model's per-rank profile: tensor parallel divides the heads and the SwiGLU width.
 
     Every family's ``profile`` in ``PROFILES`` has this signature.
@@ -201,12 +217,14 @@ def profile(spec, cfg, micro_batch: int, seq_len: int, tp: int, sequence_paralle
         tp: tensor-parallel degree.
         sequence_parallel: ``parallel.sequence_parallel``: the residual stream around the norms is split
         over the ``tp`` ranks along the sequence.
+        cp: context-parallel degree: every rank holds seq_len / cp tokens of each sequence
+        (fsdp_exp.parallel.context).
     """
     head = head_dim(cfg)
     expert_width = moe_hidden_dim(cfg, ffn_hidden_dim(cfg)) if cfg.n_experts else ffn_hidden_dim(cfg)
     return LlamaActivations(
         b=micro_batch,
-        s=seq_len,
+        s=seq_len // cp,
         d=cfg.dim,
         dq=cfg.n_heads * head // tp,
         dkv=(cfg.n_kv_heads or cfg.n_heads) * head // tp,
@@ -218,4 +236,5 @@ def profile(spec, cfg, micro_batch: int, seq_len: int, tp: int, sequence_paralle
         shared_ffn=cfg.n_shared_experts * expert_width if cfg.n_experts else 0,
         sp=tp if sequence_parallel else 1,
         tp=tp,
+        cp=cp,
     )
