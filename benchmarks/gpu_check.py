@@ -56,6 +56,7 @@ import functools
 import importlib.util
 import io
 import json
+import math
 import os
 import pickle
 import queue
@@ -505,8 +506,40 @@ def define_runs(ctx: Context, extra: list[str]) -> dict[str, Run]:
             240,
             feature="sharding.backend",
         ),
+        # Context parallel with torch's ring attention (CUDA's SDPA kernels only): the same global batch at cp 1
+        # and cp 2, the second splitting every sequence over 2 GPUs.
+        Run("cp1", [*functional, "precision=bf16", *short, "trainer.digest_shards=false"], 150),
+        Run(
+            "cp2_ring",
+            [
+                *functional,
+                "precision=bf16",
+                *short,
+                "trainer.digest_shards=false",
+                "parallel.cp=2",
+                "parallel.cp_method=ring",
+            ],
+            150,
+            feature="parallel.cp",
+        ),
         Run("compile", compiled, 300 if ctx.size == "full" else 200),
         Run("float8", float8, 300 if ctx.size == "full" else 200),
+        # torchao's float8 tensor-parallel styles under sequence parallel gather the sequence in float8, which
+        # gloo cannot carry (preflight refuses it on a CPU): NCCL's run, on 2 GPUs as (1 dp x) 2 tp ranks.
+        Run(
+            "float8_tp_sp",
+            [
+                *where,
+                *small,
+                f"trainer.nproc_per_node={n}",
+                f"trainer.global_batch_size={batch * max(1, n // 2)}",
+                # one GPU (its check skipped; --dry-run --gpus 1 validates the rest): no tensor parallel
+                *(["parallel.tp=2", "parallel.sequence_parallel=true"] if n >= 2 else []),
+                "precision=float8",
+                *short,
+            ],
+            180,
+        ),
     ]
     return {r.name: r for r in runs}
 
@@ -626,6 +659,17 @@ def check_float8(ctx: Context) -> dict:
         out["x bf16 compiled"] = round(
             s["summary/tokens_per_s_median"] / bf16.record["summary"]["summary/tokens_per_s_median"], 3
         )
+    return out
+
+
+def check_float8_tp_sp(ctx: Context) -> dict:
+    """Tensor parallel with torchao's float8 styles and sequence parallel: the run completes, its blocks took
+    the float8 styles (the sequence gathered in float8 before the projections) and its loss is finite."""
+    run = ctx.completed("float8_tp_sp")
+    plan = (find_key(run.record["applied"], "block_plan") or [{}])[0]
+    out = {**perf(run), "block styles": sorted(set(plan.values()))}
+    expect("PrepareFloat8ModuleInput" in plan.values(), "the blocks did not take torchao's float8 styles", out)
+    expect(math.isfinite(run.record["summary"]["summary/final_loss"]), "the loss is not finite", out)
     return out
 
 
@@ -793,6 +837,19 @@ def check_ddp_bf16(ctx: Context) -> dict:
     return out
 
 
+def check_ring_attention(ctx: Context) -> dict:
+    """CP 2 with torch's ring attention against CP 1 on the same batches: the same losses (bf16: within 1e-2)."""
+    one, two = ctx.completed("cp1"), ctx.completed("cp2_ring")
+    methods = find_key(two.record["applied"], "method")
+    expect(methods == ["ring"], f"cp_method applied: {methods}")
+    a = [r["train/loss"] for r in one.rows() if "train/loss" in r]
+    b = [r["train/loss"] for r in two.rows() if "train/loss" in r]
+    worst = max(abs(x / y - 1) for x, y in zip(a, b)) if a and len(a) == len(b) else float("inf")
+    figures = {"cp1 losses": [round(x, 4) for x in a], "cp2 losses": [round(x, 4) for x in b], "worst": sig(worst)}
+    expect(worst < 1e-2, f"ring CP 2 losses differ from CP 1's by {worst:.3g} (relative)", figures)
+    return {**perf(two), **figures}
+
+
 def check_checkpoint(ctx: Context) -> dict:
     first = ctx.completed("ckpt_save")
     saved = {p.name for p in (first.run_dir / "checkpoints").glob("step_*")}
@@ -895,7 +952,7 @@ class Check:
     what: str
     runs: tuple[str, ...]
     evaluate: Callable[[Context], dict]
-    needs: str = ""  # "" (any device), "cuda", "2 ranks" (2 GPUs on CUDA; the CPU run has 2 ranks)
+    needs: str = ""  # "" (any device), "cuda", "2 ranks" (2 GPUs on CUDA; the CPU run has 2 ranks), "cuda 2 ranks"
     covers: tuple[str, ...] = ()  # the inventory's places this check exercises
 
 
@@ -1084,13 +1141,30 @@ CHECKS = (
         # its ranks ask their GPU's FP8 tensor cores before building (an A100 is refused: a CPU test feeds names)
         covers=("fsdp_exp/metrics/device_peak.py:fp8_peak_tflops", "fsdp_exp/parallel/float8.py:check_rank_device"),
     ),
+    Check(
+        "float8_tp_sp",
+        "precision=float8 with parallel.tp=2 and sequence parallel: torchao's float8 styles gather the sequence "
+        "in float8 (NCCL; gloo cannot)",
+        ("float8_tp_sp",),
+        check_float8_tp_sp,
+        needs="cuda 2 ranks",
+        covers=("fsdp_exp/parallel/float8.py:check",),
+    ),
+    Check(
+        "ring_attention",
+        "context parallel, torch's ring attention: CP 2 against CP 1 on the same batches, the same losses",
+        ("cp1", "cp2_ring"),
+        check_ring_attention,
+        needs="cuda 2 ranks",
+        covers=("fsdp_exp/parallel/context.py:resolve_method", "fsdp_exp/parallel/context.py:check"),
+    ),
 )
 
 
 def skip_reason(check: Check, ctx: Context) -> Optional[str]:
-    if check.needs == "cuda" and ctx.device != "cuda":
+    if check.needs.startswith("cuda") and ctx.device != "cuda":
         return "skipped: needs CUDA"
-    if check.needs == "2 ranks" and ctx.ranks < 2:
+    if check.needs.endswith("2 ranks") and ctx.ranks < 2:
         return f"skipped: needs 2 GPUs ({ctx.gpus} here)"
     return None
 
@@ -1142,7 +1216,7 @@ def _run_checks(
             "check": check.name,
             "what": check.what,
             "needs": check.needs or "any",
-            "cpu": check.needs != "cuda",
+            "cpu": not check.needs.startswith("cuda"),
             "covers": list(check.covers),
             "figures": {},
             "note": "",

@@ -15,7 +15,7 @@ and sequence also on disk (74 s for the 233 rows on a 2-core machine, 29 s with 
 ``--no-memory`` skips the planner; benchmarks/RESULTS.md). What it prints,
 per source and overall:
 
-- rows expressible, and why the others are not (context / expert parallel rows, formats fsdp_exp cannot train such as NVFP4 or
+- rows expressible, and why the others are not (expert parallel rows, formats fsdp_exp cannot train such as NVFP4 or
   MXFP8, an architecture the mapping does not reproduce to the published parameter count); FP8 rows are
   expressed as ``precision=float8`` with the recipe the row names (``fsdp_exp.tune.published``) and timed with
   the device's FP8 peak;

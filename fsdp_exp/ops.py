@@ -19,7 +19,8 @@ def _existing(namespace, names: tuple[str, ...]) -> frozenset:
 
 # The ops a linear layer dispatches to (addmm: with a bias). torchtitan's models have no biases, so its rule,
 # which counts aten.mm, counts the same matmuls there.
-LINEAR_MATMULS = _existing(torch.ops.aten, ("mm", "addmm"))
+# A mixture of experts' grouped matmul (fsdp_exp.models.moe) is its experts' linear layers, and counts as one.
+LINEAR_MATMULS = _existing(torch.ops.aten, ("mm", "addmm", "_grouped_mm"))
 BATCHED_MATMULS = _existing(torch.ops.aten, ("bmm",))
 # SDPA's kernels (their output and log-sum-exp): CUDA's flash, memory-efficient and cuDNN ones, the CPU's flash.
 ATTENTION = _existing(
@@ -35,6 +36,20 @@ ATTENTION = _existing(
 # Collectives inside a block (tensor parallel's): repeating them in backward would cost communication.
 COLLECTIVES = _existing(torch.ops._c10d_functional, ("reduce_scatter_tensor", "all_reduce", "all_to_all_single"))
 ALWAYS_SAVED = ATTENTION | COLLECTIVES
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """2 x M x K x N of a grouped matmul whatever its groups: each output element is a dot product over the
+    shared dimension (a 2-D x 2-D weight gradient: one (M, N) product per group over that group's share of K)."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * torch.Size(out_shape).numel() * a_shape[-1]
+
+
+# FLOP formulas torch's FlopCounterMode lacks (it counts no grouped matmul): the experts' matmuls of a mixture
+# of experts. Pass as ``FlopCounterMode(custom_mapping=EXTRA_FLOP_FORMULAS)``.
+# Keyed by the op's overload packet, as the counter looks them up.
+EXTRA_FLOP_FORMULAS = {op.overloadpacket: _grouped_mm_flops for op in _existing(torch.ops.aten, ("_grouped_mm",))}
 
 
 class OpSaver:

@@ -245,7 +245,7 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
         )
     if tp > 1:
         _validate_tp(cfg, tp)
-    cp = _check_cp(cfg, world)
+    cp = _check_cp(cfg, world, device_type)
     if cfg.parallel.pp != 1:
         return _validate_pipeline(cfg, world)
     dp = world // (tp * cp)
@@ -272,7 +272,7 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
     return (*mesh_layout(shape, names, cp=cp, tp=tp), dp)
 
 
-def _check_cp(cfg: RunConfig, world: int) -> int:
+def _check_cp(cfg: RunConfig, world: int, device_type: str) -> int:
     """parallel.cp and parallel.cp_method; returns cp (it must divide the ranks left by pp and tp)."""
     p = cfg.parallel
     if p.cp_method not in CP_METHODS:
@@ -286,31 +286,28 @@ def _check_cp(cfg: RunConfig, world: int) -> int:
             f"parallel.cp={p.cp} does not divide the {rest} ranks left by parallel.pp={p.pp} x parallel.tp={p.tp}.",
             f"pass parallel.cp={_largest_divisor_at_most(rest, max(p.cp, 1))} (a divisor of {rest})",
         )
-    if p.cp > 1:
-        fail(
-            f"parallel.cp={p.cp}: context parallel is not built yet.",
-            "pass parallel.cp=1",
-        )
+    from fsdp_exp.parallel import context
+
+    context.check(cfg, device_type)  # the sequence, the heads, the method on this device, what cp refuses
     return p.cp
 
 
 def _check_ep(cfg: RunConfig, shard_ranks: int) -> None:
-    """parallel.ep: expert parallel borrows its ranks from the shard x cp ranks, so it must divide them."""
+    """parallel.ep: expert parallel borrows its ranks from the shard x cp ranks, so it must divide them; what
+    it composes with is expert parallel's own check (fsdp_exp.parallel.expert.check)."""
+    from fsdp_exp.parallel import expert
+
     ep = cfg.parallel.ep
     if ep < 1 or shard_ranks % ep:
         fail(
             f"parallel.ep={ep} does not divide the {shard_ranks} shard x cp ranks the experts are spread over.",
             f"pass parallel.ep={_largest_divisor_at_most(shard_ranks, max(ep, 1))} (a divisor of {shard_ranks})",
         )
-    if ep > 1:
-        fail(
-            f"parallel.ep={ep}: expert parallel is not built yet.",
-            "pass parallel.ep=1",
-        )
+    expert.check(cfg, ep)
 
 
 def _validate_pipeline(cfg: RunConfig, world: int):
-    """parallel.pp > 1: the (pp, dp) mesh, (pp, dp, tp) under tensor parallel, FSDP2 inside each stage;
+    """parallel.pp > 1: the (pp, dp) mesh, (pp, dp, tp) under tensor parallel, FSDP2 or DDP inside each stage;
     what the pipeline does not compose with yet is refused by name. Returns (shape, names, dp)."""
     from fsdp_exp.parallel import pipeline
 
@@ -326,23 +323,23 @@ def _validate_pipeline(cfg: RunConfig, world: int):
             f"pass parallel.tp={_largest_divisor_at_most(world // pp, tp)} (a divisor of {world // pp})",
         )
     pipeline.check_sharding(cfg)
+    pipeline.check_stage_settings(cfg)  # what the stages would otherwise ignore
     refused = [
         ("debug.check_identical_init", cfg.debug.check_identical_init, "debug.check_identical_init=false"),
         ("trainer.eval_every", cfg.trainer.eval_every > 0, "trainer.eval_every=0"),
         ("precision.loss_scaler", cfg.precision.loss_scaler != "none", "precision=fp32|bf16"),
-        # the stages' linears are not converted (build_pipeline has no float8 step): the run would train in bf16
-        ("precision.float8_recipe", cfg.precision.float8_recipe is not None, "precision=bf16"),
     ]
     for key, bad, fix in refused:
         if bad:
             fail(
                 f"{key}={_value(cfg, key)} is not "
-                f"supported with parallel.pp={pp} yet (evaluation, loss scaling and float8 under stages are "
+                f"supported with parallel.pp={pp} yet (evaluation and loss scaling under stages are "
                 "not built; docs/pipeline.md).",
                 f"pass {fix}, or parallel.pp=1",
             )
     dp = world // (pp * tp * cfg.parallel.cp)
     _check_ep(cfg, shard_ranks=dp * cfg.parallel.cp)
+    pipeline.stage_dp_layout(cfg, dp)  # sharding=hybrid: the split of a stage's dp ranks
     t = cfg.trainer
     local_batch = t.global_batch_size // dp
     settings = pipeline.settings_from(cfg, local_batch)

@@ -38,6 +38,7 @@ from fsdp_exp.dist import RankInfo, broadcast_object, init_distributed, reduce_o
 from fsdp_exp.env import default_threads
 from fsdp_exp.guard import StopGuard
 from fsdp_exp.metrics.step import StepMetrics
+from fsdp_exp.models.moe import reset_routing_counts, update_expert_bias
 from fsdp_exp.models import build_meta, canonical_name, matrix_parameter_names
 from fsdp_exp.models.loss import mean_cross_entropy
 from fsdp_exp.optim import build_scheduler
@@ -174,7 +175,10 @@ class Trainer:
         for step in range(self.start_step, self.cfg.trainer.steps):
             started = time.perf_counter()  # the step's time: from here until its row is gathered
             inject_step_fault(self.cfg.debug, step, self.info.rank, self.model)  # debug.fail_at_step etc.
+            reset_routing_counts(self.model)  # a mixture of experts' loads are per step
             loss, grad_norm, lr = self.metrics.run(step, step_fn, started)  # tracked or profiled if sampled
+            # DeepSeek-V3's loss-free balancing: the biases move after the step, by the load over every rank.
+            update_expert_bias(self.model, getattr(self.cfg.model, "expert_bias_rate", 0.0), dist.all_reduce)
             done = step + 1  # steps completed: the row's, the checkpoint's step
             flags = self.guard.poll(done, loss, saves=self.checkpointer.saves_at(done))  # a signal? NaN/inf?
             self.metrics.log(done, started, loss, grad_norm, lr, self.evaluate)  # on logged steps only
@@ -217,12 +221,13 @@ class Trainer:
         accum = self.topology.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(self.data.micro_batches(step)):
+            inputs, targets = self.parallel.sequence_shard(batch.inputs, batch.targets)  # parallel.cp: this rank's
             # Reduced into the sharded gradient every micro-batch, or only after the last one
             # (trainer.grad_sync, resolved by the backend); otherwise accumulated locally.
             with self.parallel.gradient_sync(last=i == accum - 1):
                 with self.parallel.loss_parallel():
                     with self.parallel.autocast():
-                        loss = mean_cross_entropy(self.model, batch.inputs, batch.targets, self.loss_chunks) / accum
+                        loss = mean_cross_entropy(self.model, inputs, targets, self.loss_chunks) / accum
                     if phase:
                         phase("backward")
                     self.parallel.backward(loss, self.scaler)
@@ -260,10 +265,11 @@ class Trainer:
         tokens = 0
         with torch.no_grad():
             for batch in self.data.val_micro_batches():
+                inputs, targets = self.parallel.sequence_shard(batch.inputs, batch.targets)
                 with self.parallel.loss_parallel(), self.parallel.autocast():
-                    mean = mean_cross_entropy(self.model, batch.inputs, batch.targets, self.loss_chunks)
-                total += mean.double() * batch.targets.numel()
-                tokens += batch.targets.numel()
+                    mean = mean_cross_entropy(self.model, inputs, targets, self.loss_chunks)
+                total += mean.double() * targets.numel()
+                tokens += targets.numel()
         _, mean = reduce_over_ranks([total.item() / max(tokens, 1)], self.device)  # equal tokens per rank
         return mean[0]
 

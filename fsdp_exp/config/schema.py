@@ -39,8 +39,18 @@ class ModelConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     init_std: float = 0.02
-    n_experts: int = 0  # > 0: every block's feed-forward is a mixture of this many experts
+    head_dim: Optional[int] = None  # None = dim // n_heads (Qwen3's are wider: 128 at dim 2048, 32 heads)
+    qk_norm: bool = False  # RMSNorm on each head's query and key before the rotation (Qwen3)
+    n_experts: int = 0  # > 0: every block's feed-forward is a mixture of this many routed experts
     experts_top_k: int = 2  # experts each token is routed to
+    # Mixture of experts (fsdp_exp/models/moe.py; the docs page models.md, "Mixture of experts"):
+    moe_hidden_dim: Optional[int] = None  # one routed expert's SwiGLU width (None = the dense one's)
+    n_shared_experts: int = 0  # always-on experts (one SwiGLU of n_shared_experts x moe_hidden_dim)
+    router_score: str = "softmax"  # softmax (Mixtral, Qwen3-MoE) | sigmoid (DeepSeek-V3, always renormalized)
+    router_renormalize: bool = True  # softmax: the top-k weights rescaled to sum to 1
+    aux_loss_coef: float = 0.0  # load-balancing loss coefficient (Mixtral 0.02, Qwen3-MoE 0.001)
+    expert_bias_rate: float = 0.0  # DeepSeek-V3's loss-free balancing: bias update per step (0.001), 0 = off
+    capacity_factor: Optional[float] = None  # None = dropless; else copies per expert <= cf x tokens x k / E
 
 
 @dataclass

@@ -18,14 +18,20 @@ from typing import Callable
 
 import torch
 
-COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "other")
+COMM_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "other")
 STEP_RANGE = "fsdp_exp/step"
 
 
 def kind_of(name: str) -> str:
     """A collective's kind from a kernel, gloo range or c10d operator name."""
     flat = name.lower().replace("_", "")
-    for needle, kind in (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce")):
+    needles = (
+        ("allgather", "all_gather"),
+        ("reducescatter", "reduce_scatter"),
+        ("allreduce", "all_reduce"),
+        ("alltoall", "all_to_all"),  # expert parallel's dispatch and combine, context parallel's exchange
+    )
+    for needle, kind in needles:
         if needle in flat:
             return kind
     return "other"

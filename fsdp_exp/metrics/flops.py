@@ -103,12 +103,17 @@ def counted_flops_per_token(cfg, seq_len: int, apply_ac: Optional[Callable] = No
     from torch.utils.flop_counter import FlopCounterMode
 
     from fsdp_exp.models import build_meta, spec_for
+    from fsdp_exp.ops import EXTRA_FLOP_FORMULAS
 
     model = build_meta(cfg.model)
     if apply_ac is not None and cfg.ac.mode != "none":
         apply_ac(model, cfg)
     tokens = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
-    with FlopCounterMode(display=False) as counter, spec_for(cfg.model).shapes_only():
+    # The counter innermost: it sees a grouped matmul before the family's shapes-only mode makes its result.
+    with (
+        spec_for(cfg.model).shapes_only(),
+        FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as counter,
+    ):
         model(tokens).float().sum().backward()
     return counter.get_total_flops() / seq_len
 

@@ -56,6 +56,76 @@ def _over_ranks(
     ]
 
 
+def _moe_metrics() -> list[Metric]:
+    """A mixture of experts' routing (fsdp_exp.models.moe), in the rows of such models only: one step's
+    routed copies of tokens per expert, summed over the ranks (every rank routes its own tokens); null in a
+    dense model's rows."""
+    per_expert = "routed copies of tokens (top-k per token) an expert got in the step, summed over the ranks"
+    return [
+        Metric(
+            "moe/tokens_per_expert_max",
+            "tokens",
+            "step",
+            "global",
+            f"{per_expert}: the busiest expert of any layer",
+            wandb_summary="max",
+        ),
+        Metric(
+            "moe/tokens_per_expert_mean",
+            "tokens",
+            "step",
+            "global",
+            f"{per_expert}: the mean over experts and layers",
+            wandb_summary="mean",
+        ),
+        Metric(
+            "moe/load_imbalance_max",
+            "1",
+            "step",
+            "global",
+            "the busiest expert's load over the mean expert's, in the most imbalanced layer (1 = balanced); expert "
+            "parallel's slowest rank waits for the busiest expert",
+            wandb_summary="max",
+        ),
+        Metric(
+            "moe/load_imbalance_mean",
+            "1",
+            "step",
+            "global",
+            "moe/load_imbalance_max's ratio averaged over the layers",
+            wandb_summary="mean",
+        ),
+        Metric(
+            "moe/aux_loss",
+            "1",
+            "step",
+            "mean",
+            "the load-balancing loss (model.aux_loss_coef x experts x sum of load share x mean router score) summed "
+            "over the layers, per micro-batch; its gradient trains the router, train/loss excludes it; 0 when off",
+            wandb_summary="mean",
+        ),
+        Metric(
+            "moe/dropped_tokens",
+            "tokens",
+            "step",
+            "global",
+            "routed copies past an expert's capacity (model.capacity_factor), summed over layers and ranks; 0 when dropless",
+            wandb_summary="max",
+        ),
+        Metric(
+            "moe/dropped_fraction",
+            "1",
+            "step",
+            "global",
+            "moe/dropped_tokens over every routed copy",
+            wandb_summary="max",
+        ),
+    ]
+
+
+MOE_METRICS = tuple(m.name for m in _moe_metrics())  # null in a dense model's rows
+
+
 # The phases of a training step, as the memory tracker and the planner split it (fsdp_exp.metrics.tracker).
 _PHASES = {
     "forward": "forward (zero_grad, the model's forward and the loss, every micro-batch)",
@@ -150,6 +220,7 @@ STEP_METRICS: list[Metric] = [
         "near 0 when loading keeps up, a large share of the step when it starves",
         wandb_summary="mean",
     ),
+    *_moe_metrics(),
     *_over_ranks("mem/params_gib", "GiB", "step", "parameter bytes this rank holds (its shards)"),
     *_over_ranks("mem/grads_gib", "GiB", "step", "gradient bytes this rank holds after backward"),
     *_over_ranks("mem/optim_state_gib", "GiB", "step", "optimizer state bytes this rank holds"),
@@ -303,6 +374,9 @@ _COMM = {
     "all_gather_s": "time all-gathers were in flight (union of their intervals)",
     "reduce_scatter_s": "time reduce-scatters were in flight (FSDP's gradient reduction)",
     "all_reduce_s": "time all-reduces were in flight (DDP's buckets, HSDP's replicas, the grad norm)",
+    "all_to_all_s": "time all-to-alls were in flight (expert parallel's token dispatch and combine with the "
+    "counts exchanged before them; context parallel's exchange of heads for sequence, parallel.cp_method="
+    "all_to_all; 0 without either)",
     "other_s": "time other collectives were in flight (broadcast, send/recv)",
     "total_s": "time any collective was in flight",
     "exposed_s": "part of comm/total_s with no compute running (CUDA: no other kernel on any stream; CPU: the "

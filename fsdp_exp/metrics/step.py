@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from fsdp_exp.context import sampled_steps
 from fsdp_exp.dist import gather_over_ranks, reduce_over_ranks
@@ -24,8 +25,9 @@ from fsdp_exp.metrics import memory
 from fsdp_exp.metrics.device_peak import device_peak
 from fsdp_exp.metrics.flops import convention_flops_per_token, mfu, recompute_flops_per_token
 from fsdp_exp.metrics.summary import summarize
-from fsdp_exp.metrics.schema import PHASES
+from fsdp_exp.metrics.schema import MOE_METRICS, PHASES
 from fsdp_exp.metrics.tracker import BREAKDOWN, StepMemory
+from fsdp_exp.models.moe import routing_counts, routing_row
 from fsdp_exp.units import GIB
 
 # One optimizer step, told where it is by ``phase`` on measured steps: (loss tensor, grad norm, lr).
@@ -189,12 +191,23 @@ class StepMetrics:
             val_loss = evaluate()
             row.update({"val/loss": val_loss, "val/perplexity": math.exp(min(val_loss, 700.0))})
         row.update(stages)
+        row.update(self._routing())
         row.update(self.predicted)
         row.update(self.pending)
         self.pending = {}
         self.history.append(row)
         if self.info.is_main:
             self.recorder.log(row)
+
+    def _routing(self) -> dict:
+        """A mixture of experts' ``moe/*`` metrics of this step: the loads summed over ranks (one all-reduce);
+        null for a dense model (every row has every metric)."""
+        counts = routing_counts(self.model)
+        if counts is None:
+            return dict.fromkeys(MOE_METRICS)
+        counts = counts.to(self.device)
+        dist.all_reduce(counts)
+        return routing_row(self.model, counts.cpu(), self.info.world_size)
 
     def summary(self) -> dict:
         summary = summarize(self.history, self.cfg.trainer.warmup_steps, self.peak, self.device.type == "cuda")

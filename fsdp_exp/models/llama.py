@@ -19,6 +19,7 @@ from torch import nn
 
 from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.models.loss import chunked_cross_entropy
+from fsdp_exp.models.moe import MoE, moe_hidden_dim
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
@@ -27,6 +28,11 @@ def ffn_hidden_dim(cfg: ModelConfig) -> int:
     if cfg.ffn_dim_multiplier is not None:
         hidden = int(cfg.ffn_dim_multiplier * hidden)
     return cfg.multiple_of * ((hidden + cfg.multiple_of - 1) // cfg.multiple_of)
+
+
+def head_dim(cfg: ModelConfig) -> int:
+    """Each head's width: ``model.head_dim``, else dim / n_heads."""
+    return cfg.head_dim or cfg.dim // cfg.n_heads
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,16 +72,29 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
+class CausalAttention(nn.Module):
+    """The attention kernel alone: causal SDPA of (batch, heads, seq, head_dim) queries, keys and values,
+    grouped-query when there are fewer key/value heads. Its own module so that context parallel
+    (fsdp_exp.parallel.context) can wrap the kernel without knowing the projections around it."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = head_dim(cfg)
+        # Qwen3's query / key norms: one RMSNorm over each head's width, shared by the heads.
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.wq = nn.Linear(cfg.dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.kernel = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -83,16 +102,18 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        out = self.kernel(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
 class FeedForward(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
-        hidden = ffn_hidden_dim(cfg)
+        hidden = hidden or ffn_hidden_dim(cfg)
         self.w1 = nn.Linear(cfg.dim, hidden, bias=False)  # gate
         self.w3 = nn.Linear(cfg.dim, hidden, bias=False)  # up
         self.w2 = nn.Linear(hidden, cfg.dim, bias=False)  # down
@@ -101,27 +122,12 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class MoEFeedForward(nn.Module):
-    """Top-k mixture of SwiGLU experts, computed densely: every expert runs on every token and the
-    router's weights (zero outside each token's top k) mix their outputs.
-
-    Dense compute keeps every expert in every forward and backward on every rank, so each expert can
-    be its own sharding unit without ranks disagreeing about which units ran (token dropping and
-    all-to-all dispatch are out of scope for this seed model).
-    """
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.top_k = cfg.experts_top_k
-        self.router = nn.Linear(cfg.dim, cfg.n_experts, bias=False)
-        self.experts = nn.ModuleList(FeedForward(cfg) for _ in range(cfg.n_experts))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scores = self.router(x).float().softmax(dim=-1)
-        top, index = scores.topk(self.top_k, dim=-1)
-        weights = torch.zeros_like(scores).scatter(-1, index, top / top.sum(-1, keepdim=True))
-        outputs = torch.stack([expert(x) for expert in self.experts], dim=-1)  # (..., dim, n_experts)
-        return (outputs * weights.unsqueeze(-2).type_as(outputs)).sum(-1)
+def moe_feed_forward(cfg: ModelConfig) -> MoE:
+    """A block's mixture of experts (``fsdp_exp.models.moe``), its shared experts one SwiGLU as wide as
+    ``n_shared_experts`` routed experts together."""
+    width = moe_hidden_dim(cfg, ffn_hidden_dim(cfg))
+    shared = FeedForward(cfg, cfg.n_shared_experts * width) if cfg.n_shared_experts else None
+    return MoE(cfg, ffn_hidden_dim(cfg), shared)
 
 
 class TransformerBlock(nn.Module):
@@ -130,7 +136,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = MoEFeedForward(cfg) if cfg.n_experts > 0 else FeedForward(cfg)
+        self.feed_forward = moe_feed_forward(cfg) if cfg.n_experts > 0 else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -149,7 +155,7 @@ class Llama(nn.Module):
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Rotary tables are derived, not learned: non-persistent, rebuilt by init_buffers().
-        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -170,14 +176,19 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
     def init_buffers(self, device: torch.device) -> None:
-        cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        cos, sin = rope_tables(head_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta, device)
         self.rope_cos, self.rope_sin = cos, sin
+        for moe in self.modules():
+            if isinstance(moe, MoE):  # loss-free balancing starts unbiased; a resume loads the biases after
+                moe.router.expert_bias = torch.zeros_like(moe.router.expert_bias, device=device)
+                for name in ("tokens_per_expert", "dropped", "aux_loss"):
+                    setattr(moe, name, torch.zeros_like(getattr(moe, name), device=device))
 
     def init_std(self, param_name: str) -> float | None:
         """Std of the normal init of a parameter (by its canonical name), or None for norm weights (ones)."""
         if param_name.endswith("norm.weight"):
             return None
-        if param_name.endswith(("attention.wo.weight", ".w2.weight")):
+        if param_name.endswith(("attention.wo.weight", ".w2.weight", ".experts.w2")):
             # Residual-branch outputs are scaled down with depth (GPT-2 / Llama practice).
             return self.cfg.init_std / (2 * self.cfg.n_layers) ** 0.5
         return self.cfg.init_std

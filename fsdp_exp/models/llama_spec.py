@@ -17,7 +17,8 @@ import torch
 from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.config.topology import largest_divisor_at_most
 from fsdp_exp.errors import fail
-from fsdp_exp.models.llama import Llama, MoEFeedForward, TransformerBlock, ffn_hidden_dim
+from fsdp_exp.models.llama import CausalAttention, Llama, TransformerBlock, ffn_hidden_dim, head_dim
+from fsdp_exp.models.moe import ROUTER_SCORES, MoE, grouped_mm_in_any_dtype, moe_hidden_dim
 from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan
 
 # fsdp_exp's names in a block -> Hugging Face's (model.layers.<i>.<name>), and at the root.
@@ -65,10 +66,10 @@ class LlamaSpec(ModelSpec):
                 f"model.n_kv_heads={m.n_kv_heads} must be positive.",
                 "pass model.n_kv_heads=null (as many as model.n_heads) or a divisor of model.n_heads",
             )
-        if m.dim % m.n_heads:
+        if m.head_dim is None and m.dim % m.n_heads:
             fail(
                 f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.",
-                "pick model.n_heads that divides model.dim",
+                "pick model.n_heads that divides model.dim, or set model.head_dim",
             )
         kv = m.n_kv_heads or m.n_heads
         if m.n_heads % kv:
@@ -76,10 +77,15 @@ class LlamaSpec(ModelSpec):
                 f"model.n_kv_heads={kv} does not divide model.n_heads={m.n_heads} (grouped-query attention).",
                 "pick model.n_kv_heads that divides model.n_heads, or null",
             )
-        if (m.dim // m.n_heads) % 2:
+        if m.head_dim is not None and m.head_dim < 1:
             fail(
-                f"head dimension model.dim/model.n_heads={m.dim // m.n_heads} is odd; rotary embeddings need it even.",
-                "change model.dim or model.n_heads",
+                f"model.head_dim={m.head_dim} must be positive.", "pass model.head_dim=null (model.dim / model.n_heads)"
+            )
+        if head_dim(m) % 2:
+            named = f"model.head_dim={m.head_dim}" if m.head_dim else f"model.dim/model.n_heads={head_dim(m)}"
+            fail(
+                f"head dimension {named} is odd; rotary embeddings need it even.",
+                "change model.dim or model.n_heads, or pass an even model.head_dim",
             )
         self._check_feed_forward(m)
         self._check_numbers(m)
@@ -126,7 +132,9 @@ class LlamaSpec(ModelSpec):
                 f"model.n_experts={m.n_experts} is negative.",
                 "pass model.n_experts=0 (a dense feed-forward) or the number of experts (model=moe_tiny has 4)",
             )
-        if m.n_experts and not 1 <= m.experts_top_k <= m.n_experts:
+        if not m.n_experts:
+            return
+        if not 1 <= m.experts_top_k <= m.n_experts:
             # Too many: torch's topk cannot pick them; none: every token's mixing weights are 0/0.
             good = m.n_experts if m.experts_top_k > m.n_experts else min(2, m.n_experts)
             fail(
@@ -134,8 +142,45 @@ class LlamaSpec(ModelSpec):
                 f"has {m.n_experts} (model.n_experts): it must lie between 1 and {m.n_experts}.",
                 f"pass model.experts_top_k={good}" + (" (or raise model.n_experts)" if good == m.n_experts else ""),
             )
+        LlamaSpec._check_routing(m)
+        width = moe_hidden_dim(m, ffn_hidden_dim(m))
+        for name, value in (("model.dim", m.dim), ("the experts' width (model.moe_hidden_dim)", width)):
+            if value % 8:
+                # torch's grouped matmul wants every operand's rows 16-byte aligned: 8 elements at bf16.
+                fail(
+                    f"{name} is {value}: the experts' grouped matmul needs it a multiple of 8 (16-byte rows in bf16).",
+                    f"pass a multiple of 8 (e.g. {8 * max(1, round(value / 8))})",
+                )
+
+    @staticmethod
+    def _check_routing(m: ModelConfig) -> None:
+        # Each value a rank would otherwise meet as a shape error, a NaN or a silently unbalanced router.
+        if m.router_score not in ROUTER_SCORES:
+            fail(
+                f"model.router_score={m.router_score!r} is not a router ({', '.join(ROUTER_SCORES)}).",
+                "pass model.router_score=softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3)",
+            )
+        if m.moe_hidden_dim is not None and m.moe_hidden_dim < 1:
+            fail(f"model.moe_hidden_dim={m.moe_hidden_dim} must be positive.", "pass model.moe_hidden_dim=null")
+        if m.n_shared_experts < 0:
+            fail(f"model.n_shared_experts={m.n_shared_experts} is negative.", "pass model.n_shared_experts=0")
+        for name in ("aux_loss_coef", "expert_bias_rate"):
+            if getattr(m, name) < 0:
+                fail(f"model.{name}={getattr(m, name)} is negative.", f"pass model.{name}=0 (off) or a small rate")
+        if m.capacity_factor is not None and not m.capacity_factor > 0:
+            fail(
+                f"model.capacity_factor={m.capacity_factor} must be positive: it caps each expert's tokens.",
+                "pass model.capacity_factor=null (dropless) or e.g. 1.25",
+            )
 
     def check_tensor_parallel(self, m: ModelConfig, tp: int) -> None:
+        if m.n_experts:
+            # The plan splits the SwiGLU projections of a dense block; routed experts have no such plan here.
+            fail(
+                f"parallel.tp={tp} with a mixture of experts (model.n_experts={m.n_experts}): tensor parallel "
+                "has no plan for the routed experts.",
+                "pass parallel.tp=1 and split the experts over ranks with parallel.ep instead",
+            )
         # Each rank holds whole heads and an equal slice of the SwiGLU width (the colwise projections).
         for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads or m.n_heads)):
             if value % tp:
@@ -152,23 +197,55 @@ class LlamaSpec(ModelSpec):
                 f"parallel.tp), or parallel.tp={largest_divisor_at_most(width, tp)}",
             )
 
+    def check_pipeline(self, m: ModelConfig) -> None:
+        if m.n_experts:
+            # Each stage would count and balance only its own layers' experts; not built yet.
+            fail(
+                f"parallel.pp > 1 with a mixture of experts (model.n_experts={m.n_experts}) is not built yet: the "
+                "routing counts and the loss-free bias are kept over every rank.",
+                "pass parallel.pp=1 (and shard the experts with parallel.ep)",
+            )
+
+    def check_expert_parallel(self, m: ModelConfig, ep: int) -> None:
+        if not m.n_experts:
+            fail(
+                f"parallel.ep={ep} with a dense model (model.n_experts=0): there are no experts to split.",
+                "pass parallel.ep=1, or a mixture of experts (model=moe_tiny, or model.n_experts=8)",
+            )
+        if m.n_experts % ep:
+            fail(
+                f"parallel.ep={ep} does not divide model.n_experts={m.n_experts}: each rank holds an equal share.",
+                f"pass parallel.ep={largest_divisor_at_most(m.n_experts, ep)}",
+            )
+
     def depth_override(self, cfg: ModelConfig, n_layers: int) -> str:
         return f"model.n_layers={n_layers}"
 
     # ------------------------------------------------------------------------------------ SpecFacts
     def flops_per_token(self, cfg: ModelConfig, seq_len: int) -> int:
-        """Training FLOPs per token: 6 N + 12 L d S (forward + backward, no recompute).
+        """Training FLOPs per token: 6 N + 12 L h S (forward + backward, no recompute).
 
-        N counts parameters without the input embedding (a lookup, no matmul); the output projection
-        is a matmul and counts. 12 L d S is attention's score and value products (PaLM appendix B).
+        N counts the parameters a token computes with (``active_params``) without the input embedding (a
+        lookup, no matmul); the output projection is a matmul and counts. 12 L h S is attention's score and
+        value products (PaLM appendix B), h the query width (n_heads x head_dim).
         """
         inventory = self.inventory(cfg)
-        n = sum(p.numel for p in inventory.params if p.name not in inventory.input_params)
-        return 6 * n + 12 * cfg.n_layers * cfg.dim * seq_len
+        n = self.active_params(cfg) - sum(p.numel for p in inventory.params if p.name in inventory.input_params)
+        return 6 * n + 12 * cfg.n_layers * cfg.n_heads * head_dim(cfg) * seq_len
+
+    def active_params(self, cfg: ModelConfig) -> int:
+        """Parameters one token computes with: all of a dense model's; of a mixture of experts, its top k of
+        the routed experts (the convention behind Mixtral's 12.9B of 46.7B and Qwen3's 3.3B of 30.5B)."""
+        share = cfg.experts_top_k / cfg.n_experts if cfg.n_experts else 1
+        return round(sum(p.numel * (share if ".experts." in p.name else 1) for p in self.inventory(cfg).params))
 
     # ------------------------------------------------------------------------------------ SpecBuild
     def build(self, cfg: ModelConfig) -> Llama:
         return Llama(cfg)
+
+    def shapes_only(self):
+        """The experts' grouped matmul on meta and fake tensors in any dtype (its meta kernel takes bf16 only)."""
+        return grouped_mm_in_any_dtype()
 
     def retie(self, model: Llama) -> None:
         if model.cfg.tie_embeddings and model.output.weight is not model.tok_embeddings.weight:
@@ -179,12 +256,25 @@ class LlamaSpec(ModelSpec):
         return {"output.weight": "tok_embeddings.weight"} if cfg.tie_embeddings else {}
 
     def expert_modules(self, model: Llama) -> list[str]:
-        return [
-            f"{name}.experts.{i}"
-            for name, m in model.named_modules()
-            if isinstance(m, MoEFeedForward)
-            for i in range(len(m.experts))
-        ]
+        return [f"{name}.experts" for name, m in model.named_modules() if isinstance(m, MoE)]
+
+    def check_context_parallel(self, cfg: ModelConfig, cp: int, tp: int) -> None:
+        """Ulysses hands each CP rank cp-th of the local query heads; key/value heads cp does not divide are
+        repeated up to the query heads (fsdp_exp.parallel.context)."""
+        local = cfg.n_heads // tp
+        if local % cp:
+            fail(
+                f"parallel.cp={cp} does not divide the {local} query heads each rank holds (model.n_heads="
+                f"{cfg.n_heads} over parallel.tp={tp}): all-to-all attention gives each CP rank whole heads "
+                "(key/value heads that cp does not divide are repeated up to the query heads).",
+                f"pass parallel.cp={largest_divisor_at_most(local, cp)}, or a model.n_heads that {cp * tp} divides",
+            )
+
+    def attention_kernels(self, model: Llama) -> list[str]:
+        return [name for name, m in model.named_modules() if isinstance(m, CausalAttention)]
+
+    def position_buffers(self, model: Llama) -> dict[str, int]:
+        return {"rope_cos": 0, "rope_sin": 0}
 
     def tensor_parallel_plan(self, cfg: ModelConfig) -> TensorParallelPlan:
         """Attention: wq/wk/wv colwise (each rank holds n_heads/tp heads), wo rowwise. SwiGLU: w1/w3
@@ -210,7 +300,18 @@ class LlamaSpec(ModelSpec):
     # ----------------------------------------------------------------------------------- SpecExport
     def why_no_hf_export(self, cfg: ModelConfig) -> Optional[str]:
         if cfg.n_experts > 0:
-            return "HF export writes LlamaForCausalLM; a mixture-of-experts model has no such layout"
+            # Mixtral's and Qwen3-MoE's routers: softmax over every expert, top k, no bias, no shared experts.
+            for bad, why in (
+                (cfg.router_score != "softmax", "model.router_score=sigmoid"),
+                (cfg.n_shared_experts > 0, "shared experts (model.n_shared_experts)"),
+                (cfg.expert_bias_rate > 0, "the loss-free expert bias (model.expert_bias_rate)"),
+                (not cfg.qk_norm and not cfg.router_renormalize, "model.router_renormalize=false without Qwen3's"),
+            ):
+                if bad:
+                    return f"HF export writes MixtralForCausalLM or Qwen3MoeForCausalLM, which have no {why}"
+            return None
+        if cfg.qk_norm:
+            return "HF export writes LlamaForCausalLM, which has no query / key norms (model.qk_norm)"
         return None
 
     def to_hf(self, state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -221,7 +322,21 @@ class LlamaSpec(ModelSpec):
         n_kv = cfg.n_kv_heads or n_heads
         tied = self.tied_weights(cfg)
         out = {}
+        experts: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in state.items():
+            if name.endswith("router.expert_bias"):
+                continue  # zero: the export refuses models that train it (why_no_hf_export)
+            if ".feed_forward." in name and cfg.n_experts:
+                layer, _, rest = name.removeprefix("layers.").partition(".feed_forward.")
+                experts.setdefault(layer, {})[rest] = tensor
+                continue
+            if name.endswith(("attention.q_norm.weight", "attention.k_norm.weight")):
+                # Per-head vectors, rotated like the query / key rows they scale.
+                layer = name.split(".")[1]
+                out[f"model.layers.{layer}.self_attn.{name.split('.')[-2]}.weight"] = interleaved_to_half(
+                    tensor[:, None], 1
+                )[:, 0]
+                continue
             if name in HF_ROOT_NAMES:
                 if name in tied:
                     continue  # HF ties lm_head to embed_tokens itself
@@ -235,9 +350,54 @@ class LlamaSpec(ModelSpec):
             elif parts[2] == "attention.wk.weight":
                 tensor = interleaved_to_half(tensor, n_kv)
             out[f"model.layers.{parts[1]}.{HF_BLOCK_NAMES[parts[2]]}"] = tensor
+        for layer, t in experts.items():
+            # transformers 5 keeps each layer's experts stacked: gate and up fused (gate first), then down.
+            prefix = f"model.layers.{layer}.mlp"
+            out[f"{prefix}.gate.weight"] = t["router.gate.weight"]
+            out[f"{prefix}.experts.gate_up_proj"] = torch.cat([t["experts.w1"], t["experts.w3"]], dim=1)
+            out[f"{prefix}.experts.down_proj"] = t["experts.w2"]
         return out
 
     def hf_config(self, cfg: ModelConfig) -> dict:
+        if cfg.n_experts:
+            return self._hf_moe_config(cfg)
+        return self._hf_llama_config(cfg)
+
+    def _hf_moe_config(self, cfg: ModelConfig) -> dict:
+        base = self._hf_llama_config(cfg)
+        for key in ("mlp_bias", "pretraining_tp", "intermediate_size"):
+            base.pop(key)
+        width = moe_hidden_dim(cfg, ffn_hidden_dim(cfg))
+        experts = {"num_experts_per_tok": cfg.experts_top_k, "output_router_logits": False}
+        if cfg.qk_norm:
+            return {
+                **base,
+                **experts,
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                "num_experts": cfg.n_experts,
+                "moe_intermediate_size": width,
+                "intermediate_size": width,
+                "norm_topk_prob": bool(cfg.router_renormalize),
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "router_aux_loss_coef": cfg.aux_loss_coef,
+                "use_sliding_window": False,
+                "sliding_window": None,
+            }
+        return {
+            **base,
+            **experts,
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": cfg.n_experts,
+            "intermediate_size": width,
+            "router_aux_loss_coef": cfg.aux_loss_coef,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
+
+    def _hf_llama_config(self, cfg: ModelConfig) -> dict:
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -246,7 +406,7 @@ class LlamaSpec(ModelSpec):
             "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.n_kv_heads or cfg.n_heads,
-            "head_dim": cfg.dim // cfg.n_heads,
+            "head_dim": head_dim(cfg),
             "vocab_size": cfg.vocab_size,
             "max_position_embeddings": cfg.max_seq_len,
             "rms_norm_eps": cfg.norm_eps,

@@ -32,6 +32,15 @@ def mean_cross_entropy(model: nn.Module, inputs: torch.Tensor, targets: torch.Te
     return _local(loss)
 
 
+def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Mean cross-entropy per token of logits already made (a pipeline's last stage hands them to its loss), in
+    ``chunks`` slices of the sequence: each slice's fp32 copy and log-softmax live only while its loss is taken
+    (recomputed in backward), instead of the whole micro-batch's at once."""
+    if chunks <= 1:
+        return _local(F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()))
+    return _local(chunked_cross_entropy(logits, nn.Identity(), targets, chunks) / targets.numel())
+
+
 def chunked_cross_entropy(
     hidden: torch.Tensor,
     head: nn.Module,

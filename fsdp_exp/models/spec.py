@@ -1,13 +1,14 @@
 """What a model family supplies, so that no code outside ``fsdp_exp.models`` knows a parameter's name.
 
 A family is a ``ModelSpec`` subclass with one instance in ``fsdp_exp.models.REGISTRY``, under the
-``model.name`` it answers to. ``ModelSpec`` combines five roles, each a small class here (its docstring says
+``model.name`` it answers to. ``ModelSpec`` combines six roles, each a small class here (its docstring says
 what it owns) that the callers of one concern need: ``SpecChecks`` (config checks, the hub fetch, the fit
 check's depth override; every refusal is ``fail(problem, fix)``), ``SpecFacts`` (vocabulary, sequence
 length, tokenizer, architecture, FLOPs per token), ``SpecBuild`` (the plain ``nn.Module``, the shared meta
 model, initial values drawn from (seed, name) alone, so any world size and sharding agree), ``SpecLayout``
 (blocks, the residual stream's two ends, experts, ties, pipeline stages, the tensor-parallel plan as data,
-the planner's ``Inventory``) and ``SpecExport`` (Hugging Face's names and config.json). What a block saves
+the planner's ``Inventory``), ``SpecContextParallel`` (attention kernels and position buffers for
+context parallel) and ``SpecExport`` (Hugging Face's names and config.json). What a block saves
 for backward is the planner's own model of the family (``fsdp_exp.plan.activations``).
 """
 
@@ -20,6 +21,8 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
+
+from fsdp_exp.errors import fail
 
 if TYPE_CHECKING:
     import torch
@@ -122,6 +125,15 @@ class SpecChecks(ABC):
 
     def check_pipeline(self, cfg) -> None:
         """Refuse a model that ``cut_stage`` cannot cut into pipeline stages (``parallel.pp > 1``)."""
+
+    def check_expert_parallel(self, cfg, ep: int) -> None:
+        """Refuse ``parallel.ep > 1`` for a model whose routed experts cannot be split over ``ep`` ranks
+        (default: the family has no routed experts fsdp_exp can dispatch to)."""
+        fail(
+            f"parallel.ep={ep}: expert parallel is not built for {self.architecture(cfg)} (model.name={cfg.name}): "
+            "fsdp_exp's dispatcher is placed into the llama family's experts only.",
+            "pass parallel.ep=1, or a mixture of experts of the llama family (model=moe_tiny, model=mixtral_8x7b)",
+        )
 
 
 class SpecFacts(ABC):
@@ -233,8 +245,8 @@ class SpecLayout(ABC):
         return self.output_modules
 
     def expert_modules(self, model: "nn.Module") -> list[str]:
-        """Qualified names of a mixture-of-experts model's experts, each its own sharding unit under
-        ``wrap=experts``; none for a dense model (the default)."""
+        """Qualified names of a mixture-of-experts model's routed-expert modules (one per layer: its stacked
+        expert weights), each its own sharding unit under ``wrap=experts``; none for a dense model (the default)."""
         return []
 
     def tied_weights(self, cfg) -> dict[str, str]:
@@ -294,6 +306,32 @@ class SpecLayout(ABC):
         )
 
 
+class SpecContextParallel(ABC):
+    """Role: what context parallel (``fsdp_exp.parallel.context``) needs of a family: whether its attention
+    can be split over the sequence, where its attention kernels are and which buffers are indexed by position."""
+
+    def check_context_parallel(self, cfg, cp: int, tp: int) -> None:
+        """Refuse ``parallel.cp`` where this family's attention cannot be wrapped (the default: every family
+        that has not said how)."""
+        from fsdp_exp.errors import fail
+
+        fail(
+            f"parallel.cp={cp}: the {self.architecture(cfg)} attention of model family {self.name!r} cannot be "
+            "split over the sequence yet (context parallel wraps an attention kernel module that takes "
+            "(batch, heads, seq, head_dim) queries, keys and values; this family has none).",
+            "pass parallel.cp=1, or a Llama model (model=llama_tiny|llama7b|llama3_8b...)",
+        )
+
+    def attention_kernels(self, model: "nn.Module") -> list[str]:
+        """Qualified names of the modules that compute causal attention from (batch, heads, seq, head_dim)
+        queries, keys and values, after the rotary embedding."""
+        return []
+
+    def position_buffers(self, model: "nn.Module") -> dict[str, int]:
+        """Buffer name -> its sequence dim, for the buffers the model slices by position (rotary tables)."""
+        return {}
+
+
 class SpecExport(ABC):
     """Role: the model under Hugging Face's names and config (``checkpoint.export=hf``)."""
 
@@ -310,7 +348,7 @@ class SpecExport(ABC):
         raise ValueError(self.why_no_hf_export(cfg))
 
 
-class ModelSpec(SpecChecks, SpecFacts, SpecBuild, SpecLayout, SpecExport):
+class ModelSpec(SpecChecks, SpecFacts, SpecBuild, SpecLayout, SpecContextParallel, SpecExport):
     """A model family: every role above (see the module docstring); a subclass implements each role's
     abstract methods. Defaults are generic."""
 

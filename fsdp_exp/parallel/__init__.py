@@ -1,4 +1,4 @@
-"""Parallelism, applied in a fixed order like a recipe: tensor parallel, float8 training (float8.py),
+"""Parallelism, applied in a fixed order like a recipe: float8 training (float8.py), tensor parallel,
 activation checkpointing, compile, then the data-parallel backend (``backend_for(cfg)``: FSDP2, FSDP1, DDP or DeepSpeed, see backend.py),
 which also materializes the model and initializes it identically on every rank. A backend whose units
 must hold the checkpointed region (FSDP1, ``checkpoints_inside_units``) has its blocks checkpointed after
@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # importing this package stays cheap: the backends import tor
     from torch.distributed.device_mesh import DeviceMesh
 
     from fsdp_exp.config import RunConfig
+    from fsdp_exp.parallel.context import ContextShards
 
 
 @dataclass
@@ -36,7 +37,12 @@ class Parallelized:
     cfg: "RunConfig"
     device: "torch.device"
     grad_sync: str  # trainer.grad_sync as the backend resolved it: every_micro_batch | last_micro_batch
+    context: "ContextShards | None" = None  # parallel.cp > 1: this rank's positions of every sequence
     owns_step = False  # a pipeline's engine runs the whole step (parallel/pipeline.py: PipelineParallelized)
+
+    def sequence_shard(self, inputs: "torch.Tensor", targets: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+        """This rank's share of each sequence under context parallel (parallel/context.py), else all of it."""
+        return (inputs, targets) if self.context is None else self.context(inputs, targets)
 
     def gradient_sync(self, last: bool):
         """A context for one micro-batch's backward (``last``: the step's last one): its gradients are
@@ -81,18 +87,31 @@ class Parallelized:
 def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.device") -> Parallelized:
     """``model`` is on the meta device; the result is sharded, materialized and initialized. Under
     parallel.pp > 1 the stages are built from the config instead (parallel/pipeline.py)."""
-    from fsdp_exp.parallel import ac, compile, float8, tp
-    from fsdp_exp.parallel.mesh import dense_dp_mesh
+    from fsdp_exp.parallel import ac, compile, context, float8, tp
+    from fsdp_exp.parallel.mesh import cp_mesh as context_mesh, dense_dp_mesh
 
     if cfg.parallel.pp > 1:
         from fsdp_exp.parallel.pipeline import parallelize_pipeline
 
         return parallelize_pipeline(cfg, mesh, device)
     applied: dict = {}
+    # float8 first: tensor parallel's float8 styles shard the converted layers, and AC and compile wrap them
+    # (torchtitan converts the model before it parallelizes it)
+    if float8.enabled(cfg):
+        applied["float8"] = float8.apply(model, cfg)
     if cfg.parallel.tp > 1:
         applied["tp"] = tp.apply(model, cfg, mesh["tp"])
-    if float8.enabled(cfg):  # before AC and compile, which wrap the converted layers (as torchtitan orders it)
-        applied["float8"] = float8.apply(model, cfg)
+    if cfg.parallel.ep > 1:  # the experts' weights onto the EP group, before AC wraps the blocks
+        from fsdp_exp.models import spec_for
+        from fsdp_exp.parallel import expert
+        from fsdp_exp.parallel.mesh import expert_meshes
+
+        ep_mesh, efsdp_mesh = expert_meshes(mesh, cfg.parallel.ep)
+        applied["ep"] = expert.apply(model, spec_for(cfg.model).expert_modules(model), ep_mesh, efsdp_mesh)
+    cp_mesh = context_mesh(mesh)
+    if cp_mesh is not None:  # after TP (the local heads), before AC and compile (which then take the exchange along)
+        method = context.resolve_method(cfg.parallel.cp_method, device.type)
+        applied["cp"] = context.wrap_attention(model, cp_mesh, method, cfg.trainer.seq_len)
     backend = backend_for(cfg)
     checkpointed = ac.chosen(model, cfg) if cfg.ac.mode != "none" else None
     compiles = cfg.compile and not backend.compiles_itself
@@ -110,8 +129,11 @@ def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device
     model, dp_applied = backend.apply(model, cfg, dense_dp_mesh(mesh), device)
     if checkpointed is not None and backend.checkpoints_inside_units:  # the blocks, where the wrapping put them
         applied["ac"] = {**ac.apply(model, cfg, targets=checkpointed), "order": "after the backend's wrapping"}
+    shards = context.shard_positions(model, cp_mesh, cfg.trainer.seq_len) if cp_mesh is not None else None
     # What torch holds, read back from the wrapped model (tests compare it with the config).
     grad_sync = backend.grad_sync(cfg)
     applied["grad_sync"] = {"trainer.grad_sync": cfg.trainer.grad_sync, "resolved": grad_sync}
     applied = {**dp_applied, **applied, "inspected": backend.inspect(model)}
-    return Parallelized(model=model, applied=applied, backend=backend, cfg=cfg, device=device, grad_sync=grad_sync)
+    return Parallelized(
+        model=model, applied=applied, backend=backend, cfg=cfg, device=device, grad_sync=grad_sync, context=shards
+    )

@@ -118,6 +118,9 @@ class BackendChecks(ABC):
     # sharding backend reduces every micro-batch into the sharded gradient, so that no unsharded gradient
     # outlives its unit's backward.
     natural_grad_sync: str = EVERY_MICRO_BATCH
+    # parallel.pp > 1: the strategies this backend runs inside pipeline stages (parallel/pipeline.py's
+    # shard_stage), () where it runs no stages
+    stage_strategies: tuple[str, ...] = ()
 
     def missing_dependency(self) -> Optional[str]:
         """What to install for this backend when a package it needs is missing (None: nothing)."""
@@ -316,7 +319,8 @@ class BackendPlanning(ABC):
     def shard_group(self, topology: "Topology") -> int:
         """Ranks one parameter is sharded over (1 when it is replicated)."""
         names = list(topology.mesh_dim_names)
-        return topology.mesh_shape[names.index("shard")] if "shard" in names else 1
+        shard = topology.mesh_shape[names.index("shard")] if "shard" in names else 1
+        return shard * topology.cp_size  # context parallel's ranks hold the same weights: FSDP shards over them too
 
 
 class BackendDocs(ABC):

@@ -48,19 +48,25 @@ def unit_label(name: str) -> str:
 
 
 def refuse_fsdp2_only_knobs(backend: "BackendChecks", cfg) -> None:
-    """FSDP1, DDP and DeepSpeed: refuse tensor parallel, pipeline stages, per-unit resharding and the root's
-    output dtype (FSDP2's)."""
+    """FSDP1, DDP and DeepSpeed: refuse tensor parallel, pipeline stages (but for a backend that runs some of its
+    strategies in stages: DDP), per-unit resharding and the root's output dtype (FSDP2's)."""
     s, tp = cfg.sharding, cfg.parallel.tp
     if tp > 1:
         fail(
             f"parallel.tp={tp} composes with FSDP2 only, not sharding.backend={backend.name}.",
             "pass sharding.backend=fsdp2 (or parallel.tp=1)",
         )
-    if cfg.parallel.pp > 1:
+    if cfg.parallel.cp > 1:
         fail(
-            f"parallel.pp={cfg.parallel.pp} runs FSDP2 inside each pipeline stage, "
+            f"parallel.cp={cfg.parallel.cp} composes with FSDP2 only, not sharding.backend={backend.name}: its "
+            "context-parallel ranks must share one gradient reduction over shard x cp (FSDP2's mesh).",
+            "pass sharding.backend=fsdp2 (or parallel.cp=1)",
+        )
+    if cfg.parallel.pp > 1 and not backend.stage_strategies:
+        fail(
+            f"parallel.pp={cfg.parallel.pp} runs FSDP2 (or DDP) inside each pipeline stage, "
             f"not sharding.backend={backend.name}.",
-            "pass sharding=full (FSDP2), or parallel.pp=1",
+            "pass sharding=full (FSDP2), sharding=hybrid or sharding=ddp, or parallel.pp=1",
         )
     if s.reshard_after_forward.lower() != "auto":
         backend.refuse(

@@ -40,6 +40,9 @@ class DDP(Backend):
     # Replicated gradients are whole either way: reducing only the last micro-batch (no_sync) saves the
     # earlier all-reduces and costs no memory.
     natural_grad_sync = LAST_MICRO_BATCH
+    # Inside pipeline stages the replicas are torch's replicate (FSDP2's machinery on a replicate-only mesh,
+    # which the pipeline schedule drives as it drives fully_shard), as torchtitan replicates stages
+    stage_strategies = ("no_shard",)
 
     # -------------------------------------------------------------------------------- BackendChecks
     def check(self, cfg: RunConfig, device_type: str) -> None:
@@ -249,6 +252,8 @@ class DDP(Backend):
             "trainer.grad_sync=every_micro_batch": "no `no_sync()`: each backward all-reduces",
             "trainer.grad_sync=last_micro_batch": "`no_sync()` until the last micro-batch (auto)",
             "compile=true": "same",
+            "parallel.pp=N": "`replicate` (torch's FSDP2-based replication) over dp inside each `PipelineStage` "
+            "(`sharding=ddp` only; docs/pipeline.md)",
         }
 
 

@@ -69,11 +69,16 @@ def check(cfg: "RunConfig", device_type: str) -> None:
             backend.float8_refusal,
             "pass sharding.backend=fsdp2 (or sharding=ddp), or precision=bf16",
         )
-    if cfg.parallel.tp > 1:
+    if cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel and tensor_parallel_styles(cfg) and device_type == "cpu":
+        # torchao's PrepareFloat8ModuleInput casts the sequence shard to float8 before gathering it, and gloo
+        # refuses float8 tensors in its collectives ("Invalid scalar type"; FSDP2 gathers float8 weights in
+        # a byte buffer, so its float8 all-gather runs). NCCL carries them: benchmarks/gpu_check.py runs it.
         fail(
-            f"precision.float8_recipe={p.float8_recipe} with parallel.tp={cfg.parallel.tp}: fsdp_exp's tensor-parallel "
-            "plan uses torch's Colwise/RowwiseParallel, not torchao's float8 ones.",
-            "pass parallel.tp=1, or precision=bf16",
+            f"precision.float8_recipe={p.float8_recipe} with parallel.tp={cfg.parallel.tp} and "
+            "parallel.sequence_parallel=true all-gathers the sequence in float8, and gloo (this CPU run's "
+            "backend) cannot carry float8 tensors.",
+            "pass parallel.sequence_parallel=false, or precision.float8_recipe=rowwise (its activations travel "
+            "high precision), or run on CUDA",
         )
     if p.float8_all_gather and not backend.float8_all_gather:
         backend.refuse(
@@ -162,6 +167,14 @@ def check_rank_device(cfg: "RunConfig", device) -> None:
     check_gpu_name(cfg, torch.cuda.get_device_name(device))
 
 
+def tensor_parallel_styles(cfg: "RunConfig") -> bool:
+    """Whether tensor parallel shards the converted layers with torchao's float8 styles (parallel/tp.py), as
+    torchtitan does: under the tensorwise recipe, the one they are written for (their input casts take one
+    scale per tensor). Under the rowwise recipes torch's styles shard the converted layers, and the
+    activations travel high precision."""
+    return cfg.precision.float8_recipe == "tensorwise"
+
+
 def skipped_fqns(cfg: "RunConfig") -> tuple[str, ...]:
     """The modules kept high precision by name: the setting, else the model's output projection."""
     from fsdp_exp.models import spec_for
@@ -231,16 +244,19 @@ def precompute_scales(model: "nn.Module") -> None:
     precompute_float8_dynamic_scale_for_fsdp(model)
 
 
-def planned_matmuls(cfg: "RunConfig", blocks: tuple[str, ...]) -> tuple[tuple[tuple[int, int], ...], ...]:
+def planned_matmuls(cfg: "RunConfig", blocks: tuple[str, ...], tp: int = 1) -> tuple[tuple[tuple[int, int], ...], ...]:
     """For the planner: (in_features, out_features) of each linear that ``apply`` converts, per block (of
-    ``blocks``, the inventory's names); () when float8 is off. Read from the shared meta model by the same
-    filter, without torchao. Converted linears outside the blocks (an unfiltered output projection) are
-    not counted."""
+    ``blocks``, the inventory's names), as one rank holds it under tensor parallel ``tp`` (a colwise layer's
+    output features, a rowwise one's input features split over tp, as the family's plan says); () when float8
+    is off. Read from the shared meta model by the same filter, without torchao. Converted linears outside
+    the blocks (an unfiltered output projection) are not counted."""
     from fsdp_exp.models import spec_for
+    from fsdp_exp.models.spec import COLWISE
 
     if not enabled(cfg):
         return ()
-    model = spec_for(cfg.model).meta_model(cfg.model)
+    spec = spec_for(cfg.model)
+    model = spec.meta_model(cfg.model)
     # tune asks this for thousands of candidates of one model: remembered per (shared meta model, blocks,
     # filter); the entry holds the model, so its id cannot be reused by another while the entry lives
     key = (id(model), tuple(blocks), skipped_fqns(cfg))
@@ -249,22 +265,32 @@ def planned_matmuls(cfg: "RunConfig", blocks: tuple[str, ...]) -> tuple[tuple[tu
         if len(_PLANNED_MATMULS) >= 64:
             _PLANNED_MATMULS.clear()
         entry = _PLANNED_MATMULS[key] = (model, _converted_per_block(model, key[1], key[2]))
-    return entry[1]
+    if tp == 1:
+        return tuple(tuple((i, o) for i, o, _ in block) for block in entry[1])
+    styles = spec.tensor_parallel_plan(cfg.model).block
+    return tuple(
+        tuple(
+            (i, o // tp) if styles.get(name) == COLWISE else (i // tp, o) if name in styles else (i, o)
+            for i, o, name in block
+        )
+        for block in entry[1]
+    )
 
 
 _PLANNED_MATMULS: dict = {}
 
 
 def _converted_per_block(model: "nn.Module", blocks: tuple[str, ...], by_name: tuple[str, ...]):
+    """Per block: (in_features, out_features, name in the block) of each linear ``apply`` converts."""
     from torch import nn
 
     index = {block: j for j, block in enumerate(blocks)}
-    per_block: list[list[tuple[int, int]]] = [[] for _ in blocks]
+    per_block: list[list[tuple[int, int, str]]] = [[] for _ in blocks]
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and why_kept(name, module, by_name) is None:
             parts = name.split(".")
             prefixes = (".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1))
-            j = next((index[p] for p in prefixes if p in index), None)
-            if j is not None:
-                per_block[j].append((module.in_features, module.out_features))
+            block = next((p for p in prefixes if p in index), None)
+            if block is not None:
+                per_block[index[block]].append((module.in_features, module.out_features, name[len(block) + 1 :]))
     return tuple(tuple(shapes) for shapes in per_block)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_exp.config import RunConfig
-from fsdp_exp.models import init_weights
+from fsdp_exp.models import canonical_name, init_weights
 from fsdp_exp.parallel.backend import Backend, PlannerRules
 from fsdp_exp.parallel.common import describe, dtype_of, refuse_zero_only_knobs, unit_label
 from fsdp_exp.parallel.wrap import top_level, unit_names
@@ -98,6 +98,7 @@ class FSDP2(Backend):
     float8_refusal = None
     float8_all_gather = True  # torchao extends fully_shard's all-gather (fsdp_pre_all_gather)
     strategies = tuple(RESHARD_AFTER_FORWARD)
+    stage_strategies = ("full", "hybrid")  # FSDP and HSDP inside pipeline stages (parallel/pipeline.py)
     column_title = "FSDP2 (`fully_shard`)"
 
     # -------------------------------------------------------------------------------- BackendChecks
@@ -156,6 +157,14 @@ class FSDP2(Backend):
         units = unit_names(model, cfg)
         chain = top_level(units)
         applied_units: list[dict] = []
+        # Expert parallel's experts first (parallel/expert.py): their own unit, over the ranks EP leaves them.
+        for name, module in model.named_modules():
+            if getattr(module, "efsdp_mesh", None) is not None:
+                kwargs = {**common, "mesh": module.efsdp_mesh, "reshard_after_forward": reshard}
+                fully_shard(module, **kwargs)
+                applied_units.append({"module": name, "fully_shard": describe(kwargs)})
+        sharded = {unit["module"] for unit in applied_units}
+        units = [name for name in units if canonical_name(name) not in {canonical_name(n) for n in sharded}]
         for name in units:
             # The last unit in forward is the first in backward: resharding it would all-gather it again.
             keep_last = name == chain[-1] and reshard is not False and not cfg.sharding.reshard_last_block
@@ -292,15 +301,18 @@ class FSDP2(Backend):
             "prefetch.backward_timing": "pre only",
             "wrap=block": "`fully_shard` per transformer block, then the root",
             "wrap=size": "`fully_shard` per module by the size rule",
-            "wrap=experts": "`fully_shard` per expert, then per block",
+            "wrap=experts": "`fully_shard` per layer's stacked experts, then per block",
             "wrap=none": "`fully_shard` on the root only",
             "ac=full / selective / selective_op": "`checkpoint_wrapper` on blocks, before sharding",
             "trainer.grad_sync=every_micro_batch": "`set_requires_gradient_sync(True)` every micro-batch (auto)",
             "trainer.grad_sync=last_micro_batch": "`set_requires_gradient_sync(False)` until the last micro-batch",
             "compile=true": "`Module.compile()` per block, before sharding",
-            "parallel.tp=N": "`parallelize_module` (Colwise / Rowwise) on a (dp, tp) mesh",
-            "parallel.pp=N": "`fully_shard` over dp inside each `PipelineStage` of a (pp, dp[, tp]) mesh "
-            "(`sharding=full` only; docs/pipeline.md)",
+            "parallel.tp=N": "`parallelize_module` (Colwise / Rowwise; torchao's float8 styles under tensorwise float8) on a "
+            "(dp, tp) mesh",
+            "parallel.pp=N": "`fully_shard` over dp inside each `PipelineStage` of a (pp, dp[, tp]) mesh, over "
+            "(replicate, shard) of dp under `sharding=hybrid` (docs/pipeline.md)",
+            "parallel.cp=N": "`fully_shard` over shard x cp; each attention kernel wrapped: all-to-all of heads for "
+            "sequence, or torch's ring `_ContextParallel` on CUDA (docs/context_parallel.md)",
         }
 
 

@@ -139,18 +139,19 @@ def check(settings: PipelineSettings, model_cfg: "ModelConfig", local_batch: int
 
 
 def check_sharding(cfg: "RunConfig") -> None:
-    """The stages are sharded by FSDP2 (``fully_shard`` over the dp dim, ``shard_stage``), after tensor parallel
-    (``parallel.tp``, the pp=1 plan); refuse, naming the override, the settings not composed with stages yet:
-    a backend whose vocabulary has no parallel.pp row (FSDP1, DDP, DeepSpeed: their ``check`` refuses it too),
-    any strategy but full (hybrid, grad_op, ...); sequence parallel. Tune asks it which shardings stages run."""
+    """The stages are sharded over the dp dim (``shard_stage``), after tensor parallel (``parallel.tp``, the pp=1
+    plan): FSDP2 fully sharded, FSDP2 hybrid (HSDP: replicate x shard of dp) or DDP (replicated, as torch's
+    ``replicate``), the backend's ``stage_strategies``; refuse, naming the override, the rest (FSDP1,
+    DeepSpeed: their ``check`` refuses them too; FSDP2 grad_op and no_shard) and sequence parallel. Tune asks it
+    which shardings stages run."""
     from fsdp_exp.parallel.backend import backend_for
 
     s, p = cfg.sharding, cfg.parallel
-    if "parallel.pp=N" not in backend_for(cfg).vocabulary() or s.strategy != "full":
+    if s.strategy not in backend_for(cfg).stage_strategies:
         fail(
-            f"parallel.pp={p.pp} runs FSDP2 fully sharded inside each stage; sharding.backend={s.backend} "
-            f"sharding.strategy={s.strategy} is not composed with pipeline stages yet.",
-            "pass sharding=full (FSDP2), or parallel.pp=1",
+            f"parallel.pp={p.pp} runs FSDP2 (sharding=full or hybrid) or DDP (sharding=ddp) inside each stage; "
+            f"sharding.backend={s.backend} sharding.strategy={s.strategy} is not composed with pipeline stages.",
+            "pass sharding=full (FSDP2), sharding=hybrid or sharding=ddp, or parallel.pp=1",
         )
     if p.tp > 1 and p.sequence_parallel:
         # Every stage but the first would receive a shard of the sequence, and the family's forward takes
@@ -160,6 +161,68 @@ def check_sharding(cfg: "RunConfig") -> None:
             "sharded over the sequence, and the model's forward reads the sequence length from its input.",
             "pass parallel.sequence_parallel=false (loss parallel composes with stages), or parallel.pp=1",
         )
+
+
+def check_stage_settings(cfg: "RunConfig") -> None:
+    """Refuse, naming the override, what the stages would otherwise ignore (preflight): they keep every unit
+    unsharded from the first forward to the last backward of a step (``shard_stage``: no resharding, so no
+    all-gather to prefetch) and reduce the gradients once, after the last micro-batch (torch's schedule)."""
+    from fsdp_exp.config.schema import EVERY_MICRO_BATCH, PrefetchConfig
+
+    p, s, t = cfg.parallel, cfg.sharding, cfg.trainer
+    if s.reshard_after_forward.lower() not in ("auto", "false"):
+        fail(
+            f"sharding.reshard_after_forward={s.reshard_after_forward} with parallel.pp={p.pp}: the stages keep "
+            "their parameters unsharded between the micro-batches of a step (resharding would all-gather every "
+            "unit again for each of them).",
+            "pass sharding.reshard_after_forward=auto (or false), or parallel.pp=1",
+        )
+    if cfg.prefetch != PrefetchConfig():
+        fail(
+            f"a prefetch setting with parallel.pp={p.pp}: the stages gather each unit once a step and keep it, so "
+            "there is no all-gather to prefetch.",
+            "leave the prefetch group at its default (drop prefetch=...), or parallel.pp=1",
+        )
+    if t.grad_sync == EVERY_MICRO_BATCH:
+        fail(
+            f"trainer.grad_sync={t.grad_sync} with parallel.pp={p.pp}: torch's pipeline schedule reduces the "
+            "stages' gradients once, after the last micro-batch.",
+            "pass trainer.grad_sync=auto (or last_micro_batch), or parallel.pp=1",
+        )
+
+
+def stage_dp_layout(cfg: "RunConfig", dp: int) -> tuple[int, int]:
+    """(replicate, shard) of a stage's dp ranks: (1, dp) fully sharded, (dp, 1) under DDP, and under
+    sharding=hybrid the sizes the config names (one of them at least: a stage's dp ranks are not laid out by
+    node, so there is no default to take)."""
+    s = cfg.sharding
+    if s.strategy == "no_shard":
+        return dp, 1
+    if s.strategy != "hybrid":
+        return 1, dp
+    if s.replicate_size is None and s.shard_size is None:
+        fail(
+            f"sharding=hybrid with parallel.pp={cfg.parallel.pp} needs the split of each stage's {dp} "
+            "data-parallel ranks into replicas and shards.",
+            f"pass sharding.replicate_size (or sharding.shard_size) dividing {dp}",
+        )
+    shard = s.shard_size if s.shard_size is not None else dp // max(s.replicate_size, 1)
+    replicate = s.replicate_size if s.replicate_size is not None else dp // max(shard, 1)
+    if shard < 1 or replicate < 1 or replicate * shard != dp:
+        fail(
+            f"sharding=hybrid needs replicate_size x shard_size = {dp} data-parallel ranks of each stage, "
+            f"got {replicate} x {shard}.",
+            f"pass sharding.replicate_size and sharding.shard_size whose product is {dp}",
+        )
+    return replicate, shard
+
+
+def stage_planner_rules(cfg: "RunConfig"):
+    """The planner's rules for a stage's parameters: FSDP2's under every stage strategy (torch's replicate is
+    FSDP2's machinery on a replicate-only mesh), whichever backend the config names."""
+    from fsdp_exp.parallel.fsdp2 import BACKEND as FSDP2_BACKEND
+
+    return FSDP2_BACKEND.planner_rules(cfg)
 
 
 def _check_split(split: tuple[int, ...], num_stages: int, n_blocks: int) -> None:
@@ -275,10 +338,14 @@ def build_stage_module(model_cfg: "ModelConfig", blocks: list[int], first: bool,
 
 
 def shard_stage(stage: "nn.Module", cfg: "RunConfig", dp_mesh: "DeviceMesh", device: "torch.device") -> dict:
-    """FSDP2 inside one stage: ``fully_shard`` on each unit of the wrap policy, then the stage's root, over
-    the dp dim; then materialize this rank's shards and fill them from the seed. Parameters stay
-    unsharded between the micro-batches of a step (``reshard_after_forward=False``, torchtitan's default
-    under PP: resharding would all-gather every unit again for every micro-batch)."""
+    """The stage's data parallelism over the dp dim, on each unit of the wrap policy and then the stage's root:
+    FSDP2's ``fully_shard`` over dp (sharding=full), over dp laid out as (replicate, shard) (sharding=hybrid:
+    HSDP), or torch's ``replicate`` (sharding=ddp: FSDP2's machinery on a replicate-only mesh, which the
+    schedule drives as it drives ``fully_shard``, as torchtitan replicates stages); then materialize this rank's
+    shards and fill them from the seed. Parameters stay unsharded between the micro-batches of a step
+    (``reshard_after_forward=False``, torchtitan's default under PP: resharding would all-gather every unit
+    again for every micro-batch)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_stage
     from torch.distributed.fsdp import fully_shard
 
     from fsdp_exp.models import init_weights
@@ -286,18 +353,38 @@ def shard_stage(stage: "nn.Module", cfg: "RunConfig", dp_mesh: "DeviceMesh", dev
     from fsdp_exp.parallel.fsdp2 import mp_policy, offload_policy
     from fsdp_exp.parallel.wrap import unit_names
 
-    common = dict(mesh=dp_mesh, offload_policy=offload_policy(cfg, dp_mesh.device_type), reshard_after_forward=False)
+    replicas, shards = stage_dp_layout(cfg, dp_mesh.size())
+    common: dict = dict(offload_policy=offload_policy(cfg, dp_mesh.device_type))
+    if cfg.sharding.strategy == "no_shard":
+        wrap, api, common["mesh"] = replicate_stage, "replicate", dp_mesh._unflatten(0, (replicas,), ("replicate",))
+    else:
+        wrap, api = fully_shard, "fully_shard"
+        common["reshard_after_forward"] = False
+        common["mesh"] = (
+            dp_mesh._unflatten(0, (replicas, shards), ("replicate", "shard"))
+            if cfg.sharding.strategy == "hybrid"
+            else dp_mesh
+        )
     units = []
     for name in unit_names(stage, cfg):
         kwargs = {**common, "mp_policy": mp_policy(cfg, root=False)}
-        fully_shard(stage.get_submodule(name), **kwargs)
-        units.append({"module": name, "fully_shard": describe(kwargs)})
+        wrap(stage.get_submodule(name), **kwargs)
+        units.append({"module": name, api: describe(kwargs)})
     root_kwargs = {**common, "mp_policy": mp_policy(cfg, root=True)}
-    fully_shard(stage, **root_kwargs)
-    units.append({"module": "<root>", "fully_shard": describe(root_kwargs)})
+    wrap(stage, **root_kwargs)
+    units.append({"module": "<root>", api: describe(root_kwargs)})
     stage.to_empty(device="cpu" if cfg.offload.params else device)
     init_weights(stage, cfg.trainer.seed, device)
-    return {"units": units}
+    return {"units": units, "dp_layout": {"replicate": replicas, "shard": shards}}
+
+
+def float8_stage(stage: "nn.Module", cfg: "RunConfig") -> dict:
+    """Float8 training inside one stage (precision.float8_recipe), first as at pp=1 (parallel/float8.py): the
+    stage's linears converted by the same filter, its output projection (on the last stage) kept high precision
+    by name; under precision.float8_all_gather FSDP2 gathers the stage's converted weights in float8."""
+    from fsdp_exp.parallel import float8
+
+    return {"float8": float8.apply(stage, cfg)} if float8.enabled(cfg) else {}
 
 
 def tensor_parallel_stage(stage: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh") -> dict:
@@ -332,14 +419,13 @@ def compile_stage(stage: "nn.Module", cfg: "RunConfig") -> dict:
     return {"compile": compile.apply(stage, cfg)}
 
 
-def stage_loss(logits: "torch.Tensor", targets: "torch.Tensor") -> "torch.Tensor":
-    """The schedule's loss_fn on the last stage: the project's mean cross-entropy per token. The stage has
-    already made the logits, so the "model" handed to ``mean_cross_entropy`` is the identity."""
-    from torch import nn
+def stage_loss(logits: "torch.Tensor", targets: "torch.Tensor", chunks: int = 1) -> "torch.Tensor":
+    """The schedule's loss_fn on the last stage: the project's mean cross-entropy per token of the logits the
+    stage made, in ``trainer.loss_chunks`` slices of the sequence (each slice's fp32 log-softmax alone at a
+    time; the logits themselves are the stage's output, made whole)."""
+    from fsdp_exp.models.loss import logits_cross_entropy
 
-    from fsdp_exp.models.loss import mean_cross_entropy
-
-    return mean_cross_entropy(nn.Identity(), logits, targets, chunks=1)
+    return logits_cross_entropy(logits, targets, chunks)
 
 
 @dataclass
@@ -366,6 +452,7 @@ class PipelineEngine:
     # Around the schedule's step (its forwards, losses and backwards): tensor parallel's loss parallel when
     # the last stage's logits stay sharded over the vocabulary (parallel/tp.py's loss_context), else a no-op.
     loss_context: Callable = contextlib.nullcontext
+    precompute_float8_scales: bool = False  # precision.float8_all_gather: after every optimizer step
 
     @property
     def has_first(self) -> bool:
@@ -429,6 +516,11 @@ class PipelineEngine:
         for optimizer in self.optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if self.precompute_float8_scales:  # the next all-gathers' float8 scales, from the updated weights
+            from fsdp_exp.parallel import float8
+
+            for stage in self.stages:
+                float8.precompute_scales(stage)
         for scheduler in self.schedulers:  # none when the trainer steps its own (PipelineParallelized)
             scheduler.step()
         return norm.item()
@@ -455,7 +547,8 @@ def build_pipeline(
     stages, pipeline_stages, applied = [], [], {"stage_blocks": blocks, "stages": {}}
     for index in indices:
         stage = build_stage_module(cfg.model, blocks[index], first=index == 0, last=index == last)
-        applied["stages"][index] = tensor_parallel_stage(stage, cfg, mesh)
+        applied["stages"][index] = float8_stage(stage, cfg)
+        applied["stages"][index].update(tensor_parallel_stage(stage, cfg, mesh))
         applied["stages"][index].update(checkpoint_stage(stage, cfg, first_block=blocks[index][0]))
         applied["stages"][index].update(compile_stage(stage, cfg))
         applied["stages"][index].update(shard_stage(stage, cfg, mesh["dp"], device))
@@ -464,10 +557,11 @@ def build_pipeline(
             pipelining.PipelineStage(stage, index, settings.num_stages, device, group=mesh["pp"].get_group())
         )
     schedule_class = getattr(pipelining, SCHEDULES[settings.schedule][0])
+    loss_fn = functools.partial(stage_loss, chunks=cfg.trainer.loss_chunks)
     if settings.schedule in SINGLE_STAGE:
-        schedule = schedule_class(pipeline_stages[0], settings.n_microbatches, loss_fn=stage_loss)
+        schedule = schedule_class(pipeline_stages[0], settings.n_microbatches, loss_fn=loss_fn)
     else:
-        schedule = schedule_class(pipeline_stages, settings.n_microbatches, loss_fn=stage_loss)
+        schedule = schedule_class(pipeline_stages, settings.n_microbatches, loss_fn=loss_fn)
     observer = StageObserver(
         pp_rank=mesh["pp"].get_local_rank(),
         stages_of={r: stages_of_rank(settings, r) for r in range(settings.pp)},
@@ -480,7 +574,9 @@ def build_pipeline(
         n_microbatches=settings.n_microbatches,
         local_stages=indices,
         mesh={"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names)},
-        loss="mean cross-entropy of each micro-batch's logits on the last stage (trainer.loss_chunks not applied)",
+        loss="mean cross-entropy of each micro-batch's logits on the last stage, in trainer.loss_chunks slices "
+        "of the sequence",
+        loss_chunks=cfg.trainer.loss_chunks,
     )
     stage_optimizers = (
         [build_optimizer(stage, cfg.optim, matrix_parameter_names(stage)) for stage in stages] if optimizers else []
@@ -497,6 +593,7 @@ def build_pipeline(
         applied=applied,
         observer=observer,
         loss_context=functools.partial(tp.loss_context, cfg),
+        precompute_float8_scales=cfg.precision.float8_all_gather,
     )
 
 
@@ -582,7 +679,8 @@ def parallelize_pipeline(cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.de
     count and every stage's blocks (the cut), ``applied["pipeline"]["stages"]`` the FSDP2 settings per stage."""
     from torch import nn
 
-    from fsdp_exp.parallel.backend import backend_for
+    from fsdp_exp.config.schema import LAST_MICRO_BATCH
+    from fsdp_exp.parallel.fsdp2 import BACKEND as FSDP2_BACKEND
 
     settings = settings_from(cfg, cfg.trainer.global_batch_size // mesh["dp"].size())
     engine = build_pipeline(cfg, settings, mesh, device, optimizers=False)
@@ -596,14 +694,17 @@ def parallelize_pipeline(cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.de
                 settings.schedule, settings.pp, settings.n_microbatches, settings.stages_per_rank
             ),
             **engine.applied,
-        }
+        },
+        # torch's schedule reduces the gradients after the last micro-batch (check_stage_settings refuses the rest)
+        "grad_sync": {"trainer.grad_sync": cfg.trainer.grad_sync, "resolved": LAST_MICRO_BATCH},
     }
     return PipelineParallelized(
         model=nn.ModuleList(engine.stages),
         applied=applied,
-        backend=StagesBackend(backend_for(cfg), engine.observer, mesh=mesh),
+        # the stages are FSDP2 modules under every stage strategy (torch's replicate is FSDP2's machinery too)
+        backend=StagesBackend(FSDP2_BACKEND, engine.observer, mesh=mesh),
         cfg=cfg,
         device=device,
-        grad_sync="last_micro_batch",
+        grad_sync=LAST_MICRO_BATCH,
         engine=engine,
     )

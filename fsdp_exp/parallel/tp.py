@@ -28,11 +28,18 @@ from torch.distributed.tensor.parallel import (
 from fsdp_exp.config import RunConfig
 from fsdp_exp.models import spec_for
 from fsdp_exp.models.spec import COLWISE, TensorParallelPlan
+from fsdp_exp.parallel import float8
 from fsdp_exp.parallel.wrap import blocks
 
 
-def styles(plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: bool = False) -> tuple[dict, dict]:
-    """(root plan, block plan): module name -> torch's parallel style, for ``parallelize_module``."""
+def styles(
+    plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: bool = False, float8: bool = False
+) -> tuple[dict, dict]:
+    """(root plan, block plan): module name -> torch's parallel style, for ``parallelize_module``. ``float8``:
+    the block's styles are torchao's float8 ones (tensorwise float8 training), which cast a projection's input
+    to float8 before its all-gather, so that tensor parallel's activation gathers move 1 byte an element; the
+    root's ends stay torch's (the output projection is kept high precision, the embedding is no linear)."""
+    colwise, rowwise, prepare = _float8_styles() if float8 else (ColwiseParallel, RowwiseParallel, PrepareModuleInput)
     residual = Shard(1) if sequence_parallel else Replicate()  # the residual stream between TP regions
     # The logits: sharded over the vocabulary as the colwise projection makes them (a DTensor, for the loss
     # under loss_context), or gathered to every rank.
@@ -49,8 +56,7 @@ def styles(plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: boo
         for name, style in plan.root.items()
     }
     block_plan = {
-        name: ColwiseParallel() if style == COLWISE else RowwiseParallel(output_layouts=residual)
-        for name, style in plan.block.items()
+        name: colwise() if style == COLWISE else rowwise(output_layouts=residual) for name, style in plan.block.items()
     }
     if sequence_parallel:
         root_plan.update({name: SequenceParallel() for name in plan.sequence_parallel_root})
@@ -58,7 +64,7 @@ def styles(plan: TensorParallelPlan, sequence_parallel: bool, loss_parallel: boo
         # Gather the sequence before the column-parallel projections.
         block_plan.update(
             {
-                name: PrepareModuleInput(
+                name: prepare(
                     input_layouts=(Shard(1), *[None] * (n - 1)), desired_input_layouts=(Replicate(), *[None] * (n - 1))
                 )
                 for name, n in plan.gathered_inputs.items()
@@ -79,22 +85,52 @@ def loss_context(cfg: RunConfig):
 
 
 def apply(model: nn.Module, cfg: RunConfig, tp_mesh: DeviceMesh) -> dict:
-    sp = cfg.parallel.sequence_parallel
-    root_plan, block_plan = styles(spec_for(cfg.model).tensor_parallel_plan(cfg.model), sp, cfg.parallel.loss_parallel)
+    """After float8's conversion (its styles need the ``Float8Linear`` layers in place), before FSDP2."""
+    sp, f8 = cfg.parallel.sequence_parallel, float8.tensor_parallel_styles(cfg)
+    tp_plan = spec_for(cfg.model).tensor_parallel_plan(cfg.model)
+    root_plan, block_plan = styles(tp_plan, sp, cfg.parallel.loss_parallel)
+    float8_plan = styles(tp_plan, sp, cfg.parallel.loss_parallel, float8=True)[1] if f8 else {}
     root_plan = _present(model, root_plan)
     parallelize_module(model, tp_mesh, root_plan)
     names = blocks(model, cfg)
+    applied_block: dict = {}
     for name in names:
-        parallelize_module(model.get_submodule(name), tp_mesh, block_plan)
+        block = model.get_submodule(name)
+        # A layer kept high precision (float8's filter) keeps torch's style: torchao's refuse a plain nn.Linear,
+        # and a float8 input cast before a plain layer would hand it a float8 tensor.
+        plan = {k: float8_plan[k] if f8 and _all_float8(block.get_submodule(k)) else v for k, v in block_plan.items()}
+        parallelize_module(block, tp_mesh, plan)
+        applied_block = {k: type(v).__name__ for k, v in plan.items()}
     return {
         "api": "torch.distributed.tensor.parallel.parallelize_module",
         "tp": tp_mesh.size(),
         "sequence_parallel": sp,
         "loss_parallel": cfg.parallel.loss_parallel,
+        "float8_styles": f8,
         "blocks": names,
-        "block_plan": {k: type(v).__name__ for k, v in block_plan.items()},
+        "block_plan": applied_block,
         "root_plan": {k: type(v).__name__ for k, v in root_plan.items()},
     }
+
+
+def _float8_styles():
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+def _all_float8(module: nn.Module) -> bool:
+    """Every linear layer in ``module`` (itself included) is torchao's ``Float8Linear``, and it has one."""
+    try:
+        from torchao.float8.float8_linear import Float8Linear
+    except ImportError:
+        return False
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    return bool(linears) and all(isinstance(m, Float8Linear) for m in linears)
 
 
 def _present(model: nn.Module, plan: dict) -> dict:

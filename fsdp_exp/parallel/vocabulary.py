@@ -48,6 +48,7 @@ ROWS: dict[str, str] = {
     "compile=true": "n/a",
     "parallel.tp=N": "Megatron TP",
     "parallel.pp=N": "DeepSpeed's `PipelineModule` (ZeRO-0/1 only: its engine refuses ZeRO-2/3 under pipelining)",
+    "parallel.cp=N": "DeepSpeed-Ulysses sequence parallel (all-to-all of heads for sequence)",
 }
 SHARDING_ROWS = [key for key in ROWS if key.startswith("sharding=")]
 

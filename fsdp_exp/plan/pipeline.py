@@ -130,9 +130,9 @@ class PipelinePlan:
 
 
 def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_kind: str = "cpu") -> PipelinePlan:
-    """The plan of ``cfg`` cut as ``settings`` say, FSDP2 over ``dp`` ranks in each stage."""
+    """The plan of ``cfg`` cut as ``settings`` say, FSDP2 (or HSDP, or replicas) over ``dp`` ranks in each stage."""
     from fsdp_exp.models import spec_for
-    from fsdp_exp.parallel.backend import backend_for
+    from fsdp_exp.parallel.pipeline import stage_dp_layout, stage_planner_rules
     from fsdp_exp.plan.activations import profile_for
     from fsdp_exp.plan.states import model_states, param_infos, unit_names
 
@@ -149,7 +149,8 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
         return 0 if info.name in inventory.input_params else last
 
     tp = cfg.parallel.tp  # inside each stage (parallel/pipeline.py's tensor_parallel_stage), no sequence parallel
-    infos = param_infos(inventory, unit_names(spec, cfg), backend_for(cfg).planner_rules(cfg), shard=dp, tp=tp)
+    shard = stage_dp_layout(cfg, dp)[1]  # the stage's shard group: dp, 1 replicated (DDP), or HSDP's shard
+    infos = param_infos(inventory, unit_names(spec, cfg), stage_planner_rules(cfg), shard=shard, tp=tp)
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     e_reduce = DTYPE_BYTES[cfg.precision.reduce_dtype] if cfg.precision.reduce_dtype else e
     micro_batch = cfg.trainer.global_batch_size // dp // s.n_microbatches
@@ -159,7 +160,10 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     saved = _block_saved(cfg, profile, e, full_block, resid)
     # The last stage: the final norm's saved tensors, the loss's fp32 log-softmax and the logits themselves.
     logits = profile.logits // (tp if cfg.parallel.loss_parallel else 1)  # loss parallel: sharded over the vocabulary
-    head_bytes = profile.head_saved(e, False) + 4 * logits + e * logits
+    # trainer.loss_chunks: the stage's loss takes the logits in slices of the sequence, one slice's fp32
+    # log-softmax at a time (parallel/pipeline.py's stage_loss); the logits themselves are the stage's output
+    chunks = max(1, min(cfg.trainer.loss_chunks, cfg.trainer.seq_len))
+    head_bytes = profile.head_saved(e, False) + 4 * -(-logits // chunks) + e * logits
     temporaries = resid + profile.backward_peak(e) + e * profile.peak_weight_grad
 
     def stage_microbatch(stage: int) -> int:

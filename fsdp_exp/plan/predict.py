@@ -99,7 +99,12 @@ def _walk(cfg: "RunConfig", topology: "Topology", kind: str):
     inventory = spec_for(cfg.model).inventory(cfg.model)
     infos, states = _states(cfg, topology, kind)
     profile = profile_for(
-        cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, topology.tp_size, cfg.parallel.sequence_parallel
+        cfg.model,
+        topology.micro_batch_size,
+        cfg.trainer.seq_len,
+        topology.tp_size,
+        cfg.parallel.sequence_parallel,
+        cp=cfg.parallel.cp,
     )
     setting = StepSetting(
         kind=kind,
@@ -119,7 +124,7 @@ def _walk(cfg: "RunConfig", topology: "Topology", kind: str):
         loss_chunks=cfg.trainer.loss_chunks,
         loss_parallel=cfg.parallel.loss_parallel,
         sequence_parallel=cfg.parallel.sequence_parallel,
-        float8_matmuls=float8.planned_matmuls(cfg, inventory.blocks),
+        float8_matmuls=float8.planned_matmuls(cfg, inventory.blocks, topology.tp_size),
         float8_all_gather=cfg.precision.float8_all_gather,
     )
     return StepWalk(setting, rules, profile, gathered(infos, inventory), states, inventory.buffer_bytes), infos, states
@@ -222,6 +227,12 @@ def assumptions(cfg: "RunConfig", backend_notes: tuple[str, ...], model_notes: l
         notes.append(f"ac.ops={cfg.ac.ops} under tensor parallel: the collectives' saved outputs estimated")
     if cfg.wrap.policy == "size":
         notes.append("wrap=size: units inside blocks are treated like MoE experts (estimated)")
+    if cfg.parallel.ep > 1:
+        # Under full sharding each rank holds 1/dp of the experts' states with or without EP; what EP changes
+        # (a gathered unit of experts/ep, the all-to-all buffers, the routed copies under imbalance) is not yet.
+        notes.append(
+            f"parallel.ep={cfg.parallel.ep}: planned as FSDP alone (EP's gathers and all-to-alls not modelled)"
+        )
     return notes + model_notes
 
 

@@ -225,6 +225,7 @@ def build_workspace(view: SweepView):
             "comm/all_gather_s",
             "comm/reduce_scatter_s",
             "comm/all_reduce_s",
+            "comm/all_to_all_s",
             "comm/other_s",
         ),
         bars("exposed share of the profiled step", "comm/exposed_fraction"),

@@ -27,6 +27,8 @@ SPACE_DIMENSIONS = (
     "grad_sync",
     "pp",
     "pp_schedule",
+    "cp",
+    "cp_method",
 )
 
 OPTIONS = {

@@ -16,7 +16,14 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
   - a backend that replicates (DDP): the gradients all-reduced in 25 MiB buckets (DDP's default), once
     per step (per micro-batch under every_micro_batch);
   - tensor parallel: two all-reduces of the residual stream per block in forward and two in backward,
-    every micro-batch, on the critical path;
+    every micro-batch, on the critical path (under sequence parallel each a reduce-scatter and an all-gather,
+    the all-gathers in float8 under torchao's float8 styles);
+  - context parallel (``parallel.cp``, fsdp_exp/parallel/context.py): each rank computes 1/cp of every
+    sequence's tokens (the head-and-tail layout balances the causal work exactly). ``all_to_all``: four
+    all-to-alls per attention layer in forward (q, k, v out, the output back) and four in backward, each
+    moving (cp-1)/cp of the local tensor, on the critical path; ``ring``: cp-1 passes of the local keys and
+    values per layer in forward, twice that in backward (the gradients travel too), overlapped with
+    attention's own compute: only what attention does not cover is exposed;
   - two tiny all-reduces per step over the world (the loss statistics and the gradient norm).
 - **offload** (``offload=params`` where the backend offloads): each all-gather first copies the unit's
   fp32 shard from the host, the gradient shards go back once per step, and AdamW steps on the host.
@@ -94,6 +101,7 @@ class Traffic:
     bytes: float  # the full (unsharded) tensors' bytes, summed over the count
     phase: str  # forward | backward
     overlappable: bool
+    behind_attention: bool = False  # ring attention's key/value passes: hidden behind attention's compute only
 
 
 @dataclass(frozen=True)
@@ -202,23 +210,46 @@ def local_parameters(cfg: "RunConfig", rules, shard: int, tp: int) -> int:
     return _units(cfg, rules, shard, tp)[1]
 
 
-def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
+def _tensor_parallel_traffic(cfg: "RunConfig", topology: "Topology", blocks: int, e_p: int, G: int, tp: int) -> list:
+    """Tensor parallel's collectives on the critical path: per block and phase, two of the residual stream. An
+    all-reduce each; under sequence parallel a reduce-scatter and an all-gather (the same bytes and rounds),
+    whose all-gathers move float8 (1 byte an element) under torchao's float8 styles (parallel/tp.py: the
+    input cast before the sequence is gathered, the output's gradient cast before backward gathers it)."""
+    from fsdp_exp.parallel.float8 import tensor_parallel_styles
     from fsdp_exp.plan.activations import profile_for
+
+    seq = cfg.trainer.seq_len // max(cfg.parallel.cp, 1)  # this rank's share of each sequence under CP
+    stream = profile_for(cfg.model, topology.micro_batch_size, seq, 1, False).residual(1)
+    count = G * 2 * blocks
+    if not cfg.parallel.sequence_parallel:
+        kinds = (("all-reduce", "all-reduce", e_p),)
+    else:
+        gather = 1 if tensor_parallel_styles(cfg) else e_p
+        kinds = (("reduce-scatter", "reduce-scatter", e_p), ("all-gather", "all-gather", gather))
+    return [
+        Traffic(f"tensor-parallel {label} ({phase})", kind, tp, 1, count, count * stream * e, phase, False)
+        for phase in ("forward", "backward")
+        for label, kind, e in kinds
+    ]
+
+
+def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
     from fsdp_exp.parallel.backend import backend_for
     from fsdp_exp.tune.work import work
 
     backend = backend_for(cfg)
     rules = backend.planner_rules(cfg)
     tp, dp, nproc = topology.tp_size, topology.dp_size, topology.nproc_per_node
-    shard = backend.shard_group(topology)
-    replicas = max(1, dp // max(shard, 1))
+    shard = backend.shard_group(topology)  # shard x cp under context parallel
+    replicas = max(1, dp * topology.cp_size // max(shard, 1))
     G = topology.grad_accum_steps
     # Gradient reductions per step (trainer.grad_sync as the backend resolves it): every micro-batch, or the last.
     R = G if backend.grad_sync(cfg) == EVERY_MICRO_BATCH else 1
     e_p, e_r = DTYPE_BYTES[cfg.precision.param_dtype], DTYPE_BYTES[cfg.precision.reduce_dtype]
     seq = cfg.trainer.seq_len
+    cp = cfg.parallel.cp
     tokens = cfg.trainer.global_batch_size * seq
-    tokens_rank = tokens / dp
+    tokens_rank = tokens / (dp * cp)  # context parallel: each of the cp ranks computes its share of a sequence
 
     w = work(cfg)
     model_flops = tokens_rank * w.flops_per_token / tp
@@ -241,7 +272,7 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
     if rules.gathers_units:
         regathered = units - 1 if rules.reshard_after_forward else 0  # the last block stays gathered
         # precision.float8_all_gather: the converted weights travel in float8, 1 byte an element
-        gathered = e_p * full_numel - (e_p - 1) * float8_all_gathered_numel(cfg)
+        gathered = e_p * full_numel - (e_p - 1) * float8_all_gathered_numel(cfg, tp)
         if shard > 1:
             traffic.append(
                 Traffic(
@@ -317,22 +348,10 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
         offload_b = R * e_r * optimizer_numel
         offload_after = e_p * optimizer_numel
     if tp > 1:
-        stream = profile_for(cfg.model, topology.micro_batch_size, seq, 1, False).residual(e_p)
-        blocks = len(w.block_forward_flops)
-        for phase in ("forward", "backward"):
-            traffic.append(
-                Traffic(
-                    f"tensor-parallel all-reduce ({phase})",
-                    "all-reduce",
-                    tp,
-                    1,
-                    G * 2 * blocks,
-                    G * 2 * blocks * stream,
-                    phase,
-                    False,
-                )
-            )
-    kernels = _kernel_classes(w, cfg, tokens_rank / tp, topology.micro_batch_size * seq, tp, e_p)
+        traffic += _tensor_parallel_traffic(cfg, topology, len(w.block_forward_flops), e_p, G, tp)
+    if cp > 1:
+        traffic += cp_traffic(cfg, topology, G, len(w.block_forward_flops), e_p)
+    kernels = _kernel_classes(w, cfg, tokens_rank / tp, topology.micro_batch_size * seq // cp, tp, e_p)
     float8 = None
     if float8_on(cfg):
         gathers = (G, G * regathered / units) if rules.gathers_units and units else (0.0, 0.0)
@@ -360,6 +379,48 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
         world=topology.world_size,
         model_flops=model_flops,
     )
+
+
+def cp_traffic(cfg: "RunConfig", topology: "Topology", G: int, layers: int, e: int) -> list[Traffic]:
+    """Context parallel's collectives in one step of one rank (see the module docstring). The CP group is cp
+    ranks tp apart (the mesh's cp dim sits just outside tp)."""
+    from fsdp_exp.parallel.context import resolve_method
+    from fsdp_exp.plan.activations import profile_for
+
+    cp, tp = cfg.parallel.cp, topology.tp_size
+    x = profile_for(cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, tp, False, cp=cp)
+    nodes = _group_nodes(tp, cp, topology.nproc_per_node)
+    kv = x.dq if getattr(x, "cp_repeats_kv", False) else x.dkv  # all-to-all repeats what cp does not divide
+    if resolve_method(cfg.parallel.cp_method, topology.device_type) == "all_to_all":
+        moved = e * x.tokens * (2 * x.dq + 2 * kv)  # q, k, v there, the output back: this rank's tensors
+        return [
+            Traffic(
+                f"context-parallel all-to-all ({phase})",
+                "all-to-all",
+                cp,
+                nodes,
+                G * 4 * layers,
+                G * layers * moved,
+                phase,
+                False,
+            )
+            for phase in ("forward", "backward")
+        ]
+    kv_bytes = e * x.tokens * 2 * x.dkv  # this rank's keys and values, one pass round the ring
+    return [
+        Traffic(
+            f"ring attention key/value passes ({phase})",
+            "ring pass",
+            cp,
+            nodes,
+            G * layers * passes,  # one ring of cp - 1 steps per layer and pass
+            G * layers * passes * kv_bytes * cp,  # each step moves kv_bytes: (cp-1)/cp of this, as a collective
+            phase,
+            True,
+            behind_attention=True,
+        )
+        for phase, passes in (("forward", 1), ("backward", 2))
+    ]
 
 
 LOSS_BYTES_PER_LOGIT = 24  # cross-entropy in fp32: cast, log-softmax, its gradient and the cast back (read + write)
@@ -421,11 +482,12 @@ def _converted_shapes(cfg: "RunConfig") -> dict[tuple[int, int], int]:
     return shapes
 
 
-def float8_all_gathered_numel(cfg: "RunConfig") -> float:
-    """The converted weights' elements, which a float8 all-gather moves at 1 byte each (0 without it)."""
+def float8_all_gathered_numel(cfg: "RunConfig", tp: int = 1) -> float:
+    """The converted weights' elements one tensor-parallel rank holds (the blocks' linears are split over tp),
+    which a float8 all-gather moves at 1 byte each (0 without it)."""
     if not (float8_on(cfg) and cfg.precision.float8_all_gather):
         return 0.0
-    return float(sum(k * n * count for (k, n), count in _converted_shapes(cfg).items()))
+    return float(sum(k * n * count for (k, n), count in _converted_shapes(cfg).items())) / tp
 
 
 def float8_costs(
@@ -455,7 +517,7 @@ def float8_costs(
         forward += calls * cast * (m * k + weight_casts * k * n)  # input, weight
         grads = 1 if gw_hp else 2  # the output's gradient, once per float8 backward matmul
         backward += calls * cast * (grads * m * n + weight_casts * k * n + (0 if gw_hp else m * k))
-    gathered = float8_all_gathered_numel(cfg) / max(shard, 1)  # this rank's shard of the converted weights
+    gathered = float8_all_gathered_numel(cfg, tp) / max(shard, 1)  # this rank's shard of the converted weights
     shard_cast = FLOAT8_HP_TO_FP32 + 1
     return tuple(kept), Float8Costs(
         p.float8_recipe,
@@ -593,6 +655,17 @@ def compute_seconds(costs: StepCosts, perf: "DevicePerf") -> tuple[float, float]
     return compute(costs.forward_flops, costs.forward_ops), compute(costs.backward_flops, costs.backward_ops)
 
 
+def _attention_seconds(costs: StepCosts, c_f: float, c_b: float) -> dict[str, float]:
+    """Attention's share of each phase's compute, by its FLOPs (a fused kernel's backward does 2.5 x its forward)."""
+    forward = min(1.0, costs.attention_flops / costs.forward_flops) if costs.forward_flops else 0.0
+    backward = (
+        min(1.0, FLASH_BACKWARD_PER_FORWARD * costs.attention_flops / costs.backward_flops)
+        if costs.backward_flops
+        else 0.0
+    )
+    return {"forward": forward * c_f, "backward": backward * c_b}
+
+
 def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
     peak = perf.peak_tflops.get(costs.dtype)
     if not peak:
@@ -604,9 +677,13 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
     c_f, c_b = compute_seconds(costs, perf)
     comm: dict[str, float] = {}
     parts = {"forward": [0.0, 0.0], "backward": [0.0, 0.0]}  # [overlappable, waiting] seconds
+    attention = _attention_seconds(costs, c_f, c_b)
     for t in costs.traffic:
         seconds = traffic_seconds(t, perf, costs.ranks_per_node)
         comm[t.purpose] = comm.get(t.purpose, 0.0) + seconds
+        if t.behind_attention:  # ring attention: each pass hides behind the attention of the block it serves
+            parts[t.phase][1] += max(0.0, seconds - attention[t.phase])
+            continue
         parts[t.phase][0 if t.overlappable else 1] += seconds
     copy = perf.host
     off_f = costs.offload_forward_bytes / (copy.gbps * 1e9)

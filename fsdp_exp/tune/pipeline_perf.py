@@ -39,7 +39,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from fsdp_exp.parallel.pipeline import bubble_fraction, settings_from, stage_blocks, stages_of_rank
+from fsdp_exp.parallel.pipeline import (
+    bubble_fraction,
+    settings_from,
+    stage_blocks,
+    stage_dp_layout,
+    stage_planner_rules,
+    stages_of_rank,
+)
 from fsdp_exp.plan.states import DTYPE_BYTES
 from fsdp_exp.tune.perf import (
     ADAMW_BYTES_PER_PARAM,
@@ -189,7 +196,6 @@ def _stage_costs(
 
 def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
     from fsdp_exp.models import spec_for
-    from fsdp_exp.parallel.backend import backend_for
     from fsdp_exp.plan.activations import profile_for
     from fsdp_exp.tune.work import work
 
@@ -237,7 +243,7 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
     # FSDP2 inside each stage: this rank's units (each block, then the stage's root) and their elements.
     spec = spec_for(cfg.model)
     inventory = spec.inventory(cfg.model)
-    rules = backend_for(cfg).planner_rules(cfg)
+    rules = stage_planner_rules(cfg)
     e_p, e_r = DTYPE_BYTES[cfg.precision.param_dtype], DTYPE_BYTES[cfg.precision.reduce_dtype]
     stage_of_block = {b: st for st, bs in enumerate(blocks) for b in bs}
     numel = [0.0] * s.num_stages
@@ -247,18 +253,41 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
         numel[st] += p.numel / tp
         tensors[st] += 1
     nproc = topology.nproc_per_node
-    dp_nodes = len({(i * tp) // nproc for i in range(dp)})
+    # The stage's dp ranks as (replicate, shard): dp_index = replica * shards + shard_index
+    replicas, shards = stage_dp_layout(cfg, dp)
+    shard_nodes = len({(i * tp) // nproc for i in range(shards)})
+    replica_nodes = len({(i * shards * tp) // nproc for i in range(replicas)})
     ranks = []
     for r in range(s.pp):
         mine = stages_of_rank(s, r)
         units = sum(len(blocks[st]) + 1 for st in mine)
         gathered = sum(numel[st] for st in mine)
-        traffic = ()
-        if dp > 1:
+        traffic: tuple = ()
+        if shards > 1:
             traffic = (
-                Traffic("stage all-gather", "all-gather", dp, dp_nodes, units, e_p * gathered, "forward", True),
+                Traffic("stage all-gather", "all-gather", shards, shard_nodes, units, e_p * gathered, "forward", True),
                 Traffic(
-                    "stage reduce-scatter", "reduce-scatter", dp, dp_nodes, units, e_r * gathered, "backward", True
+                    "stage reduce-scatter",
+                    "reduce-scatter",
+                    shards,
+                    shard_nodes,
+                    units,
+                    e_r * gathered,
+                    "backward",
+                    True,
+                ),
+            )
+        if replicas > 1:  # HSDP's all-reduce of each shard across the replicas; DDP's of the whole stage
+            traffic += (
+                Traffic(
+                    "stage replica all-reduce",
+                    "all-reduce",
+                    replicas,
+                    replica_nodes,
+                    units,
+                    e_r * gathered / shards,
+                    "backward",
+                    True,
                 ),
             )
         ranks.append(
@@ -268,7 +297,7 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
                 compute=tuple(stage_compute(st) for st in mine),
                 traffic=traffic,
                 units=units,
-                local_params=gathered / dp,
+                local_params=gathered / shards,
                 tensors=sum(tensors[st] for st in mine),
             )
         )

@@ -12,8 +12,9 @@ linear, a GELU MLP of ``ffn_dim``, full multi-head attention, tied embeddings, a
 rowwise, rowwise_with_gw_hp; torchtitan's default, tensorwise, where a torchtitan row names none) and float8
 all-gathers where it says so; ``compile`` yes -> ``compile=true``; AC none / full / selective layer (every 2nd
 block, torchtitan's default) / per-op; pipeline stages (``pp``, ``vp``, ``micro_batch``) -> ``parallel.pp*``
-(``pipeline_overrides``). Context and expert parallel rows, and formats fsdp_exp cannot train (NVFP4, MXFP8, FP8
-with delayed or blockwise scaling), are not expressible, and say why.
+(``pipeline_overrides``); context parallel (``cp``) -> ``parallel.cp`` and the method the row names
+(``context_overrides``). Expert parallel rows, and formats fsdp_exp cannot train (NVFP4, MXFP8, FP8 with
+delayed or blockwise scaling), are not expressible, and say why.
 
 Used by ``benchmarks/published.py`` (the figures) and ``tune.calibrate_from=<a table>`` (the fit).
 """
@@ -160,10 +161,10 @@ def _swiglu_hidden(d: int, ffn: int) -> list[str]:
 
 def sharding_overrides(f: dict) -> list[str] | str:
     text = (f["sharding"] + " " + f["framework"]).upper()
-    if _int(f["cp"], 1) > 1 or _int(f["ep"], 1) > 1:
-        return "context / expert parallel rows are not expressible (no such dimension yet)"
+    if _int(f["ep"], 1) > 1:
+        return "expert parallel rows are not expressible (no such dimension yet)"
     tp = [f"parallel.tp={_int(f['tp'], 1)}"] if _int(f["tp"], 1) > 1 else []
-    tp += pipeline_overrides(f)
+    tp += pipeline_overrides(f) + context_overrides(f)
     # composer (llm-foundry) runs FSDP1 with its FSDPConfig's defaults: forward_prefetch=False (each unit's
     # all-gather issued when the unit runs), backward_prefetch=BACKWARD_POST, limit_all_gathers=True
     composer = ["prefetch=none"] if "COMPOSER" in text else []
@@ -176,6 +177,17 @@ def sharding_overrides(f: dict) -> list[str] | str:
     if "FULL_SHARD" in text:
         return ["sharding=fsdp1"] + tp
     return f"sharding not mapped: {f['sharding']}"
+
+
+def context_overrides(f: dict) -> list[str]:
+    """A row's context parallel: ``cp`` -> parallel.cp, with the method the row names (Ulysses / all-to-all),
+    else ring: torchtitan's and Megatron's context parallel pass keys and values round the group."""
+    cp = _int(f["cp"], 1)
+    if cp <= 1:
+        return []
+    said = (f.get("notes", "") + " " + f["sharding"] + " " + f["framework"]).lower()
+    method = "all_to_all" if ("ulysses" in said or "all-to-all" in said or "a2a" in said) else "ring"
+    return [f"parallel.cp={cp}", f"parallel.cp_method={method}"]
 
 
 def pipeline_overrides(f: dict) -> list[str]:

@@ -286,6 +286,18 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
             first_done, first_cpu = time.perf_counter(), time.process_time()
     finished, finished_cpu = time.perf_counter(), time.process_time()
     if not weighed:
+        # A fixed run whose every combination is left out before weighing (pipeline stages with a sharding they
+        # do not run): preflight's own refusal of the run as given says which setting and why
+        try:
+            validate(base, cuda_devices=cuda_devices)
+        except ConfigError as err:
+            problem, _, fix = str(err).partition("\n  fix: ")
+            fail(
+                "the search space holds no candidate: "
+                + (space.describe() or "every dimension is fixed")
+                + f"; the run as given is refused: {problem}",
+                fix or "widen it: drop a tune.space.<dimension>, or an override that fixes one",
+            )
         fail(
             "the search space holds no candidate: " + (space.describe() or "every dimension is fixed"),
             "widen it: drop a tune.space.<dimension>, or an override that fixes one",

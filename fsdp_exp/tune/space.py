@@ -21,12 +21,18 @@ The dimensions (``tune.space.<name>=[...]`` narrows or widens each):
 - ``pp``: pipeline stages (``parallel.pp``), every divisor of the data-parallel ranks up to the model's
   blocks, 1 (no pipeline) first; fixed by ``parallel.pp=..``. Under pp > 1 ``micro_batch_size`` is the
   pipeline's micro-batch, so its values are the schedule's micro-batch counts (``global / dp / micro``), and
-  ``grad_sync`` is not searched (the stages reduce at the last micro-batch);
+  ``grad_sync`` is neither searched nor named in its candidates (the stages reduce at the last micro-batch), nor
+  ``prefetch`` beyond its default (stages gather each unit once a step);
 - ``pp_schedule``: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` (with ``parallel.pp_stages_per_rank=2``), only for
   pp > 1; fixed by ``parallel.pp_schedule=..`` or ``parallel.pp_stages_per_rank=..``. A sharding the stages do
-  not run (``parallel.pipeline.check_sharding``: FSDP2 full only, today) gets no pp > 1 candidates; every ``ac``
+  not run (``parallel.pipeline.check_sharding``: FSDP2 full and DDP are searched; HSDP stages run but are not
+  searched, the shard sizes here splitting the run's dp ranks, not a stage's) gets no pp > 1 candidates; every ``ac``
   option runs inside stages and is searched with them; what else stages cannot compose with (compile, too
-  few micro-batches) preflight refuses, as for every dimension.
+  few micro-batches) preflight refuses, as for every dimension;
+- ``cp``: context parallel (``parallel.cp``), 1 and every divisor of the data-parallel ranks, searched only
+  when the sequence is long (``trainer.seq_len`` >= ``CP_FROM_SEQ_LEN``: below it activations rarely decide
+  the layout); fixed by ``parallel.cp=..``. Whether a model's heads divide is preflight's to say;
+- ``cp_method``: ``all_to_all`` and ``ring``, only for cp > 1; fixed by ``parallel.cp_method=..``.
 
 A dimension the run's overrides already set is the user's choice and is not searched. The model, the
 global batch and the sequence length are training choices: they stay as given. A backend or a model
@@ -67,7 +73,11 @@ FIXED_BY = {
     "grad_sync": ("trainer.grad_sync",),
     "pp": ("parallel.pp",),
     "pp_schedule": ("parallel.pp_schedule", "parallel.pp_stages_per_rank"),
+    "cp": ("parallel.cp",),
+    "cp_method": ("parallel.cp_method",),
 }
+CP_FROM_SEQ_LEN = 16384  # context parallel is searched from this sequence length on
+CP_METHODS = ["all_to_all", "ring"]
 GRAD_SYNC_VALUES = ["every_micro_batch", "last_micro_batch"]
 # pp_schedule's values -> (parallel.pp_schedule, parallel.pp_stages_per_rank)
 PP_SCHEDULES = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1), "interleaved_1f1b": ("interleaved_1f1b", 2)}
@@ -122,6 +132,13 @@ def pipeline_sizes(base: "RunConfig", dp: int) -> list[str]:
     spec.check(base.model)
     blocks = len(spec.inventory(base.model).blocks)
     return [str(d) for d in _divisors(dp) if d <= blocks]
+
+
+def context_sizes(base: "RunConfig", dp: int) -> list[str]:
+    """``parallel.cp`` values: 1, and every divisor of the data-parallel ranks when the sequence is long."""
+    if base.trainer.seq_len < CP_FROM_SEQ_LEN:
+        return ["1"]
+    return [str(d) for d in _divisors(dp)]
 
 
 def micro_batches(per_rank: int) -> list[str]:
@@ -190,6 +207,10 @@ def build_space(
     _positive("pp", values["pp"])
     values["pp_schedule"] = requested.get("pp_schedule", list(PP_SCHEDULES))
     _check_values("pp_schedule", values["pp_schedule"], list(PP_SCHEDULES))
+    values["cp"] = requested.get("cp", context_sizes(base, dp))
+    _positive("cp", values["cp"])
+    values["cp_method"] = requested.get("cp_method", list(CP_METHODS))
+    _check_values("cp_method", values["cp_method"], list(CP_METHODS))
     searched_strategies = values["sharding"] if "sharding" not in fixed else [base.sharding.strategy]
     if HYBRID in searched_strategies and "shard_size" not in fixed and not values["shard_size"]:
         notes.append(
@@ -202,6 +223,9 @@ def build_space(
         values.pop("shard_size", None)
     if values.get("pp", [str(base.parallel.pp)]) == ["1"] and base.parallel.pp == 1:
         values.pop("pp_schedule", None)  # no pipeline anywhere in the space: no schedule to choose
+    if values.get("cp", [str(base.parallel.cp)]) == ["1"] and base.parallel.cp == 1:
+        values.pop("cp", None)
+        values.pop("cp_method", None)  # no context parallel anywhere in the space
     return Space(values={d: values[d] for d in SPACE_DIMENSIONS if d in values}, fixed=fixed, notes=notes, dp=dp)
 
 
@@ -262,11 +286,13 @@ def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterat
                     sharding_choices += [f"sharding.shard_size={shard}", f"sharding.replicate_size={replicate}"]
                 stages_compose = _stages_compose(dataclasses.replace(base, sharding=sharding))
                 dims = [(g, v[g]) for g in GROUPS if g in v]
-                for dim in ("micro_batch_size", "grad_sync", "pp", "pp_schedule"):
+                for dim in ("micro_batch_size", "grad_sync", "pp", "pp_schedule", "cp", "cp_method"):
                     if dim in v:
                         dims.append((dim, v[dim]))
                 for rest in _product(dims):
                     if _idle_duplicate(dict(rest), base, v, space.dp, stages_compose):
+                        continue
+                    if _idle_in_stages(dict(rest), base, v, nodes):
                         continue
                     changes: dict = {"sharding": sharding}
                     choices = list(sharding_choices)
@@ -281,15 +307,27 @@ def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterat
                             parallel, added = _pipeline_change(changes.get("parallel", base.parallel), dim, option)
                             changes["parallel"] = parallel
                             choices += added
+                        elif dim in ("cp", "cp_method"):
+                            value = int(option) if dim == "cp" else option
+                            parallel = changes.get("parallel", base.parallel)
+                            changes["parallel"] = dataclasses.replace(parallel, **{dim: value})
+                            choices.append(f"parallel.{dim}={option}")
                         else:
                             changes[dim] = nodes[(dim, option)]
                             choices.append(f"{dim}={option}")
                     pipelined = changes.get("parallel", base.parallel).pp > 1
                     if not pipelined and "parallel" in changes:  # no stages: the run's own pipeline keys
-                        changes["parallel"] = base.parallel
+                        parallel = changes["parallel"]
+                        changes["parallel"] = dataclasses.replace(
+                            base.parallel, cp=parallel.cp, cp_method=parallel.cp_method
+                        )
+                    if pipelined and "trainer" in changes:  # stages reduce at the last micro-batch: no label
+                        changes["trainer"] = dataclasses.replace(changes["trainer"], grad_sync=base.trainer.grad_sync)
+                        choices = [c for c in choices if not c.startswith("trainer.grad_sync=")]
+                    split = changes.get("parallel", base.parallel).cp > 1
                     yield Candidate(
                         f"c{index:04d}",
-                        _without_idle_schedule(choices, pipelined),
+                        _without_idle_context(_without_idle_schedule(choices, pipelined), split),
                         dataclasses.replace(base, **changes),
                     )
                     index += 1
@@ -312,7 +350,23 @@ def _idle_duplicate(options: dict, base: "RunConfig", v: dict, dp: int, stages_c
         schedule = options["pp_schedule"]
         if schedule != v["pp_schedule"][0]:
             return True
+    cp = int(options["cp"]) if "cp" in options else base.parallel.cp
+    if "cp_method" in options and cp == 1 and options["cp_method"] != v["cp_method"][0]:
+        return True  # no sequence split: the method changes nothing
     return False
+
+
+def _idle_in_stages(options: dict, base: "RunConfig", v: dict, nodes: dict) -> bool:
+    """A pp > 1 combination whose prefetch option is not the default, where the space holds the default: stages
+    gather each unit once a step, so every prefetch option would be the same candidate (preflight refuses the
+    others under pp, ``parallel.pipeline.check_stage_settings``)."""
+    from fsdp_exp.config.schema import PrefetchConfig
+
+    pp = int(options["pp"]) if "pp" in options else base.parallel.pp
+    if pp == 1 or "prefetch" not in options:
+        return False
+    default = [o for o in v["prefetch"] if nodes[("prefetch", o)] == PrefetchConfig()]
+    return bool(default) and options["prefetch"] != default[0]
 
 
 def _stages_compose(cfg: "RunConfig") -> bool:
@@ -325,7 +379,8 @@ def _stages_compose(cfg: "RunConfig") -> bool:
         check_sharding(cfg)
     except ConfigError:
         return False
-    return True
+    # HSDP inside stages runs, but the space's shard sizes split the run's dp ranks, not a stage's: left out
+    return cfg.sharding.strategy != HYBRID
 
 
 def _pipeline_change(parallel, dim: str, option: str) -> tuple[object, list[str]]:
@@ -346,6 +401,13 @@ def _without_idle_schedule(choices: list[str], pipelined: bool) -> list[str]:
         return choices
     idle = ("parallel.pp=", "parallel.pp_schedule=", "parallel.pp_stages_per_rank=")
     return [c for c in choices if not c.startswith(idle)]
+
+
+def _without_idle_context(choices: list[str], split: bool) -> list[str]:
+    """A candidate without context parallel names neither cp=1 nor a method."""
+    if split:
+        return choices
+    return [c for c in choices if not c.startswith(("parallel.cp=", "parallel.cp_method="))]
 
 
 def idle_choice(key: str, cfg: "RunConfig", dp: int) -> bool:
@@ -402,6 +464,10 @@ def label(choices: list[str]) -> str:
             continue  # said by the schedule (interleaved: 2)
         if key == "parallel.pp":
             rest.append(f"pp={value}")
+        elif key == "parallel.cp":
+            rest.append(f"cp={value}")
+        elif key == "parallel.cp_method":
+            rest.append(value)
         elif key == "parallel.pp_schedule":
             rest.append(value)
         elif key == "trainer.micro_batch_size":

@@ -92,7 +92,7 @@ def _count(cfg: "RunConfig") -> Work:
     from torch.utils.flop_counter import FlopCounterMode
 
     from fsdp_exp.models import spec_for
-    from fsdp_exp.ops import LINEAR_MATMULS, OpSaver
+    from fsdp_exp.ops import EXTRA_FLOP_FORMULAS, LINEAR_MATMULS, OpSaver
 
     spec = spec_for(cfg.model)
     model = spec.meta_model(cfg.model)  # shared: hooks are removed again below
@@ -137,7 +137,13 @@ def _count(cfg: "RunConfig") -> Work:
     tokens = torch.zeros((1, seq), dtype=torch.long, device="meta")
     twin = _Repeats(model, blocks, gemms, moved)
     try:
-        with torch.no_grad(), spec.shapes_only(), FlopCounterMode(display=False) as counter, CountOps(), twin:
+        with (
+            torch.no_grad(),
+            spec.shapes_only(),
+            FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as counter,
+            CountOps(),
+            twin,
+        ):
             output = model(tokens)
     finally:
         for handle in handles:

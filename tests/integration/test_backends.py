@@ -115,7 +115,7 @@ def _expected_units(cfg) -> list[str]:
     if cfg.wrap.policy == "experts":
         units = []
         for b in blocks:
-            units += [f"{b}.feed_forward.experts.{e}" for e in range(cfg.model.n_experts)] + [b]
+            units += [f"{b}.feed_forward.experts", b]  # each layer's routed experts: one stacked module
         return units + ["<root>"]
     return blocks + ["<root>"]
 

@@ -379,7 +379,7 @@ def test_init_digest_comparison_names_ranks_and_tensors():
         (["checkpoint.every=-1"], "checkpoint.every=0"),
         (["checkpoint.keep=-2"], "checkpoint.keep=2"),
         (["checkpoint.export=onnx"], "checkpoint.export=safetensors"),
-        (["checkpoint.export=hf", "model=moe_tiny"], "checkpoint.export=safetensors"),
+        (["checkpoint.export=hf", "model=moe_tiny", "model.n_shared_experts=1"], "checkpoint.export=safetensors"),
         (["checkpoint.signals=[SIGKILL]"], "checkpoint.signals=[SIGTERM,SIGUSR1]"),
         (["debug.fail_during=save", "debug.fail_at_step=3"], "checkpoint.every=N"),
         (["debug.fail_signal=KILL"], "debug.fail_signal=SIGKILL"),

@@ -50,12 +50,20 @@ BF16 = {"1f1b_fsdp2_dp2_bf16": dict(pp=2, schedule="1f1b", microbatches=2)}
 # ac=selective (every 2nd block) in stages of blocks [0] and [1, 2, 3]: the full model's blocks 0 and 2 are
 # recomputed (counting a stage's own blocks would pick block 1 and 3 instead).
 AC = {"1f1b_fsdp2_dp2_ac_selective": dict(pp=2, schedule="1f1b", microbatches=2, split=(1,))}
-CASES = {**PP2, **PP2_DP2, **PP2_TP2, **BF16, **AC}
+# The stage's dp ranks replicated (sharding=ddp: torch's replicate) or as HSDP (2 replicas x 1 shard): the same
+# micro-batches and the same averaged gradients as 1f1b_fsdp2_dp2.
+REPLICATED = {
+    "1f1b_ddp_dp2": dict(pp=2, schedule="1f1b", microbatches=2),
+    "1f1b_hsdp_dp2": dict(pp=2, schedule="1f1b", microbatches=2),
+}
+CASES = {**PP2, **PP2_DP2, **PP2_TP2, **BF16, **AC, **REPLICATED}
 # The overrides a case's run adds to OVERRIDES (its config: the TP plan and loss parallel, the precision, AC).
 CASE_OVERRIDES = {
     "1f1b_tp2": ["parallel.tp=2"],
     "1f1b_fsdp2_dp2_bf16": ["precision=bf16"],
     "1f1b_fsdp2_dp2_ac_selective": ["ac=selective"],
+    "1f1b_ddp_dp2": ["sharding=ddp"],
+    "1f1b_hsdp_dp2": ["sharding=hybrid", "sharding.replicate_size=2"],
 }
 # One spawned group of 4 ranks runs every case: a (replica, pp, dp, tp) mesh whose two replicas are two
 # independent 2-rank pipelines (each round, replica 0 trains one case while replica 1 trains another),
@@ -68,6 +76,8 @@ ROUNDS = [
     ((1, 2, 1, 2), ("1f1b_tp2",)),
     ((1, 2, 2, 1), ("1f1b_fsdp2_dp2_bf16",)),
     ((1, 2, 2, 1), ("1f1b_fsdp2_dp2_ac_selective",)),
+    ((1, 2, 2, 1), ("1f1b_ddp_dp2",)),
+    ((1, 2, 2, 1), ("1f1b_hsdp_dp2",)),
 ]
 NPROCS = 4
 # bf16 compute (fp32 master parameters and gradient reduction), against the fp32 single process: the
@@ -137,6 +147,7 @@ def _train_case(cfg, name: str, mesh, batches: list, out: Path, rank: int) -> No
                     "losses": losses,
                     "stages": engine.stage_indices,
                     "stage_blocks": engine.applied["stage_blocks"],
+                    "dp_layout": engine.applied["stages"][engine.stage_indices[0]]["dp_layout"],
                 }
             )
         )
@@ -214,6 +225,16 @@ def test_interleaved_schedule_places_two_stages_on_each_rank(runs):
 
 def test_two_stages_with_fsdp2_over_two_dp_ranks_train_like_one_process(runs, reference):
     _assert_matches_reference(runs["1f1b_fsdp2_dp2"], reference, "1f1b_fsdp2_dp2")
+
+
+@pytest.mark.parametrize("case", sorted(REPLICATED))
+def test_two_stages_replicated_over_two_dp_ranks_give_the_fsdp2_stages_losses_and_train_like_one_process(
+    runs, reference, case
+):
+    fsdp2 = runs["1f1b_fsdp2_dp2"]["losses"]
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(runs[case]["losses"], fsdp2)), (runs[case]["losses"], fsdp2)
+    assert runs[case]["dp_layout"] == {"replicate": 2, "shard": 1}
+    _assert_matches_reference(runs[case], reference, case)
 
 
 def test_two_stages_with_tensor_parallel_over_two_ranks_inside_each_train_like_one_process(runs, reference):
@@ -311,3 +332,7 @@ def test_the_command_line_pipeline_run_trains_like_one_process_and_records_its_c
     assert (pipeline["schedule"], pipeline["n_microbatches"]) == ("ScheduleInterleaved1F1B", 4)
     assert pipeline["stage_blocks"] == [[0], [1], [2], [3]] and pipeline["local_stages"] == [0, 2]
     assert result.record["topology"]["mesh_dim_names"] == ["pp", "dp"]
+    # Nothing ignored: the last stage takes the loss in trainer.loss_chunks slices (8, the default), and the
+    # gradients are reduced after the last micro-batch, as recorded
+    assert pipeline["loss_chunks"] == 8
+    assert result.record["applied"]["grad_sync"] == {"trainer.grad_sync": "auto", "resolved": "last_micro_batch"}

@@ -55,6 +55,7 @@ KNOB = {
     "compile=true": {"compile": True},
     "parallel.tp=N": {"parallel.tp": 2},
     "parallel.pp=N": {"parallel.pp": 2},
+    "parallel.cp=N": {"parallel.cp": 2},
 }
 
 

@@ -50,7 +50,9 @@ def test_every_option_composes_and_validates(group, option, tmp_path):
     if backend_for(cfg).missing_dependency():  # an optional backend's preset (sharding=zero1 ...)
         pytest.skip(f"{group}={option} needs {backend_for(cfg).missing_dependency()}")
     topology = validate(cfg, cuda_devices=0)
-    ranks = 4 if (group, option) == ("experiment", "pp_vs_fsdp") else 2  # the preset compares layouts of 4 ranks
+    # presets comparing layouts of 4 ranks
+    four = {("experiment", "pp_vs_fsdp"), ("experiment", "moe_ep"), ("experiment", "long_sequence")}
+    ranks = 4 if (group, option) in four else 2
     assert topology.world_size == ranks and topology.device_type == "cpu"
 
 

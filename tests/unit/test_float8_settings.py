@@ -107,7 +107,10 @@ def test_float8_layers_train_on_the_cpu_with_and_without_emulation(recipe, emula
         (["precision.float8_recipe=rowwise", "precision.float8_all_gather=true"], "precision.float8_recipe=tensorwise"),
         (["precision.float8_recipe=mxfp8"], "precision.float8_recipe=mxfp8"),
         (["precision.float8_recipe=tensorwize"], "precision.float8_recipe=tensorwise"),
-        (["trainer.nproc_per_node=4", "parallel.tp=2"], "parallel.tp=1"),
+        (
+            ["trainer.nproc_per_node=4", "parallel.tp=2", "parallel.sequence_parallel=true"],
+            "gloo (this CPU run's backend) cannot carry float8 tensors",
+        ),
         (["precision=bf16", "precision.float8_all_gather=true"], "precision=float8"),
     ],
 )
@@ -120,6 +123,38 @@ def test_float8_refusals_name_the_setting_and_the_fix(overrides, named):
 def test_float8_is_accepted_on_fsdp2_and_ddp():
     for overrides in ([], ["sharding=ddp"]):
         validate(run_config([*TINY_MODEL, *TINY_BATCH, "precision=float8", *overrides]), cuda_devices=0)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel.tp=2", "precision.float8_all_gather=true"],
+        ["parallel.tp=2", "precision.float8_recipe=rowwise"],
+        ["parallel.tp=2", "precision.float8_recipe=rowwise", "parallel.sequence_parallel=true"],
+        ["parallel.pp=2", "precision.float8_all_gather=true"],
+        ["parallel.pp=2", "parallel.tp=2", "precision.float8_recipe=rowwise"],
+    ],
+)
+def test_float8_composes_with_tensor_parallel_and_pipeline_stages_on_a_cpu(overrides):
+    validate(
+        run_config([*TINY_MODEL, *TINY_BATCH, "trainer.nproc_per_node=4", "precision=float8", *overrides]),
+        cuda_devices=0,
+    )
+
+
+def test_float8_with_sequence_parallel_is_accepted_where_nccl_carries_float8():
+    cfg = run_config(
+        [
+            *TINY_MODEL,
+            *TINY_BATCH,
+            "trainer.device=cuda",
+            "trainer.nproc_per_node=4",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "precision=float8",
+        ]
+    )
+    assert validate(cfg, cuda_devices=4).tp_size == 2
 
 
 def test_a_float8_refusal_exits_2_before_any_rank_starts(tmp_path):

@@ -175,3 +175,13 @@ def test_the_schema_is_a_leaf():
 
 def test_the_op_list_that_checkpointing_and_the_planner_share_is_a_leaf():
     assert not import_graph()["fsdp_exp.ops"]
+
+
+def test_no_two_test_modules_share_a_basename():
+    """tests/ has no __init__.py: pytest imports each test module by its basename, so a second file of the same
+    name in the other tier stops the whole suite at collection ("import file mismatch")."""
+    tests = Path(__file__).resolve().parents[1]
+    seen: dict[str, Path] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a basename: rename one"
+        seen[path.name] = path

@@ -41,6 +41,15 @@ LLAMA_CASES = {
         "model.experts_top_k=4",
     ),
     "top-k-positive": (["model=moe_tiny", "model.experts_top_k=0"], "model.experts_top_k=0", "model.experts_top_k=2"),
+    "head-dim-positive": (["model.head_dim=-2"], "model.head_dim=-2", "model.head_dim=null"),
+    "router-known": (["model=moe_tiny", "model.router_score=relu"], "model.router_score='relu'", "sigmoid"),
+    "expert-width-positive": (["model=moe_tiny", "model.moe_hidden_dim=0"], "model.moe_hidden_dim=0", "null"),
+    "expert-width-aligned": (["model=moe_tiny", "model.moe_hidden_dim=60"], "is 60", "multiple of 8"),
+    "shared-experts-not-negative": (["model=moe_tiny", "model.n_shared_experts=-1"], "=-1", "model.n_shared_experts=0"),
+    "aux-loss-not-negative": (["model=moe_tiny", "model.aux_loss_coef=-1"], "=-1.0", "model.aux_loss_coef=0"),
+    "bias-rate-not-negative": (["model=moe_tiny", "model.expert_bias_rate=-1"], "=-1.0", "model.expert_bias_rate=0"),
+    "capacity-positive": (["model=moe_tiny", "model.capacity_factor=0"], "model.capacity_factor=0", "=null"),
+    "no-tp-for-experts": (["model=moe_tiny", *TP4], "tensor parallel has no plan", "parallel.ep"),
     "tp-divides-heads": (
         [*TP4, "model.n_heads=2", "model.n_kv_heads=null"],
         "parallel.tp=4 does not divide model.n_heads (2)",
@@ -152,6 +161,11 @@ def hf_cases(saved):
             "parallel.tp=1",
         ),
         "tp-divides-heads": ([*MISTRAL, *TP4], "does not divide num_key_value_heads=2", "parallel.tp"),
+        "no-expert-parallel-for-transformers-moe": (
+            [*mixtral, "trainer.nproc_per_node=4", "parallel.ep=2"],
+            "expert parallel is not built for MixtralForCausalLM",
+            "parallel.ep=1",
+        ),
     }
 
 
@@ -164,6 +178,7 @@ HF_CASES = (
     "config-class-refusal-names-the-override",
     "tp-has-a-plan",
     "tp-divides-heads",
+    "no-expert-parallel-for-transformers-moe",
 )
 
 

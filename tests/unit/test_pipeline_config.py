@@ -61,13 +61,28 @@ def test_a_stage_compiles_its_checkpointed_blocks_keeping_the_full_models_parame
     )
 
 
+def test_ddp_and_hsdp_inside_pipeline_stages_are_accepted():
+    for overrides in (["sharding=ddp"], ["sharding=hybrid", "sharding.replicate_size=2"]):
+        topology = validate(run_config(["parallel.pp=2", "trainer.nproc_per_node=4", *overrides]), cuda_devices=0)
+        assert topology.mesh_dim_names == ("pp", "dp") and topology.dp_size == 2
+
+
 @pytest.mark.parametrize(
     "overrides,fix",
     [
         (["parallel.pp=3"], "parallel.pp=2"),
-        (["parallel.pp=2", "sharding.backend=fsdp1"], "sharding=full (FSDP2), or parallel.pp=1"),
-        (["parallel.pp=2", "sharding=zero2"], "sharding=full (FSDP2), or parallel.pp=1"),
-        (["parallel.pp=2", "sharding=ddp"], "sharding=full (FSDP2), or parallel.pp=1"),
+        (["parallel.pp=2", "sharding.backend=fsdp1"], "sharding=hybrid or sharding=ddp, or parallel.pp=1"),
+        (["parallel.pp=2", "sharding=zero2"], "sharding=hybrid or sharding=ddp, or parallel.pp=1"),
+        (["parallel.pp=2", "sharding=grad_op"], "sharding=hybrid or sharding=ddp, or parallel.pp=1"),
+        (["parallel.pp=2", "sharding=optimizer"], "sharding=hybrid or sharding=ddp, or parallel.pp=1"),
+        (
+            ["parallel.pp=2", "sharding=hybrid", "trainer.nproc_per_node=4"],
+            "pass sharding.replicate_size (or sharding.shard_size) dividing 2",
+        ),
+        (
+            ["parallel.pp=2", "sharding=hybrid", "sharding.replicate_size=3", "trainer.nproc_per_node=4"],
+            "whose product is 2",
+        ),
         (
             ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "trainer.nproc_per_node=4"],
             "parallel.sequence_parallel=false",
@@ -76,11 +91,13 @@ def test_a_stage_compiles_its_checkpointed_blocks_keeping_the_full_models_parame
             ["parallel.pp=2", "parallel.tp=4", "trainer.nproc_per_node=4", "model.n_kv_heads=4"],
             "parallel.tp=2 (a divisor of 2)",
         ),
+        (["parallel.pp=2", "prefetch=deep"], "leave the prefetch group at its default (drop prefetch=...)"),
+        (["parallel.pp=2", "sharding.reshard_after_forward=true"], "sharding.reshard_after_forward=auto"),
+        (["parallel.pp=2", "trainer.grad_sync=every_micro_batch"], "trainer.grad_sync=auto (or last_micro_batch)"),
         (["parallel.pp=2", "parallel.pp_schedule=zigzag"], "parallel.pp_schedule=gpipe|1f1b"),
         (["parallel.pp=2", "parallel.pp_microbatches=3"], "parallel.pp_microbatches"),
         (["parallel.pp=2", "parallel.pp_stages_per_rank=2"], "parallel.pp_stages_per_rank=1"),
         (["parallel.pp=2", "parallel.pp_split=[5]"], "parallel.pp_split=null"),
-        (["parallel.pp=2", "precision=float8"], "precision=bf16, or parallel.pp=1"),
         (
             ["parallel.pp=2", "trainer.micro_batch_size=2", "parallel.pp_microbatches=2"],
             "trainer.micro_batch_size=null",

@@ -162,6 +162,40 @@ def test_tune_searches_float8_where_the_device_has_fp8_tensor_cores_and_leaves_i
     assert "fix: pass precision=bf16, or precision.float8_emulate=true" in str(refused.value)
 
 
+# A 70B model on 64 GPUs as FSDP 8 x TP 8, the shape of torchtitan's float8 tables: tensor parallel 8 within a node.
+TP8 = ["model=llama70b", "trainer.nproc_per_node=8", "trainer.nnodes=8", "parallel.tp=8", "trainer.device=cuda"]
+TP8_BATCH = ["trainer.global_batch_size=8", "trainer.seq_len=4096"]
+
+
+def _tp_costs(extra: list[str]):
+    cfg = run_config([*TP8, *TP8_BATCH, *extra])
+    topology = validate(cfg, cuda_devices=8)
+    return cfg, topology, {t.purpose: t for t in step_costs(cfg, topology).traffic}
+
+
+def test_under_tensor_parallel_a_rank_casts_its_own_share_of_each_converted_linear():
+    cfg = run_config([*TP8, *TP8_BATCH, *FLOAT8])
+    blocks = spec_for(cfg.model).inventory(cfg.model).blocks
+    whole, shared = planned_matmuls(cfg, blocks)[0], planned_matmuls(cfg, blocks, tp=8)[0]
+    # wq, wk, wv, w1, w3 colwise (output features split), wo and w2 rowwise (input features split)
+    assert [k * n for k, n in shared] == [k * n // 8 for k, n in whole]
+    assert [k for k, _ in shared] == [k if i not in (3, 6) else k // 8 for i, (k, _) in enumerate(whole)]
+
+
+def test_float8_styles_gather_the_sequence_in_one_byte_under_sequence_parallel():
+    sp = ["parallel.sequence_parallel=true"]
+    _, _, bf16 = _tp_costs([*BF16, *sp])
+    _, _, tensorwise = _tp_costs([*FLOAT8, *sp])
+    _, _, rowwise = _tp_costs([*FLOAT8, "precision.float8_recipe=rowwise", *sp])
+    _, _, no_sp = _tp_costs(FLOAT8)
+    for phase in ("forward", "backward"):
+        gather, scatter = f"tensor-parallel all-gather ({phase})", f"tensor-parallel reduce-scatter ({phase})"
+        assert bf16[gather].bytes == bf16[scatter].bytes == rowwise[gather].bytes  # bf16, 2 bytes an element
+        assert tensorwise[gather].bytes == bf16[gather].bytes / 2 and tensorwise[scatter].bytes == bf16[scatter].bytes
+        # without sequence parallel the stream is all-reduced in bf16 (torchao's styles cast no gathered input)
+        assert no_sp[f"tensor-parallel all-reduce ({phase})"].bytes == bf16[gather].bytes
+
+
 def test_the_planner_refuses_float8_on_a_gpu_without_fp8_tensor_cores_as_tune_does():
     from fsdp_exp.plan.cli import plan_from_argv
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_exp.config.schema import PrefetchConfig
 from fsdp_exp.parallel.pipeline import bubble_fraction
 from fsdp_exp.plan.devices import DEVICES
 from fsdp_exp.preflight import validate
@@ -164,10 +165,9 @@ def test_published_pipeline_rows_are_predicted_within_25_percent_and_their_sched
     with hydra_session() as (compose, _):
         for row in (one, interleaved):
             cfg = compose(row.overrides)
-            # The layout's topology from preflight; the row itself is refused today (AC, compile and float8 x TP
-            # inside stages), so the mesh comes from the same layout without them.
-            plain = [o for o in row.overrides if not o.startswith(("precision", "compile", "ac="))]
-            topology = validate(compose([*plain, "precision=bf16", "ac=none"]), cuda_devices=8)
+            # The row's own config, float8 with tensor parallel inside stages, compile and full AC, as preflight
+            # accepts it
+            topology = validate(cfg, cuda_devices=8)
             assert topology.mesh_shape == (8, 8, 8)
             tokens = predict(cfg, topology, DEVICES[row.device].perf).tokens_per_s / topology.world_size
             assert abs(tokens / row.published_tokens - 1) < BAND, (row.name, tokens)
@@ -200,8 +200,19 @@ def test_only_the_shardings_stages_run_get_pipeline_candidates_and_one_stage_nam
         space = build_space(base, run, {"pp": ["1", "2"]}, groups, world=8)
         candidates = list(enumerate_candidates(base, space, group_nodes(run, space, compose)))
     staged = [c for c in candidates if c.cfg.parallel.pp > 1]
-    assert staged and {(c.cfg.sharding.backend, c.cfg.sharding.strategy) for c in staged} == {("fsdp2", "full")}
+    assert staged and {(c.cfg.sharding.backend, c.cfg.sharding.strategy) for c in staged} == {
+        ("fsdp2", "full"),
+        ("ddp", "no_shard"),
+    }
     assert {c.cfg.sharding.backend for c in candidates} > {"fsdp2"}  # the others still searched at pp=1
     for c in candidates:
         if c.cfg.parallel.pp == 1:
             assert not any(x.startswith("parallel.") for x in c.choices) and c.cfg.parallel == base.parallel
+    # Stages gather each unit once a step and reduce after the last micro-batch: one candidate per layout, with
+    # the default prefetch and no grad_sync named (preflight refuses the others under pp).
+    assert all(c.cfg.prefetch == PrefetchConfig() and c.cfg.trainer.grad_sync == "auto" for c in staged)
+    assert not any(
+        x.startswith(("trainer.grad_sync=", "prefetch=")) and "default" not in x for c in staged for x in c.choices
+    )
+    assert len({tuple(c.choices) for c in staged}) == len(staged)
+    assert any(c.cfg.prefetch != PrefetchConfig() for c in candidates)  # prefetch is still searched at pp=1

@@ -76,10 +76,12 @@ def test_grad_sync_is_searched_where_micro_batches_accumulate_and_weighs_memory_
     """4 sequences per rank: micro-batch 1 accumulates 4 and tries both settings, micro-batch 4 one. Reducing
     every micro-batch keeps no unsharded gradient (less memory) and reduce-scatters 4 times (more time);
     DeepSpeed ZeRO-3 reduces every micro-batch by its engine's rule and refuses the other."""
-    trainers = {
-        (w.candidate.cfg.trainer.micro_batch_size, w.candidate.cfg.trainer.grad_sync) for w in tuning_7b.candidates
-    }
+    one_stage = [w for w in tuning_7b.candidates if w.candidate.cfg.parallel.pp == 1]
+    trainers = {(w.candidate.cfg.trainer.micro_batch_size, w.candidate.cfg.trainer.grad_sync) for w in one_stage}
     assert trainers == {(1, "every_micro_batch"), (1, "last_micro_batch"), (4, "every_micro_batch")}
+    # pipeline stages reduce at the last micro-batch whatever grad_sync says: their candidates keep the run's own
+    staged = {w.candidate.cfg.trainer.grad_sync for w in tuning_7b.candidates if w.candidate.cfg.parallel.pp > 1}
+    assert staged == {"auto"}
     by_choices = {tuple(w.candidate.choices): w for w in tuning_7b.candidates}
     common = (
         "sharding.backend=fsdp2",
@@ -146,7 +148,12 @@ def test_preflight_refusals_and_the_memory_limit_prune_the_space(tuning_7b):
 
 
 def test_a_replica_over_the_budget_by_its_parameters_alone_is_not_walked(tuning_7b):
-    replicas = [w for w in tuning_7b.candidates if w.candidate.cfg.sharding.backend == "ddp" and not w.refused]
+    # one-stage replicas (DDP inside pipeline stages holds 1/pp of the parameters and is walked like the rest)
+    replicas = [
+        w
+        for w in tuning_7b.candidates
+        if w.candidate.cfg.sharding.backend == "ddp" and w.candidate.cfg.parallel.pp == 1 and not w.refused
+    ]
     assert replicas and all(w.floor_bytes >= 2 * 6.7e9 and w.need_bytes is None and w.fits is False for w in replicas)
     assert "parameters and optimizer state alone" in replicas[0].why_not(tuning_7b.limit_name)
     assert tuning_7b.limit_name == "tune.budget_gib=12" and tuning_7b.ranked
@@ -576,3 +583,21 @@ def test_a_cpu_prices_a_dtype_at_what_its_probed_step_reaches_not_at_its_matmul_
     peak_rate, step_rate = compute_seconds(costs, cpu)[0] - host, compute_seconds(costs, probed)[0] - host
     assert step_rate == pytest.approx(4 * peak_rate)
     assert step_rate == pytest.approx(costs.forward_flops / (0.05e12 * 0.5))  # the fp32 rate, as the probe measured
+
+
+def test_an_empty_space_with_every_dimension_fixed_names_the_refused_setting_and_why(tmp_path, capsys):
+    """Stages with a sharding they do not run leave no candidate before any is weighed; the message still says
+    which setting preflight refuses and why, with its fix."""
+    argv = [
+        "model=llama7b",
+        "trainer.nproc_per_node=8",
+        "plan.device=h100_80gb",
+        *[o for o in EVERY_DIMENSION if o not in ("sharding=full", "tune.space.pp=[1]")],
+        "sharding.backend=fsdp1",
+        "parallel.pp=2",
+        f"tune.out={tmp_path}",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "the search space holds no candidate" in err and "the run as given is refused" in err, err
+    assert "sharding.backend=fsdp1" in err and "fix: pass sharding=full (FSDP2)" in err, err

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PROFILES", "ActivationProfile", "TokenCounts", "profile_for"]
 
-# model.name -> (its spec, model config, micro-batch, sequence length, tp, sequence parallel) -> its profile
+# model.name -> (its spec, model config, micro-batch, sequence length, tp, sequence parallel, cp) -> its profile
 PROFILES = {
     "llama": llama.profile,
     "hf": hf.profile,
@@ -26,12 +26,13 @@ PROFILES = {
 
 
 def profile_for(
-    cfg: "ModelConfig", micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool
+    cfg: "ModelConfig", micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool, cp: int = 1
 ) -> ActivationProfile:
-    """Per-rank activation sizes of one micro-batch of the model ``cfg`` (``ActivationProfile``)."""
+    """Per-rank activation sizes of one micro-batch of the model ``cfg`` (``ActivationProfile``); under context
+    parallel (``cp`` > 1) each rank holds seq_len / cp tokens of every sequence."""
     from fsdp_exp.models import spec_for
 
     spec = spec_for(cfg)
     if spec.name not in PROFILES:
         raise NotImplementedError(f"the planner has no activation model of model.name={spec.name}")
-    return PROFILES[spec.name](spec, cfg, micro_batch, seq_len, tp, sequence_parallel)
+    return PROFILES[spec.name](spec, cfg, micro_batch, seq_len, tp, sequence_parallel, cp)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fsdp_exp.errors import fail
+from fsdp_exp.models.moe import grouped_mm_in_any_dtype
 from fsdp_exp.plan.activations.profile import TokenCounts
 
 DTYPES = {4: "float32", 2: "bfloat16"}
@@ -122,44 +123,6 @@ class _Storages:
         return samples
 
 
-def _grouped_mm_in_any_dtype():
-    """A dispatch mode giving fake tensors torch's grouped matmul (``aten._grouped_mm``, transformers'
-    default experts path for MoE models) in every dtype.
-
-    The op runs in fp32, bf16 and fp16: CUDA's fast kernel takes bf16, its composite fallback (the CPU's,
-    and CUDA's for other dtypes) any dtype. Its meta kernel, which fake tensors use, checks the fast
-    kernel's bf16 only, so an fp32 or fp16 measurement stopped there. Outside bf16 this mode returns the
-    op's result as the fallback makes it: its documented shape (``torch.nn.functional.grouped_mm``), the
-    operands' dtype, contiguous. Autograd saves the same operands whichever kernel runs."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Mode(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
-                return _grouped_mm_result(*args, **kwargs)
-            return func(*args, **kwargs)
-
-    return Mode()
-
-
-def _grouped_mm_result(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    """An empty tensor shaped as ``grouped_mm(mat_a, mat_b, offs=offs)``: 2-D operands are cut into
-    ``offs.size(0)`` groups along their shared (2-D x 2-D) or leading (2-D x 3-D) dimension."""
-    import torch
-
-    if mat_a.dim() == 2 and mat_b.dim() == 2:  # a weight gradient: one (M, N) product per group
-        shape = (offs.size(0), mat_a.size(0), mat_b.size(1))
-    elif mat_a.dim() == 2:  # tokens grouped by expert times one weight per expert
-        shape = (mat_a.size(0), mat_b.size(-1))
-    elif mat_b.dim() == 2:
-        shape = (mat_a.size(1), mat_b.size(1))
-    else:  # a batched matmul
-        shape = (mat_a.size(0), mat_a.size(1), mat_b.size(-1))
-    return torch.empty(shape, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
-
-
 def _scaled_config(config, tp: int):
     """The config of one tensor-parallel rank's share: heads and feed-forward width divided by ``tp``,
     the head dimension kept (where the config class can say it)."""
@@ -221,7 +184,7 @@ def measure(
     where = {"region": "root", "inputs": {}, "outputs": {}}
     storages = _Storages(where)
     # Entered before the storages' mode, the grouped-matmul mode handles an op after it: the storages see its result.
-    with FakeTensorMode(allow_non_fake_inputs=True), _grouped_mm_in_any_dtype(), shapes_only:
+    with FakeTensorMode(allow_non_fake_inputs=True), grouped_mm_in_any_dtype(), shapes_only:
         model = AutoModelForCausalLM.from_config(
             config, dtype=torch.float32 if autocast else compute, attn_implementation=attn_implementation
         )
@@ -473,7 +436,7 @@ def _disk_key(key: tuple) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def profile(spec, m, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> HfActivations:
+def profile(spec, m, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool, cp: int = 1) -> HfActivations:
     """A Hugging Face model's per-rank profile, measured on the model (sequence parallel has no plan here).
 
     Every family's ``profile`` in ``PROFILES`` has this signature.

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_exp.models.llama import ffn_hidden_dim
+from fsdp_exp.models.llama import ffn_hidden_dim, head_dim
+from fsdp_exp.models.moe import moe_hidden_dim
 from fsdp_exp.plan.activations.profile import TokenCounts
 
 
@@ -21,21 +22,42 @@ class LlamaActivations(TokenCounts):
     dq: int  # query width on this rank: n_heads * head_dim / tp
     dkv: int  # key / value width on this rank
     heads: int  # query heads on this rank
-    ffn: int  # SwiGLU hidden width on this rank (per expert)
+    ffn: int  # SwiGLU hidden width on this rank (of one routed expert in a mixture of experts)
     vocab: int
-    experts: int
+    experts: int  # routed experts (0: a dense feed-forward)
     sp: int  # divisor of the residual stream (tp with sequence parallel, else 1)
     tp: int = 1  # tensor-parallel degree: a row-parallel output is reduced by a collective inside the block
+    top_k: int = 0  # routed copies of each token
+    shared_ffn: int = 0  # the shared experts' SwiGLU width (0: none)
+    cp: int = 1  # context-parallel degree: s is already this rank's share of the sequence
+
+    @property
+    def cp_repeats_kv(self) -> bool:
+        """All-to-all attention repeats the key/value heads up to the query heads when cp does not divide them."""
+        return self.cp > 1 and (self.heads * self.dkv // self.dq) % self.cp != 0
+
+    def cp_saved(self, e: int) -> int:
+        """What all-to-all attention adds to a block's saved tensors: wo's input is a new tensor after the
+        exchange back (without CP it is a view of the kernel's output), and repeated key/value heads are what
+        the kernel keeps instead of the grouped ones."""
+        if self.cp == 1:
+            return 0
+        return e * self.tokens * self.dq + (2 * e * self.tokens * (self.dq - self.dkv) if self.cp_repeats_kv else 0)
 
     @property
     def peak_weight_grad(self) -> int:
-        """w2's weight gradient (one expert's), made at the block's backward peak."""
-        return self.d * self.ffn
+        """w2's weight gradient, made at the block's backward peak: the routed experts' is one stacked tensor."""
+        return self.d * self.ffn * max(1, self.experts)
 
     @property
     def block_weight_grads(self) -> int:
         """w2's weight gradients of every expert, held at the backward peak when they stay unsharded."""
         return self.d * self.ffn * max(1, self.experts)
+
+    @property
+    def routed(self) -> int:
+        """Routed copies of the micro-batch's tokens (dropless, so top_k per token whatever the balance)."""
+        return self.tokens * self.top_k
 
     def residual(self, e: int) -> int:
         return e * self.tokens * self.d // self.sp
@@ -65,12 +87,11 @@ class LlamaActivations(TokenCounts):
             norms = 2 * (copies + 4 * bs // self.sp + e * resid + e * bs * self.d)
             residual = 2 * 4 * resid if e == 4 else 0  # fp32: the norms save the residual tensors themselves
             casts = 0
-        attention = e * bs * self.dq * 2 + 2 * e * bs * self.dkv + 4 * self.b * self.heads * self.s
+        attention = e * bs * self.dq * 2 + 2 * e * bs * self.dkv + 4 * self.b * self.heads * self.s + self.cp_saved(e)
         if math_attention:
             attention += e * self.b * self.heads * self.s * self.s + 2 * e * bs * (self.dq - self.dkv)
         if self.experts:
-            # Dense MoE: every expert's SwiGLU, the stacked expert outputs and the router's probabilities.
-            ffn = self.experts * (4 * e * bs * self.ffn) + e * bs * self.d * self.experts + 3 * 4 * bs * self.experts
+            ffn = self._routed_saved(e)
         else:
             ffn = 4 * e * bs * self.ffn
         return {
@@ -82,9 +103,25 @@ class LlamaActivations(TokenCounts):
             "total": residual + norms + casts + attention + ffn,
         }
 
+    def _routed_saved(self, e: int) -> int:
+        """What a mixture of experts (``fsdp_exp.models.moe``) keeps: the router's probabilities (fp32), the
+        picked weights and their sum; the routed copies of the tokens, each expert's SwiGLU on them (w1's
+        and w3's outputs, silu's, the product), the experts' outputs before and after their weighting (the
+        scatter back to the tokens keeps its source), all per copy; the int64 orders that sort and scatter the
+        copies, the kept masks, the group offsets; the shared experts' SwiGLU."""
+        n, t = self.routed, self.tokens
+        router = 4 * t * self.experts + 4 * n + 4 * t + 4 * self.experts
+        experts = e * n * (3 * self.d + 4 * self.ffn + 1)
+        indices = 3 * 8 * n + 2 * n  # the sort order, each copy's token, the picked experts; two masks
+        return router + experts + indices + 4 * e * t * self.shared_ffn
+
     def _stacked_experts(self, e: int) -> int:
-        """The stacked expert outputs of a dense MoE (none without experts)."""
-        return e * self.tokens * self.d * self.experts if self.experts else 0
+        """The routed copies' outputs alive beside the SwiGLU intermediates (none without experts)."""
+        return e * self.routed * self.d if self.experts else 0
+
+    def _ffn_rows(self) -> int:
+        """Rows the SwiGLU intermediates span: the routed copies of a mixture of experts, else the tokens."""
+        return self.routed if self.experts else self.tokens
 
     def _op_outputs(self, e: int) -> list[tuple[str, int]]:
         """The outputs of a block's ops that op-level checkpointing may save, in forward order, as
@@ -105,8 +142,10 @@ class LlamaActivations(TokenCounts):
             *reduced,
         ]
         swiglu = [matmul(self.ffn), matmul(self.ffn), matmul(self.d)]
-        if self.experts:  # the router's matmul, then every expert's SwiGLU in turn
-            ffn = [matmul(self.experts), *(swiglu * self.experts)]
+        if self.experts:  # the router's matmul, the experts' three grouped matmuls on the routed copies, shared
+            routed = [("matmul", e * self.routed * w) for w in (self.ffn, self.ffn, self.d)]
+            shared = [matmul(self.shared_ffn), matmul(self.shared_ffn), matmul(self.d)] if self.shared_ffn else []
+            ffn = [matmul(self.experts), *routed, *shared]
         else:
             ffn = swiglu
         return attention + ffn + reduced
@@ -128,17 +167,17 @@ class LlamaActivations(TokenCounts):
     def checkpointed_forward_peak(self, e: int) -> int:
         """A checkpointed block saves only its input, but then holds h and the norm's output, silu's
         and w3's outputs and their product (and a dense MoE's stacked outputs)."""
-        return self.residual(2 * e) + 3 * e * self.tokens * self.ffn + self._stacked_experts(e)
+        return self.residual(2 * e) + 3 * e * self._ffn_rows() * self.ffn + self._stacked_experts(e)
 
     def op_level_forward_peak(self, e: int, ops: str) -> int:
         """silu's output and the product, next to the kept matmul outputs (and w3's output, alive until
         the product, when ``ops`` does not keep it)."""
-        return (2 if ops == "every_matmul" else 3) * e * self.tokens * self.ffn
+        return (2 if ops == "every_matmul" else 3) * e * self._ffn_rows() * self.ffn
 
     def backward_peak(self, e: int) -> int:
         """At the SwiGLU's backward: the gradients of silu's output and w3's output next to the
         product's (the product is freed by then); a dense MoE adds the gradient of the stacked outputs."""
-        return 2 * e * self.tokens * self.ffn + self._stacked_experts(e)
+        return 2 * e * self._ffn_rows() * self.ffn + self._stacked_experts(e)
 
     def head_saved(self, e: int, autocast: bool) -> int:
         """The final RMSNorm: under autocast its fp32 input, rsqrt, normalized tensor and the output
@@ -163,7 +202,9 @@ class LlamaActivations(TokenCounts):
         ]
 
 
-def profile(spec, cfg, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool) -> LlamaActivations:
+def profile(
+    spec, cfg, micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool, cp: int = 1
+) -> LlamaActivations:
     """A Llama model's per-rank profile: tensor parallel divides the heads and the SwiGLU width.
 
     Every family's ``profile`` in ``PROFILES`` has this signature.
@@ -176,18 +217,24 @@ def profile(spec, cfg, micro_batch: int, seq_len: int, tp: int, sequence_paralle
         tp: tensor-parallel degree.
         sequence_parallel: ``parallel.sequence_parallel``: the residual stream around the norms is split
         over the ``tp`` ranks along the sequence.
+        cp: context-parallel degree: every rank holds seq_len / cp tokens of each sequence
+        (fsdp_exp.parallel.context).
     """
-    head_dim = cfg.dim // cfg.n_heads
+    head = head_dim(cfg)
+    expert_width = moe_hidden_dim(cfg, ffn_hidden_dim(cfg)) if cfg.n_experts else ffn_hidden_dim(cfg)
     return LlamaActivations(
         b=micro_batch,
-        s=seq_len,
+        s=seq_len // cp,
         d=cfg.dim,
-        dq=cfg.n_heads * head_dim // tp,
-        dkv=(cfg.n_kv_heads or cfg.n_heads) * head_dim // tp,
+        dq=cfg.n_heads * head // tp,
+        dkv=(cfg.n_kv_heads or cfg.n_heads) * head // tp,
         heads=cfg.n_heads // tp,
-        ffn=ffn_hidden_dim(cfg) // tp,
+        ffn=expert_width // tp,
         vocab=cfg.vocab_size,
         experts=cfg.n_experts,
+        top_k=cfg.experts_top_k if cfg.n_experts else 0,
+        shared_ffn=cfg.n_shared_experts * expert_width if cfg.n_experts else 0,
         sp=tp if sequence_parallel else 1,
         tp=tp,
+        cp=cp,
     )

@@ -1,0 +1,166 @@
+"""Expert parallel (fsdp_exp/parallel/expert.py) against FSDP2 alone, for real: one spawned group of 4 gloo ranks
+builds moe_tiny through fsdp_exp's own recipe (preflight's topology, the run's mesh, ``parallelize``, the
+backend's optimizer and step) at parallel.ep=1, 2 and 4, fp32 and bf16, and trains 5 dropless steps of each on
+the same batches. Every step's loss and every expert weight's gradient (gathered whole) must match ep=1's."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import TINY_BATCH
+
+STEPS = 5
+OVERRIDES = [
+    "model=moe_tiny",
+    "model.n_experts=8",
+    "model.n_shared_experts=1",
+    *TINY_BATCH,
+    "trainer.nproc_per_node=4",
+    f"trainer.steps={STEPS}",
+    "trainer.warmup_steps=1",
+]
+CASES = [(precision, ep) for precision in ("fp32", "bf16") for ep in (1, 2, 4)]
+# Expert parallel inside HSDP (2 replicas x 2 shards: the EP group is a replica's shard ranks) with every block
+# activation-checkpointed (its recompute runs the all-to-alls again in backward).
+HYBRID_AC = ["sharding=hybrid", "sharding.shard_size=2", "ac=full"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(cfg, topology, device) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """5 steps of fsdp_exp's recipe: each step's loss (mean over ranks) and its expert gradients, whole."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_exp.models import build_meta, canonical_name, matrix_parameter_names
+    from fsdp_exp.models.loss import mean_cross_entropy
+    from fsdp_exp.parallel import parallelize
+    from fsdp_exp.parallel.mesh import build_mesh
+
+    mesh = build_mesh(topology)
+    meta = build_meta(cfg.model)
+    parallel = parallelize(meta, cfg, mesh, device)
+    optimizer = parallel.build_optimizer(matrix_parameter_names(meta))
+    rank = dist.get_rank()
+    losses, grads = [], []
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(1000 * step + rank)  # this rank's share of the step's batch
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=gen)
+        parallel.zero_grad(optimizer)
+        with parallel.autocast():
+            loss = mean_cross_entropy(parallel.model, tokens[:, :-1], tokens[:, 1:], 1)
+        parallel.backward(loss, None)
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+        grads.append(
+            {
+                canonical_name(n): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float().clone()
+                for n, p in parallel.model.named_parameters()
+                if ".experts." in n
+            }
+        )
+        parallel.optimizer_step(optimizer, None, float("inf"))
+    return losses, grads
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from conftest import run_config
+    from fsdp_exp.preflight import validate
+
+    results = {}
+    for precision, ep in CASES:
+        cfg = run_config([*OVERRIDES, f"precision={precision}", f"parallel.ep={ep}"])
+        results[(precision, ep)] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"))
+    cfg = run_config([*OVERRIDES, *HYBRID_AC, "parallel.ep=2"])
+    results[("fp32", "hybrid+ac")] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"))
+    if rank == 0:
+        torch.save(results, os.path.join(out_dir, "results.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("ep")
+    mp.spawn(_worker, args=(4, _free_port(), str(out)), nprocs=4)
+    return torch.load(out / "results.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "precision,tolerance,ep",
+    [("fp32", 1e-5, 2), ("fp32", 1e-5, 4), ("fp32", 1e-5, "hybrid+ac"), ("bf16", 1e-2, 2), ("bf16", 1e-2, 4)],
+)
+def test_expert_parallel_gives_fsdp_alones_losses_and_expert_gradients(trained, precision, tolerance, ep):
+    losses, grads = trained[(precision, ep)]
+    ref_losses, ref_grads = trained[(precision, 1)]
+    for loss, ref in zip(losses, ref_losses):
+        assert abs(loss / ref - 1) < tolerance, (losses, ref_losses)
+    assert set(grads[0]) == set(ref_grads[0]) and len(grads[0]) == 3 * 2  # w1, w3, w2 of both layers
+    # fp32: every step's gradients, by their largest element's error. bf16: the first step's (the same weights
+    # at every ep), by the whole tensor's: an expert's gradient sums its EP group's copies in bf16 before FSDP
+    # reduces it, in another order than at ep=1, and the differences then steer Adam's first updates apart.
+    steps = len(grads) if precision == "fp32" else 1
+    for step, (got, ref) in enumerate(zip(grads[:steps], ref_grads[:steps])):
+        for name in ref:
+            diff, scale = got[name] - ref[name], ref[name]
+            error = (diff.abs().max() / scale.abs().max() if precision == "fp32" else diff.norm() / scale.norm()).item()
+            assert error < tolerance, (step, name, error)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_an_expert_parallel_run_naming_it_and_the_resume_is_bit_identical(tmp_path):
+    """ep=2 on 4 ranks, checkpoints every 3 steps: rank 1 SIGKILLed after step 5 ends the job naming it; the
+    rerun resumes from step 3 (the experts' DTensors through torch.distributed.checkpoint) and logs steps 4 and
+    5 bit for bit as the first attempt did. Step 4 is profiled: its all-to-alls show in comm/all_to_all_s. The
+    step-3 checkpoint then resumes at ep=4 too, with the same losses within 1e-5."""
+    from fsdp_exp.launch import RunFailed
+
+    from conftest import read_metrics, run_experiment
+
+    overrides = [
+        *OVERRIDES[:-2],
+        "trainer.steps=6",
+        "trainer.warmup_steps=1",
+        "parallel.ep=2",
+        "checkpoint.every=3",
+        "trainer.profile_steps=[3]",  # step 4's row: the collectives' times from its trace
+        "logger.wandb.mode=disabled",
+    ]
+    with pytest.raises(RunFailed) as failed:
+        run_experiment([*overrides, "debug.fail_at_step=5", "debug.fail_rank=1", "debug.fail_signal=SIGKILL"], tmp_path)
+    assert failed.value.rank == 1 and "SIGKILL" in failed.value.summary
+    rows = read_metrics(tmp_path)
+    first = {r["step"]: r["train/loss"] for r in rows}
+    assert max(first) == 5
+    profiled = next(r for r in rows if r["step"] == 4)
+    assert 0 < profiled["comm/all_to_all_s"] < profiled["comm/total_s"]  # the dispatch and combine, timed
+    record = run_experiment(overrides, tmp_path)
+    assert record["status"] == "completed" and record["resumed_from"]["step"] == 3
+    resumed = {r["step"]: r["train/loss"] for r in read_metrics(tmp_path)}
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert [resumed[s] for s in (4, 5)] == [first[s] for s in (4, 5)]
+    # The same checkpoint resumed at ep=4: torch.distributed.checkpoint reshards the experts' DTensors.
+    other = tmp_path / "at_ep4"
+    shutil.copytree(tmp_path / "checkpoints" / "step_3", other / "checkpoints" / "step_3")
+    record = run_experiment([*overrides, "parallel.ep=4"], other)
+    assert record["resumed_from"]["step"] == 3 and record["resumed_from"]["config_changes"] == {"parallel.ep": [2, 4]}
+    at_ep4 = {r["step"]: r["train/loss"] for r in read_metrics(other)}
+    assert sorted(at_ep4) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert abs(at_ep4[step] / resumed[step] - 1) < 1e-5, (step, at_ep4, resumed)

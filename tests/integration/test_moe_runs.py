@@ -1,0 +1,42 @@
+"""A mixture of experts trained for real (moe_tiny on 2 gloo ranks, FSDP2): its routing metrics in every row,
+every balancing option on at once, and refusals of what does not compose with experts."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import TINY_BATCH, read_metrics, run_cli, run_experiment
+
+STEPS = 3
+MOE = ["model=moe_tiny", *TINY_BATCH, f"trainer.steps={STEPS}", "trainer.warmup_steps=1", "logger.wandb.mode=disabled"]
+
+
+@pytest.mark.slow
+def test_a_routed_run_logs_its_expert_load_aux_loss_and_dropped_tokens_each_step(tmp_path):
+    overrides = [*MOE, "model.aux_loss_coef=0.01", "model.expert_bias_rate=0.01", "model.capacity_factor=1.0"]
+    run_experiment(overrides, tmp_path)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    copies = 8 * 32 * 2  # the global batch's tokens x top-2, in each of the 2 layers
+    for r in rows:
+        # What was kept and what was dropped add up to every routed copy: per layer, over both ranks.
+        assert r["moe/tokens_per_expert_mean"] * 4 + r["moe/dropped_tokens"] / 2 == copies
+        assert r["moe/dropped_tokens"] > 0 and r["moe/dropped_fraction"] == r["moe/dropped_tokens"] / (2 * copies)
+        assert 1 <= r["moe/load_imbalance_mean"] <= r["moe/load_imbalance_max"]
+        assert r["moe/tokens_per_expert_max"] <= 8 * 32 * 2 / 4  # capacity 1.0: no expert past its share
+        # 2 layers, each coef x (1 when balanced) x k: near 2 x 0.01 x 2
+        assert 0.03 < r["moe/aux_loss"] < 0.06
+        assert r["train/grad_norm"] < 10  # dropped copies' rows stay out of the gradients
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["trainer.nproc_per_node=4", "parallel.tp=2"], "parallel.ep"),
+        (["trainer.nproc_per_node=4", "parallel.pp=2", "model.n_layers=2"], "parallel.pp=1"),
+    ],
+    ids=["tp", "pp"],
+)
+def test_what_experts_do_not_compose_with_is_refused_before_any_rank_starts(tmp_path, overrides, needle):
+    result = run_cli(["model=moe_tiny", *overrides], tmp_path)
+    assert result.returncode == 2 and needle in result.stderr, result.stderr[-2000:]
