@@ -3,7 +3,8 @@ is checked line by line against a fresh run of the command it names (in this pro
 planner and tune weigh on the meta device). A change to the planner or the step-time model that moves a quoted
 figure fails here, and the page is updated with the new output.
 
-The 70B search weighs ~30,000 candidates (~40 s of CPU on 2 busy cores)."""
+The 70B search weighs 26,280 candidates: 11-13 s of CPU inside tune, 18-28 s of wall time on 2 busy cores
+(2026-12-03); under heavier load the wall time grows several-fold."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def _flat(text: str) -> str:
 
 
 @pytest.mark.slow
-# the 70B search: ~40 s of CPU, several minutes of wall time on a shared 2-core machine (past the suite's 300 s)
+# the 70B search: ~13 s of CPU, minutes of wall time on a loaded shared 2-core machine (past the suite's 300 s)
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.timeout(900)) for n in COMMANDS])
 def test_the_figures_docs_choosing_quotes_are_what_the_command_prints_today(name, tmp_path, capsys, monkeypatch):
     import importlib
