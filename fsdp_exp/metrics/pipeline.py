@@ -120,6 +120,7 @@ class StageObserver:
     phase: Optional[Callable[[str], None]] = None
     _depth: int = 0  # a chunk inside a chunk counts once
     _stages: list = field(default_factory=list)  # the observed PipelineStages
+    steps_done: int = 0  # schedule steps finished: torch allocates the receive buffers during the first
 
     def observe(self, schedule, pipeline_stages: list) -> "StageObserver":
         """Time every ``schedule.step`` (``timing``) and every chunk of compute of ``pipeline_stages``."""
@@ -128,7 +129,9 @@ class StageObserver:
         @functools.wraps(step)
         def timed_step(*args, **kwargs):
             with self.timing():
-                return step(*args, **kwargs)
+                result = step(*args, **kwargs)
+            self.steps_done += 1
+            return result
 
         schedule.step = timed_step
         self._stages = list(pipeline_stages)
@@ -146,14 +149,16 @@ class StageObserver:
         first stage) and for the gradients coming back (but on the last), allocated at the first step and kept:
         made before a tracked step, so handed to its tracker (``stage_memory_tracker``). Read from torch's private
         ``args_recv_info`` / ``grad_recv_info`` and their ``_RecvInfo.buffer``: a stage that receives and shows no
-        buffer there (torch renamed or moved them) raises, rather than the tracker under-counting in silence."""
+        buffer there after a step (torch renamed or moved them) raises, rather than the tracker under-counting in
+        silence. Before the first step (a tracked step 0, trainer.warmup_steps=1) the buffers do not exist yet: the
+        tracker then sees them allocated inside the step."""
         buffers = []
         for stage in self._stages:
             for name, receives in (("args_recv_info", not stage.is_first), ("grad_recv_info", not stage.is_last)):
                 infos = [info for per_chunk in _torch_private(stage, name).values() for info in per_chunk]
                 found = [_torch_private(info, "buffer") for info in infos]
                 found = [b for b in found if b is not None]  # a root input (the first stage's) has none
-                if receives and not found:
+                if receives and not found and self.steps_done:
                     raise RuntimeError(
                         f"pipeline stage {stage.stage_index} receives from a neighbour, but torch's PipelineStage."
                         f"{name} holds no receive buffer after a step: torch {torch.__version__} keeps them elsewhere; "

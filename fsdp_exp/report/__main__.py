@@ -129,7 +129,7 @@ def wandb_workspace(runs, args: argparse.Namespace, console) -> int:
     if why is None:
         try:
             address = workspaces.save_and_record(workspace, spec)
-            console.print(f"saved the W&B workspace of group {view.group}: {address}", markup=False)
+            console.print(f"saved the W&B workspace of group {view.group}: {address}", markup=False, soft_wrap=True)
             return 0
         except Exception as err:  # noqa: BLE001 - not logged in, no such entity, a server error: say it, keep the spec
             why = f"saving it failed: {type(err).__name__}: {err}"
@@ -139,6 +139,7 @@ def wandb_workspace(runs, args: argparse.Namespace, console) -> int:
         f"publish it:\n  {upload}{workspaces.publish_command(spec)}",
         markup=False,
         highlight=False,
+        soft_wrap=True,  # the commands stay whole on their lines, to be copied (piped: 100 columns)
     )
     return 0
 
