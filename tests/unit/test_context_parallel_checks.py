@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_QWEN2
 
 from fsdp_exp.parallel.context import (
     RING_REFUSAL,
@@ -73,15 +74,6 @@ def test_a_published_context_parallel_row_is_expressed_as_parallel_cp_with_its_m
 
 
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256"]
-SHRINK_QWEN2 = [
-    "model=hf_qwen2_7b",
-    "+model.hf_overrides.num_hidden_layers=2",
-    "+model.hf_overrides.hidden_size=64",
-    "+model.hf_overrides.intermediate_size=128",
-    "+model.hf_overrides.num_attention_heads=4",
-    "+model.hf_overrides.num_key_value_heads=2",
-    "+model.hf_overrides.vocab_size=256",
-]
 
 
 @pytest.mark.parametrize(
@@ -102,7 +94,7 @@ SHRINK_QWEN2 = [
         (["parallel.cp=2", "sharding.backend=fsdp1"], "FSDP2 only", "sharding.backend=fsdp2"),
         (["parallel.cp=2", "sharding=ddp"], "FSDP2 only", "sharding.backend=fsdp2"),
         (["parallel.cp=3", "trainer.nproc_per_node=4"], "does not divide the 4 ranks", "parallel.cp=2"),
-        ([*SHRINK_QWEN2, "parallel.cp=2"], "Qwen2ForCausalLM", "parallel.cp=1"),
+        ([*TINY_QWEN2, "parallel.cp=2"], "Qwen2ForCausalLM", "parallel.cp=1"),
     ],
     ids=["ring_on_cpu", "seq_len", "heads_after_tp", "pipeline", "fsdp1", "ddp", "divides_ranks", "transformers"],
 )
