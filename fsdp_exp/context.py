@@ -67,6 +67,9 @@ class RunContext:
     run_dir: Path
     labels: Labels
     prediction: Prediction
+    # trainer.loss_chunks as asked, as settled in ``config`` and why (run.json applied.loss_chunks;
+    # ``fsdp_exp.plan.loss_chunks``)
+    loss_chunks: dict = field(default_factory=dict)
 
     def in_folder(self, run_dir: Path) -> RunContext:
         """The same run in another folder (under torchrun every rank may compose its own; rank 0's wins)."""

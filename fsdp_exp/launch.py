@@ -90,9 +90,14 @@ def prepare(cfg: RunConfig, world: Optional[tuple[int, int]] = None) -> Topology
 
 
 def run_context(cfg: RunConfig, topology: Topology, run_dir: Path, labels: Labels = Labels()) -> RunContext:
-    """What every rank is handed, for a validated config: the planner's prediction made here, once."""
-    from fsdp_exp.plan import plan_for_run
+    """What every rank is handed, for a validated config: the planner's prediction made here, once, and
+    ``trainer.loss_chunks=auto`` settled into the config the ranks get (the planner's rule)."""
+    from fsdp_exp.plan import loss_chunks_for, plan_for_run
+    from fsdp_exp.plan.loss_chunks import with_chunks
 
+    chosen = loss_chunks_for(cfg, topology)
+    if str(cfg.trainer.loss_chunks) != str(chosen.chunks):
+        cfg = with_chunks(cfg, chosen.chunks)
     # After the fit check this asks the planner again, from its cache (the model's inventory).
     record, row, phases = plan_for_run(cfg, topology)
     return RunContext(
@@ -101,6 +106,7 @@ def run_context(cfg: RunConfig, topology: Topology, run_dir: Path, labels: Label
         run_dir=Path(run_dir),
         labels=labels,
         prediction=Prediction(record=record, row=row, phases=phases),
+        loss_chunks=chosen.record(),
     )
 
 

@@ -10,6 +10,7 @@ import math
 from typing import Optional
 
 from fsdp_exp.config.schema import AC_OPS, DTYPES, GRAD_SYNC, ModelConfig, OptimConfig, RunConfig
+from fsdp_exp.config.schema import LOSS_CHUNKS_AUTO as AUTO_CHUNKS, fixed_loss_chunks as fixed_chunks
 from fsdp_exp.config.topology import Topology, largest_divisor_at_most as _largest_divisor_at_most, resolve_nproc
 from fsdp_exp.checkpoint.checks import check_checkpoint
 from fsdp_exp.context import sampled_steps
@@ -114,17 +115,25 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
             f"trainer.flops_convention={t.flops_convention!r} is not a FLOPs convention MFU knows.",
             f"pass one of {', '.join(CONVENTIONS)} (docs/metrics.md defines each)",
         )
-    if t.loss_chunks < 1:
+    chunks = fixed_chunks(t.loss_chunks)
+    if chunks is None and str(t.loss_chunks).strip() != AUTO_CHUNKS:
+        fail(
+            f"trainer.loss_chunks={t.loss_chunks!r} is neither auto nor a number.",
+            "pass trainer.loss_chunks=auto (the planner decides), or a number of slices such as 8 (1 takes the loss "
+            "on all the logits at once)",
+        )
+    if chunks is not None and chunks < 1:
         fail(
             f"trainer.loss_chunks={t.loss_chunks} must be at least 1.",
-            "pass trainer.loss_chunks=8 (1 takes the loss on all the logits at once)",
+            "pass trainer.loss_chunks=8 (1 takes the loss on all the logits at once), or auto",
         )
-    if t.loss_chunks > 1 and p.output_dtype not in (None, "fp32"):
+    if chunks is not None and chunks > 1 and p.output_dtype not in (None, "fp32"):
         # The chunked loss is taken inside the model's forward: the root's output is the loss itself.
+        # (auto takes one chunk then: fsdp_exp.plan.predict.loss_chunks_for.)
         fail(
             f"precision.output_dtype={p.output_dtype} would round the loss: with trainer.loss_chunks="
             f"{t.loss_chunks} the model's output is the loss, not the logits.",
-            "pass precision.output_dtype=null (or fp32), or trainer.loss_chunks=1",
+            "pass precision.output_dtype=null (or fp32), or trainer.loss_chunks=1 (or auto)",
         )
 
     _validate_optim(cfg.optim, t.steps)
@@ -466,7 +475,8 @@ def _validate_loss_chunks(cfg: RunConfig) -> None:
     are of the micro-batch instead (the hidden states arrive sharded over the sequence), as many as it
     has sequences: the default of 8 with micro-batches of 1 or 2 is the common case there, not a mistake."""
     t = cfg.trainer
-    if t.loss_chunks > t.seq_len and not (cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel):
+    chunks = fixed_chunks(t.loss_chunks)  # auto: at most the sequence's tokens (fsdp_exp.plan.loss_chunks)
+    if chunks is not None and chunks > t.seq_len and not (cfg.parallel.tp > 1 and cfg.parallel.sequence_parallel):
         fail(
             f"trainer.loss_chunks={t.loss_chunks} exceeds trainer.seq_len={t.seq_len}: the loss is taken in "
             "slices of the sequence, one token each at the most.",

@@ -30,6 +30,7 @@ from fsdp_exp.checkpoint.rng import RngState
 from fsdp_exp.checkpoint.signals import handle_stop_signals
 from fsdp_exp.checkpoint.states import sharded_state
 from fsdp_exp.config import plain
+from fsdp_exp.config.schema import settled_loss_chunks
 from fsdp_exp.context import RunContext
 from fsdp_exp.data import build_data
 from fsdp_exp.debug.faults import inject_step_fault
@@ -90,7 +91,9 @@ class Trainer:
         # fp16: a loss scaler that agrees over ranks on skipped steps (sharded for FSDP).
         self.scaler = self.parallel.grad_scaler() if cfg.precision.loss_scaler == "dynamic" else None
         self.data = build_data(cfg, topology, dp_rank=topology.dp_rank(info.rank), device=self.device)
-        self.loss_chunks = cfg.trainer.loss_chunks  # the output projection and loss per slice of the sequence
+        # the output projection and loss per slice of the sequence (auto settled by the launcher: run_context)
+        self.loss_chunks = settled_loss_chunks(cfg.trainer.loss_chunks)
+        self.applied["loss_chunks"] = context.loss_chunks or {"trainer.loss_chunks": cfg.trainer.loss_chunks}
 
         # Diagnostics, then resume: everything a checkpoint restores exists now (``fsdp_exp.checkpoint``).
         self.init_check = (

@@ -258,8 +258,11 @@ class TrainerConfig:
     seq_len: int = 128
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping (the norm is still logged)
     # The output projection and cross-entropy in this many slices of the sequence, each slice's fp32 logits
-    # alive only while its loss and gradient are made (``fsdp_exp.models.loss``); 1 = all logits at once.
-    loss_chunks: int = 8
+    # alive only while its loss and gradient are made (``fsdp_exp.models.loss``; the head runs again in
+    # backward); 1 = all logits at once. auto: the planner's rule (``fsdp_exp.plan.loss_chunks``: 8 where that
+    # lowers the planned peak by 10% or more, else 1), settled by the launcher before any rank starts; the
+    # choice is in run.json["applied"]["loss_chunks"]. A string: auto or a number.
+    loss_chunks: str = "auto"
     log_every: int = 1
     device: str = "auto"  # auto | cpu | cuda
     peak_tflops: Optional[float] = None  # per-device peak for MFU; None = look the device up
@@ -369,3 +372,24 @@ class RunConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compile: bool = False  # torch.compile each transformer block (before sharding)
+
+
+LOSS_CHUNKS_AUTO = "auto"  # trainer.loss_chunks: the planner's rule (fsdp_exp.plan.loss_chunks)
+
+
+def fixed_loss_chunks(value) -> Optional[int]:
+    """``trainer.loss_chunks`` as a number, or None for auto (and for anything else: preflight refuses it)."""
+    text = str(value).strip()
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def settled_loss_chunks(value) -> int:
+    """``trainer.loss_chunks`` as the ranks use it: a number, ``auto`` having been settled by the launcher
+    (``fsdp_exp.launch.run_context``) before they started."""
+    number = fixed_loss_chunks(value)
+    if number is None:
+        raise ValueError(
+            f"trainer.loss_chunks={value} reached a rank unsettled: the launcher settles auto "
+            "(fsdp_exp.launch.run_context; fsdp_exp.plan.loss_chunks_for for a config outside a run)"
+        )
+    return number

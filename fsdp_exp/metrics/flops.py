@@ -2,7 +2,8 @@
 
 - **Model FLOPs** (MFU's numerator): the model family's per-token count (``fsdp_exp.models``), forward
   and backward, no recompute; ``trainer.flops_convention`` names other projects' conventions.
-- **Hardware FLOPs** (HFU's numerator) add what activation checkpointing recomputes, counted by torch's
+- **Hardware FLOPs** (HFU's numerator) add what activation checkpointing recomputes, and the output projection
+  a chunked loss (``trainer.loss_chunks`` > 1) runs again in backward, counted by torch's
   ``FlopCounterMode`` on the meta model with and without the run's checkpointing, not by a formula
   (non-reentrant checkpointing does not recompute a whole block).
 - **Peak FLOPS**: data-sheet figures for known GPUs (dense, no sparsity); on a CPU the rank measures it
@@ -94,11 +95,13 @@ def mfu(tflops_achieved: float, peak_tflops: Optional[float]) -> Optional[float]
 
 
 # -------------------------------------------------------------------------------------- recompute
-def counted_flops_per_token(cfg, seq_len: int, apply_ac: Optional[Callable] = None) -> float:
+def counted_flops_per_token(cfg, seq_len: int, apply_ac: Optional[Callable] = None, loss_chunks: int = 1) -> float:
     """Matmul + attention FLOPs of one forward and backward per token, as torch's FlopCounterMode
     counts them on a meta-device copy of the model (batch 1, ``seq_len`` tokens). ``apply_ac``
     (``fsdp_exp.parallel.ac.apply``, the same code the run uses; passed in, since metrics sit below
-    parallel) applies the run's activation checkpointing first; None counts the model without it."""
+    parallel) applies the run's activation checkpointing first; None counts the model without it.
+    ``loss_chunks`` > 1: the loss as the run takes it then (``fsdp_exp.models.loss``: the model's own forward,
+    each slice's output projection checkpointed), whose backward runs the projection again."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -114,16 +117,20 @@ def counted_flops_per_token(cfg, seq_len: int, apply_ac: Optional[Callable] = No
         spec_for(cfg.model).shapes_only(),
         FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as counter,
     ):
-        model(tokens).float().sum().backward()
+        if loss_chunks > 1:
+            model(tokens, targets=tokens, loss_chunks=loss_chunks).float().sum().backward()
+        else:
+            model(tokens).float().sum().backward()
     return counter.get_total_flops() / seq_len
 
 
-def recompute_flops_per_token(cfg, seq_len: int, apply_ac: Callable) -> float:
-    """FLOPs per token that activation checkpointing (applied by ``apply_ac``: ``fsdp_exp.parallel.ac.apply``)
-    recomputes in backward (0 without it)."""
-    if cfg.ac.mode == "none":
+def recompute_flops_per_token(cfg, seq_len: int, apply_ac: Callable, loss_chunks: int = 1) -> float:
+    """FLOPs per token that a step runs again in backward (HFU's addition to the model FLOPs): what activation
+    checkpointing (applied by ``apply_ac``: ``fsdp_exp.parallel.ac.apply``) recomputes, and under a chunked loss
+    (``loss_chunks`` > 1) the output projection run again per slice. 0 with neither."""
+    if cfg.ac.mode == "none" and loss_chunks <= 1:
         return 0.0
-    return counted_flops_per_token(cfg, seq_len, apply_ac) - counted_flops_per_token(cfg, seq_len)
+    return counted_flops_per_token(cfg, seq_len, apply_ac, loss_chunks) - counted_flops_per_token(cfg, seq_len)
 
 
 # ------------------------------------------------------------------------------------ CPU peak

@@ -197,8 +197,9 @@ STEP_METRICS: list[Metric] = [
         "fraction",
         "step",
         "mean",
-        "as perf/mfu, with the FLOPs that activation checkpointing recomputes added (counted by torch's "
-        "FlopCounterMode on the meta model; equals perf/mfu without ac); null when the peak is unknown",
+        "as perf/mfu, with the FLOPs that activation checkpointing recomputes and a chunked loss's second pass "
+        "through the output projection (trainer.loss_chunks > 1) added (counted by torch's FlopCounterMode on the "
+        "meta model; equals perf/mfu without either); null when the peak is unknown",
         wandb_summary="none",
     ),
     Metric(

@@ -23,6 +23,7 @@ from fsdp_exp.context import sampled_steps
 from fsdp_exp.dist import gather_over_ranks, reduce_over_ranks
 from fsdp_exp.metrics import memory
 from fsdp_exp.metrics.device_peak import device_peak
+from fsdp_exp.config.schema import settled_loss_chunks
 from fsdp_exp.metrics.flops import convention_flops_per_token, mfu, recompute_flops_per_token
 from fsdp_exp.metrics.summary import summarize
 from fsdp_exp.metrics.schema import MOE_METRICS, PHASES
@@ -83,7 +84,9 @@ class StepMetrics:
         # HFU (null, and the reason in run.json env), not a failed run.
         self.recompute_error = None
         try:
-            self.recompute_flops_per_token: Optional[float] = recompute_flops_per_token(cfg, t.seq_len, apply_ac)
+            self.recompute_flops_per_token: Optional[float] = recompute_flops_per_token(
+                cfg, t.seq_len, apply_ac, settled_loss_chunks(t.loss_chunks)
+            )
         except Exception as exc:  # noqa: BLE001 - a measurement aside must not stop training
             self.recompute_flops_per_token, self.recompute_error = None, f"{type(exc).__name__}: {exc}"
         self.peak = device_peak(cfg, self.device, topology.nproc_per_node, info.world_size, info.is_main)

@@ -29,6 +29,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+from fsdp_exp.config.schema import settled_loss_chunks
 from fsdp_exp.errors import fail
 from fsdp_exp.parallel import Parallelized
 
@@ -557,7 +558,8 @@ def build_pipeline(
             pipelining.PipelineStage(stage, index, settings.num_stages, device, group=mesh["pp"].get_group())
         )
     schedule_class = getattr(pipelining, SCHEDULES[settings.schedule][0])
-    loss_fn = functools.partial(stage_loss, chunks=cfg.trainer.loss_chunks)
+    chunks = settled_loss_chunks(cfg.trainer.loss_chunks)
+    loss_fn = functools.partial(stage_loss, chunks=chunks)
     if settings.schedule in SINGLE_STAGE:
         schedule = schedule_class(pipeline_stages[0], settings.n_microbatches, loss_fn=loss_fn)
     else:
@@ -576,7 +578,7 @@ def build_pipeline(
         mesh={"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names)},
         loss="mean cross-entropy of each micro-batch's logits on the last stage, in trainer.loss_chunks slices "
         "of the sequence",
-        loss_chunks=cfg.trainer.loss_chunks,
+        loss_chunks=chunks,
     )
     stage_optimizers = (
         [build_optimizer(stage, cfg.optim, matrix_parameter_names(stage)) for stage in stages] if optimizers else []

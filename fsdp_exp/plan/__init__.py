@@ -18,6 +18,7 @@ from fsdp_exp.plan.predict import (  # noqa: F401
     PREDICTED_METRICS,
     PREDICTED_STAGE_METRICS,
     Plan,
+    loss_chunks_for,
     peak_and_need,
     peak_floor,
     plan,

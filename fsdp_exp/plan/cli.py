@@ -22,7 +22,8 @@ from fsdp_exp.errors import EXIT_BAD_CONFIG, fail
 from fsdp_exp.plan.devices import device_table, fits, local_cuda_device
 from fsdp_exp.plan.fit import MORE_NODES
 from fsdp_exp.units import GIB
-from fsdp_exp.plan.predict import Plan, plan
+from fsdp_exp.plan.loss_chunks import CHUNKS
+from fsdp_exp.plan.predict import Plan, loss_chunks_for, plan
 
 if TYPE_CHECKING:
     from fsdp_exp.config.schema import RunConfig
@@ -76,13 +77,14 @@ MEMORY_OPTIONS = (
 )
 
 
-def memory_options(cfg: "RunConfig") -> list[str]:
-    """The changes to price for ``cfg``: the loss's and tensor parallel's options either way (what they
-    save, or what turning them off would cost), how accumulated gradients are kept, then the others."""
+def memory_options(cfg: "RunConfig", loss_chunks: int) -> list[str]:
+    """The changes to price for ``cfg`` (whose loss is taken in ``loss_chunks`` slices, ``auto`` resolved): the
+    loss's and tensor parallel's options either way (what they save, or what turning them off would cost), how
+    accumulated gradients are kept, then the others."""
     from fsdp_exp.config.schema import EVERY_MICRO_BATCH, LAST_MICRO_BATCH
 
     t = cfg.trainer
-    changes = ["trainer.loss_chunks=1" if t.loss_chunks > 1 else "trainer.loss_chunks=8"]
+    changes = ["trainer.loss_chunks=1" if loss_chunks > 1 else f"trainer.loss_chunks={CHUNKS}"]
     if cfg.parallel.tp > 1:
         changes.append(f"parallel.loss_parallel={str(not cfg.parallel.loss_parallel).lower()}")
     if t.micro_batch_size is not None:  # micro-batches may accumulate: the rule the backend does not apply now
@@ -103,7 +105,8 @@ def price_options(
     from fsdp_exp.preflight import validate
 
     priced = []
-    for change in memory_options(cfg):
+    topology = validate(cfg, cuda_devices=cuda_devices)
+    for change in memory_options(cfg, loss_chunks_for(cfg, topology, device_kind or topology.device_type).chunks):
         variant = variant_of(cfg, (change,))
         if variant is None:
             continue

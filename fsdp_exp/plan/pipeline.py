@@ -54,6 +54,7 @@ from fsdp_exp.parallel.pipeline import (
     stage_blocks,
     stages_of_rank,
 )
+from fsdp_exp.plan.loss_chunks import candidate, decide, fixed, with_chunks
 from fsdp_exp.plan.states import DTYPE_BYTES
 
 if TYPE_CHECKING:
@@ -130,12 +131,19 @@ class PipelinePlan:
 
 
 def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_kind: str = "cpu") -> PipelinePlan:
-    """The plan of ``cfg`` cut as ``settings`` say, FSDP2 (or HSDP, or replicas) over ``dp`` ranks in each stage."""
+    """The plan of ``cfg`` cut as ``settings`` say, FSDP2 (or HSDP, or replicas) over ``dp`` ranks in each stage.
+    ``trainer.loss_chunks=auto``: the plan of the choice ``fsdp_exp.plan.loss_chunks``'s rule makes on the worst
+    rank's peaks (what ``predict.loss_chunks_for`` decides for a pipeline run)."""
     from fsdp_exp.models import spec_for
     from fsdp_exp.parallel.pipeline import stage_dp_layout, stage_planner_rules
     from fsdp_exp.plan.activations import profile_for
     from fsdp_exp.plan.states import model_states, param_infos, unit_names
 
+    if fixed(cfg.trainer.loss_chunks) is None:
+        k = candidate(cfg)
+        one, more = (pipeline_plan(with_chunks(cfg, n), settings, dp, device_kind) for n in (1, k))
+        chosen = decide(str(cfg.trainer.loss_chunks), k, one.peak_rank.peak, more.peak_rank.peak)
+        return more if chosen.chunks > 1 else one
     s = settings
     spec = spec_for(cfg.model)
     inventory = spec.inventory(cfg.model)
@@ -162,7 +170,7 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     logits = profile.logits // (tp if cfg.parallel.loss_parallel else 1)  # loss parallel: sharded over the vocabulary
     # trainer.loss_chunks: the stage's loss takes the logits in slices of the sequence, one slice's fp32
     # log-softmax at a time (parallel/pipeline.py's stage_loss); the logits themselves are the stage's output
-    chunks = max(1, min(cfg.trainer.loss_chunks, cfg.trainer.seq_len))
+    chunks = max(1, min(fixed(cfg.trainer.loss_chunks), cfg.trainer.seq_len))  # settled above
     head_bytes = profile.head_saved(e, False) + 4 * -(-logits // chunks) + e * logits
     temporaries = resid + profile.backward_peak(e) + e * profile.peak_weight_grad
 

@@ -17,6 +17,7 @@ from fsdp_exp.parallel import float8
 from fsdp_exp.parallel.backend import backend_for
 from fsdp_exp.plan.activations import profile_for
 from fsdp_exp.plan.devices import allocator_margin
+from fsdp_exp.plan.loss_chunks import LossChunks, candidate, decide, fixed, given, with_chunks
 from fsdp_exp.plan.states import gathered, model_states, param_infos, unit_names, zero_model_states
 from fsdp_exp.plan.step import StepSetting, StepWalk
 from fsdp_exp.units import GIB
@@ -50,6 +51,7 @@ def plan(
 ) -> Plan:
     """Predict one rank's memory (rank 0, the largest) for ``cfg`` on ``topology``."""
     kind = device_kind or topology.device_type
+    asked, cfg = cfg, settled(cfg, topology, kind)
     walk, infos, states = _walk(cfg, topology, kind)
     phases = walk.phases()
     peak = max(phases, key=lambda ph: ph.total)
@@ -84,6 +86,9 @@ def plan(
         phases=[{"name": ph.name, "stage": ph.stage, "total": ph.total} for ph in phases],
         assumptions=assumptions(cfg, walk.rules.notes, walk.x.notes(kind, walk.e)),
     )
+    if cfg is not asked:  # trainer.loss_chunks=auto: what the rule chose, in the table's notes
+        chosen = loss_chunks_for(asked, topology, kind)
+        result.assumptions.append(f"trainer.loss_chunks=auto -> {chosen.chunks} ({chosen.why.removeprefix('auto: ')})")
     if cfg.parallel.pp > 1:  # the worst pipeline rank's figures (``fsdp_exp.plan.pipeline``)
         from fsdp_exp.plan.pipeline import with_worst_stage
 
@@ -91,8 +96,42 @@ def plan(
     return result
 
 
+def loss_chunks_for(cfg: "RunConfig", topology: "Topology", kind: Optional[str] = None) -> LossChunks:
+    """``trainer.loss_chunks`` resolved: a number as given; ``auto`` by the rule of ``fsdp_exp.plan.loss_chunks``
+    on this plan's peaks with one chunk and with ``loss_chunks.candidate`` slices (cached per config and layout: a search asks for each
+    candidate from its plan and from its step-time model)."""
+    from fsdp_exp.models.spec import config_key
+
+    asked = str(cfg.trainer.loss_chunks)
+    number = fixed(asked)
+    if number is not None:
+        return given(asked, number)
+    if cfg.precision.output_dtype not in (None, "fp32"):  # the logits must be the model's output
+        return LossChunks(asked, 1, f"auto: precision.output_dtype={cfg.precision.output_dtype} needs the logits out")
+    kind = kind or topology.device_type
+    key = (config_key(cfg), topology, kind)
+    if key not in _CHUNKS:
+        if len(_CHUNKS) >= 1024:
+            _CHUNKS.clear()
+        k = candidate(cfg)
+        one, chunked = (plan(with_chunks(cfg, n), topology, device_kind=kind).peak["total"] for n in (1, k))
+        _CHUNKS[key] = decide(asked, k, one, chunked)
+    return _CHUNKS[key]
+
+
+_CHUNKS: dict[tuple, LossChunks] = {}
+
+
+def settled(cfg: "RunConfig", topology: "Topology", kind: Optional[str] = None) -> "RunConfig":
+    """``cfg`` with ``trainer.loss_chunks`` a number (itself where it is one already)."""
+    if fixed(cfg.trainer.loss_chunks) is not None:
+        return cfg
+    return with_chunks(cfg, loss_chunks_for(cfg, topology, kind).chunks)
+
+
 def _walk(cfg: "RunConfig", topology: "Topology", kind: str):
-    """(the step's walk, every parameter's sizes, the model states): all ``plan`` reads of the config."""
+    """(the step's walk, every parameter's sizes, the model states): all ``plan`` reads of the config (whose
+    ``trainer.loss_chunks`` is settled: ``settled``)."""
     backend = backend_for(cfg)
     rules = backend.planner_rules(cfg)
     shard = backend.shard_group(topology)
@@ -121,7 +160,7 @@ def _walk(cfg: "RunConfig", topology: "Topology", kind: str):
         reshard_last_block=cfg.sharding.reshard_last_block,
         wrap_policy=cfg.wrap.policy,
         grad_sync=backend.grad_sync(cfg),
-        loss_chunks=cfg.trainer.loss_chunks,
+        loss_chunks=fixed(cfg.trainer.loss_chunks),
         loss_parallel=cfg.parallel.loss_parallel,
         sequence_parallel=cfg.parallel.sequence_parallel,
         float8_matmuls=float8.planned_matmuls(cfg, inventory.blocks, topology.tp_size),
@@ -177,6 +216,7 @@ def peak_and_need(
     from fsdp_exp.errors import ConfigError
 
     kind = device_kind or topology.device_type
+    cfg = settled(cfg, topology, kind)
     if cfg.parallel.pp > 1:
         from fsdp_exp.parallel.pipeline import settings_from
         from fsdp_exp.plan.pipeline import shared_pipeline_plan

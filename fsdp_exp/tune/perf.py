@@ -253,7 +253,10 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
 
     w = work(cfg)
     model_flops = tokens_rank * w.flops_per_token / tp
-    recompute = tokens_rank * w.recompute_flops_per_token(cfg) / tp
+    # trainer.loss_chunks > 1 (auto resolved by the planner's rule): each slice's output projection runs again in
+    # backward (``fsdp_exp.models.loss``), counted with what activation checkpointing recomputes
+    head_again = head_recompute_flops_per_token(w, cfg, topology)
+    recompute = tokens_rank * (w.recompute_flops_per_token(cfg) + head_again) / tp
     ops_f, ops_b = w.ops_per_micro_batch(cfg)
 
     unit_numel, local_numel, tensors = _units(cfg, rules, shard, tp)
@@ -351,7 +354,7 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
         traffic += _tensor_parallel_traffic(cfg, topology, len(w.block_forward_flops), e_p, G, tp)
     if cp > 1:
         traffic += cp_traffic(cfg, topology, G, len(w.block_forward_flops), e_p)
-    kernels = _kernel_classes(w, cfg, tokens_rank / tp, topology.micro_batch_size * seq // cp, tp, e_p)
+    kernels = _kernel_classes(w, cfg, tokens_rank / tp, topology.micro_batch_size * seq // cp, tp, e_p, head_again)
     float8 = None
     if float8_on(cfg):
         gathers = (G, G * regathered / units) if rules.gathers_units and units else (0.0, 0.0)
@@ -428,7 +431,18 @@ FLASH_BACKWARD_PER_FORWARD = 2.5  # a fused attention backward recomputes the sc
 BACKWARD_BYTES_PER_FORWARD = 2.0  # an elementwise backward reads the output's gradient and the saved input
 
 
-def _kernel_classes(w, cfg: "RunConfig", tokens: float, m: int, tp: int, e_p: int) -> dict:
+def head_recompute_flops_per_token(w, cfg: "RunConfig", topology: "Topology") -> float:
+    """Forward FLOPs per token of the output projection (the linear whose outputs are the logits), where the loss
+    is taken in more than one slice (``trainer.loss_chunks``, as ``fsdp_exp.plan.loss_chunks_for`` resolves it):
+    the chunked loss checkpoints each slice's projection and runs it again in backward. 0 for one slice."""
+    from fsdp_exp.plan import loss_chunks_for
+
+    if loss_chunks_for(cfg, topology).chunks <= 1:
+        return 0.0
+    return sum(f for _, n, f in w.gemms if n == w.logits_per_token)
+
+
+def _kernel_classes(w, cfg: "RunConfig", tokens: float, m: int, tp: int, e_p: int, head_again: float = 0.0) -> dict:
     """The forward's work on this rank by kernel class (``Work``'s counts scaled to the step's tokens): each
     linear layer's matmul with its shape (M: a micro-batch's tokens; N split over tensor-parallel ranks),
     attention at the FLOPs a causal fused kernel does, the memory-bound operators' bytes in the compute dtype."""
@@ -438,7 +452,7 @@ def _kernel_classes(w, cfg: "RunConfig", tokens: float, m: int, tp: int, e_p: in
         "gemms": gemms,
         "attention_flops": tokens * w.attention_flops_per_token / 2,
         "memory_bytes": tokens * (w.memory_elements_per_token * e_p + LOSS_BYTES_PER_LOGIT * w.logits_per_token),
-        "recompute_share": w.recompute_flops_per_token(cfg) / counted,
+        "recompute_share": (w.recompute_flops_per_token(cfg) + head_again) / counted,
     }
 
 

@@ -332,7 +332,10 @@ def test_the_command_line_pipeline_run_trains_like_one_process_and_records_its_c
     assert (pipeline["schedule"], pipeline["n_microbatches"]) == ("ScheduleInterleaved1F1B", 4)
     assert pipeline["stage_blocks"] == [[0], [1], [2], [3]] and pipeline["local_stages"] == [0, 2]
     assert result.record["topology"]["mesh_dim_names"] == ["pp", "dp"]
-    # Nothing ignored: the last stage takes the loss in trainer.loss_chunks slices (8, the default), and the
-    # gradients are reduced after the last micro-batch, as recorded
-    assert pipeline["loss_chunks"] == 8
+    # Nothing ignored: the last stage takes the loss in the slices trainer.loss_chunks=auto (the default) settled
+    # on before the ranks started (the planner's rule: one here, the logits barely matter to the worst rank's
+    # peak), and the gradients are reduced after the last micro-batch, as recorded
+    chosen = result.record["applied"]["loss_chunks"]
+    assert chosen["trainer.loss_chunks"] == "auto" and chosen["why"].startswith("auto:")
+    assert pipeline["loss_chunks"] == chosen["resolved"] == 1
     assert result.record["applied"]["grad_sync"] == {"trainer.grad_sync": "auto", "resolved": "last_micro_batch"}

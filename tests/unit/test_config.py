@@ -81,7 +81,8 @@ def test_auto_nproc_and_batch_split():
         (["model.n_kv_heads=3"], "model.n_kv_heads"),
         (["trainer.loss_chunks=0"], "trainer.loss_chunks=8"),
         (["trainer.seq_len=16", "trainer.loss_chunks=17"], "trainer.loss_chunks=16 or less"),
-        (["precision=bf16_pure", "precision.output_dtype=bf16"], "trainer.loss_chunks=1"),
+        (["precision=bf16_pure", "precision.output_dtype=bf16", "trainer.loss_chunks=8"], "trainer.loss_chunks=1"),
+        (["trainer.loss_chunks=atuo"], "trainer.loss_chunks=auto"),
     ],
 )
 def test_validation_messages_name_the_fix(overrides, fix):
