@@ -120,7 +120,9 @@ def _train_case(cfg, topology, name: str, mesh, batches: list, out: Path) -> Non
     from fsdp_exp.models.loss import mean_cross_entropy
     from fsdp_exp.optim import build_scheduler
     from fsdp_exp.parallel import parallelize
+    from fsdp_exp.plan import loss_chunks_for
 
+    chunks = loss_chunks_for(cfg, topology).chunks  # trainer.loss_chunks=auto, as the launcher settles it
     meta = build_meta(cfg.model)
     decay = matrix_parameter_names(meta)
     par = parallelize(meta, cfg, mesh, torch.device("cpu"))
@@ -137,7 +139,7 @@ def _train_case(cfg, topology, name: str, mesh, batches: list, out: Path) -> Non
         par.zero_grad(optimizer)
         with par.gradient_sync(last=True), par.loss_parallel():
             with par.autocast():
-                loss = mean_cross_entropy(par.model, x, y, cfg.trainer.loss_chunks)
+                loss = mean_cross_entropy(par.model, x, y, chunks)
             par.backward(loss, None)
         if step == 0:
             grads = {canonical_name(n): _full(p.grad) for n, p in par.model.named_parameters()}

@@ -95,6 +95,16 @@ def _global_batches(cfg, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(b.inputs, b.targets) for step in range(steps) for b in data.micro_batches(step)]
 
 
+def settled(cfg):
+    """``cfg`` with trainer.loss_chunks=auto settled as the launcher settles it (``fsdp_exp.launch.run_context``):
+    the ranks here build the pipeline themselves."""
+    from fsdp_exp.plan import loss_chunks_for
+    from fsdp_exp.plan.loss_chunks import with_chunks
+    from fsdp_exp.preflight import validate
+
+    return with_chunks(cfg, loss_chunks_for(cfg, validate(cfg, cuda_devices=0)).chunks)
+
+
 def _rank(rank: int, world: int, port: int, configs: dict, batches: list, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -170,7 +180,7 @@ def _train_all(out: Path) -> dict:
     from fsdp_exp.launch import free_port
 
     batches = _global_batches(run_config(OVERRIDES), STEPS)
-    configs = {name: plain(run_config([*OVERRIDES, *CASE_OVERRIDES.get(name, [])])) for name in CASES}
+    configs = {name: plain(settled(run_config([*OVERRIDES, *CASE_OVERRIDES.get(name, [])]))) for name in CASES}
     mp.start_processes(
         _rank, args=(NPROCS, free_port(), configs, batches, str(out)), nprocs=NPROCS, start_method="spawn"
     )

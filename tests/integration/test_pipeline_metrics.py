@@ -92,6 +92,16 @@ STEPS = 8  # 6 timed steps: this machine's other load comes and goes between rou
 TIMED_STEPS = range(1, STEPS - 1)  # untimed: the first (allocations) and the tracked one (the tracker's dispatch)
 
 
+def settled(cfg):
+    """``cfg`` with trainer.loss_chunks=auto settled as the launcher settles it (``fsdp_exp.launch.run_context``):
+    the ranks here build the pipeline themselves."""
+    from fsdp_exp.plan import loss_chunks_for
+    from fsdp_exp.plan.loss_chunks import with_chunks
+    from fsdp_exp.preflight import validate
+
+    return with_chunks(cfg, loss_chunks_for(cfg, validate(cfg, cuda_devices=0)).chunks)
+
+
 def _rank(rank: int, world: int, port: int, configs: dict, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -171,7 +181,7 @@ def _measure_all(out: Path) -> dict:
     from fsdp_exp.config import plain
     from fsdp_exp.launch import free_port
 
-    configs = {name: plain(run_config(overrides)) for name, (_, overrides) in CASES.items()}
+    configs = {name: plain(settled(run_config(overrides))) for name, (_, overrides) in CASES.items()}
     mp.start_processes(_rank, args=(NPROCS, free_port(), configs, str(out)), nprocs=NPROCS, start_method="spawn")
     results: dict = {}
     for path in sorted(out.glob("*.json")):
