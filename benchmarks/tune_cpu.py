@@ -91,7 +91,7 @@ def main() -> int:
     args = parser.parse_args()
     space = [*SPACE, f"tune.space.precision=[{args.precisions}]"]
     env = {**os.environ, "XDG_CACHE_HOME": str(args.out / "cache"), "OMP_NUM_THREADS": "1"}
-    start = time.time()
+    start, load_before = time.time(), os.getloadavg()
     measured = args.out / "measured"
     tune(
         [
@@ -123,6 +123,8 @@ def main() -> int:
         "calibrated (in-sample)": figures(calibrated / "tune.json"),
         "repeats": args.repeats,
         "minutes": (time.time() - start) / 60,
+        # the machine's load average (1, 5, 15 min) before and after: other programs slow the measured runs
+        "load_average": {"before": load_before, "after": os.getloadavg()},
         "out": str(args.out),
     }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -140,7 +142,11 @@ def main() -> int:
                 f"measured {row['measured']:8.0f} [{lo:.0f}, {hi:.0f}] (x{row['ratio']:.2f})  {row['candidate']}  "
                 f"({', '.join(row['roles'])})"
             )
-    print(f"{summary['minutes']:.1f} minutes; {args.out / 'summary.json'}")
+    load = summary["load_average"]
+    print(
+        f"{summary['minutes']:.1f} minutes; load average {load['before'][0]:.1f} before, {load['after'][1]:.1f} over "
+        f"the last 5 minutes; {args.out / 'summary.json'}"
+    )
     return 0
 
 

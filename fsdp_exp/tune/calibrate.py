@@ -184,7 +184,7 @@ def run_samples(sweep_dir: Path) -> dict[str, dict]:
     from fsdp_exp.report.load import load_runs
     from fsdp_exp.report.repeats import group_repeats
     from fsdp_exp.tune.step_time import costs_for
-    from fsdp_exp.tune.probe import cpu_perf, probe_key
+    from fsdp_exp.tune.probe import block_shape, cpu_perf, probe_key
 
     groups: dict[str, dict] = {}
     runs = [
@@ -208,7 +208,7 @@ def run_samples(sweep_dir: Path) -> dict[str, dict]:
         else:
             threads = int(run.env.get("threads_per_rank") or 1)
             key = probe_key(topology.nproc_per_node, threads)
-            perf = cpu_perf(topology.nproc_per_node, threads)[0]
+            perf = cpu_perf(topology.nproc_per_node, threads, block_shape(cfg))[0]
         group = groups.setdefault(key, {"samples": [], "perf": perf, "runs": []})
         group["samples"].append((costs_for(cfg, topology), float(tokens)))
         group["runs"] += [runs[i].path for i in members]
@@ -253,6 +253,14 @@ def calibrate_published(path: Path) -> dict[str, dict]:
     return cached
 
 
+def _spans_nodes(costs) -> bool:
+    """Whether a step's collectives cross nodes: a one-stage step's (``StepCosts``), or a pipeline's
+    (``PipelineCosts``: each pp rank's FSDP2 collectives and the sends between stages)."""
+    if hasattr(costs, "traffic"):
+        return any(t.nodes > 1 for t in costs.traffic)
+    return any(t.nodes > 1 for r in costs.ranks for t in r.traffic) or any(b.nodes > 1 for b in costs.boundaries)
+
+
 def calibrate_from(sweep_dir: Path) -> dict[str, dict]:
     """Fit and cache per device; returns what was cached, by device key. ``sweep_dir`` may be a published table
     instead (``is_published``)."""
@@ -266,7 +274,7 @@ def calibrate_from(sweep_dir: Path) -> dict[str, dict]:
         )
     cached = {}
     for key, group in groups.items():
-        spans_nodes = any(t.nodes > 1 for costs, _ in group["samples"] for t in costs.traffic)
+        spans_nodes = any(_spans_nodes(costs) for costs, _ in group["samples"])
         names = tuple(n for n in PARAMS if spans_nodes or not n.startswith("inter."))
         names = names[: max(1, len(group["samples"]) - 1)]
         params, before, after = fit(group["samples"], group["perf"], names)

@@ -7,12 +7,17 @@ work too:
 
 - the matmul peak per dtype: the trainer's own measurement and cache (``fsdp_exp.metrics.flops``: a
   figure the runs already cached is used as it is, so that predicted and reported MFU share a peak);
-- what a training step's work reaches in each dtype against fp32: one Llama block (the family's own code, width
-  256, 256 tokens) forward and backward, timed per dtype. A CPU's bf16 matmul peak (AMX, AVX-512 BF16) is
-  several times its fp32 one, but a bf16 step also runs the casts around the fp32 norms, rotary and the loss,
-  and elementwise kernels that are no faster, if not slower, than fp32's: the step-like ratio, not the peaks',
-  is what a bf16 candidate gains (``step_scale``: per dtype, the block's rate over fp32's, divided by the
-  peaks' ratio; the model's rate for that dtype is its peak x efficiency x this);
+- what a training step's work reaches in each dtype against fp32: one Llama block (the family's own code) forward
+  and backward at the run's own shapes (``block_shape``: the model's width, 2 sequences of its length; capped at
+  width 1024 and 512 tokens so that the probe stays short), timed per dtype. A CPU's bf16 matmul peak (AMX,
+  AVX-512 BF16) is several times its fp32 one, but a bf16 step also runs the casts around the fp32 norms, rotary
+  and the loss, and elementwise kernels that are no faster, if not slower, than fp32's, and small matmuls never
+  reach the peak: the step-like ratio, not the peaks', is what a bf16 candidate gains (``step_scale``: per dtype,
+  the block's rate over fp32's, divided by the peaks' ratio; the model's rate for that dtype is its peak x
+  efficiency x this). The ratio depends on the shape: on the development machine (2 cores, 1 thread a rank) a
+  bf16 block ran 1.07x fp32's rate at width 128, 2.0x at 256, 2.4x at 512 and 3.1x at 1024 (the matmul peaks'
+  ratio 3.7-12x), so a probe at one fixed width priced bf16 runs of a width-128 model at twice what they reach
+  (issue #34 item 7);
 - the cost of dispatching one small operator (eager CPU: it adds to the work);
 - memory bandwidth: a 64 MiB copy (read + write traffic), which also stands for offload's copies
   between "host" and "device", here the same memory;
@@ -21,7 +26,7 @@ work too:
   bandwidth (the same ring model ``fsdp_exp.tune.perf`` uses).
 
 The entry is cached in ``$XDG_CACHE_HOME/fsdp_exp/cpu_probe.json`` (default ``~/.cache``) per (CPU model,
-ranks per node, threads per rank, torch version), with the share of its cores' time the ranks got: a
+ranks per node, threads per rank, torch version, the block's shape), with the share of its cores' time the ranks got: a
 probe during which other programs ran is cached too (its figures are pessimistic; ``tune.calibrate_from``
 corrects the model from real runs) and says so. Delete the file to measure again. Between nodes a CPU
 cluster's network is not this machine's loopback: the probe's figures stand for both links until a
@@ -54,12 +59,36 @@ def cache_path() -> Path:
 
 
 def probe_key(ranks_per_node: int, threads: int) -> str:
+    """The layout's key: what a calibration of this CPU is cached under (``fsdp_exp.tune.calibrate``)."""
     import torch
 
     from fsdp_exp.metrics.flops import cpu_model
 
-    # "step v2": entries without the step-like dtype ratios (``step_scale``) are measured again
-    return f"{cpu_model()} | {ranks_per_node} ranks/node | {threads} threads/rank | torch {torch.__version__} | step v2"
+    return f"{cpu_model()} | {ranks_per_node} ranks/node | {threads} threads/rank | torch {torch.__version__}"
+
+
+DEFAULT_SHAPE = (256, 256)  # (width, tokens) of the probe's block where no run says
+
+
+def block_shape(cfg) -> tuple[int, int]:
+    """(width, tokens) of the block the probe times for ``cfg``'s model: its width (the input of the output
+    projection, from the step-time model's count of the matmuls) and two of its sequences, capped at 1024 and 512
+    (rounded to multiples of 32) so that the probe stays short; the default shape where the count has no head."""
+    from fsdp_exp.tune.work import work
+
+    w = work(cfg)
+    widths = [k for k, n, _ in w.gemms if n == w.logits_per_token]
+    return bounded_shape(widths[0], 2 * cfg.trainer.seq_len) if widths else DEFAULT_SHAPE
+
+
+def bounded_shape(width: int, tokens: int) -> tuple[int, int]:
+    """(width, tokens) within the probe's bounds: 64-1024 wide, 64-512 tokens, multiples of 32."""
+    return min(1024, max(64, 32 * round(width / 32))), min(512, max(64, 32 * round(tokens / 32)))
+
+
+def _entry_key(ranks_per_node: int, threads: int, shape: tuple[int, int]) -> str:
+    # "step v3": entries of a fixed-shape block (v2) are measured again at the run's shape
+    return f"{probe_key(ranks_per_node, threads)} | step v3 | block {shape[0]} x {shape[1]} tokens"
 
 
 def _read(key: str) -> Optional[dict]:
@@ -70,12 +99,12 @@ def _write(key: str, entry: dict) -> None:
     write_entry(cache_path(), key, entry)
 
 
-def cpu_probe(ranks_per_node: int, threads: int) -> dict:
-    """The cached entry for this layout, measured now if there is none."""
-    key = probe_key(ranks_per_node, threads)
+def cpu_probe(ranks_per_node: int, threads: int, shape: tuple[int, int] = DEFAULT_SHAPE) -> dict:
+    """The cached entry for this layout and block shape (``block_shape``), measured now if there is none."""
+    key = _entry_key(ranks_per_node, threads, shape)
     entry = _read(key)
     if entry is None:
-        entry = measure(ranks_per_node, threads)
+        entry = measure(ranks_per_node, threads, shape)
         entry["key"] = key
         _write(key, entry)
         entry["how"] = "measured now"
@@ -84,11 +113,12 @@ def cpu_probe(ranks_per_node: int, threads: int) -> dict:
     return entry
 
 
-def cpu_perf(ranks_per_node: int, threads: int):
-    """(``DevicePerf`` of this CPU host for that layout, the probe's entry)."""
+def cpu_perf(ranks_per_node: int, threads: int, shape: tuple[int, int] = DEFAULT_SHAPE):
+    """(``DevicePerf`` of this CPU host for that layout, its bf16/fp16 priced at a block of ``shape``; the probe's
+    entry)."""
     from fsdp_exp.plan.devices import DevicePerf, Link
 
-    entry = cpu_probe(ranks_per_node, threads)
+    entry = cpu_probe(ranks_per_node, threads, shape)
     where = f"{entry['how']}, {cache_path()} [{entry.get('key', '')}]"
     busy = (
         ""
@@ -110,7 +140,9 @@ def cpu_perf(ranks_per_node: int, threads: int):
         dtype_scale=entry.get("step_scale", {}),
         async_dispatch=False,
         step_overhead_ms=CPU_STEP_OVERHEAD_MS,
-        source=f"matmul peak per rank, all ranks at once ({entry['peak_source']}); memory: 64 MiB copies ({where})",
+        source=f"matmul peak per rank, all ranks at once ({entry['peak_source']}); bf16/fp16 at a Llama block's "
+        f"rate, width {shape[0]}, {shape[1]} tokens (x{entry['step_scale'].get('bf16', 1):.2f} of the bf16 peak); "
+        f"memory: 64 MiB copies ({where})",
     )
     return perf, entry
 
@@ -122,7 +154,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(ranks_per_node: int, threads: int) -> dict:
+def measure(ranks_per_node: int, threads: int, shape: tuple[int, int] = DEFAULT_SHAPE) -> dict:
     """Start ``ranks_per_node`` gloo ranks that measure at once; rank 0's figures (collectives are
     collective; the peak is the mean over ranks)."""
     import torch.multiprocessing as mp
@@ -131,7 +163,7 @@ def measure(ranks_per_node: int, threads: int) -> dict:
         out = Path(tmp) / "probe.json"
         mp.start_processes(
             _rank,
-            args=(ranks_per_node, threads, _free_port(), str(out)),
+            args=(ranks_per_node, threads, _free_port(), str(out), shape),
             nprocs=ranks_per_node,
             start_method="spawn",
             join=True,
@@ -152,20 +184,24 @@ def _timed(fn, repeats: int = REPEATS) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _block_tflops(dtype: str) -> float:
-    """TFLOPS one Llama block (fsdp_exp.models.llama, width 256, 2 x 128 tokens) reaches forward and backward in
-    ``dtype``, as FSDP's mixed precision runs it (weights and activations in that dtype, the norms in fp32)."""
+def _block_tflops(dtype: str, shape: tuple[int, int] = DEFAULT_SHAPE) -> float:
+    """TFLOPS one Llama block (fsdp_exp.models.llama, ``shape``: width, tokens as 2 sequences, heads of 32) reaches
+    forward and backward in ``dtype``, as FSDP's mixed precision runs it (weights and activations in that dtype,
+    the norms in fp32)."""
     import torch
 
     from fsdp_exp.config.schema import ModelConfig
     from fsdp_exp.models import llama
 
+    width, tokens = shape
+    seq = max(1, tokens // 2)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    cfg = ModelConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=256, max_seq_len=128)
+    heads = max(1, width // 32)
+    cfg = ModelConfig(dim=width, n_layers=1, n_heads=heads, n_kv_heads=heads, vocab_size=256, max_seq_len=seq)
     torch.manual_seed(0)
     block = llama.TransformerBlock(cfg).to(torch_dtype)
-    cos, sin = llama.rope_tables(cfg.dim // cfg.n_heads, 128, cfg.rope_theta)
-    x = torch.randn(2, 128, cfg.dim, dtype=torch_dtype, requires_grad=True)
+    cos, sin = llama.rope_tables(cfg.dim // cfg.n_heads, seq, cfg.rope_theta)
+    x = torch.randn(2, seq, cfg.dim, dtype=torch_dtype, requires_grad=True)
 
     def step():
         block(x, cos, sin).float().sum().backward()
@@ -175,7 +211,7 @@ def _block_tflops(dtype: str) -> float:
     return flops / _timed(step) / 1e12
 
 
-def _rank(rank: int, world: int, threads: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, threads: int, port: int, out: str, shape: tuple[int, int] = DEFAULT_SHAPE) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import warnings
 
@@ -206,7 +242,7 @@ def _rank(rank: int, world: int, threads: int, port: int, out: str) -> None:
             sources.append(f"{dtype}: measured, {local['n']}x{local['n']} matmuls")
 
         dist.barrier()
-        block_rate = {dtype: _block_tflops(dtype) for dtype in ("fp32", "bf16", "fp16")}
+        block_rate = {dtype: _block_tflops(dtype, tuple(shape)) for dtype in ("fp32", "bf16", "fp16")}
         step_scale = {
             dtype: min(1.0, (block_rate[dtype] / block_rate["fp32"]) / (peaks[dtype] / peaks["fp32"]))
             for dtype in ("bf16", "fp16")
@@ -244,6 +280,7 @@ def _rank(rank: int, world: int, threads: int, port: int, out: str) -> None:
                         "dispatch_us": dispatch * 1e6,
                         "step_scale": step_scale,
                         "block_tflops": block_rate,
+                        "block_shape": list(shape),
                         "copy_gbps": copy_gbps,
                         "gloo_latency_us": latency_us,
                         "gloo_gbps": min(gbps, 1e4),

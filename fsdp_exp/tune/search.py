@@ -171,10 +171,10 @@ def device_perf(device: "Device", base: "RunConfig", nproc: int) -> tuple["Devic
     if device.perf is not None:
         return device.perf, f"{device.name}: {device.perf.source}", device.name
     from fsdp_exp.env import default_threads
-    from fsdp_exp.tune.probe import cpu_perf, probe_key
+    from fsdp_exp.tune.probe import block_shape, cpu_perf, probe_key
 
     threads = base.trainer.threads_per_rank or default_threads(nproc)
-    perf, entry = cpu_perf(nproc, threads)
+    perf, entry = cpu_perf(nproc, threads, block_shape(base))  # bf16 priced at this model's shapes
     return (
         perf,
         f"this CPU, {nproc} ranks x {threads} threads: {perf.source}; gloo: {perf.intra.source}",
