@@ -18,7 +18,12 @@ work too:
   bf16 block ran 1.07x fp32's rate at width 128, 2.0x at 256, 2.4x at 512 and 3.1x at 1024 (the matmul peaks'
   ratio 3.7-12x), so a probe at one fixed width priced bf16 runs of a width-128 model at twice what they reach
   (issue #34 item 7);
-- the cost of dispatching one small operator (eager CPU: it adds to the work);
+- the cost of one operator as a training step dispatches it (eager CPU: it adds to the work): a Llama block of
+  width 64 at 2 tokens (its arithmetic negligible) forward and backward in fp32, over three times the aten operators
+  its forward dispatches (the step-time model's count: a backward dispatches about twice a forward's). A bare
+  ``torch.add`` on 8 elements, what the probe timed before, costs a few times less than an operator recorded
+  by autograd with its backward, so runs of many small micro-batches were priced too fast; the bare figure is
+  kept in the entry (``bare_dispatch_us``) and the larger of the two is used;
 - memory bandwidth: a 64 MiB copy (read + write traffic), which also stands for offload's copies
   between "host" and "device", here the same memory;
 - gloo's all-gather and reduce-scatter at 1 KiB to 8 MiB: a least-squares line through
@@ -87,8 +92,8 @@ def bounded_shape(width: int, tokens: int) -> tuple[int, int]:
 
 
 def _entry_key(ranks_per_node: int, threads: int, shape: tuple[int, int]) -> str:
-    # "step v3": entries of a fixed-shape block (v2) are measured again at the run's shape
-    return f"{probe_key(ranks_per_node, threads)} | step v3 | block {shape[0]} x {shape[1]} tokens"
+    # "step v4": entries of a fixed-shape block (v2) or of a bare operator's cost (v3) are measured again
+    return f"{probe_key(ranks_per_node, threads)} | step v4 | block {shape[0]} x {shape[1]} tokens"
 
 
 def _read(key: str) -> Optional[dict]:
@@ -184,9 +189,24 @@ def _timed(fn, repeats: int = REPEATS) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _block_tflops(dtype: str, shape: tuple[int, int] = DEFAULT_SHAPE) -> float:
-    """TFLOPS one Llama block (fsdp_exp.models.llama, ``shape``: width, tokens as 2 sequences, heads of 32) reaches
-    forward and backward in ``dtype``, as FSDP's mixed precision runs it (weights and activations in that dtype,
+def _block_rates(dtypes: tuple[str, ...], shape: tuple[int, int], rounds: int = REPEATS) -> dict[str, float]:
+    """TFLOPS of ``_block_step`` per dtype, timed in turn (fp32, bf16, fp16, fp32, ...: a busy moment of the machine
+    falls on every dtype alike, which their ratio, not their level, needs), the median round each."""
+    steps = {dtype: _block_step(dtype, shape) for dtype in dtypes}
+    times: dict[str, list[float]] = {dtype: [] for dtype in dtypes}
+    for step, _ in steps.values():
+        step()  # warm-up
+    for _ in range(rounds):
+        for dtype, (step, _) in steps.items():
+            start = time.perf_counter()
+            step()
+            times[dtype].append(time.perf_counter() - start)
+    return {dtype: flops / sorted(times[dtype])[rounds // 2] / 1e12 for dtype, (_, flops) in steps.items()}
+
+
+def _block_step(dtype: str, shape: tuple[int, int] = DEFAULT_SHAPE):
+    """(one forward and backward of a Llama block, its FLOPs): fsdp_exp.models.llama, ``shape``: width, tokens as 2
+    sequences, heads of 32, in ``dtype`` as FSDP's mixed precision runs it (weights and activations in that dtype,
     the norms in fp32)."""
     import torch
 
@@ -208,7 +228,41 @@ def _block_tflops(dtype: str, shape: tuple[int, int] = DEFAULT_SHAPE) -> float:
 
     matmul = sum(p.numel() for p in block.parameters() if p.dim() == 2)
     flops = 6 * matmul * x.shape[0] * x.shape[1] + 3 * 4 * x.shape[0] * x.shape[1] ** 2 * cfg.dim  # + attention
-    return flops / _timed(step) / 1e12
+    return step, flops
+
+
+def _block_op_seconds(width: int = 64) -> float:
+    """Seconds per operator of a training step (see the module docstring): a Llama block of ``width`` at 2 tokens,
+    fp32, forward and backward, over 3 x its forward's aten operators. Narrow on purpose: wider weights add
+    memory-bound work per weight (their gradients' allocation and accumulation: 44 us an operator at width 256,
+    290 at 1024 here), which the model prices by the bytes, not per operator."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fsdp_exp.config.schema import ModelConfig
+    from fsdp_exp.models import llama
+
+    heads = max(1, width // 32)
+    cfg = ModelConfig(dim=width, n_layers=1, n_heads=heads, n_kv_heads=heads, vocab_size=256, max_seq_len=2)
+    torch.manual_seed(0)
+    block = llama.TransformerBlock(cfg)
+    cos, sin = llama.rope_tables(cfg.dim // cfg.n_heads, 2, cfg.rope_theta)
+    x = torch.randn(1, 2, cfg.dim, requires_grad=True)
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        block(x, cos, sin)
+
+    def step():
+        block(x, cos, sin).sum().backward()
+
+    return _timed(step) / (3 * max(1, Count.ops))
 
 
 def _rank(rank: int, world: int, threads: int, port: int, out: str, shape: tuple[int, int] = DEFAULT_SHAPE) -> None:
@@ -242,7 +296,8 @@ def _rank(rank: int, world: int, threads: int, port: int, out: str, shape: tuple
             sources.append(f"{dtype}: measured, {local['n']}x{local['n']} matmuls")
 
         dist.barrier()
-        block_rate = {dtype: _block_tflops(dtype, tuple(shape)) for dtype in ("fp32", "bf16", "fp16")}
+        # fp32 and bf16 in turn (the ratio tune's precisions hinge on); fp16, tens of times slower on a CPU, alone
+        block_rate = {**_block_rates(("fp32", "bf16"), tuple(shape), 2 * REPEATS + 1), **_block_rates(("fp16",), shape)}
         step_scale = {
             dtype: min(1.0, (block_rate[dtype] / block_rate["fp32"]) / (peaks[dtype] / peaks["fp32"]))
             for dtype in ("bf16", "fp16")
@@ -250,7 +305,9 @@ def _rank(rank: int, world: int, threads: int, port: int, out: str, shape: tuple
 
         a, b, c = torch.ones(8), torch.ones(8), torch.empty(8)
         dist.barrier()
-        dispatch = _timed(lambda: [torch.add(a, b, out=c) for _ in range(2000)]) / 2000
+        bare = _timed(lambda: [torch.add(a, b, out=c) for _ in range(2000)]) / 2000
+        dist.barrier()
+        dispatch = max(bare, _block_op_seconds())
 
         src, dst = torch.ones(16 * 2**20), torch.empty(16 * 2**20)  # 64 MiB
         dist.barrier()
@@ -278,6 +335,7 @@ def _rank(rank: int, world: int, threads: int, port: int, out: str, shape: tuple
                         "peak_tflops": peaks,
                         "peak_source": "; ".join(sources),
                         "dispatch_us": dispatch * 1e6,
+                        "bare_dispatch_us": bare * 1e6,
                         "step_scale": step_scale,
                         "block_tflops": block_rate,
                         "block_shape": list(shape),

@@ -63,6 +63,8 @@ def test_the_cpu_probe_measures_once_then_reads_its_cache():
     assert first.dispatch_us > 0 and first.memory_gbps > 0 and not first.async_dispatch
     # bf16 priced at a Llama block's rate at the probe's shape (the default where no run says), never above its peak
     assert entry["block_shape"] == [256, 256] and 0 < first.dtype_scale["bf16"] <= 1
+    # an operator as a step dispatches it (autograd recorded, its backward too), never below a bare add's cost
+    assert first.dispatch_us == entry["dispatch_us"] >= entry["bare_dispatch_us"] > 0
     again, entry = cpu_perf(2, 1)
     assert entry["how"] == "cached" and "cached" in again.intra.source
     assert (again.peak_tflops, again.intra.latency_us, again.intra.gbps, again.dispatch_us) == (
