@@ -74,6 +74,7 @@ class StepSetting:
     # and whether FSDP2 all-gathers their weights in float8 (``fsdp_exp.parallel.float8``)
     float8_matmuls: tuple = ()
     float8_all_gather: bool = False
+    ep: int = 1  # parallel.ep: each block's routed experts are a nested unit gathered over the efsdp ranks
 
 
 class StepWalk:
@@ -212,7 +213,10 @@ class StepWalk:
 
     def last_gathered(self, i: int) -> int:
         """The all-gather output still held while block i runs forward: the latest unit's up to block i
-        (the root's when no block is a unit, e.g. wrap=none)."""
+        (the root's when no block is a unit, e.g. wrap=none). Under expert parallel the last unit a block
+        gathers is its experts' (after the block's own), whose output is none where ep = shard."""
+        if self.s.ep > 1 and any(self.g.nested[: i + 1]):
+            return self.g.nested_all_gather[max(j for j in range(i + 1) if self.g.nested[j])]
         return next((self.g.own[j] for j in range(i, -1, -1) if self.g.own[j]), self.g.root_numel)
 
     # ------------------------------------------------------------------------------- phases
@@ -247,7 +251,7 @@ class StepWalk:
             )
         for i in range(self.L):
             if not self.checkpointed[i]:
-                in_block = self.full_block + h_alive
+                in_block = self.full_block + h_alive + x.dispatch_forward_peak(e)
             elif self.op_level:
                 in_block = self.act_block[i] + x.op_level_forward_peak(e, self.s.ac_ops) + h_alive
             else:
