@@ -268,7 +268,12 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
             continue
         if prune:  # the same figures, the pipeline's shared; a need over the limit by the forward alone stops there
             peak, need, whole = peak_and_need(
-                candidate.cfg, topology, device_kind=device.kind, margin=opts.margin, over=over_limit
+                candidate.cfg,
+                topology,
+                device_kind=device.kind,
+                margin=opts.margin,
+                over=over_limit,
+                expert_imbalance=opts.expert_imbalance,
             )
             if not whole:
                 w.floor_bytes, w.floor_of, w.fits = need, "its forward's phases", False
@@ -277,7 +282,13 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
                 continue
             w.peak_bytes, w.need_bytes = peak, need
         else:
-            result = plan(candidate.cfg, topology, device_kind=device.kind, margin=opts.margin)
+            result = plan(
+                candidate.cfg,
+                topology,
+                device_kind=device.kind,
+                margin=opts.margin,
+                expert_imbalance=opts.expert_imbalance,
+            )
             w.peak_bytes, w.need_bytes = result.peak["total"], result.per_rank_bytes["total"]
         w.fits = memory_verdict(w.need_bytes, limit, device.kind, budgeted) != "refused"
         if w.fits or candidate.id in opts.extra:  # what cannot run here is timed only when asked for (tune.extra)
