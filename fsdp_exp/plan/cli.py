@@ -223,6 +223,7 @@ def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
         "options": price_options(cfg, result, gpus, kind, margin, imbalance),
         "fit": found,
         "header": header(cfg, result, options.get("device"), overrides),
+        "ep": cfg.parallel.ep,
     }
 
 
@@ -356,6 +357,21 @@ def render_table(result: Plan, overrides: list[str], options: Optional[list[dict
     return table
 
 
+def expert_parallel_lines(result: Plan, options: list[dict], ep: int) -> list[str]:
+    """A mixture of experts: the per-rank need (peak + margin) at each ``parallel.ep`` the run could take, one
+    line each (the option rows' plans), with where each one peaks: what EP saves or costs here."""
+    priced = {int(o["change"].partition("=")[2]): o for o in options if o["change"].startswith("parallel.ep=")}
+    if not priced:
+        return []
+    priced[ep] = {"total_bytes": result.per_rank_bytes["total"], "peak_phase": result.peak["phase"]}
+    unit, scale = ("GiB", GIB) if result.per_rank_bytes["total"] >= GIB else ("MiB", 2**20)
+    return ["expert parallel: the per-rank need (peak + margin) by parallel.ep"] + [
+        f"  ep={n:<3} {priced[n]['total_bytes'] / scale:8.2f} {unit}  peak at {priced[n]['peak_phase']}"
+        + ("  (this plan)" if n == ep else "")
+        for n in sorted(priced)
+    ]
+
+
 def verdict_line(result: Plan) -> Optional[str]:
     dv = result.device
     if not dv:
@@ -401,6 +417,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         line = verdict_line(result)
         if line:
             console.print(line, highlight=False, soft_wrap=True)
+        for line in expert_parallel_lines(result, opts["options"], opts["ep"]):
+            console.print(line, highlight=False, markup=False)
         for line in fit_lines(opts["fit"], result, overrides, argv):
             console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0

@@ -90,3 +90,15 @@ def test_tune_takes_plan_expert_imbalance_and_refuses_a_ratio_below_one():
     assert opts.expert_imbalance == 1.3 and overrides == ["model=moe_tiny"]
     with pytest.raises(ConfigError, match="plan.expert_imbalance=1"):
         split_argv(["plan.expert_imbalance=0.9"])
+
+
+def test_the_plan_of_a_mixture_of_experts_lists_the_need_at_every_ep_the_run_can_take(capsys):
+    from fsdp_exp.plan import main
+
+    assert main([*BASE, "parallel.ep=2"]) == 0
+    out = capsys.readouterr().out
+    lines = out[out.index("expert parallel: the per-rank need") :].splitlines()[1:4]
+    assert [line.split()[0] for line in lines] == ["ep=1", "ep=2", "ep=4"]  # ep=8 divides no 4 ranks: left out
+    assert lines[1].endswith("(this plan)") and "ep=8" not in out
+    needs = {line.split()[0]: float(line.split()[1]) for line in lines}
+    assert needs["ep=1"] > needs["ep=2"] > needs["ep=4"]  # the tiny model's gathered experts shrink with ep
