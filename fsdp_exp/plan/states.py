@@ -242,6 +242,9 @@ class Gathered:
     largest_nested: list[int]
     # elements the largest nested unit all-gathers (0 where its group is one rank: expert parallel with ep = shard)
     nested_all_gather: list[int]
+    # the block's units' elements that go through a reduce-scatter: a nested unit of one rank (expert parallel
+    # with ep = shard) reduces nothing (measured: no reduce-scatter buffer)
+    block_reduced_numel: list[int]
     block_local_bytes: list[int]  # the block's fp32 shards at rest
     root_numel: int  # the root and units that span blocks: gathered throughout
     root_early_numel: int  # root parameters whose gradients come before the blocks' backward
@@ -294,6 +297,15 @@ def _gathered(infos: list[ParamInfo], inventory: Inventory) -> Gathered:
         nested_numel=nested_numel,
         block_numel=[own[j] + sum(nested_numel[j]) for j in range(n)],
         largest_nested=[max(sizes, default=0) for sizes in nested_numel],
+        block_reduced_numel=[
+            own[j]
+            + sum(
+                size
+                for u, size in zip(nested[j], nested_numel[j])
+                if any(i.group > 1 for i in block_units[j] if i.unit == u)
+            )
+            for j in range(n)
+        ],
         nested_all_gather=[
             max(
                 (

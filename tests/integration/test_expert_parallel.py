@@ -111,14 +111,17 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     results, memory = {}, {}
     for precision, ep in CASES:
         cfg = run_config([*OVERRIDES, f"precision={precision}", f"parallel.ep={ep}"])
-        tracked = memory.setdefault((1, ep), {}) if precision == "fp32" else None  # 1 shared expert
+        tracked = memory.setdefault(("shared-expert", ep), {}) if precision == "fp32" else None
         results[(precision, ep)] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), memory=tracked)
     cfg = run_config([*OVERRIDES, *HYBRID_AC, "parallel.ep=2"])
-    results[("fp32", "hybrid+ac")] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"))
+    memory[("hybrid+ac", 2)] = {}
+    results[("fp32", "hybrid+ac")] = _train(
+        cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), memory=memory[("hybrid+ac", 2)]
+    )
     for ep in (1, 2, 4):  # without a shared expert: the tracked step only
         cfg = run_config([*OVERRIDES, "model.n_shared_experts=0", f"parallel.ep={ep}"])
-        memory[(0, ep)] = {}
-        _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), TRACKED_STEP + 1, memory[(0, ep)])
+        memory[("routed-only", ep)] = {}
+        _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), TRACKED_STEP + 1, memory[("routed-only", ep)])
     every_rank = [None] * world
     dist.all_gather_object(every_rank, memory)
     results["memory"] = every_rank
@@ -159,9 +162,17 @@ def test_expert_parallel_gives_fsdp_alones_losses_and_expert_gradients(trained, 
 PLAN_TOLERANCE = 0.05
 
 
+# (layout, the overrides beyond OVERRIDES, the eps tracked)
+PLANNED = [
+    ("shared-expert", [], (1, 2, 4)),
+    ("routed-only", ["model.n_shared_experts=0"], (1, 2, 4)),
+    ("hybrid+ac", HYBRID_AC, (2,)),  # ep = the shard ranks: the experts' unit gathers and reduces nothing
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("shared", [1, 0], ids=["shared-expert", "routed-only"])
-def test_the_planner_is_within_5_percent_of_torchs_tracker_at_ep_1_2_and_4(trained, shared):
+@pytest.mark.parametrize("layout,extra,eps", PLANNED, ids=[p[0] for p in PLANNED])
+def test_the_planner_is_within_5_percent_of_torchs_tracker_at_ep_1_2_and_4(trained, layout, extra, eps):
     """The plan of each layout (balanced routing, plan.expert_imbalance=1: the tiny router at its initial weights
     is close to it) against the tracked step's peaks on the largest rank: the whole step's and each stage's."""
     from conftest import run_config
@@ -169,16 +180,15 @@ def test_the_planner_is_within_5_percent_of_torchs_tracker_at_ep_1_2_and_4(train
     from fsdp_exp.preflight import validate
 
     errors = {}
-    for ep in (1, 2, 4):
-        ranks = [memory[(shared, ep)] for memory in trained["memory"]]
-        overrides = [*OVERRIDES, f"model.n_shared_experts={shared}", f"parallel.ep={ep}"]
-        cfg = run_config(overrides)
+    for ep in eps:
+        ranks = [memory[(layout, ep)] for memory in trained["memory"]]
+        cfg = run_config([*OVERRIDES, *extra, f"parallel.ep={ep}"])
         planned = plan(cfg, validate(cfg, cuda_devices=0))
         for part in ("step", *PHASES):
             measured = max(r[part]["total"] for r in ranks)
             predicted = planned.peak["total"] if part == "step" else planned.stage_peaks[part]["total"]
             errors[(ep, part)] = predicted / measured - 1
-    print(f"planner vs tracker, shared={shared}: " + ", ".join(f"ep{e} {p} {v:+.1%}" for (e, p), v in errors.items()))
+    print(f"planner vs tracker, {layout}: " + ", ".join(f"ep{e} {p} {v:+.1%}" for (e, p), v in errors.items()))
     assert all(abs(v) < PLAN_TOLERANCE for v in errors.values()), errors
 
 
