@@ -140,6 +140,7 @@ def price_options(
                 "saves_bytes": result.per_rank_bytes["total"] - other.per_rank_bytes["total"],
                 "total_bytes": other.per_rank_bytes["total"],
                 "peak_phase": other.peak["phase"],
+                "stage_peak_bytes": {stage: ph["total"] for stage, ph in other.stage_peaks.items()},
             }
         )
     return sorted(priced, key=lambda o: -o["saves_bytes"])
@@ -363,13 +364,21 @@ def expert_parallel_lines(result: Plan, options: list[dict], ep: int) -> list[st
     priced = {int(o["change"].partition("=")[2]): o for o in options if o["change"].startswith("parallel.ep=")}
     if not priced:
         return []
-    priced[ep] = {"total_bytes": result.per_rank_bytes["total"], "peak_phase": result.peak["phase"]}
+    priced[ep] = {
+        "total_bytes": result.per_rank_bytes["total"],
+        "peak_phase": result.peak["phase"],
+        "stage_peak_bytes": {stage: ph["total"] for stage, ph in result.stage_peaks.items()},
+    }
     unit, scale = ("GiB", GIB) if result.per_rank_bytes["total"] >= GIB else ("MiB", 2**20)
-    return ["expert parallel: the per-rank need (peak + margin) by parallel.ep"] + [
-        f"  ep={n:<3} {priced[n]['total_bytes'] / scale:8.2f} {unit}  peak at {priced[n]['peak_phase']}"
-        + ("  (this plan)" if n == ep else "")
-        for n in sorted(priced)
-    ]
+    lines = [f"expert parallel by parallel.ep, {unit} per rank: the need (peak + margin), the stages' peaks"]
+    for n in sorted(priced):
+        o, stages = priced[n], priced[n]["stage_peak_bytes"]
+        lines.append(
+            f"  ep={n:<3} need {o['total_bytes'] / scale:7.2f} at {o['peak_phase']:<18}"
+            + " ".join(f"{stage} {stages[stage] / scale:.2f}" for stage in ("forward", "backward"))
+            + ("  (this plan)" if n == ep else "")
+        )
+    return lines
 
 
 def verdict_line(result: Plan) -> Optional[str]:

@@ -97,8 +97,8 @@ def test_the_plan_of_a_mixture_of_experts_lists_the_need_at_every_ep_the_run_can
 
     assert main([*BASE, "parallel.ep=2"]) == 0
     out = capsys.readouterr().out
-    lines = out[out.index("expert parallel: the per-rank need") :].splitlines()[1:4]
+    lines = out[out.index("expert parallel by parallel.ep") :].splitlines()[1:4]
     assert [line.split()[0] for line in lines] == ["ep=1", "ep=2", "ep=4"]  # ep=8 divides no 4 ranks: left out
     assert lines[1].endswith("(this plan)") and "ep=8" not in out
-    needs = {line.split()[0]: float(line.split()[1]) for line in lines}
+    needs = {line.split()[0]: float(line.split()[2]) for line in lines}
     assert needs["ep=1"] > needs["ep=2"] > needs["ep=4"]  # the tiny model's gathered experts shrink with ep
