@@ -422,7 +422,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         console = Console(width=terminal_width())
         overrides = split_argv(argv)[1]
         console.print(opts["header"], highlight=False, markup=False, soft_wrap=True)
-        console.print(render_table(result, overrides, opts["options"]))
+        # the ep variants have their own lines below the table (``expert_parallel_lines``)
+        rows = [o for o in opts["options"] if not o["change"].startswith("parallel.ep=")]
+        console.print(render_table(result, overrides, rows))
         line = verdict_line(result)
         if line:
             console.print(line, highlight=False, soft_wrap=True)
