@@ -44,9 +44,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(cfg, topology, device, steps=STEPS, memory=None) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+def _train(
+    cfg, topology, device, steps=STEPS, memory=None, favoured=None
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """``steps`` steps of fsdp_exp's recipe: each step's loss (mean over ranks) and its expert gradients, whole.
-    ``memory``: a dict that gets this rank's tracked breakdown of step ``TRACKED_STEP`` (by phase, in bytes)."""
+    ``memory``: a dict that gets this rank's tracked breakdown of step ``TRACKED_STEP`` (by phase, in bytes), and
+    the routed copies' max / mean per expert of that step (``imbalance``). ``favoured``: an expert every token
+    picks (its router bias set far above the scores'), for an imbalanced run."""
     import contextlib
 
     import torch.distributed as dist
@@ -57,6 +61,7 @@ def _train(cfg, topology, device, steps=STEPS, memory=None) -> tuple[list[float]
 
     from fsdp_exp.models import build_meta, canonical_name, matrix_parameter_names
     from fsdp_exp.models.loss import mean_cross_entropy
+    from fsdp_exp.models.moe import moe_layers
     from fsdp_exp.parallel import parallelize
     from fsdp_exp.parallel.mesh import build_mesh
 
@@ -64,6 +69,11 @@ def _train(cfg, topology, device, steps=STEPS, memory=None) -> tuple[list[float]
     meta = build_meta(cfg.model)
     parallel = parallelize(meta, cfg, mesh, device)
     optimizer = parallel.build_optimizer(matrix_parameter_names(meta))
+    layers = moe_layers(parallel.model)
+    if favoured is not None:
+        with torch.no_grad():
+            for layer in layers:
+                layer.router.expert_bias[favoured] = 10.0
     rank = dist.get_rank()
     losses, grads = [], []
     for step in range(steps):
@@ -84,6 +94,11 @@ def _train(cfg, topology, device, steps=STEPS, memory=None) -> tuple[list[float]
                 parallel.optimizer_step(optimizer, None, float("inf"))
         if tracker:
             memory.update(tracker.breakdown())
+            loads = torch.stack([layer.tokens_per_expert for layer in layers])
+            dist.all_reduce(loads)
+            memory["imbalance"] = (loads.max(-1).values / loads.mean(-1)).max().item()
+        for layer in layers:
+            layer.reset_counts()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
@@ -122,6 +137,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         cfg = run_config([*OVERRIDES, "model.n_shared_experts=0", f"parallel.ep={ep}"])
         memory[("routed-only", ep)] = {}
         _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), TRACKED_STEP + 1, memory[("routed-only", ep)])
+    # Imbalanced: every token's first pick is expert 0 (4x the mean per expert), with ep=2 over FSDP2.
+    cfg = run_config([*OVERRIDES, "parallel.ep=2"])
+    memory[("imbalanced", 2)] = {}
+    _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), TRACKED_STEP + 1, memory[("imbalanced", 2)], 0)
     every_rank = [None] * world
     dist.all_gather_object(every_rank, memory)
     results["memory"] = every_rank
@@ -167,6 +186,7 @@ PLANNED = [
     ("shared-expert", [], (1, 2, 4)),
     ("routed-only", ["model.n_shared_experts=0"], (1, 2, 4)),
     ("hybrid+ac", HYBRID_AC, (2,)),  # ep = the shard ranks: the experts' unit gathers and reduces nothing
+    ("imbalanced", [], (2,)),  # planned at the imbalance the run measured (4: every token picks expert 0)
 ]
 
 
@@ -183,12 +203,21 @@ def test_the_planner_is_within_5_percent_of_torchs_tracker_at_ep_1_2_and_4(train
     for ep in eps:
         ranks = [memory[(layout, ep)] for memory in trained["memory"]]
         cfg = run_config([*OVERRIDES, *extra, f"parallel.ep={ep}"])
-        planned = plan(cfg, validate(cfg, cuda_devices=0))
+        imbalance = max(r["imbalance"] for r in ranks) if layout == "imbalanced" else 1.0
+        if layout == "imbalanced":
+            assert imbalance == 4.0  # every token's first pick: 1 of its 2 copies, to 1 of 8 experts
+        planned = plan(cfg, validate(cfg, cuda_devices=0), expert_imbalance=imbalance)
         for part in ("step", *PHASES):
             measured = max(r[part]["total"] for r in ranks)
             predicted = planned.peak["total"] if part == "step" else planned.stage_peaks[part]["total"]
             errors[(ep, part)] = predicted / measured - 1
+    if layout == "imbalanced":  # what planning it as balanced would have said of the step
+        balanced = plan(cfg, validate(cfg, cuda_devices=0)).peak["total"]
+        errors[(2, "step planned balanced")] = balanced / max(r["step"]["total"] for r in ranks) - 1
     print(f"planner vs tracker, {layout}: " + ", ".join(f"ep{e} {p} {v:+.1%}" for (e, p), v in errors.items()))
+    balanced = errors.pop((2, "step planned balanced"), None)
+    if balanced is not None:  # the measured imbalance brings the plan nearer than the balanced assumption
+        assert abs(errors[(2, "step")]) < abs(balanced), errors
     assert all(abs(v) < PLAN_TOLERANCE for v in errors.values()), errors
 
 

@@ -66,7 +66,11 @@ def test_an_imbalanced_router_costs_the_busiest_rank_received_copies_under_ep_on
     from fsdp_exp.plan.activations import profile_for
 
     cfg = run_config(BASE).model
-    for ep, imbalance, received in ((1, 2.0, 128), (2, 1.0, 128), (2, 1.5, 192), (2, 3.0, 256), (4, 3.0, 384)):
+    # 64 tokens x top-2 = 128 copies a rank. ep=2: 4 experts a rank; the busiest at 4x the mean (every token's
+    # first pick), the other 7 sharing the rest: (4 + 3 x 4/7) / 4 x 128 = 182.9. Every copy to one expert: the
+    # whole EP group's copies (2 x 128, 4 x 128) go to its rank.
+    cases = ((1, 2.0, 128), (2, 1.0, 128), (2, 4.0, 183), (2, 8.0, 256), (4, 8.0, 512), (2, 20.0, 256))
+    for ep, imbalance, received in cases:
         assert profile_for(cfg, 2, 32, 1, False, ep=ep, imbalance=imbalance).received == received
     assert _plan("parallel.ep=1", imbalance=2.0).peak == _plan("parallel.ep=1").peak
     balanced, skewed = _plan("parallel.ep=2").peak["total"], _plan("parallel.ep=2", imbalance=1.5).peak["total"]

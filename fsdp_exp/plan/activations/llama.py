@@ -71,12 +71,15 @@ class LlamaActivations(TokenCounts):
     @property
     def received(self) -> int:
         """Routed copies this rank's experts compute. Without expert parallel its own (every expert is here,
-        so the balance changes nothing); with it, what the EP group sends its experts/ep experts: the mean is
-        its own copies' count, and a rank holding the busiest expert gets up to ``imbalance`` x that (a
-        rank's load is at most its hottest expert's ratio to the mean), never more than the whole group's."""
-        if self.ep == 1:
+        so the balance changes nothing). With it, what the EP group sends its experts/ep experts: on average
+        its own count; at the busiest rank, the busiest expert at ``imbalance`` x the mean per expert and the
+        rest sharing what is left evenly (so ep = n_experts receives ``imbalance`` x its own, and an imbalance
+        of n_experts, every copy to one expert, sends that rank the whole group's)."""
+        if self.ep == 1 or not self.experts:
             return self.routed
-        return math.ceil(self.routed * min(self.imbalance, self.ep))
+        f, per_rank = min(self.imbalance, self.experts), self.local_experts
+        others = (self.experts - f) / (self.experts - 1) if self.experts > 1 else 0.0
+        return math.ceil(self.routed * (f + (per_rank - 1) * others) / per_rank)
 
     def residual(self, e: int) -> int:
         return e * self.tokens * self.d // self.sp
