@@ -55,7 +55,8 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
 - overlap: collectives that a prefetch or the backward's bucketing can run ahead of need are hidden
   behind the phase's compute, up to ``overlap`` of the smaller of the two; the first unit's all-gather
   and the last unit's reduction always wait. Forward prefetch off (``prefetch.forward=0``) exposes the
-  forward's all-gathers, backward prefetch off (``prefetch.backward=0``) the backward's re-gathers. A
+  forward's all-gathers, backward prefetch off (``prefetch.backward=0``) or issued after the unit's gradients
+  (FSDP1's ``prefetch.backward_timing=post``) the backward's re-gathers. A
   deeper prefetch hides no more in steady state (it costs memory; the planner counts that);
 - the step = forward + backward of every micro-batch + the optimizer step + ``step_overhead_ms`` + the
   tiny all-reduces.
@@ -184,6 +185,14 @@ def _group_nodes(stride: int, size: int, ranks_per_node: int) -> int:
 _LAYOUTS: dict[tuple, tuple[list[float], int, int]] = {}
 
 
+def backward_prefetch_hides(cfg: "RunConfig") -> bool:
+    """Whether the backward's re-gathers can run ahead of the units that need them. Not without backward prefetch
+    (``prefetch.backward=0``), nor under FSDP1's ``BACKWARD_POST`` (``prefetch.backward_timing=post``): that
+    prefetch is issued from the unit's post-backward hook, once its gradients are computed, so the previous unit's
+    all-gather starts with no compute of its unit left to hide behind (``BACKWARD_PRE`` issues it before)."""
+    return cfg.prefetch.backward != 0 and cfg.prefetch.backward_timing != "post"
+
+
 def _units(cfg: "RunConfig", rules, shard: int, tp: int) -> tuple[list[float], int, int]:
     """(each unit's gathered elements, this rank's local elements, parameter tensors), cached per layout."""
     from fsdp_exp.models import spec_for
@@ -297,7 +306,7 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
                         G * regathered,
                         G * gathered * share,
                         "backward",
-                        cfg.prefetch.backward != 0,
+                        backward_prefetch_hides(cfg),
                     )
                 )
             traffic.append(
