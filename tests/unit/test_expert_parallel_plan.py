@@ -106,3 +106,15 @@ def test_the_plan_of_a_mixture_of_experts_lists_the_need_at_every_ep_the_run_can
     assert lines[1].endswith("(this plan)") and "ep=8" not in out
     needs = {line.split()[0]: float(line.split()[2]) for line in lines}
     assert needs["ep=1"] > needs["ep=2"] > needs["ep=4"]  # the tiny model's gathered experts shrink with ep
+
+
+def test_the_fit_search_tries_expert_parallel_for_a_mixture_of_experts_only():
+    from fsdp_exp.plan.fit import _dimensions
+
+    def tried(overrides):
+        dims = _dimensions(run_config(overrides), lambda group, option: None, 4)
+        return [value[0] for dim in dims for value in dim if value[0].startswith("parallel.ep=")]
+
+    assert tried(BASE) == ["parallel.ep=2", "parallel.ep=4"]  # the divisors of 4 data-parallel ranks
+    assert tried([*BASE, "parallel.ep=2"]) == []  # the run's own choice stands
+    assert tried(["model=llama_tiny", *TINY_BATCH]) == []
