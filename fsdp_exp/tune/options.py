@@ -29,6 +29,7 @@ SPACE_DIMENSIONS = (
     "pp_schedule",
     "cp",
     "cp_method",
+    "ep",
 )
 
 OPTIONS = {
