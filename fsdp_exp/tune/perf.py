@@ -786,6 +786,8 @@ def traffic_seconds(t: Traffic, perf: "DevicePerf", ranks_per_node: int) -> floa
     node's cards carry the group's traffic together; a group holding r of a node's ranks shares them with the
     node's other groups (r / ranks-per-node of the node's rate), and no rank moves faster than its NVLink. The
     ring's latency: a step per rank within the nodes and a network hop per node."""
+    if t.kind == "all-to-all" and t.nodes > 1:
+        return all_to_all_seconds(t, perf, ranks_per_node)
     if t.nodes <= 1 or not perf.inter.per_node:
         link = _link(perf, t.nodes)
         return collective_seconds(t.kind, t.ranks, t.bytes, t.count, link.latency_us, link.gbps)
@@ -798,6 +800,22 @@ def traffic_seconds(t: Traffic, perf: "DevicePerf", ranks_per_node: int) -> floa
     rounds = 2 if t.kind == "all-reduce" else 1
     latency = (t.ranks - t.nodes) * perf.intra.latency_us + t.nodes * perf.inter.latency_us
     return rounds * (t.count * latency * 1e-6 + (t.ranks - 1) / t.ranks * t.bytes / (gbps * 1e9))
+
+
+def all_to_all_seconds(t: Traffic, perf: "DevicePerf", ranks_per_node: int) -> float:
+    """An all-to-all over several nodes is no ring: each rank sends 1/n of its bytes to every other rank at once,
+    (local - 1)/n of them over the node's links and (n - local)/n over the network, where every rank of the node
+    sends its share at the same time (the node's other groups too): a network given per node gives each rank
+    1/ranks-per-node of it. The two parts run at once; the latency is a step per peer, over the node's links or
+    the network as the peer sits. (Inside one node it is the ring formula's (n-1) x latency + (n-1)/n x bytes /
+    bandwidth, which ``collective_seconds`` gives.)"""
+    n, nodes = t.ranks, t.nodes
+    local = max(1, n // nodes)
+    network = perf.inter.gbps / ranks_per_node if perf.inter.per_node else perf.inter.gbps
+    inside = (local - 1) / n * t.bytes / (perf.intra.gbps * 1e9)
+    outside = (n - local) / n * t.bytes / (network * 1e9)
+    latency = (local - 1) * perf.intra.latency_us + (n - local) * perf.inter.latency_us
+    return t.count * latency * 1e-6 + max(inside, outside)
 
 
 def unit_seconds(costs: StepCosts, perf: "DevicePerf") -> float:

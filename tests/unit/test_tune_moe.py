@@ -110,6 +110,10 @@ def test_an_ep_group_over_the_network_costs_more_than_one_inside_a_node():
         timing(across, H100).comm["expert all-to-all (forward)"]
         > timing(inside, H100).comm["expert all-to-all (forward)"]
     )
+    # no ring: half of each rank's copies cross the network at once with the node's other 3 ranks' halves
+    network = H100.inter.gbps / 4 * 1e9
+    expected = b.count * (3 * H100.intra.latency_us + 4 * H100.inter.latency_us) * 1e-6 + 4 / 8 * b.bytes / network
+    assert traffic_seconds(b, H100, 4) == pytest.approx(expected)
     # ep=4 on the two-node cluster stays inside a node (the group's ranks are consecutive)
     assert (
         _purpose(
