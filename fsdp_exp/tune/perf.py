@@ -24,7 +24,14 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
     moving (cp-1)/cp of the local tensor, on the critical path; ``ring``: cp-1 passes of the local keys and
     values per layer in forward, twice that in backward (the gradients travel too), overlapped with
     attention's own compute: only what attention does not cover is exposed;
+  - a mixture of experts under expert parallel (``parallel.ep``, fsdp_exp/parallel/expert.py): per MoE layer and
+    micro-batch two all-to-alls of the routed copies in forward (dispatch, combine), two in backward and two more
+    per block activation checkpointing recomputes, on the critical path, over the ep consecutive ranks (NVLink
+    while ep <= nproc_per_node); the experts' all-gathers and reduce-scatters over efsdp = shard / ep ranks, 1/ep
+    of the experts each (the dense units keep the shard group);
   - two tiny all-reduces per step over the world (the loss statistics and the gradient norm).
+- **the routed experts** (``expert_costs``): their grouped matmuls by tokens per expert (T x k / E, ep times that
+  under EP), the most loaded EP rank's share of the copies (``rank_load`` of ``expert_imbalance``).
 - **offload** (``offload=params`` where the backend offloads): each all-gather first copies the unit's
   fp32 shard from the host, the gradient shards go back once per step, and AdamW steps on the host.
   ``offload=optimizer`` (DeepSpeed's offload_optimizer): the parameters stay on the device; each reduction's
@@ -40,7 +47,8 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
   matmuls by shape at ``efficiency`` (less ``gemm_half_dim``'s penalty, never faster than their operands'
   bytes allow), attention as a causal fused kernel does it (half the counted square; 2.5 x in backward) at
   ``attention_efficiency``, the memory-bound operators and the loss's logits by their bytes at
-  ``memory_efficiency`` of the memory's bandwidth, backward twice the matmuls and bytes, and the share of
+  ``memory_efficiency`` of the memory's bandwidth, the experts' grouped matmuls at m / (m + h) of the rate with m
+  tokens per expert (``grouped_seconds``; on a CPU too), backward twice the matmuls and bytes, and the share of
   the forward that activation checkpointing runs again. Under ``precision=float8`` the linears torchao
   converts run at the FP8 peak x ``fp8_efficiency`` (operands 1 byte) and their casts add memory-bound bytes
   (``float8_costs``; a GPU without an FP8 peak refuses, unless emulated). On a CPU: FLOPs / (peak of
@@ -50,7 +58,8 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
   ``(n-1) x latency + (n-1)/n x bytes / bandwidth``, an all-reduce twice that; the link is the node's
   (``intra``) when the group stays in one node, else the network's (``inter``): a network given per node
   (a GPU's) carries the group's traffic over all of the node's cards, shared with the node's other groups
-  (``traffic_seconds``);
+  (``traffic_seconds``); an all-to-all across nodes is no ring: each rank's off-node share crosses the network at
+  once with the node's other ranks' (``all_to_all_seconds``);
 - the sharding backend's software: ``unit_us`` (by parameter layout) per gathered unit and collective;
 - overlap: collectives that a prefetch or the backward's bucketing can run ahead of need are hidden
   behind the phase's compute, up to ``overlap`` of the smaller of the two; the first unit's all-gather
