@@ -30,6 +30,7 @@ SPACE_DIMENSIONS = (
     "pp_schedule",
     "cp",
     "cp_method",
+    "ep",
 )
 
 OPTIONS = {

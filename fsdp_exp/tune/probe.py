@@ -86,7 +86,7 @@ def cpu_probe(ranks_per_node: int, threads: int) -> dict:
 
 def cpu_perf(ranks_per_node: int, threads: int):
     """(``DevicePerf`` of this CPU host for that layout, the probe's entry)."""
-    from fsdp_exp.plan.devices import DevicePerf, Link
+    from fsdp_exp.plan.devices import GROUPED_HALF_TOKENS_CPU, DevicePerf, Link
 
     entry = cpu_probe(ranks_per_node, threads)
     where = f"{entry['how']}, {cache_path()} [{entry.get('key', '')}]"
@@ -110,6 +110,7 @@ def cpu_perf(ranks_per_node: int, threads: int):
         dtype_scale=entry.get("step_scale", {}),
         async_dispatch=False,
         step_overhead_ms=CPU_STEP_OVERHEAD_MS,
+        grouped_gemm_half_tokens=GROUPED_HALF_TOKENS_CPU,
         source=f"matmul peak per rank, all ranks at once ({entry['peak_source']}); memory: 64 MiB copies ({where})",
     )
     return perf, entry
