@@ -45,3 +45,12 @@ def test_tune_weighs_ep_for_moe_tiny_with_fsdp2_only_and_names_it_in_labels_and_
     assert recommend(tuning, argv)["command"] == run_command(tuning, tuning.ranked[0])
     exhaustive = weigh(overrides, opts, prune=False)
     assert [w.candidate.id for w in exhaustive.ranked] == [w.candidate.id for w in tuning.ranked]
+    # plan.expert_imbalance reaches the step-time model as it reaches the plans: under EP the busiest rank sets
+    # the pace, so every ep > 1 candidate is predicted slower; at ep=1 each rank runs every expert, unchanged.
+    skewed_opts, _ = split_argv([*argv, "plan.expert_imbalance=3"])
+    skewed = {w.candidate.id: w for w in weigh(overrides, skewed_opts).candidates}
+    timed = [w for w in tuning.candidates if w.prediction and skewed[w.candidate.id].prediction]
+    assert {w.candidate.cfg.parallel.ep for w in timed} == {1, 2, 4}
+    for w in timed:
+        before, after = w.prediction.tokens_per_s, skewed[w.candidate.id].prediction.tokens_per_s
+        assert after < before if w.candidate.cfg.parallel.ep > 1 else after == before, w.candidate.choices
