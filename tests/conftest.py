@@ -214,10 +214,17 @@ def run_experiment(overrides: list[str], run_dir: Path) -> dict:
     from fsdp_exp.context import Labels
     from fsdp_exp.launch import launch
 
+    from omegaconf import open_dict, read_write
+
+    from fsdp_exp.config import to_run_config
+
     overrides = [*overrides, *QUIET]
     cfg = compose_config(overrides, return_hydra_config=True)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
-    return launch(run_config(overrides), Path(run_dir), Labels(overrides=tuple(overrides), choices=choices))
+    # what hydra.main hands fsdp_exp's entry point: the same composition less its hydra node (one composition)
+    with read_write(cfg), open_dict(cfg):
+        del cfg["hydra"]
+    return launch(to_run_config(cfg), Path(run_dir), Labels(overrides=tuple(overrides), choices=choices))
 
 
 # Qwen2 (transformers) shrunk to 4 layers of width 64 and a vocabulary of 256: the pipeline tests' HF model.
