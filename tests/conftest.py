@@ -84,13 +84,49 @@ def compose_config(overrides: list[str], return_hydra_config: bool = False):
     return copy.deepcopy(_composed(tuple(overrides)))  # a copy: callers may change theirs
 
 
+# FSDP_EXP_TESTS_COMPOSE=hydra: every composition is Hydra's own compose() of the whole override list (to check
+# that the split below changes no test's outcome: tests/README.md).
+WHOLE_COMPOSE = os.environ.get("FSDP_EXP_TESTS_COMPOSE") == "hydra"
+
+
 @functools.cache
 def _composed(overrides: tuple[str, ...]):
-    """Hydra's composition of these overrides, once per session (~0.15 s each; the quick tier asks for some
-    a few times). It cannot change meanwhile: conf/ and the registered schema are fixed, and composing
-    resolves no interpolation. A refused composition raises each time (exceptions are not cached)."""
+    """What Hydra composes from these overrides, once per session (~0.15 s a composition; the quick tier asks
+    for some 360, most differing from another only in values). It cannot change meanwhile: conf/ and the
+    registered schema are fixed, and composing resolves no interpolation. A refused composition raises each
+    time (exceptions are not cached).
+
+    Hydra composes in two steps: the config-group choices build the defaults list, whose configs it merges
+    (the cost); then it sets the value overrides (``key=value``, ``+key=value``, ``~key``) on the merged,
+    struct-mode config in order (``ConfigLoaderImpl._apply_overrides_to_config``). The group choices alone
+    decide the first step, so its result is cached by them and the second step is Hydra's own function run on
+    a copy: 360 compositions become ~120. Which override is a group choice is Hydra's test
+    (``defaults_list.Overrides``); overrides of the hydra node (a search path changes the groups) and sweeps
+    take the whole composition."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import OmegaConfBaseException
+
     with initialize_config_module(config_module="fsdp_exp.conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+        if WHOLE_COMPOSE:
+            return compose(config_name="config", overrides=list(overrides))
+        parsed = OverridesParser.create().parse_overrides(overrides=list(overrides))
+        if any(o.is_hydra_override() or o.is_sweep_override() for o in parsed):
+            return compose(config_name="config", overrides=list(overrides))
+        repo = GlobalHydra.instance().config_loader().repository
+        is_value = [isinstance(o.value(), dict) or not repo.group_exists(o.key_or_group) for o in parsed]
+        if not any(is_value):
+            return compose(config_name="config", overrides=list(overrides))
+        choices = tuple(o.input_line for o, value in zip(parsed, is_value) if not value)
+        values = [o for o, value in zip(parsed, is_value) if value]
+    cfg = copy.deepcopy(_composed(choices))
+    try:  # as Hydra's load_configuration reports an OmegaConf error while composing
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigCompositionException().with_traceback(err.__traceback__) from err
+    return cfg
 
 
 def run_config(overrides: list[str]):
@@ -178,10 +214,17 @@ def run_experiment(overrides: list[str], run_dir: Path) -> dict:
     from fsdp_exp.context import Labels
     from fsdp_exp.launch import launch
 
+    from omegaconf import open_dict, read_write
+
+    from fsdp_exp.config import to_run_config
+
     overrides = [*overrides, *QUIET]
     cfg = compose_config(overrides, return_hydra_config=True)
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
-    return launch(run_config(overrides), Path(run_dir), Labels(overrides=tuple(overrides), choices=choices))
+    # what hydra.main hands fsdp_exp's entry point: the same composition less its hydra node (one composition)
+    with read_write(cfg), open_dict(cfg):
+        del cfg["hydra"]
+    return launch(to_run_config(cfg), Path(run_dir), Labels(overrides=tuple(overrides), choices=choices))
 
 
 # Qwen2 (transformers) shrunk to 4 layers of width 64 and a vocabulary of 256: the pipeline tests' HF model.

@@ -117,6 +117,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_top_k
         self.aux_loss_coef, self.capacity_factor = cfg.aux_loss_coef, cfg.capacity_factor
+        self.aux_loss_weight = 1.0  # the share of the step's loss one forward carries (reset_routing_counts)
         self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_top_k, cfg.router_score, cfg.router_renormalize)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, moe_hidden_dim(cfg, ffn_hidden))
         self.shared_experts = shared  # always-on experts, one SwiGLU of n_shared_experts x the experts' width
@@ -163,7 +164,8 @@ class MoE(nn.Module):
         aux = self.balance_loss(scores, counts)
         self._count(counts, kept, aux)
         if aux is not None and torch.is_grad_enabled():
-            y = AuxLossGradient.apply(y, aux)
+            # weighted as the training loss is: each of a step's micro-batches carries 1/micro-batches of it
+            y = AuxLossGradient.apply(y, aux * self.aux_loss_weight)
         return y.reshape(shape)
 
     def balance_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> Optional[torch.Tensor]:
@@ -196,10 +198,13 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def reset_routing_counts(model: nn.Module) -> None:
-    """Start a step's counts (the trainer, before each step): loads, drops and aux losses are per step."""
+def reset_routing_counts(model: nn.Module, micro_batches: int = 1) -> None:
+    """Start a step's counts (the trainer, before each step): loads, drops and aux losses are per step. The
+    step's ``micro_batches`` each carry 1/micro_batches of the aux loss's gradient, as the trainer divides the
+    cross-entropy of each: the balance's weight against the loss does not grow with gradient accumulation."""
     for m in moe_layers(model):
         m.reset_counts()
+        m.aux_loss_weight = 1.0 / micro_batches
 
 
 def routing_counts(model: nn.Module) -> Optional[torch.Tensor]:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 EXIT_BAD_INPUT = EXIT_BAD_CONFIG
 
-PLAN_OPTIONS = ("plan.format", "plan.device", "plan.margin")
+PLAN_OPTIONS = ("plan.format", "plan.device", "plan.margin", "plan.expert_imbalance")
 
 
 class PlanOptionError(ValueError):
@@ -47,7 +47,8 @@ def split_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:
                 known = ", ".join(o + "=..." for o in PLAN_OPTIONS)
                 raise PlanOptionError(
                     f"{arg!r} is not a planner option ({known}).\n"
-                    "  fix: pass plan.format=table|json, plan.device=<name>, plan.margin=<fraction>"
+                    "  fix: pass plan.format=table|json, plan.device=<name>, plan.margin=<fraction>, "
+                    "plan.expert_imbalance=<max/mean>"
                 )
             options[key.removeprefix("plan.")] = value
         else:
@@ -92,11 +93,27 @@ def memory_options(cfg: "RunConfig", loss_chunks: int) -> list[str]:
 
         resolved = backend_for(cfg).grad_sync(cfg)
         changes += [f"trainer.grad_sync={rule}" for rule in (EVERY_MICRO_BATCH, LAST_MICRO_BATCH) if rule != resolved]
-    return changes + list(MEMORY_OPTIONS)
+    return changes + list(MEMORY_OPTIONS) + expert_parallel_options(cfg)
+
+
+def expert_parallel_options(cfg: "RunConfig") -> list[str]:
+    """A mixture of experts: every other ``parallel.ep`` (powers of two; those the run cannot take, by preflight's
+    checks, drop out when they are planned), so that the table shows what expert parallel saves or costs."""
+    if not getattr(cfg.model, "n_experts", 0):
+        return []
+    return [f"parallel.ep={ep}" for ep in EP_VALUES if ep != cfg.parallel.ep]
+
+
+EP_VALUES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def price_options(
-    cfg: "RunConfig", result: Plan, cuda_devices: int, device_kind: Optional[str], margin: Optional[float]
+    cfg: "RunConfig",
+    result: Plan,
+    cuda_devices: int,
+    device_kind: Optional[str],
+    margin: Optional[float],
+    imbalance: float = 1.0,
 ) -> list[dict]:
     """What each memory option would change of the per-rank need (peak + margin), by planning the variant:
     [{"change", "saves_bytes" (negative: costs; 0: the peak lies elsewhere), "total_bytes", "peak_phase"}],
@@ -111,7 +128,13 @@ def price_options(
         if variant is None:
             continue
         try:
-            other = plan(variant, validate(variant, cuda_devices=cuda_devices), device_kind=device_kind, margin=margin)
+            other = plan(
+                variant,
+                validate(variant, cuda_devices=cuda_devices),
+                device_kind=device_kind,
+                margin=margin,
+                expert_imbalance=imbalance,
+            )
         except Exception:  # noqa: BLE001 - a change this configuration cannot take is not an option here
             continue
         priced.append(
@@ -120,9 +143,26 @@ def price_options(
                 "saves_bytes": result.per_rank_bytes["total"] - other.per_rank_bytes["total"],
                 "total_bytes": other.per_rank_bytes["total"],
                 "peak_phase": other.peak["phase"],
+                "stage_peak_bytes": {stage: ph["total"] for stage, ph in other.stage_peaks.items()},
             }
         )
     return sorted(priced, key=lambda o: -o["saves_bytes"])
+
+
+def expert_imbalance(value: str) -> float:
+    """``plan.expert_imbalance``: a mixture of experts' max / mean routed copies per expert (1 = balanced; a run
+    logs its own as ``moe/load_imbalance_max``). Under expert parallel it sizes what the busiest rank's experts
+    receive; below 1 it is no ratio of a maximum to a mean."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = 0.0
+    if not 1 <= number < float("inf"):
+        raise PlanOptionError(
+            f"plan.expert_imbalance={value!r} is not a max/mean ratio of at least 1.\n"
+            "  fix: pass plan.expert_imbalance=1 (balanced) or the run's moe/load_imbalance_max, e.g. 1.3"
+        )
+    return number
 
 
 def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
@@ -154,6 +194,7 @@ def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
             raise PlanOptionError(
                 f"plan.margin={options['margin']!r} is not a fraction.\n  fix: pass e.g. plan.margin=0.1"
             )
+    imbalance = expert_imbalance(options.get("expert_imbalance", "1"))
     cfg = compose(overrides)
     from fsdp_exp.models import fetch_model_files
 
@@ -170,7 +211,7 @@ def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
     if device is not None:
         _refuse_float8(cfg, device)
     kind = device.kind if device else None
-    result = plan(cfg, topology, device_kind=kind, margin=margin)
+    result = plan(cfg, topology, device_kind=kind, margin=margin, expert_imbalance=imbalance)
     if device is None:
         device = table["cpu_host"] if result.device_kind == "cpu" else local_cuda_device()
     if device is not None:
@@ -180,12 +221,13 @@ def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
     if result.device and not result.device["fits"]:
         from fsdp_exp.plan.fit import find_fit
 
-        found = find_fit(cfg, topology.dp_size, device, gpus, margin)
+        found = find_fit(cfg, topology.dp_size, device, gpus, margin, imbalance)
     return result, {
         "format": fmt,
-        "options": price_options(cfg, result, gpus, kind, margin),
+        "options": price_options(cfg, result, gpus, kind, margin, imbalance),
         "fit": found,
         "header": header(cfg, result, options.get("device"), overrides),
+        "ep": cfg.parallel.ep,
     }
 
 
@@ -319,6 +361,29 @@ def render_table(result: Plan, overrides: list[str], options: Optional[list[dict
     return table
 
 
+def expert_parallel_lines(result: Plan, options: list[dict], ep: int) -> list[str]:
+    """A mixture of experts: the per-rank need (peak + margin) at each ``parallel.ep`` the run could take, one
+    line each (the option rows' plans), with where each one peaks: what EP saves or costs here."""
+    priced = {int(o["change"].partition("=")[2]): o for o in options if o["change"].startswith("parallel.ep=")}
+    if not priced:
+        return []
+    priced[ep] = {
+        "total_bytes": result.per_rank_bytes["total"],
+        "peak_phase": result.peak["phase"],
+        "stage_peak_bytes": {stage: ph["total"] for stage, ph in result.stage_peaks.items()},
+    }
+    unit, scale = ("GiB", GIB) if result.per_rank_bytes["total"] >= GIB else ("MiB", 2**20)
+    lines = [f"expert parallel by parallel.ep, {unit} per rank: the need (peak + margin), the stages' peaks"]
+    for n in sorted(priced):
+        o, stages = priced[n], priced[n]["stage_peak_bytes"]
+        lines.append(
+            f"  ep={n:<3} need {o['total_bytes'] / scale:7.2f} at {o['peak_phase']:<18}"
+            + " ".join(f"{stage} {stages[stage] / scale:.2f}" for stage in ("forward", "backward"))
+            + ("  (this plan)" if n == ep else "")
+        )
+    return lines
+
+
 def verdict_line(result: Plan) -> Optional[str]:
     dv = result.device
     if not dv:
@@ -360,10 +425,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         console = Console(width=terminal_width())
         overrides = split_argv(argv)[1]
         console.print(opts["header"], highlight=False, markup=False, soft_wrap=True)
-        console.print(render_table(result, overrides, opts["options"]))
+        # the ep variants have their own lines below the table (``expert_parallel_lines``)
+        rows = [o for o in opts["options"] if not o["change"].startswith("parallel.ep=")]
+        console.print(render_table(result, overrides, rows))
         line = verdict_line(result)
         if line:
             console.print(line, highlight=False, soft_wrap=True)
+        for line in expert_parallel_lines(result, opts["options"], opts["ep"]):
+            console.print(line, highlight=False, markup=False)
         for line in fit_lines(opts["fit"], result, overrides, argv):
             console.print(line, highlight=False, markup=False, soft_wrap=True)
     return 0

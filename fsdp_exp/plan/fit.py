@@ -9,7 +9,8 @@ the memory options below, one value per dimension (the run's own value included)
 combination costs the sum, and ties go to fewer changes, then to the smaller need. bf16 costs nothing (on a GPU its
 matmuls are faster than fp32's); sharding and a smaller micro-batch cost a little (more collectives, smaller
 matmuls); recomputing activations costs its forward again (selective less than full); offloading moves the
-parameters over PCIe every step; more ranks cost hardware, the most of all.
+parameters over PCIe every step; more ranks cost hardware, the most of all. A mixture of experts also tries
+expert parallel (``parallel.ep``): each rank then gathers experts/ep of each layer instead of all of them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ PRICES = {
 MICRO_BATCH_PRICE = 1  # per halving of the micro-batch
 RANKS_PRICE = 6  # per doubling of the nodes
 MORE_NODES = (2, 4)  # the node counts tried, as multiples of the run's
+# A mixture of experts' expert parallel: its all-to-alls replace the experts' all-gathers over the EP ranks; one
+# price for every ep, so that among equal prices the smallest need (the largest ep that fits) wins.
+EP_PRICE = 1
+EP_VALUES = (2, 4, 8, 16, 32, 64)
 
 
 def _dimensions(cfg: "RunConfig", group_node, dp: int) -> list[list[tuple[str, int, object]]]:
@@ -58,6 +63,12 @@ def _dimensions(cfg: "RunConfig", group_node, dp: int) -> list[list[tuple[str, i
             price = RANKS_PRICE * (times.bit_length() - 1)
             nodes.append((f"trainer.nnodes={t.nnodes * times}", price, ("nnodes", t.nnodes * times)))
     dims.append(nodes)
+    if getattr(cfg.model, "n_experts", 0) and cfg.parallel.ep == 1:
+        # ep must divide the shard ranks (preflight refuses the others, and the search skips what it refuses)
+        dims.append(
+            [("", 0, None)]
+            + [(f"parallel.ep={ep}", EP_PRICE, ("ep", ep)) for ep in EP_VALUES if ep <= max(dp, 1) and dp % ep == 0]
+        )
     return dims
 
 
@@ -69,6 +80,8 @@ def _apply(cfg: "RunConfig", picks) -> "RunConfig":
         key, value = how
         if key in ("micro_batch_size", "nnodes"):
             trainer[key] = value
+        elif key == "ep":
+            changes["parallel"] = dataclasses.replace(cfg.parallel, ep=value)
         else:
             changes[key] = value
     if trainer:
@@ -76,7 +89,14 @@ def _apply(cfg: "RunConfig", picks) -> "RunConfig":
     return dataclasses.replace(cfg, **changes)
 
 
-def find_fit(cfg: "RunConfig", dp: int, device: "Device", cuda_devices: int, margin: Optional[float]) -> Optional[dict]:
+def find_fit(
+    cfg: "RunConfig",
+    dp: int,
+    device: "Device",
+    cuda_devices: int,
+    margin: Optional[float],
+    expert_imbalance: float = 1.0,
+) -> Optional[dict]:
     """The cheapest combination of memory options with which ``cfg`` fits ``device``: {"changes", "price",
     "needed_bytes", "device_bytes", "tried"}; None when none of them fits (or ``cfg`` fits as it is)."""
     from fsdp_exp.config.variants import apply_changes
@@ -111,7 +131,7 @@ def find_fit(cfg: "RunConfig", dp: int, device: "Device", cuda_devices: int, mar
         except ConfigError:
             continue
         tried += 1
-        result = plan(variant, topology, device_kind=device.kind, margin=margin)
+        result = plan(variant, topology, device_kind=device.kind, margin=margin, expert_imbalance=expert_imbalance)
         verdict = fits(result, device)
         if verdict["fits"] and (best is None or verdict["needed_bytes"] < best["needed_bytes"]):
             best = {

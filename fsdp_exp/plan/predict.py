@@ -18,7 +18,7 @@ from fsdp_exp.parallel.backend import backend_for
 from fsdp_exp.plan.activations import profile_for
 from fsdp_exp.plan.devices import allocator_margin
 from fsdp_exp.plan.loss_chunks import LossChunks, candidate, decide, fixed, given, with_chunks
-from fsdp_exp.plan.states import gathered, model_states, param_infos, unit_names, zero_model_states
+from fsdp_exp.plan.states import expert_units, gathered, model_states, param_infos, unit_names, zero_model_states
 from fsdp_exp.plan.step import StepSetting, StepWalk
 from fsdp_exp.units import GIB
 
@@ -47,12 +47,19 @@ class Plan:
 
 
 def plan(
-    cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[str] = None, margin: Optional[float] = None
+    cfg: "RunConfig",
+    topology: "Topology",
+    *,
+    device_kind: Optional[str] = None,
+    margin: Optional[float] = None,
+    expert_imbalance: float = 1.0,
 ) -> Plan:
-    """Predict one rank's memory (rank 0, the largest) for ``cfg`` on ``topology``."""
+    """Predict one rank's memory (rank 0, the largest) for ``cfg`` on ``topology``; ``expert_imbalance``
+    (``plan.expert_imbalance``): a mixture of experts' max / mean routed copies per expert, which sizes what the
+    busiest rank's experts receive under expert parallel."""
     kind = device_kind or topology.device_type
     asked, cfg = cfg, settled(cfg, topology, kind)
-    walk, infos, states = _walk(cfg, topology, kind)
+    walk, infos, states = _walk(cfg, topology, kind, expert_imbalance)
     phases = walk.phases()
     peak = max(phases, key=lambda ph: ph.total)
     stage_peaks = {
@@ -84,7 +91,7 @@ def plan(
         margin_bytes=margin_bytes,
         margin_rule=margin_rule,
         phases=[{"name": ph.name, "stage": ph.stage, "total": ph.total} for ph in phases],
-        assumptions=assumptions(cfg, walk.rules.notes, walk.x.notes(kind, walk.e)),
+        assumptions=assumptions(cfg, walk.rules.notes, walk.x.notes(kind, walk.e), expert_imbalance),
     )
     if cfg is not asked:  # trainer.loss_chunks=auto: what the rule chose, in the table's notes
         chosen = loss_chunks_for(asked, topology, kind)
@@ -129,9 +136,10 @@ def settled(cfg: "RunConfig", topology: "Topology", kind: Optional[str] = None) 
     return with_chunks(cfg, loss_chunks_for(cfg, topology, kind).chunks)
 
 
-def _walk(cfg: "RunConfig", topology: "Topology", kind: str):
-    """(the step's walk, every parameter's sizes, the model states): all ``plan`` reads of the config (whose
-    ``trainer.loss_chunks`` is settled: ``settled``)."""
+def _walk(cfg: "RunConfig", topology: "Topology", kind: str, expert_imbalance: float = 1.0):
+    """(the step's walk, every parameter's sizes, the model states): all ``plan`` reads of the config
+    (``trainer.loss_chunks=auto`` settled first: ``settled``)."""
+    cfg = settled(cfg, topology, kind)
     backend = backend_for(cfg)
     rules = backend.planner_rules(cfg)
     shard = backend.shard_group(topology)
@@ -144,6 +152,8 @@ def _walk(cfg: "RunConfig", topology: "Topology", kind: str):
         topology.tp_size,
         cfg.parallel.sequence_parallel,
         cp=cfg.parallel.cp,
+        ep=cfg.parallel.ep,
+        imbalance=expert_imbalance,
     )
     setting = StepSetting(
         kind=kind,
@@ -165,6 +175,7 @@ def _walk(cfg: "RunConfig", topology: "Topology", kind: str):
         sequence_parallel=cfg.parallel.sequence_parallel,
         float8_matmuls=float8.planned_matmuls(cfg, inventory.blocks, topology.tp_size),
         float8_all_gather=cfg.precision.float8_all_gather,
+        ep=cfg.parallel.ep,
     )
     return StepWalk(setting, rules, profile, gathered(infos, inventory), states, inventory.buffer_bytes), infos, states
 
@@ -178,7 +189,7 @@ def _states(cfg: "RunConfig", topology: "Topology", kind: str):
     spec = spec_for(cfg.model)
     inventory = spec.inventory(cfg.model)
     units = unit_names(spec, cfg) if rules.gathers_units else []
-    infos = param_infos(inventory, units, rules, shard, topology.tp_size)
+    infos = param_infos(inventory, units, rules, shard, topology.tp_size, expert_units(spec, cfg), cfg.parallel.ep)
     args = (
         (cfg.offload.params and rules.offloads, kind, topology.dp_size if rules.shards_optimizer else 1)
         if rules.zero_stage is None
@@ -204,6 +215,7 @@ def peak_and_need(
     device_kind: Optional[str] = None,
     margin: Optional[float] = None,
     over: Optional[Callable[[int], bool]] = None,
+    expert_imbalance: float = 1.0,
 ) -> tuple[int, int, bool]:
     """What a search reads of ``plan``: (``peak["total"]``, ``per_rank_bytes["total"]``, True), the same figures by
     the cheapest way. Under a pipeline they are the worst pp rank's (``pipeline.with_worst_stage``), so the
@@ -229,11 +241,11 @@ def peak_and_need(
         else:
             return worst.peak, worst.peak + allocator_margin(kind, worst.peak, margin)[0], True
     elif over is not None:  # the forward's phases are some of the step's: their largest is at most its peak
-        ahead = max(ph.total for ph in _walk(cfg, topology, kind)[0].forward())
+        ahead = max(ph.total for ph in _walk(cfg, topology, kind, expert_imbalance)[0].forward())
         need = ahead + allocator_margin(kind, ahead, margin)[0]
         if over(need):
             return ahead, need, False
-    result = plan(cfg, topology, device_kind=kind, margin=margin)
+    result = plan(cfg, topology, device_kind=kind, margin=margin, expert_imbalance=expert_imbalance)
     return result.peak["total"], result.per_rank_bytes["total"], True
 
 
@@ -258,7 +270,9 @@ def peak_floor(cfg: "RunConfig", topology: "Topology", *, device_kind: Optional[
     return floor
 
 
-def assumptions(cfg: "RunConfig", backend_notes: tuple[str, ...], model_notes: list[str]) -> list[str]:
+def assumptions(
+    cfg: "RunConfig", backend_notes: tuple[str, ...], model_notes: list[str], expert_imbalance: float = 1.0
+) -> list[str]:
     """What the prediction takes for granted here, in words (the table's notes)."""
     notes = list(backend_notes)
     if cfg.compile:
@@ -268,10 +282,10 @@ def assumptions(cfg: "RunConfig", backend_notes: tuple[str, ...], model_notes: l
     if cfg.wrap.policy == "size":
         notes.append("wrap=size: units inside blocks are treated like MoE experts (estimated)")
     if cfg.parallel.ep > 1:
-        # Under full sharding each rank holds 1/dp of the experts' states with or without EP; what EP changes
-        # (a gathered unit of experts/ep, the all-to-all buffers, the routed copies under imbalance) is not yet.
+        balance = "balanced" if expert_imbalance == 1 else f"the busiest expert {expert_imbalance:g}x the mean"
         notes.append(
-            f"parallel.ep={cfg.parallel.ep}: planned as FSDP alone (EP's gathers and all-to-alls not modelled)"
+            f"parallel.ep={cfg.parallel.ep}: routed copies {balance} (plan.expert_imbalance); "
+            "the experts' unit gathers experts/ep"
         )
     return notes + model_notes
 

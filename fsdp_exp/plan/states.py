@@ -27,6 +27,7 @@ class ParamInfo:
     unit: str  # owning sharding unit ("" = the root)
     block: Optional[int]  # index of the block holding it, or None
     is_matrix: bool
+    group: int = 1  # ranks its unit all-gathers over and reduce-scatters to (1: nothing is exchanged)
 
 
 _UNITS: dict[tuple, list[str]] = {}
@@ -44,6 +45,18 @@ def unit_names(spec, cfg) -> list[str]:
     return _UNITS[key]
 
 
+def expert_units(spec, cfg) -> tuple[str, ...]:
+    """Under expert parallel (``parallel.ep`` > 1) each layer's routed experts are their own sharding unit,
+    FSDP2-sharded over the ranks EP leaves them (``fsdp_exp.parallel.fsdp2``: before the wrap policy's units);
+    none otherwise. Cached with the wrap's units."""
+    if cfg.parallel.ep <= 1:
+        return ()
+    key = ("experts", config_key(cfg.model))
+    if key not in _UNITS:
+        _UNITS[key] = spec.expert_modules(spec.meta_model(cfg.model))
+    return tuple(_UNITS[key])
+
+
 def tp_shape(entry: ParamEntry, tp: int) -> tuple[int, ...]:
     """The parameter's shape on one tensor-parallel rank (rank 0: the ceil chunk)."""
     if tp == 1 or entry.tp_dim is None:
@@ -53,26 +66,46 @@ def tp_shape(entry: ParamEntry, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def param_infos(inventory: Inventory, units: list[str], rules: PlannerRules, shard: int, tp: int) -> list[ParamInfo]:
+def param_infos(
+    inventory: Inventory,
+    units: list[str],
+    rules: PlannerRules,
+    shard: int,
+    tp: int,
+    experts: tuple[str, ...] = (),
+    ep: int = 1,
+) -> list[ParamInfo]:
     """Every parameter with its per-rank sizes under the backend's layout (``rules.param_layout``);
     ``units``: the sharding units (none when the backend gathers no units). Cached per layout (a search plans
-    thousands of candidates of one model in a few layouts): read the list, never change it."""
-    key = (id(inventory), tuple(units), rules.param_layout, rules.gathers_units, shard, tp)
+    thousands of candidates of one model in a few layouts): read the list, never change it.
+
+    ``experts`` (``expert_units``): under expert parallel over ``ep`` ranks, the routed-expert units. Their
+    stacked weights (experts first) are split by expert over the EP group, then each rank's experts/ep are
+    chunked over the ``shard / ep`` ranks left ("efsdp"): at rest a rank holds 1/shard of them as without EP,
+    but their unit gathers experts/ep only, over the efsdp ranks (none where ep = shard)."""
+    key = (id(inventory), tuple(units), rules.param_layout, rules.gathers_units, shard, tp, experts, ep)
     if key in _INFOS:
         return _INFOS[key][1]
-    unit_set = set(units)
+    unit_set = set(units) | set(experts)
+    expert_set = set(experts)
     infos = []
     for entry in inventory.params:
         shape = tp_shape(entry, tp)
         numel = math.prod(shape)
         owner = _owner(entry.name, unit_set)
+        group = shard
+        if owner in expert_set and ep > 1:  # this rank's experts (dim 0 / ep), then FSDP2 over the efsdp ranks
+            shape = (shape[0] // ep, *shape[1:])
+            group = shard // ep
         if rules.param_layout == "dim0":  # dim 0 chunked over the shard group, padded as torch.chunk does
-            rows = math.ceil(shape[0] / shard)
-            local = rows * numel // shape[0]
-            gathered = local * shard
+            rows = math.ceil(shape[0] / group)
+            local = rows * math.prod(shape) // shape[0]
+            gathered = local * group
         else:  # flat units (padded below), or replicas
             local, gathered = numel, (numel if rules.gathers_units else 0)
-        infos.append(ParamInfo(entry.name, entry.numel, local, gathered, owner, entry.block, len(entry.shape) >= 2))
+        infos.append(
+            ParamInfo(entry.name, entry.numel, local, gathered, owner, entry.block, len(entry.shape) >= 2, group=group)
+        )
     if rules.param_layout == "flat":  # one flat parameter per unit, padded to a multiple of the shard group
         for unit in {i.unit for i in infos}:
             members = [i for i in infos if i.unit == unit]
@@ -207,6 +240,11 @@ class Gathered:
     nested_numel: list[list[int]]
     block_numel: list[int]  # the block's own unit and its nested ones
     largest_nested: list[int]
+    # elements the largest nested unit all-gathers (0 where its group is one rank: expert parallel with ep = shard)
+    nested_all_gather: list[int]
+    # the block's units' elements that go through a reduce-scatter: a nested unit of one rank (expert parallel
+    # with ep = shard) reduces nothing (measured: no reduce-scatter buffer)
+    block_reduced_numel: list[int]
     block_local_bytes: list[int]  # the block's fp32 shards at rest
     root_numel: int  # the root and units that span blocks: gathered throughout
     root_early_numel: int  # root parameters whose gradients come before the blocks' backward
@@ -259,6 +297,26 @@ def _gathered(infos: list[ParamInfo], inventory: Inventory) -> Gathered:
         nested_numel=nested_numel,
         block_numel=[own[j] + sum(nested_numel[j]) for j in range(n)],
         largest_nested=[max(sizes, default=0) for sizes in nested_numel],
+        block_reduced_numel=[
+            own[j]
+            + sum(
+                size
+                for u, size in zip(nested[j], nested_numel[j])
+                if any(i.group > 1 for i in block_units[j] if i.unit == u)
+            )
+            for j in range(n)
+        ],
+        nested_all_gather=[
+            max(
+                (
+                    size
+                    for u, size in zip(nested[j], nested_numel[j])
+                    if any(i.group > 1 for i in block_units[j] if i.unit == u)
+                ),
+                default=0,
+            )
+            for j in range(n)
+        ],
         block_local_bytes=[total(block_units[j], "local_numel", 4) for j in range(n)],
         root_numel=total(root_level, "gathered_numel"),
         root_early_numel=total([i for i in root_level if i.name not in early], "gathered_numel"),

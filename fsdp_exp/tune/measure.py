@@ -49,7 +49,7 @@ def choose(tuning: "Tuning", opts: "TuneOptions") -> list[str]:
     def take(cid: str, role: str) -> None:
         chosen.setdefault(cid, None)
         weighed = tuning.by_id(cid)
-        time_candidate(weighed, tuning.perf)
+        time_candidate(weighed, tuning.perf, opts.expert_imbalance)
         if role not in weighed.roles:
             weighed.roles.append(role)
 

@@ -1,4 +1,5 @@
-"""The tuner's own options (``tune.*``, and the planner's ``plan.device`` / ``plan.margin``), taken off the
+"""The tuner's own options (``tune.*``, and the planner's ``plan.device`` / ``plan.margin`` /
+``plan.expert_imbalance``), taken off the
 command line before Hydra composes the run config, which therefore stays what ``python -m fsdp_exp``
 would compose from the rest.
 
@@ -29,6 +30,7 @@ SPACE_DIMENSIONS = (
     "pp_schedule",
     "cp",
     "cp_method",
+    "ep",
 )
 
 OPTIONS = {
@@ -48,6 +50,8 @@ OPTIONS = {
     **{f"tune.space.{d}": f"the values of '{d}' to search, e.g. tune.space.{d}=[a,b]" for d in SPACE_DIMENSIONS},
     "plan.device": "the device to plan and time for (default: this machine)",
     "plan.margin": "the allocator margin as a fraction of the peak",
+    "plan.expert_imbalance": "a mixture of experts' max / mean routed copies per expert (default 1, balanced): "
+    "what the busiest rank's experts receive under expert parallel",
     "plan.network": "the network between nodes, a whole node's (fsdp_exp/plan/devices.py NETWORKS, e.g. "
     "ib_ndr_8x400g, roce_8x200g, efa_3200g; default: the device's)",
     "plan.device_power_w": "a board power limit in watts: the peak FLOPS scale by (limit / rated)^(1/3)",
@@ -69,6 +73,7 @@ class TuneOptions:
     space: dict[str, list[str]] = field(default_factory=dict)  # dimension -> values the user gave
     device: Optional[str] = None
     margin: Optional[float] = None
+    expert_imbalance: float = 1.0  # plan.expert_imbalance, for the plans and the step-time model alike
     network: Optional[str] = None
     power_w: Optional[float] = None
 
@@ -169,6 +174,16 @@ def split_argv(argv: list[str]) -> tuple[TuneOptions, list[str]]:
             opts.network = value
         elif key == "plan.device_power_w":
             opts.power_w = _positive(key, value, "watts", "500")
+        elif key == "plan.expert_imbalance":
+            from fsdp_exp.plan.cli import PlanOptionError, expert_imbalance
+
+            try:
+                opts.expert_imbalance = expert_imbalance(value)
+            except PlanOptionError:
+                fail(
+                    f"plan.expert_imbalance={value!r} is not a max/mean ratio of at least 1.",
+                    "pass plan.expert_imbalance=1 (balanced) or the run's moe/load_imbalance_max, e.g. 1.3",
+                )
         elif key == "plan.margin":
             try:
                 opts.margin = float(value)

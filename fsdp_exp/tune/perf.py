@@ -24,7 +24,14 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
     moving (cp-1)/cp of the local tensor, on the critical path; ``ring``: cp-1 passes of the local keys and
     values per layer in forward, twice that in backward (the gradients travel too), overlapped with
     attention's own compute: only what attention does not cover is exposed;
+  - a mixture of experts under expert parallel (``parallel.ep``, fsdp_exp/parallel/expert.py): per MoE layer and
+    micro-batch two all-to-alls of the routed copies in forward (dispatch, combine), two in backward and two more
+    per block activation checkpointing recomputes, on the critical path, over the ep consecutive ranks (NVLink
+    while ep <= nproc_per_node); the experts' all-gathers and reduce-scatters over efsdp = shard / ep ranks, 1/ep
+    of the experts each (the dense units keep the shard group);
   - two tiny all-reduces per step over the world (the loss statistics and the gradient norm).
+- **the routed experts** (``expert_costs``): their grouped matmuls by tokens per expert (T x k / E, ep times that
+  under EP), the most loaded EP rank's share of the copies (``rank_load`` of ``expert_imbalance``).
 - **offload** (``offload=params`` where the backend offloads): each all-gather first copies the unit's
   fp32 shard from the host, the gradient shards go back once per step, and AdamW steps on the host.
   ``offload=optimizer`` (DeepSpeed's offload_optimizer): the parameters stay on the device; each reduction's
@@ -40,7 +47,8 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
   matmuls by shape at ``efficiency`` (less ``gemm_half_dim``'s penalty, never faster than their operands'
   bytes allow), attention as a causal fused kernel does it (half the counted square; 2.5 x in backward) at
   ``attention_efficiency``, the memory-bound operators and the loss's logits by their bytes at
-  ``memory_efficiency`` of the memory's bandwidth, backward twice the matmuls and bytes, and the share of
+  ``memory_efficiency`` of the memory's bandwidth, the experts' grouped matmuls at m / (m + h) of the rate with m
+  tokens per expert (``grouped_seconds``; on a CPU too), backward twice the matmuls and bytes, and the share of
   the forward that activation checkpointing runs again. Under ``precision=float8`` the linears torchao
   converts run at the FP8 peak x ``fp8_efficiency`` (operands 1 byte) and their casts add memory-bound bytes
   (``float8_costs``; a GPU without an FP8 peak refuses, unless emulated). On a CPU: FLOPs / (peak of
@@ -50,12 +58,14 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
   ``(n-1) x latency + (n-1)/n x bytes / bandwidth``, an all-reduce twice that; the link is the node's
   (``intra``) when the group stays in one node, else the network's (``inter``): a network given per node
   (a GPU's) carries the group's traffic over all of the node's cards, shared with the node's other groups
-  (``traffic_seconds``);
+  (``traffic_seconds``); an all-to-all across nodes is no ring: each rank's off-node share crosses the network at
+  once with the node's other ranks' (``all_to_all_seconds``);
 - the sharding backend's software: ``unit_us`` (by parameter layout) per gathered unit and collective;
 - overlap: collectives that a prefetch or the backward's bucketing can run ahead of need are hidden
   behind the phase's compute, up to ``overlap`` of the smaller of the two; the first unit's all-gather
   and the last unit's reduction always wait. Forward prefetch off (``prefetch.forward=0``) exposes the
-  forward's all-gathers, backward prefetch off (``prefetch.backward=0``) the backward's re-gathers. A
+  forward's all-gathers, backward prefetch off (``prefetch.backward=0``) or issued after the unit's gradients
+  (FSDP1's ``prefetch.backward_timing=post``) the backward's re-gathers. A
   deeper prefetch hides no more in steady state (it costs memory; the planner counts that);
 - the step = forward + backward of every micro-batch + the optimizer step + ``step_overhead_ms`` + the
   tiny all-reduces.
@@ -134,6 +144,20 @@ class StepCosts:
     param_layout: str = ""  # the backend's (PlannerRules.param_layout): which per-unit software cost applies
     # precision.float8_recipe (torchao): the converted linears' matmuls, taken out of ``gemms`` (same layout)
     float8: Optional["Float8Costs"] = None
+    # A mixture of experts: its routed experts' grouped matmuls (``expert_costs``); None for a dense model
+    experts: Optional["ExpertCosts"] = None
+
+
+@dataclass(frozen=True)
+class ExpertCosts:
+    """A mixture of experts' routed experts in one step of one rank (``expert_costs``)."""
+
+    ep: int
+    tokens_per_expert: float  # rows each of this rank's experts gets in one micro-batch's grouped matmul (mean)
+    load: float  # the most loaded EP rank's routed copies over the mean (1 at ep=1): it sets the pace
+    # (M = tokens_per_expert, K, N, forward FLOPs on this rank, the load included) of each grouped matmul shape
+    grouped: tuple[tuple[float, float, float, float], ...]
+    balanced_flops: float  # the same FLOPs at an even load: what the model FLOPs (compute) already count
 
 
 @dataclass(frozen=True)
@@ -182,6 +206,14 @@ def _group_nodes(stride: int, size: int, ranks_per_node: int) -> int:
 
 
 _LAYOUTS: dict[tuple, tuple[list[float], int, int]] = {}
+
+
+def backward_prefetch_hides(cfg: "RunConfig") -> bool:
+    """Whether the backward's re-gathers can run ahead of the units that need them. Not without backward prefetch
+    (``prefetch.backward=0``), nor under FSDP1's ``BACKWARD_POST`` (``prefetch.backward_timing=post``): that
+    prefetch is issued from the unit's post-backward hook, once its gradients are computed, so the previous unit's
+    all-gather starts with no compute of its unit left to hide behind (``BACKWARD_PRE`` issues it before)."""
+    return cfg.prefetch.backward != 0 and cfg.prefetch.backward_timing != "post"
 
 
 def _units(cfg: "RunConfig", rules, shard: int, tp: int) -> tuple[list[float], int, int]:
@@ -233,7 +265,9 @@ def _tensor_parallel_traffic(cfg: "RunConfig", topology: "Topology", blocks: int
     ]
 
 
-def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
+def step_costs(cfg: "RunConfig", topology: "Topology", expert_imbalance: float = 1.0) -> StepCosts:
+    """``expert_imbalance``: a mixture of experts' max / mean routed copies per expert (the planner's
+    ``plan.expert_imbalance``; 1.0 is a perfectly balanced router)."""
     from fsdp_exp.parallel.backend import backend_for
     from fsdp_exp.tune.work import work
 
@@ -252,6 +286,8 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
     tokens_rank = tokens / (dp * cp)  # context parallel: each of the cp ranks computes its share of a sequence
 
     w = work(cfg)
+    ep = max(1, topology.ep_size)
+    moe_layers = expert_layers(cfg) if w.grouped_gemms else (0, 0)  # (MoE layers, routed experts' elements)
     model_flops = tokens_rank * w.flops_per_token / tp
     # trainer.loss_chunks > 1 (auto resolved by the planner's rule): each slice's output projection runs again in
     # backward (``fsdp_exp.models.loss``), counted with what activation checkpointing recomputes
@@ -276,6 +312,8 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
         regathered = units - 1 if rules.reshard_after_forward else 0  # the last block stays gathered
         # precision.float8_all_gather: the converted weights travel in float8, 1 byte an element
         gathered = e_p * full_numel - (e_p - 1) * float8_all_gathered_numel(cfg, tp)
+        if ep > 1:  # the routed experts are their own units, over efsdp (expert_traffic), not over shard
+            gathered -= e_p * moe_layers[1]
         if shard > 1:
             traffic.append(
                 Traffic(
@@ -300,7 +338,7 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
                         G * regathered,
                         G * gathered * share,
                         "backward",
-                        cfg.prefetch.backward != 0,
+                        backward_prefetch_hides(cfg),
                     )
                 )
             traffic.append(
@@ -310,11 +348,13 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
                     shard,
                     shard_nodes,
                     R * units,
-                    R * e_r * full_numel,
+                    R * e_r * (full_numel - (moe_layers[1] if ep > 1 else 0)),
                     "backward",
                     True,
                 )
             )
+        if ep > 1:
+            traffic += expert_traffic(moe_layers, ep, shard, tp, nproc, G, R, regathered > 0, cfg, e_p, e_r)
         if replicas > 1:
             traffic.append(
                 Traffic(
@@ -354,6 +394,13 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
         traffic += _tensor_parallel_traffic(cfg, topology, len(w.block_forward_flops), e_p, G, tp)
     if cp > 1:
         traffic += cp_traffic(cfg, topology, G, len(w.block_forward_flops), e_p)
+    experts = None
+    if w.grouped_gemms:
+        micro_tokens = topology.micro_batch_size * seq // cp
+        experts = expert_costs(w, tokens_rank / tp, micro_tokens, ep, expert_imbalance)
+        if ep > 1:
+            recomputed = len(w.checkpointed(cfg)) / max(len(w.block_forward_flops), 1)
+            traffic += all_to_all_traffic(cfg, topology, moe_layers[0], ep, G, e_p, experts.load, recomputed)
     kernels = _kernel_classes(w, cfg, tokens_rank / tp, topology.micro_batch_size * seq // cp, tp, e_p, head_again)
     float8 = None
     if float8_on(cfg):
@@ -363,6 +410,7 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
         **kernels,
         param_layout=rules.param_layout if rules.gathers_units else "",
         float8=float8,
+        experts=experts,
         tokens_per_step=tokens,
         micro_batches=G,
         units=max(units, 1),
@@ -382,6 +430,145 @@ def step_costs(cfg: "RunConfig", topology: "Topology") -> StepCosts:
         world=topology.world_size,
         model_flops=model_flops,
     )
+
+
+# ----------------------------------------------------------------------------------------- mixture of experts
+_EXPERT_LAYERS: dict[tuple, tuple[int, int]] = {}
+
+
+def expert_layers(cfg: "RunConfig") -> tuple[int, int]:
+    """(MoE layers, the routed experts' parameter elements over all of them), from the family's own answer
+    (``ModelSpec.expert_modules``: a family without routed experts fsdp_exp can split names none)."""
+    from fsdp_exp.models import spec_for
+    from fsdp_exp.models.spec import config_key
+
+    key = config_key(cfg.model)
+    if key not in _EXPERT_LAYERS:
+        spec = spec_for(cfg.model)
+        modules = spec.expert_modules(spec.meta_model(cfg.model))
+        prefixes = tuple(m + "." for m in modules)
+        numel = sum(p.numel for p in spec.inventory(cfg.model).params if p.name.startswith(prefixes))
+        _EXPERT_LAYERS[key] = (len(modules), numel)
+    return _EXPERT_LAYERS[key]
+
+
+def rank_load(imbalance: float, experts: int, ep: int) -> float:
+    """The most loaded EP rank's routed copies over the mean, from the experts' max / mean (``imbalance``): the
+    hottest expert on one rank, the rank's other experts sharing what the rest of the experts get evenly. At ep=1
+    every rank holds every expert (1: its total is its tokens x k whatever the split); at ep = experts it is the
+    expert's own imbalance; between, the rank's other experts dilute it. A lower bound: hot experts that share a
+    rank weigh more (pass that rank's figure as the imbalance then)."""
+    if ep <= 1 or imbalance <= 1 or experts <= 1:
+        return 1.0
+    per_rank = experts / ep
+    others = (experts - imbalance) / (experts - 1)  # each other expert's load, over the mean
+    return (imbalance + (per_rank - 1) * others) / per_rank
+
+
+def expert_costs(w, tokens: float, micro_tokens: float, ep: int, imbalance: float) -> ExpertCosts:
+    """The routed experts' grouped matmuls on this rank: each (M, K, N) with M the copies each of its experts gets
+    in one micro-batch: ``micro_tokens x k / E`` at ep=1, ep times that under EP (each rank runs E / ep experts on
+    the copies every rank of its group sends them); the step's FLOPs (``tokens`` on this rank) times the load."""
+    groups = max(g for _, _, g, _ in w.grouped_gemms)
+    k = w.routed_copies_per_token
+    m = max(ep * micro_tokens * k / groups, 1e-9)
+    load = rank_load(imbalance, groups, ep)
+    grouped = tuple((m, float(kk), float(n), tokens * f * load) for kk, n, _, f in w.grouped_gemms)
+    return ExpertCosts(ep, m, load, grouped, tokens * sum(f for *_, f in w.grouped_gemms))
+
+
+def expert_traffic(moe, ep, shard, tp, nproc, G, R, regather, cfg, e_p, e_r) -> list[Traffic]:
+    """FSDP2's collectives of the routed experts under expert parallel (fsdp_exp/parallel/fsdp2.py shards each
+    layer's experts as its own unit over efsdp, the shard ranks EP leaves): each rank gathers its E / ep experts
+    over shard / ep ranks (ep apart), 1/ep of what ep=1 gathers over all the shard ranks; reduce-scatters the same.
+    None where efsdp is one rank (ep = shard: each rank holds its experts whole)."""
+    layers, numel = moe
+    efsdp = shard // ep
+    if efsdp <= 1 or not layers:
+        return []
+    nodes = _group_nodes(tp * ep, efsdp, nproc)
+    local = numel / ep  # the experts one EP rank holds, gathered
+    out = [
+        Traffic(
+            "experts' all-gather (efsdp)",
+            "all-gather",
+            efsdp,
+            nodes,
+            G * layers,
+            G * e_p * local,
+            "forward",
+            cfg.prefetch.forward > 0,
+        )
+    ]
+    if regather:
+        out.append(
+            Traffic(
+                "experts' re-gather (efsdp)",
+                "all-gather",
+                efsdp,
+                nodes,
+                G * layers,
+                G * e_p * local,
+                "backward",
+                cfg.prefetch.backward != 0,
+            )
+        )
+    out.append(
+        Traffic(
+            "experts' reduce-scatter (efsdp)",
+            "reduce-scatter",
+            efsdp,
+            nodes,
+            R * layers,
+            R * e_r * local,
+            "backward",
+            True,
+        )
+    )
+    return out
+
+
+def all_to_all_traffic(cfg, topology, layers: int, ep: int, G: int, e: int, load: float, recomputed: float) -> list:
+    """Expert parallel's dispatch and combine (fsdp_exp/parallel/expert.py): per MoE layer and micro-batch, two
+    all-to-alls of every routed copy's hidden state (k per token, ``param_dtype``) over the EP group (ep
+    consecutive ranks: inside a node while ep <= nproc_per_node, else over the network) in forward, two in
+    backward (the gradients the other way), and two more in backward for every block activation checkpointing
+    recomputes (``recomputed``: their share). On the critical path: the layer waits for its tokens. The most
+    loaded rank receives ``load`` x the mean. (The counts' exchange before each dispatch is latency only: left
+    to the latency of the dispatch itself.)"""
+    from fsdp_exp.plan.activations import profile_for
+
+    w_k = work_copies(cfg)
+    stream = profile_for(cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, 1, False).residual(1)
+    moved = stream * w_k * e * load  # one all-to-all's bytes: this rank's routed copies
+    nodes = _group_nodes(topology.tp_size, ep, topology.nproc_per_node)
+    out = []
+    for phase, per_layer in (("forward", 2), ("backward", 2 + 2 * recomputed)):
+        count = G * layers * per_layer
+        out.append(
+            Traffic(f"expert all-to-all ({phase})", "all-to-all", ep, nodes, round(count), count * moved, phase, False)
+        )
+    return out
+
+
+def work_copies(cfg: "RunConfig") -> float:
+    from fsdp_exp.tune.work import work
+
+    return work(cfg).routed_copies_per_token
+
+
+def grouped_seconds(x: ExpertCosts, perf: "DevicePerf", rate: float, operand_bytes: int) -> float:
+    """The routed experts' grouped matmuls (forward): each expert's (M, K, N) at the large-shape rate, slowed by
+    few rows per expert (``DevicePerf.grouped_gemm_half_tokens``: M of them halve the rate; on a GPU the 128-row
+    tiles' padding, on a CPU measured: benchmarks/grouped_mm.py), and never faster than reading each expert's
+    weight and its rows once (the roofline: few tokens per expert make the experts memory-bound)."""
+    bandwidth = perf.memory_gbps * 1e9 * perf.memory_efficiency
+    total = 0.0
+    for m, k, n, flops in x.grouped:
+        calls = flops / (2 * m * k * n)  # one per expert and micro-batch
+        compute = flops / rate * (1 + perf.grouped_gemm_half_tokens / m)
+        total += max(compute, calls * operand_bytes * (m * k + k * n + m * n) / bandwidth)
+    return total
 
 
 def cp_traffic(cfg: "RunConfig", topology: "Topology", G: int, layers: int, e: int) -> list[Traffic]:
@@ -615,6 +802,8 @@ def kernel_seconds(costs: StepCosts, perf: "DevicePerf", peak: float) -> tuple[f
     rate = peak * 1e12 * perf.efficiency
     e = DTYPE_BYTES[costs.dtype]
     gemm = _gemm_seconds(costs.gemms, perf, rate, e, e)
+    if costs.experts:
+        gemm += grouped_seconds(costs.experts, perf, rate, e)
     f8_f, f8_b = _float8_seconds(costs.float8, perf, rate, e) if costs.float8 else (0.0, 0.0)
     attention = costs.attention_flops / (peak * 1e12 * perf.attention_efficiency)
     memory = costs.memory_bytes / (perf.memory_gbps * 1e9 * perf.memory_efficiency)
@@ -629,6 +818,8 @@ def traffic_seconds(t: Traffic, perf: "DevicePerf", ranks_per_node: int) -> floa
     node's cards carry the group's traffic together; a group holding r of a node's ranks shares them with the
     node's other groups (r / ranks-per-node of the node's rate), and no rank moves faster than its NVLink. The
     ring's latency: a step per rank within the nodes and a network hop per node."""
+    if t.kind == "all-to-all" and t.nodes > 1:
+        return all_to_all_seconds(t, perf, ranks_per_node)
     if t.nodes <= 1 or not perf.inter.per_node:
         link = _link(perf, t.nodes)
         return collective_seconds(t.kind, t.ranks, t.bytes, t.count, link.latency_us, link.gbps)
@@ -641,6 +832,22 @@ def traffic_seconds(t: Traffic, perf: "DevicePerf", ranks_per_node: int) -> floa
     rounds = 2 if t.kind == "all-reduce" else 1
     latency = (t.ranks - t.nodes) * perf.intra.latency_us + t.nodes * perf.inter.latency_us
     return rounds * (t.count * latency * 1e-6 + (t.ranks - 1) / t.ranks * t.bytes / (gbps * 1e9))
+
+
+def all_to_all_seconds(t: Traffic, perf: "DevicePerf", ranks_per_node: int) -> float:
+    """An all-to-all over several nodes is no ring: each rank sends 1/n of its bytes to every other rank at once,
+    (local - 1)/n of them over the node's links and (n - local)/n over the network, where every rank of the node
+    sends its share at the same time (the node's other groups too): a network given per node gives each rank
+    1/ranks-per-node of it. The two parts run at once; the latency is a step per peer, over the node's links or
+    the network as the peer sits. (Inside one node it is the ring formula's (n-1) x latency + (n-1)/n x bytes /
+    bandwidth, which ``collective_seconds`` gives.)"""
+    n, nodes = t.ranks, t.nodes
+    local = max(1, n // nodes)
+    network = perf.inter.gbps / ranks_per_node if perf.inter.per_node else perf.inter.gbps
+    inside = (local - 1) / n * t.bytes / (perf.intra.gbps * 1e9)
+    outside = (n - local) / n * t.bytes / (network * 1e9)
+    latency = (local - 1) * perf.intra.latency_us + (n - local) * perf.inter.latency_us
+    return t.count * latency * 1e-6 + max(inside, outside)
 
 
 def unit_seconds(costs: StepCosts, perf: "DevicePerf") -> float:
@@ -666,7 +873,13 @@ def compute_seconds(costs: StepCosts, perf: "DevicePerf") -> tuple[float, float]
     if perf.kernels and costs.gemms:
         k_f, k_b = kernel_seconds(costs, perf, peak)
         return max(k_f, costs.forward_ops * dispatch), max(k_b, costs.backward_ops * dispatch)
-    return compute(costs.forward_flops, costs.forward_ops), compute(costs.backward_flops, costs.backward_ops)
+    extra = 0.0  # the experts' grouped matmuls beyond their balanced FLOPs at the full rate: few rows, the load
+    if costs.experts:
+        x = costs.experts
+        extra = sum(f * (1 + perf.grouped_gemm_half_tokens / m) for m, _, _, f in x.grouped) - x.balanced_flops
+    return compute(costs.forward_flops + extra, costs.forward_ops), compute(
+        costs.backward_flops + 2 * extra, costs.backward_ops
+    )
 
 
 def _attention_seconds(costs: StepCosts, c_f: float, c_b: float) -> dict[str, float]:

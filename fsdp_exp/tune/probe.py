@@ -121,7 +121,7 @@ def cpu_probe(ranks_per_node: int, threads: int, shape: tuple[int, int] = DEFAUL
 def cpu_perf(ranks_per_node: int, threads: int, shape: tuple[int, int] = DEFAULT_SHAPE):
     """(``DevicePerf`` of this CPU host for that layout, its bf16/fp16 priced at a block of ``shape``; the probe's
     entry)."""
-    from fsdp_exp.plan.devices import DevicePerf, Link
+    from fsdp_exp.plan.devices import GROUPED_HALF_TOKENS_CPU, DevicePerf, Link
 
     entry = cpu_probe(ranks_per_node, threads, shape)
     where = f"{entry['how']}, {cache_path()} [{entry.get('key', '')}]"
@@ -145,6 +145,7 @@ def cpu_perf(ranks_per_node: int, threads: int, shape: tuple[int, int] = DEFAULT
         dtype_scale=entry.get("step_scale", {}),
         async_dispatch=False,
         step_overhead_ms=CPU_STEP_OVERHEAD_MS,
+        grouped_gemm_half_tokens=GROUPED_HALF_TOKENS_CPU,
         source=f"matmul peak per rank, all ranks at once ({entry['peak_source']}); bf16/fp16 at a Llama block's "
         f"rate, width {shape[0]}, {shape[1]} tokens (x{entry['step_scale'].get('bf16', 1):.2f} of the bf16 peak); "
         f"memory: 64 MiB copies ({where})",

@@ -167,7 +167,7 @@ def sharding_overrides(f: dict) -> list[str] | str:
     tp += pipeline_overrides(f) + context_overrides(f)
     # composer (llm-foundry) runs FSDP1 with its FSDPConfig's defaults: forward_prefetch=False (each unit's
     # all-gather issued when the unit runs), backward_prefetch=BACKWARD_POST, limit_all_gathers=True
-    composer = ["prefetch=none"] if "COMPOSER" in text else []
+    composer = ["prefetch=none", "prefetch.backward_timing=post"] if "COMPOSER" in text else []
     if "FULL_SHARD" in text and "FSDP1" in text:
         return ["sharding=fsdp1"] + composer + tp
     if "HYBRID" in text or "HSDP" in text:

@@ -264,24 +264,35 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
         if floor and over_limit(floor):  # certain without the walk
             w.floor_bytes, w.floor_of, w.fits = floor, "its parameters and optimizer state", False
             if candidate.id in opts.extra:
-                time_candidate(w, perf)
+                time_candidate(w, perf, opts.expert_imbalance)
             continue
         if prune:  # the same figures, the pipeline's shared; a need over the limit by the forward alone stops there
             peak, need, whole = peak_and_need(
-                candidate.cfg, topology, device_kind=device.kind, margin=opts.margin, over=over_limit
+                candidate.cfg,
+                topology,
+                device_kind=device.kind,
+                margin=opts.margin,
+                over=over_limit,
+                expert_imbalance=opts.expert_imbalance,
             )
             if not whole:
                 w.floor_bytes, w.floor_of, w.fits = need, "its forward's phases", False
                 if candidate.id in opts.extra:
-                    time_candidate(w, perf)
+                    time_candidate(w, perf, opts.expert_imbalance)
                 continue
             w.peak_bytes, w.need_bytes = peak, need
         else:
-            result = plan(candidate.cfg, topology, device_kind=device.kind, margin=opts.margin)
+            result = plan(
+                candidate.cfg,
+                topology,
+                device_kind=device.kind,
+                margin=opts.margin,
+                expert_imbalance=opts.expert_imbalance,
+            )
             w.peak_bytes, w.need_bytes = result.peak["total"], result.per_rank_bytes["total"]
         w.fits = memory_verdict(w.need_bytes, limit, device.kind, budgeted) != "refused"
         if w.fits or candidate.id in opts.extra:  # what cannot run here is timed only when asked for (tune.extra)
-            time_candidate(w, perf)
+            time_candidate(w, perf, opts.expert_imbalance)
         if first_done is None:
             first_done, first_cpu = time.perf_counter(), time.process_time()
     finished, finished_cpu = time.perf_counter(), time.process_time()
@@ -435,14 +446,14 @@ def floor_need(cfg: "RunConfig", topology, kind: str, margin: Optional[float]) -
     return floor + allocator_margin(kind, floor, margin)[0]
 
 
-def time_candidate(w: Weighed, perf: "DevicePerf") -> None:
-    """Predict ``w``'s step time (once)."""
+def time_candidate(w: Weighed, perf: "DevicePerf", expert_imbalance: float = 1.0) -> None:
+    """Predict ``w``'s step time (once); ``expert_imbalance``: ``plan.expert_imbalance``, as its plan had it."""
     from fsdp_exp.tune.step_time import predict
 
     if w.prediction is not None or w.no_prediction is not None or w.topology is None:
         return
     try:
-        w.prediction = predict(w.candidate.cfg, w.topology, perf)
+        w.prediction = predict(w.candidate.cfg, w.topology, perf, expert_imbalance)
     except ValueError as err:
         w.no_prediction = str(err)
 

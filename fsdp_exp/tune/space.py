@@ -32,7 +32,13 @@ The dimensions (``tune.space.<name>=[...]`` narrows or widens each):
 - ``cp``: context parallel (``parallel.cp``), 1 and every divisor of the data-parallel ranks, searched only
   when the sequence is long (``trainer.seq_len`` >= ``CP_FROM_SEQ_LEN``: below it activations rarely decide
   the layout); fixed by ``parallel.cp=..``. Whether a model's heads divide is preflight's to say;
-- ``cp_method``: ``all_to_all`` and ``ring``, only for cp > 1; fixed by ``parallel.cp_method=..``.
+- ``cp_method``: ``all_to_all`` and ``ring``, only for cp > 1; fixed by ``parallel.cp_method=..``;
+- ``ep``: expert parallel (``parallel.ep``), only for a mixture of experts whose family splits its experts
+  (``ModelSpec.expert_modules``): 1 and every divisor of the data-parallel ranks the family accepts (it divides
+  the experts); each sharding gets the values that divide its shard ranks and that expert parallel composes with
+  (``parallel.expert.check``, asked once per sharding: the refusals hold for every value of the dimensions below
+  it, so those candidates are left out, not weighed one by one, and said in a note); not with cp > 1 (refused
+  by the same check). A dense model's space does not grow. Fixed by ``parallel.ep=..``.
 
 A dimension the run's overrides already set is the user's choice and is not searched. The model, the
 global batch and the sequence length are training choices: they stay as given. A backend or a model
@@ -75,6 +81,7 @@ FIXED_BY = {
     "pp_schedule": ("parallel.pp_schedule", "parallel.pp_stages_per_rank"),
     "cp": ("parallel.cp",),
     "cp_method": ("parallel.cp_method",),
+    "ep": ("parallel.ep",),
 }
 CP_FROM_SEQ_LEN = 16384  # context parallel is searched from this sequence length on
 CP_METHODS = ["all_to_all", "ring"]
@@ -128,8 +135,14 @@ def pipeline_sizes(base: "RunConfig", dp: int) -> list[str]:
     refused by its own message rather than by an error of building it for the inventory."""
     from fsdp_exp.models import spec_for
 
+    from fsdp_exp.errors import ConfigError
+
     spec = spec_for(base.model)
     spec.check(base.model)
+    try:  # a model the family cannot cut into stages (a mixture of experts today): no stage count runs
+        spec.check_pipeline(base.model)
+    except ConfigError:
+        return ["1"]
     blocks = len(spec.inventory(base.model).blocks)
     return [str(d) for d in _divisors(dp) if d <= blocks]
 
@@ -139,6 +152,56 @@ def context_sizes(base: "RunConfig", dp: int) -> list[str]:
     if base.trainer.seq_len < CP_FROM_SEQ_LEN:
         return ["1"]
     return [str(d) for d in _divisors(dp)]
+
+
+def expert_sizes(base: "RunConfig", dp: int) -> list[str]:
+    """``parallel.ep`` values: 1, and for a mixture of experts whose family splits its experts over ranks every
+    divisor of the data-parallel ranks that the family accepts (``check_expert_parallel``: it divides the experts)."""
+    from fsdp_exp.errors import ConfigError
+    from fsdp_exp.models import spec_for
+
+    spec = spec_for(base.model)
+    if not spec.expert_modules(spec.meta_model(base.model)):
+        return ["1"]
+    sizes = ["1"]
+    for d in _divisors(dp)[1:]:
+        try:
+            spec.check_expert_parallel(base.model, d)
+        except ConfigError:
+            continue
+        sizes.append(str(d))
+    return sizes
+
+
+def expert_sizes_for(cfg: "RunConfig", values: list[str], shard_ranks: int, notes: list[str]) -> list[str]:
+    """Of the space's ep ``values``, those this sharding runs: ep > 1 must divide its shard ranks and compose with
+    it (``parallel.expert.check``, asked once, with the smallest: its refusals of a backend or a strategy hold for
+    every ep and every value of the dimensions below the sharding). One note says which shardings were left out."""
+    from fsdp_exp.errors import ConfigError
+    from fsdp_exp.parallel import expert
+
+    split = [v for v in values if int(v) > 1 and shard_ranks % int(v) == 0]
+    if split:
+        try:
+            expert.check(cfg, int(split[0]))
+        except ConfigError:
+            _note_expert_refusal(notes, f"{cfg.sharding.backend} {cfg.sharding.strategy}")
+            split = []
+    return [v for v in values if int(v) == 1] + split
+
+
+EP_NOTE = "parallel.ep>1 left out with "
+
+
+def _note_expert_refusal(notes: list[str], sharding: str) -> None:
+    """One note for every sharding expert parallel does not run with (its reasons: parallel.expert.check)."""
+    for i, note in enumerate(notes):
+        if note.startswith(EP_NOTE):
+            shardings = note[len(EP_NOTE) :].partition(":")[0].split(", ")
+            if sharding not in shardings:
+                notes[i] = note.replace(": ", f", {sharding}: ", 1)
+            return
+    notes.append(f"{EP_NOTE}{sharding}: expert parallel runs on FSDP2's shard dim (docs/moe.md)")
 
 
 def micro_batches(per_rank: int) -> list[str]:
@@ -211,6 +274,8 @@ def build_space(
     _positive("cp", values["cp"])
     values["cp_method"] = requested.get("cp_method", list(CP_METHODS))
     _check_values("cp_method", values["cp_method"], list(CP_METHODS))
+    values["ep"] = requested.get("ep", expert_sizes(base, dp) if "ep" not in fixed else ["1"])
+    _positive("ep", values["ep"])
     searched_strategies = values["sharding"] if "sharding" not in fixed else [base.sharding.strategy]
     if HYBRID in searched_strategies and "shard_size" not in fixed and not values["shard_size"]:
         notes.append(
@@ -226,6 +291,8 @@ def build_space(
     if values.get("cp", [str(base.parallel.cp)]) == ["1"] and base.parallel.cp == 1:
         values.pop("cp", None)
         values.pop("cp_method", None)  # no context parallel anywhere in the space
+    if values.get("ep") == ["1"] and base.parallel.ep == 1:
+        values.pop("ep", None)  # a dense model (or one whose experts do not split): nothing to search
     return Space(values={d: values[d] for d in SPACE_DIMENSIONS if d in values}, fixed=fixed, notes=notes, dp=dp)
 
 
@@ -289,6 +356,10 @@ def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterat
                 for dim in ("micro_batch_size", "grad_sync", "pp", "pp_schedule", "cp", "cp_method"):
                     if dim in v:
                         dims.append((dim, v[dim]))
+                if "ep" in v:
+                    shard_ranks = int(size) if size is not None else space.dp
+                    with_sharding = dataclasses.replace(base, sharding=sharding)
+                    dims.append(("ep", expert_sizes_for(with_sharding, v["ep"], shard_ranks, space.notes)))
                 for rest in _product(dims):
                     if _idle_duplicate(dict(rest), base, v, space.dp, stages_compose):
                         continue
@@ -307,8 +378,8 @@ def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterat
                             parallel, added = _pipeline_change(changes.get("parallel", base.parallel), dim, option)
                             changes["parallel"] = parallel
                             choices += added
-                        elif dim in ("cp", "cp_method"):
-                            value = int(option) if dim == "cp" else option
+                        elif dim in ("cp", "cp_method", "ep"):
+                            value = option if dim == "cp_method" else int(option)
                             parallel = changes.get("parallel", base.parallel)
                             changes["parallel"] = dataclasses.replace(parallel, **{dim: value})
                             choices.append(f"parallel.{dim}={option}")
@@ -319,12 +390,14 @@ def enumerate_candidates(base: "RunConfig", space: Space, nodes: dict) -> Iterat
                     if not pipelined and "parallel" in changes:  # no stages: the run's own pipeline keys
                         parallel = changes["parallel"]
                         changes["parallel"] = dataclasses.replace(
-                            base.parallel, cp=parallel.cp, cp_method=parallel.cp_method
+                            base.parallel, cp=parallel.cp, cp_method=parallel.cp_method, ep=parallel.ep
                         )
                     if pipelined and "trainer" in changes:  # stages reduce at the last micro-batch: no label
                         changes["trainer"] = dataclasses.replace(changes["trainer"], grad_sync=base.trainer.grad_sync)
                         choices = [c for c in choices if not c.startswith("trainer.grad_sync=")]
                     split = changes.get("parallel", base.parallel).cp > 1
+                    if "ep" in v and changes.get("parallel", base.parallel).ep == 1:
+                        choices = [c for c in choices if c != "parallel.ep=1"]  # no experts split: nothing to name
                     yield Candidate(
                         f"c{index:04d}",
                         _without_idle_context(_without_idle_schedule(choices, pipelined), split),
@@ -353,6 +426,8 @@ def _idle_duplicate(options: dict, base: "RunConfig", v: dict, dp: int, stages_c
     cp = int(options["cp"]) if "cp" in options else base.parallel.cp
     if "cp_method" in options and cp == 1 and options["cp_method"] != v["cp_method"][0]:
         return True  # no sequence split: the method changes nothing
+    if "ep" in options and options["ep"] != "1" and (cp > 1 or pipelined):
+        return True  # expert parallel with context parallel or stages: refused (parallel.expert.check, check_pipeline)
     return False
 
 
@@ -468,6 +543,8 @@ def label(choices: list[str]) -> str:
             rest.append(f"cp={value}")
         elif key == "parallel.cp_method":
             rest.append(value)
+        elif key == "parallel.ep":
+            rest.append(f"ep={value}")
         elif key == "parallel.pp_schedule":
             rest.append(value)
         elif key == "trainer.micro_batch_size":

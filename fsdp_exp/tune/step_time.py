@@ -19,12 +19,13 @@ if TYPE_CHECKING:
     from fsdp_exp.plan.devices import DevicePerf
 
 
-def costs_for(cfg: "RunConfig", topology: "Topology"):
+def costs_for(cfg: "RunConfig", topology: "Topology", expert_imbalance: float = 1.0):
     """What one step of ``cfg`` does: ``StepCosts``, or for a pipeline run (parallel.pp > 1: stages, a schedule,
-    sends between them) ``fsdp_exp.tune.pipeline_perf.PipelineCosts``; ``time_costs`` times either."""
+    sends between them) ``fsdp_exp.tune.pipeline_perf.PipelineCosts``; ``time_costs`` times either.
+    ``expert_imbalance``: a mixture of experts' max / mean routed copies per expert (1.0: balanced)."""
     if cfg.parallel.pp > 1:
         return pipeline_costs(cfg, topology)
-    return step_costs(cfg, topology)
+    return step_costs(cfg, topology, expert_imbalance)
 
 
 def time_costs(costs, perf: "DevicePerf") -> StepPrediction:
@@ -33,8 +34,10 @@ def time_costs(costs, perf: "DevicePerf") -> StepPrediction:
     return pipeline_timing(costs, perf)
 
 
-def predict(cfg: "RunConfig", topology: "Topology", perf: "DevicePerf") -> StepPrediction:
-    return time_costs(costs_for(cfg, topology), perf)
+def predict(
+    cfg: "RunConfig", topology: "Topology", perf: "DevicePerf", expert_imbalance: float = 1.0
+) -> StepPrediction:
+    return time_costs(costs_for(cfg, topology, expert_imbalance), perf)
 
 
 __all__ = ["costs_for", "predict", "time_costs"]

@@ -17,7 +17,9 @@ how many operators the host dispatches.
   matmul); a recomputed block dispatches its forward again.
 - **Kernel classes** (what the GPU timing of ``fsdp_exp.tune.perf`` reads): the same forward sorts the
   work by the kernel that does it. Matmuls (``mm``/``addmm``, the linear layers) by shape: each one's
-  (K, N) with its FLOPs per token (M is the micro-batch's tokens); attention (everything else the FLOP
+  (K, N) with its FLOPs per token (M is the micro-batch's tokens); a mixture of experts' grouped matmuls
+  (``_grouped_mm``, the routed experts) by (K, N, groups), their FLOPs per token counting every routed copy
+  (M per group is what the router sends each expert: ``perf`` sets it from the tokens, top k and ep); attention (everything else the FLOP
   counter counts: SDPA, batched matmuls) as FLOPs per token; and the memory-bound operators (norms,
   activations, residual adds, casts, embeddings) as the elements they read and write per token, from
   their tensors' sizes (views move nothing).
@@ -50,6 +52,10 @@ class Work:
     logits_per_token: float = 0.0  # the output's elements per token (the vocabulary): what the loss reads
     # per token, each block's matmuls that ac.ops=every_other_matmul does not save (recomputed in backward)
     block_unsaved_matmul_flops: tuple[float, ...] = ()
+    # A mixture of experts' routed experts (torch._grouped_mm): (K, N, groups, forward FLOPs per token) of each
+    # grouped matmul shape, every routed copy of a token counted (top k per token), over all MoE layers
+    grouped_gemms: tuple[tuple[int, int, int, float], ...] = ()
+    routed_copies_per_token: float = 0.0  # rows of the experts' grouped matmuls per token: the router's top k
 
     def checkpointed(self, cfg: "RunConfig") -> list[int]:
         """The blocks activation checkpointing wraps (the rule of fsdp_exp.parallel.ac)."""
@@ -99,15 +105,16 @@ def _count(cfg: "RunConfig") -> Work:
     blocks = spec.inventory(cfg.model).blocks
     seq = cfg.trainer.seq_len
 
-    gemms: dict[tuple[int, int], float] = {}
+    gemms: dict[tuple, float] = {}  # (K, N) of a linear layer, (K, N, groups) of the experts' grouped matmul
     moved = [0.0]
+    routed = [0.0]
     unsaved = [0.0] * len(blocks)
     running: dict = {}  # the block running now and its OpSaver
 
     def count_unsaved(func, args) -> None:
         if "block" in running and func in LINEAR_MATMULS and not running["saver"].saves(func):
-            a, b = args[-2], args[-1]
-            unsaved[running["block"]] += 2.0 * a.shape[0] * a.shape[1] * b.shape[1] / seq
+            a, b = (args[0], args[1]) if b_is_grouped(func, args) else (args[-2], args[-1])
+            unsaved[running["block"]] += 2.0 * a.shape[0] * a.shape[1] * b.shape[-1] / seq
 
     class CountOps(TorchDispatchMode):
         count = 0
@@ -116,6 +123,8 @@ def _count(cfg: "RunConfig") -> Work:
             CountOps.count += 1
             out = func(*args, **(kwargs or {}))
             _classify(func, args, out, seq, gemms, moved)
+            if b_is_grouped(func, args):
+                routed[0] = max(routed[0], args[0].shape[0] / seq)
             count_unsaved(func, args)
             return out
 
@@ -169,7 +178,9 @@ def _count(cfg: "RunConfig") -> Work:
         block_last_matmul_flops=tuple(last),
         forward_ops=CountOps.count,
         block_forward_ops=tuple(block_ops),
-        gemms=tuple((k, n, f) for (k, n), f in gemms.items()),
+        gemms=tuple((k[0], k[1], f) for k, f in gemms.items() if len(k) == 2),
+        grouped_gemms=tuple((k[0], k[1], k[2], f) for k, f in gemms.items() if len(k) == 3),
+        routed_copies_per_token=routed[0],
         attention_flops_per_token=max(0.0, total - sum(gemms.values())),
         memory_elements_per_token=moved[0] / seq,
         block_unsaved_matmul_flops=tuple(unsaved),
@@ -226,6 +237,11 @@ class _Repeats:
             self.moved[0] += n * self.delta_moved
 
 
+def b_is_grouped(func, args) -> bool:
+    """Whether an operator is the experts' grouped matmul (its weights a stack: (groups, K, N))."""
+    return func.__name__.startswith("_grouped_mm") and args[1].dim() == 3
+
+
 def _numel(output) -> float:
     """Elements of a model's output (its logits: a tensor, or the first tensor of a tuple / ModelOutput)."""
     import torch
@@ -259,6 +275,12 @@ def _classify(func, args, out, seq: int, gemms: dict, moved: list) -> None:
     import torch
 
     name = func.__name__.split(".")[0]
+    if name == "_grouped_mm" and args[0].dim() == 2 and args[1].dim() == 3:
+        # the routed experts: (copies, K) x (groups, K, N), the copies sorted by expert; keyed with the groups
+        a, b = args[0], args[1]
+        key = (int(a.shape[1]), int(b.shape[2]), int(b.shape[0]))
+        gemms[key] = gemms.get(key, 0.0) + 2.0 * a.shape[0] * a.shape[1] * b.shape[2] / seq
+        return
     if name in _GEMMS:
         a, b = args[-2], args[-1]
         m, k = a.shape

@@ -1,7 +1,12 @@
 """Expert parallel (fsdp_exp/parallel/expert.py) against FSDP2 alone, for real: one spawned group of 4 gloo ranks
 builds moe_tiny through fsdp_exp's own recipe (preflight's topology, the run's mesh, ``parallelize``, the
 backend's optimizer and step) at parallel.ep=1, 2 and 4, fp32 and bf16, and trains 5 dropless steps of each on
-the same batches. Every step's loss and every expert weight's gradient (gathered whole) must match ep=1's."""
+the same batches. Every step's loss and every expert weight's gradient (gathered whole) must match ep=1's.
+
+The same group measures the memory planner (fsdp_exp/plan) at ep=1, 2 and 4, with and without a shared expert:
+the second fp32 step of each runs under torch's memory tracker as the trainer's sampled step does
+(``fsdp_exp.metrics.tracker.StepMemory``), and the plan's step and stage peaks must lie within 5% of the largest
+rank's."""
 
 from __future__ import annotations
 
@@ -26,6 +31,8 @@ OVERRIDES = [
     "trainer.warmup_steps=1",
 ]
 CASES = [(precision, ep) for precision in ("fp32", "bf16") for ep in (1, 2, 4)]
+TRACKED_STEP = 1  # the second step: gradients and optimizer state exist, as in the trainer's sampled step
+PHASES = ("forward", "backward", "optimizer")
 # Expert parallel inside HSDP (2 replicas x 2 shards: the EP group is a replica's shard ranks) with every block
 # activation-checkpointed (its recompute runs the all-to-alls again in backward).
 HYBRID_AC = ["sharding=hybrid", "sharding.shard_size=2", "ac=full"]
@@ -37,13 +44,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train(cfg, topology, device) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    """5 steps of fsdp_exp's recipe: each step's loss (mean over ranks) and its expert gradients, whole."""
+def _train(
+    cfg, topology, device, steps=STEPS, memory=None, favoured=None
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """``steps`` steps of fsdp_exp's recipe: each step's loss (mean over ranks) and its expert gradients, whole.
+    ``memory``: a dict that gets this rank's tracked breakdown of step ``TRACKED_STEP`` (by phase, in bytes), and
+    the routed copies' max / mean per expert of that step (``imbalance``). ``favoured``: an expert every token
+    picks (its router bias set far above the scores'), for an imbalanced run."""
+    import contextlib
+
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    from fsdp_exp.metrics.tracker import StepMemory
+    from fsdp_exp.parallel.backend import backend_for
+
     from fsdp_exp.models import build_meta, canonical_name, matrix_parameter_names
     from fsdp_exp.models.loss import mean_cross_entropy
+    from fsdp_exp.models.moe import moe_layers
     from fsdp_exp.parallel import parallelize
     from fsdp_exp.parallel.mesh import build_mesh
 
@@ -51,15 +69,36 @@ def _train(cfg, topology, device) -> tuple[list[float], list[dict[str, torch.Ten
     meta = build_meta(cfg.model)
     parallel = parallelize(meta, cfg, mesh, device)
     optimizer = parallel.build_optimizer(matrix_parameter_names(meta))
+    layers = moe_layers(parallel.model)
+    if favoured is not None:
+        with torch.no_grad():
+            for layer in layers:
+                layer.router.expert_bias[favoured] = 10.0
     rank = dist.get_rank()
     losses, grads = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * step + rank)  # this rank's share of the step's batch
         tokens = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=gen)
-        parallel.zero_grad(optimizer)
-        with parallel.autocast():
-            loss = mean_cross_entropy(parallel.model, tokens[:, :-1], tokens[:, 1:], 1)
-        parallel.backward(loss, None)
+        tracked = memory is not None and step == TRACKED_STEP
+        tracker = StepMemory(parallel.model, optimizer, backend_for(cfg), device) if tracked else None
+        with tracker or contextlib.nullcontext():
+            phase = tracker.phase if tracker else (lambda name: None)
+            phase("forward")  # where the trainer's train_step marks its phases
+            parallel.zero_grad(optimizer)
+            with parallel.autocast():
+                loss = mean_cross_entropy(parallel.model, tokens[:, :-1], tokens[:, 1:], 1)
+            phase("backward")
+            parallel.backward(loss, None)
+            if tracker:
+                phase("optimizer")
+                parallel.optimizer_step(optimizer, None, float("inf"))
+        if tracker:
+            memory.update(tracker.breakdown())
+            loads = torch.stack([layer.tokens_per_expert for layer in layers])
+            dist.all_reduce(loads)
+            memory["imbalance"] = (loads.max(-1).values / loads.mean(-1)).max().item()
+        for layer in layers:
+            layer.reset_counts()
         mean = loss.detach().float().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / dist.get_world_size())
@@ -70,7 +109,8 @@ def _train(cfg, topology, device) -> tuple[list[float], list[dict[str, torch.Ten
                 if ".experts." in n
             }
         )
-        parallel.optimizer_step(optimizer, None, float("inf"))
+        if not tracked:
+            parallel.optimizer_step(optimizer, None, float("inf"))
     return losses, grads
 
 
@@ -83,12 +123,27 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     from conftest import run_config
     from fsdp_exp.preflight import validate
 
-    results = {}
+    results, memory = {}, {}
     for precision, ep in CASES:
         cfg = run_config([*OVERRIDES, f"precision={precision}", f"parallel.ep={ep}"])
-        results[(precision, ep)] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"))
+        tracked = memory.setdefault(("shared-expert", ep), {}) if precision == "fp32" else None
+        results[(precision, ep)] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), memory=tracked)
     cfg = run_config([*OVERRIDES, *HYBRID_AC, "parallel.ep=2"])
-    results[("fp32", "hybrid+ac")] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"))
+    memory[("hybrid+ac", 2)] = {}
+    results[("fp32", "hybrid+ac")] = _train(
+        cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), memory=memory[("hybrid+ac", 2)]
+    )
+    for ep in (1, 2, 4):  # without a shared expert: the tracked step only
+        cfg = run_config([*OVERRIDES, "model.n_shared_experts=0", f"parallel.ep={ep}"])
+        memory[("routed-only", ep)] = {}
+        _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), TRACKED_STEP + 1, memory[("routed-only", ep)])
+    # Imbalanced: every token's first pick is expert 0 (4x the mean per expert), with ep=2 over FSDP2.
+    cfg = run_config([*OVERRIDES, "parallel.ep=2"])
+    memory[("imbalanced", 2)] = {}
+    _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), TRACKED_STEP + 1, memory[("imbalanced", 2)], 0)
+    every_rank = [None] * world
+    dist.all_gather_object(every_rank, memory)
+    results["memory"] = every_rank
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "results.pt"))
     dist.destroy_process_group()
@@ -121,6 +176,49 @@ def test_expert_parallel_gives_fsdp_alones_losses_and_expert_gradients(trained, 
             diff, scale = got[name] - ref[name], ref[name]
             error = (diff.abs().max() / scale.abs().max() if precision == "fp32" else diff.norm() / scale.norm()).item()
             assert error < tolerance, (step, name, error)
+
+
+PLAN_TOLERANCE = 0.05
+
+
+# (layout, the overrides beyond OVERRIDES, the eps tracked)
+PLANNED = [
+    ("shared-expert", [], (1, 2, 4)),
+    ("routed-only", ["model.n_shared_experts=0"], (1, 2, 4)),
+    ("hybrid+ac", HYBRID_AC, (2,)),  # ep = the shard ranks: the experts' unit gathers and reduces nothing
+    ("imbalanced", [], (2,)),  # planned at the imbalance the run measured (4: every token picks expert 0)
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout,extra,eps", PLANNED, ids=[p[0] for p in PLANNED])
+def test_the_planner_is_within_5_percent_of_torchs_tracker_at_ep_1_2_and_4(trained, layout, extra, eps):
+    """The plan of each layout (balanced routing, plan.expert_imbalance=1: the tiny router at its initial weights
+    is close to it) against the tracked step's peaks on the largest rank: the whole step's and each stage's."""
+    from conftest import run_config
+    from fsdp_exp.plan import plan
+    from fsdp_exp.preflight import validate
+
+    errors = {}
+    for ep in eps:
+        ranks = [memory[(layout, ep)] for memory in trained["memory"]]
+        cfg = run_config([*OVERRIDES, *extra, f"parallel.ep={ep}"])
+        imbalance = max(r["imbalance"] for r in ranks) if layout == "imbalanced" else 1.0
+        if layout == "imbalanced":
+            assert imbalance == 4.0  # every token's first pick: 1 of its 2 copies, to 1 of 8 experts
+        planned = plan(cfg, validate(cfg, cuda_devices=0), expert_imbalance=imbalance)
+        for part in ("step", *PHASES):
+            measured = max(r[part]["total"] for r in ranks)
+            predicted = planned.peak["total"] if part == "step" else planned.stage_peaks[part]["total"]
+            errors[(ep, part)] = predicted / measured - 1
+    if layout == "imbalanced":  # what planning it as balanced would have said of the step
+        balanced = plan(cfg, validate(cfg, cuda_devices=0)).peak["total"]
+        errors[(2, "step planned balanced")] = balanced / max(r["step"]["total"] for r in ranks) - 1
+    print(f"planner vs tracker, {layout}: " + ", ".join(f"ep{e} {p} {v:+.1%}" for (e, p), v in errors.items()))
+    balanced = errors.pop((2, "step planned balanced"), None)
+    if balanced is not None:  # the measured imbalance brings the plan nearer than the balanced assumption
+        assert abs(errors[(2, "step")]) < abs(balanced), errors
+    assert all(abs(v) < PLAN_TOLERANCE for v in errors.values()), errors
 
 
 @pytest.mark.slow

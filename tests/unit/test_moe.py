@@ -108,6 +108,27 @@ def test_the_aux_loss_is_counted_and_its_gradient_reaches_the_router_only_throug
     torch.testing.assert_close(grad, expected_grad)
 
 
+def test_the_aux_losss_gradient_is_split_over_a_steps_micro_batches_as_the_training_loss_is():
+    """Two micro-batches of the same tokens, each loss divided by 2 (the trainer's accumulation), give the router
+    the gradient one micro-batch gives: before, each carried the aux loss's whole gradient, so accumulation
+    doubled the balance's weight against the cross-entropy."""
+    from fsdp_exp.models.moe import reset_routing_counts
+
+    cfg = tiny("model.aux_loss_coef=0.5")
+    model, x = built(cfg), hidden(cfg)
+    moe = model.layers["0"].feed_forward
+
+    def router_grad(micro_batches: int) -> torch.Tensor:
+        model.zero_grad()
+        reset_routing_counts(model, micro_batches)
+        for _ in range(micro_batches):
+            (moe(x).square().mean() / micro_batches).backward()
+        return moe.router.gate.weight.grad.clone()
+
+    torch.testing.assert_close(router_grad(2), router_grad(1))
+    torch.testing.assert_close(router_grad(4), router_grad(1))
+
+
 def test_the_loss_free_bias_moves_the_load_toward_balance():
     cfg = tiny("model.n_experts=8", "model.experts_top_k=2", "model.router_score=sigmoid")  # DeepSeek-V3's pair
     model = built(cfg)

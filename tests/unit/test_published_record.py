@@ -245,5 +245,6 @@ def test_llm_foundrys_fsdp1_rows_run_composers_prefetch_defaults():
     NVLink 1.5x)."""
     rows = _rows({"llmfoundry_a100": [0], "llmfoundry_h100": [29], "torchtitan_a100_2024": [3]})
     by_source = {row.source: row.overrides for row in rows}
-    assert "prefetch=none" in by_source["llmfoundry_a100"] and "prefetch=none" in by_source["llmfoundry_h100"]
+    for source in ("llmfoundry_a100", "llmfoundry_h100"):
+        assert {"prefetch=none", "prefetch.backward_timing=post"} <= set(by_source[source])
     assert not any(o.startswith("prefetch=") for o in by_source["torchtitan_a100_2024"])

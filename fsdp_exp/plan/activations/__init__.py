@@ -26,13 +26,29 @@ PROFILES = {
 
 
 def profile_for(
-    cfg: "ModelConfig", micro_batch: int, seq_len: int, tp: int, sequence_parallel: bool, cp: int = 1
+    cfg: "ModelConfig",
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    sequence_parallel: bool,
+    cp: int = 1,
+    ep: int = 1,
+    imbalance: float = 1.0,
 ) -> ActivationProfile:
     """Per-rank activation sizes of one micro-batch of the model ``cfg`` (``ActivationProfile``); under context
-    parallel (``cp`` > 1) each rank holds seq_len / cp tokens of every sequence."""
+    parallel (``cp`` > 1) each rank holds seq_len / cp tokens of every sequence; under expert parallel (``ep`` >
+    1) its experts run on the copies the EP group sends them, ``imbalance`` (max / mean copies per expert) times
+    the mean at the busiest rank."""
+    from dataclasses import fields, replace
+
     from fsdp_exp.models import spec_for
 
     spec = spec_for(cfg)
     if spec.name not in PROFILES:
         raise NotImplementedError(f"the planner has no activation model of model.name={spec.name}")
-    return PROFILES[spec.name](spec, cfg, micro_batch, seq_len, tp, sequence_parallel, cp)
+    profile = PROFILES[spec.name](spec, cfg, micro_batch, seq_len, tp, sequence_parallel, cp)
+    if ep > 1 or imbalance != 1.0:
+        if "ep" not in {f.name for f in fields(profile)}:
+            raise NotImplementedError(f"the planner has no expert-parallel model of model.name={spec.name}")
+        profile = replace(profile, ep=ep, imbalance=imbalance)
+    return profile

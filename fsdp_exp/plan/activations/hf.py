@@ -393,6 +393,9 @@ class HfActivations(TokenCounts):
     def backward_peak(self, e: int) -> int:
         return self._measured(e).backward_peak
 
+    def dispatch_forward_peak(self, e: int) -> int:
+        return 0  # transformers' experts run on every rank's own tokens (expert parallel is refused for them)
+
     def head_saved(self, e: int, autocast: bool) -> int:
         return self._measured(e, autocast).root_saved
 

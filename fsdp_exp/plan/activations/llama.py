@@ -7,6 +7,7 @@ sequence parallel divides the residual stream's sequence. ``e`` is the compute d
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fsdp_exp.models.llama import ffn_hidden_dim, head_dim
@@ -30,6 +31,8 @@ class LlamaActivations(TokenCounts):
     top_k: int = 0  # routed copies of each token
     shared_ffn: int = 0  # the shared experts' SwiGLU width (0: none)
     cp: int = 1  # context-parallel degree: s is already this rank's share of the sequence
+    ep: int = 1  # expert-parallel degree: this rank runs experts/ep experts on the copies other ranks send it
+    imbalance: float = 1.0  # plan.expert_imbalance: max / mean routed copies per expert (1 = balanced)
 
     @property
     def cp_repeats_kv(self) -> bool:
@@ -45,19 +48,38 @@ class LlamaActivations(TokenCounts):
         return e * self.tokens * self.dq + (2 * e * self.tokens * (self.dq - self.dkv) if self.cp_repeats_kv else 0)
 
     @property
+    def local_experts(self) -> int:
+        """Routed experts this rank runs: all of them, or its share of the EP group's."""
+        return max(1, self.experts // self.ep)
+
+    @property
     def peak_weight_grad(self) -> int:
-        """w2's weight gradient, made at the block's backward peak: the routed experts' is one stacked tensor."""
-        return self.d * self.ffn * max(1, self.experts)
+        """w2's weight gradient, made at the block's backward peak: the routed experts' is one stacked tensor
+        (of this rank's experts under expert parallel)."""
+        return self.d * self.ffn * self.local_experts
 
     @property
     def block_weight_grads(self) -> int:
         """w2's weight gradients of every expert, held at the backward peak when they stay unsharded."""
-        return self.d * self.ffn * max(1, self.experts)
+        return self.d * self.ffn * self.local_experts
 
     @property
     def routed(self) -> int:
         """Routed copies of the micro-batch's tokens (dropless, so top_k per token whatever the balance)."""
         return self.tokens * self.top_k
+
+    @property
+    def received(self) -> int:
+        """Routed copies this rank's experts compute. Without expert parallel its own (every expert is here,
+        so the balance changes nothing). With it, what the EP group sends its experts/ep experts: on average
+        its own count; at the busiest rank, the busiest expert at ``imbalance`` x the mean per expert and the
+        rest sharing what is left evenly (so ep = n_experts receives ``imbalance`` x its own, and an imbalance
+        of n_experts, every copy to one expert, sends that rank the whole group's)."""
+        if self.ep == 1 or not self.experts:
+            return self.routed
+        f, per_rank = min(self.imbalance, self.experts), self.local_experts
+        others = (self.experts - f) / (self.experts - 1) if self.experts > 1 else 0.0
+        return math.ceil(self.routed * (f + (per_rank - 1) * others) / per_rank)
 
     def residual(self, e: int) -> int:
         return e * self.tokens * self.d // self.sp
@@ -113,6 +135,12 @@ class LlamaActivations(TokenCounts):
         router = 4 * t * self.experts + 4 * n + 4 * t + 4 * self.experts
         experts = e * n * (3 * self.d + 4 * self.ffn + 1)
         indices = 3 * 8 * n + 2 * n  # the sort order, each copy's token, the picked experts; two masks
+        if self.ep > 1:
+            # Expert parallel (fsdp_exp.parallel.expert): the SwiGLU and its masked input run on the copies
+            # received (not this rank's own), which also keep the all-to-all's output beside the regrouped
+            # copies, the regrouping order (int64) and the mask (measured with torch's tracker on 4 gloo ranks).
+            r = self.received
+            experts += e * r * (2 * self.d + 4 * self.ffn) + 9 * r - e * n * (self.d + 4 * self.ffn) - n
         return router + experts + indices + 4 * e * t * self.shared_ffn
 
     def _stacked_experts(self, e: int) -> int:
@@ -121,7 +149,7 @@ class LlamaActivations(TokenCounts):
 
     def _ffn_rows(self) -> int:
         """Rows the SwiGLU intermediates span: the routed copies of a mixture of experts, else the tokens."""
-        return self.routed if self.experts else self.tokens
+        return self.received if self.experts else self.tokens
 
     def _op_outputs(self, e: int) -> list[tuple[str, int]]:
         """The outputs of a block's ops that op-level checkpointing may save, in forward order, as
@@ -143,7 +171,7 @@ class LlamaActivations(TokenCounts):
         ]
         swiglu = [matmul(self.ffn), matmul(self.ffn), matmul(self.d)]
         if self.experts:  # the router's matmul, the experts' three grouped matmuls on the routed copies, shared
-            routed = [("matmul", e * self.routed * w) for w in (self.ffn, self.ffn, self.d)]
+            routed = [("matmul", e * self.received * w) for w in (self.ffn, self.ffn, self.d)]
             shared = [matmul(self.shared_ffn), matmul(self.shared_ffn), matmul(self.d)] if self.shared_ffn else []
             ffn = [matmul(self.experts), *routed, *shared]
         else:
@@ -176,8 +204,21 @@ class LlamaActivations(TokenCounts):
 
     def backward_peak(self, e: int) -> int:
         """At the SwiGLU's backward: the gradients of silu's output and w3's output next to the
-        product's (the product is freed by then); a dense MoE adds the gradient of the stacked outputs."""
-        return 2 * e * self._ffn_rows() * self.ffn + self._stacked_experts(e)
+        product's (the product is freed by then); a dense MoE adds the gradient of the stacked outputs. Under
+        expert parallel the outputs' gradient comes back through the combine's all-to-all and its regrouping,
+        which the grouped matmuls' backward consumes: the tracker sees no stacked gradient beside theirs there
+        (calibrated at ep=2 and 4 on 4 gloo ranks, tests/integration/test_expert_parallel.py)."""
+        stacked = self._stacked_experts(e) if self.ep == 1 else 0
+        return 2 * e * self._ffn_rows() * self.ffn + stacked
+
+    def dispatch_forward_peak(self, e: int) -> int:
+        """Expert parallel (``fsdp_exp.parallel.expert``): when the received copies' outputs are put back in
+        arrival order, the experts' output, the empty tensor it is copied into and the copy (3 x received) are
+        alive beside the copies this rank sent, while the combined outputs and their weighting that the layer
+        saves next (2 x its own copies) do not exist yet."""
+        if self.ep == 1 or not self.experts:
+            return 0
+        return max(0, e * self.d * (3 * self.received + self.routed - 2 * self.routed))
 
     def head_saved(self, e: int, autocast: bool) -> int:
         """The final RMSNorm: under autocast its fp32 input, rsqrt, normalized tensor and the output

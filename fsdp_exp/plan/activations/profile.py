@@ -54,6 +54,10 @@ class ActivationProfile(Protocol):
     def backward_peak(self, e: int) -> int:
         """Activation gradients at a block's backward peak, beyond the one arriving from above."""
 
+    def dispatch_forward_peak(self, e: int) -> int:
+        """Expert parallel: what a block's dispatch and combine hold past its saved tensors while its experts
+        run (0 without it)."""
+
     def head_saved(self, e: int, autocast: bool) -> int:
         """What the layers between the last block and the logits keep for backward (the final norm)."""
 

@@ -1,0 +1,120 @@
+"""The memory planner under expert parallel (fsdp_exp/plan, parallel.ep > 1), by arithmetic on the meta model: what
+each rank holds at rest and gathers, what the routed copies cost under imbalance, and plan.expert_imbalance's
+refusals. Against torch's tracker on 4 gloo ranks: tests/integration/test_expert_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import TINY_BATCH, run_config
+
+BASE = ["model=moe_tiny", "model.n_experts=8", *TINY_BATCH, "trainer.nproc_per_node=4"]
+EXPERT_ELEMENTS = 8 * 3 * 64 * 64  # one layer's stacked w1, w3, w2
+
+
+def _plan(*overrides: str, imbalance: float = 1.0):
+    from fsdp_exp.plan import plan
+    from fsdp_exp.preflight import validate
+
+    cfg = run_config([*BASE, *overrides])
+    return plan(cfg, validate(cfg, cuda_devices=0), expert_imbalance=imbalance)
+
+
+def _expert_infos(ep: int, *overrides: str):
+    from fsdp_exp.plan.predict import _states
+    from fsdp_exp.preflight import validate
+
+    cfg = run_config([*BASE, f"parallel.ep={ep}", *overrides])
+    infos, _ = _states(cfg, validate(cfg, cuda_devices=0), "cpu")
+    return [i for i in infos if i.unit.endswith(".experts")] or [i for i in infos if ".experts." in i.name]
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_each_rank_holds_a_quarter_of_the_experts_at_rest_whatever_ep_but_gathers_experts_over_ep(ep):
+    infos = _expert_infos(ep)
+    per_layer = [i for i in infos if i.block == 0]
+    assert sum(i.local_numel for i in per_layer) == EXPERT_ELEMENTS // 4
+    if ep == 1:  # inside the block's unit, gathered whole with it
+        assert sum(i.gathered_numel for i in per_layer) == EXPERT_ELEMENTS
+        return
+    assert {i.unit for i in per_layer} == {"layers.0.feed_forward.experts"}
+    assert sum(i.gathered_numel for i in per_layer) == EXPERT_ELEMENTS // ep
+    assert {i.group for i in per_layer} == {4 // ep}
+
+
+def test_under_hybrid_sharding_the_experts_shard_over_the_shard_ranks_ep_leaves():
+    infos = [i for i in _expert_infos(2, "sharding=hybrid", "sharding.shard_size=2") if i.block == 0]
+    assert {i.group for i in infos} == {1}  # 2 shard ranks, both in the EP group: nothing left to shard over
+    assert sum(i.local_numel for i in infos) == sum(i.gathered_numel for i in infos) == EXPERT_ELEMENTS // 2
+
+
+def test_ep_shrinks_the_gathered_buffers_and_ep_equal_to_the_shard_ranks_gathers_no_experts():
+    from fsdp_exp.plan.predict import _walk
+    from fsdp_exp.preflight import validate
+
+    gathered = {}
+    for ep in (1, 2, 4):
+        cfg = run_config([*BASE, f"parallel.ep={ep}"])
+        g = _walk(cfg, validate(cfg, cuda_devices=0), "cpu")[0].g
+        gathered[ep] = (g.block_numel[0], g.nested_all_gather[0])
+    dense = gathered[1][0] - EXPERT_ELEMENTS
+    assert gathered[2] == (dense + EXPERT_ELEMENTS // 2, EXPERT_ELEMENTS // 2)
+    assert gathered[4] == (dense + EXPERT_ELEMENTS // 4, 0)
+
+
+def test_an_imbalanced_router_costs_the_busiest_rank_received_copies_under_ep_only():
+    from fsdp_exp.plan.activations import profile_for
+
+    cfg = run_config(BASE).model
+    # 64 tokens x top-2 = 128 copies a rank. ep=2: 4 experts a rank; the busiest at 4x the mean (every token's
+    # first pick), the other 7 sharing the rest: (4 + 3 x 4/7) / 4 x 128 = 182.9. Every copy to one expert: the
+    # whole EP group's copies (2 x 128, 4 x 128) go to its rank.
+    cases = ((1, 2.0, 128), (2, 1.0, 128), (2, 4.0, 183), (2, 8.0, 256), (4, 8.0, 512), (2, 20.0, 256))
+    for ep, imbalance, received in cases:
+        assert profile_for(cfg, 2, 32, 1, False, ep=ep, imbalance=imbalance).received == received
+    assert _plan("parallel.ep=1", imbalance=2.0).peak == _plan("parallel.ep=1").peak
+    balanced, skewed = _plan("parallel.ep=2").peak["total"], _plan("parallel.ep=2", imbalance=1.5).peak["total"]
+    assert skewed > balanced
+
+
+@pytest.mark.parametrize("value", ["0.5", "nan", "many"])
+def test_plan_expert_imbalance_below_one_or_not_a_number_is_refused_naming_the_fix(value, capsys):
+    from fsdp_exp.plan import main
+
+    assert main([*BASE, "parallel.ep=2", f"plan.expert_imbalance={value}"]) == 2
+    err = capsys.readouterr().err
+    assert f"plan.expert_imbalance={value!r}" in err and "fix: pass plan.expert_imbalance=1" in err
+
+
+def test_tune_takes_plan_expert_imbalance_and_refuses_a_ratio_below_one():
+    from fsdp_exp.errors import ConfigError
+    from fsdp_exp.tune.options import split_argv
+
+    opts, overrides = split_argv(["model=moe_tiny", "plan.expert_imbalance=1.3"])
+    assert opts.expert_imbalance == 1.3 and overrides == ["model=moe_tiny"]
+    with pytest.raises(ConfigError, match="plan.expert_imbalance=1"):
+        split_argv(["plan.expert_imbalance=0.9"])
+
+
+def test_the_plan_of_a_mixture_of_experts_lists_the_need_at_every_ep_the_run_can_take(capsys):
+    from fsdp_exp.plan import main
+
+    assert main([*BASE, "parallel.ep=2"]) == 0
+    out = capsys.readouterr().out
+    lines = out[out.index("expert parallel by parallel.ep") :].splitlines()[1:4]
+    assert [line.split()[0] for line in lines] == ["ep=1", "ep=2", "ep=4"]  # ep=8 divides no 4 ranks: left out
+    assert lines[1].endswith("(this plan)") and "ep=8" not in out
+    needs = {line.split()[0]: float(line.split()[2]) for line in lines}
+    assert needs["ep=1"] > needs["ep=2"] > needs["ep=4"]  # the tiny model's gathered experts shrink with ep
+
+
+def test_the_fit_search_tries_expert_parallel_for_a_mixture_of_experts_only():
+    from fsdp_exp.plan.fit import _dimensions
+
+    def tried(overrides):
+        dims = _dimensions(run_config(overrides), lambda group, option: None, 4)
+        return [value[0] for dim in dims for value in dim if value[0].startswith("parallel.ep=")]
+
+    assert tried(BASE) == ["parallel.ep=2", "parallel.ep=4"]  # the divisors of 4 data-parallel ranks
+    assert tried([*BASE, "parallel.ep=2"]) == []  # the run's own choice stands
+    assert tried(["model=llama_tiny", *TINY_BATCH]) == []
