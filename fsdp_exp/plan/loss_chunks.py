@@ -71,5 +71,22 @@ def decide(asked: str, chunks: int, peak_one: int, peak_chunked: int) -> LossChu
     )
 
 
+# What slicing can save at most, per logit this rank makes with one slice: the logits (at most fp32), their fp32
+# copy, log_softmax's output and the loss parallel's extra fp32 tensor (fsdp_exp.plan.step.StepWalk.loss).
+LOSS_BYTES_BOUND = 16
+
+
+def small_logits(asked: str, chunks: int, peak_one: int, bound: int) -> LossChunks:
+    """The rule's answer where the one-slice loss's logits cannot reach ``SIGNIFICANT`` of the peak (``bound``:
+    ``LOSS_BYTES_BOUND`` a logit): slicing cannot lower the peak that much, one chunk without planning it."""
+    return LossChunks(
+        asked,
+        1,
+        f"auto: {chunks} chunks could save at most {bound / 2**20:,.1f} MiB (the one-slice logits), under "
+        f"{SIGNIFICANT:.0%} of one chunk's peak ({peak_one / 2**20:,.1f} MiB): one chunk, no recompute of the output "
+        "projection",
+    )
+
+
 def given(asked: str, chunks: int) -> LossChunks:
     return LossChunks(asked, chunks, "as given")

@@ -17,7 +17,17 @@ from fsdp_exp.parallel import float8
 from fsdp_exp.parallel.backend import backend_for
 from fsdp_exp.plan.activations import profile_for
 from fsdp_exp.plan.devices import allocator_margin
-from fsdp_exp.plan.loss_chunks import LossChunks, candidate, decide, fixed, given, with_chunks
+from fsdp_exp.plan.loss_chunks import (
+    LOSS_BYTES_BOUND,
+    SIGNIFICANT,
+    LossChunks,
+    candidate,
+    decide,
+    fixed,
+    given,
+    small_logits,
+    with_chunks,
+)
 from fsdp_exp.plan.states import expert_units, gathered, model_states, param_infos, unit_names, zero_model_states
 from fsdp_exp.plan.step import StepSetting, StepWalk
 from fsdp_exp.units import GIB
@@ -107,8 +117,6 @@ def loss_chunks_for(cfg: "RunConfig", topology: "Topology", kind: Optional[str] 
     """``trainer.loss_chunks`` resolved: a number as given; ``auto`` by the rule of ``fsdp_exp.plan.loss_chunks``
     on this plan's peaks with one chunk and with ``loss_chunks.candidate`` slices (cached per config and layout: a search asks for each
     candidate from its plan and from its step-time model)."""
-    from fsdp_exp.models.spec import config_key
-
     asked = str(cfg.trainer.loss_chunks)
     number = fixed(asked)
     if number is not None:
@@ -116,17 +124,68 @@ def loss_chunks_for(cfg: "RunConfig", topology: "Topology", kind: Optional[str] 
     if cfg.precision.output_dtype not in (None, "fp32"):  # the logits must be the model's output
         return LossChunks(asked, 1, f"auto: precision.output_dtype={cfg.precision.output_dtype} needs the logits out")
     kind = kind or topology.device_type
-    key = (config_key(cfg), topology, kind)
+    key = (repr(cfg), topology, kind)  # a dataclass's repr holds every field: cheaper than config_key
     if key not in _CHUNKS:
         if len(_CHUNKS) >= 1024:
             _CHUNKS.clear()
+            _ONE_CHUNK_WALKS.clear()
         k = candidate(cfg)
-        one, chunked = (plan(with_chunks(cfg, n), topology, device_kind=kind).peak["total"] for n in (1, k))
-        _CHUNKS[key] = decide(asked, k, one, chunked)
+        if cfg.parallel.pp > 1:  # the worst stage's peaks (``plan`` under stages), from the shared stage plans
+            one = _pipeline_peak(with_chunks(cfg, 1), topology, kind)
+            logits = _stage_logits(cfg, topology)
+            bound = LOSS_BYTES_BOUND * logits if logits is not None else None
+            if bound is not None and bound < SIGNIFICANT * one:  # as below, with the last stage's micro-batch
+                _CHUNKS[key] = small_logits(asked, k, one, bound)
+            else:
+                _CHUNKS[key] = decide(asked, k, one, _pipeline_peak(with_chunks(cfg, k), topology, kind))
+        else:
+            walked = _walk(with_chunks(cfg, 1), topology, kind)
+            one = max(ph.total for ph in walked[0].phases())
+            # Slicing the loss changes its own phases only, and there it saves at most the one-slice loss's logits
+            # and their fp32 copies (``StepWalk.loss``: under 16 bytes a logit): under the rule's share of the
+            # one-slice peak that bound decides without walking the sliced step (most candidates of a search).
+            if LOSS_BYTES_BOUND * walked[0].logit_elements < SIGNIFICANT * one:
+                _CHUNKS[key] = small_logits(asked, k, one, LOSS_BYTES_BOUND * walked[0].logit_elements)
+                _ONE_CHUNK_WALKS[key] = walked  # ``_walk`` of the settled config takes it again
+            else:
+                chunked = max(ph.total for ph in _walk(with_chunks(cfg, k), topology, kind)[0].phases())
+                _CHUNKS[key] = decide(asked, k, one, chunked)
     return _CHUNKS[key]
 
 
+def _pipeline_peak(cfg: "RunConfig", topology: "Topology", kind: str) -> int:
+    """``plan(cfg, topology).peak["total"]`` under stages: the worst pp rank's, from the stage plan a search's
+    candidates share (``pipeline.shared_pipeline_plan``), or the whole plan where the stages have no model."""
+    from fsdp_exp.errors import ConfigError
+    from fsdp_exp.parallel.pipeline import settings_from
+    from fsdp_exp.plan.pipeline import shared_pipeline_plan
+
+    try:
+        settings = settings_from(cfg, cfg.trainer.global_batch_size // topology.dp_size)
+        return shared_pipeline_plan(cfg, settings, topology.dp_size, kind).peak_rank.peak
+    except ConfigError:
+        return plan(cfg, topology, device_kind=kind).peak["total"]
+
+
+def _stage_logits(cfg: "RunConfig", topology: "Topology") -> Optional[int]:
+    """At most the logits the last stage makes at once with one slice: a pipeline micro-batch's (the data-parallel
+    rank's batch over the schedule's micro-batches, rounded up), the whole vocabulary (an upper bound under TP)."""
+    from fsdp_exp.parallel.pipeline import settings_from
+    from fsdp_exp.plan.activations import profile_for
+
+    from fsdp_exp.errors import ConfigError
+
+    local = cfg.trainer.global_batch_size // topology.dp_size
+    try:
+        sequences = -(-local // settings_from(cfg, local).n_microbatches)
+        return sequences * profile_for(cfg.model, 1, cfg.trainer.seq_len, 1, False).logits
+    except ConfigError:  # no stage model here: ``_pipeline_peak`` plans the whole step, both ways
+        return None
+
+
 _CHUNKS: dict[tuple, LossChunks] = {}
+OUTPUT_PROJECTION = "forward (output projection)"  # StepWalk.forward's phase that holds the logits
+_ONE_CHUNK_WALKS: dict[tuple, tuple] = {}  # the one-slice walks ``loss_chunks_for`` made and chose
 
 
 def settled(cfg: "RunConfig", topology: "Topology", kind: Optional[str] = None) -> "RunConfig":
@@ -139,6 +198,11 @@ def settled(cfg: "RunConfig", topology: "Topology", kind: Optional[str] = None) 
 def _walk(cfg: "RunConfig", topology: "Topology", kind: str, expert_imbalance: float = 1.0):
     """(the step's walk, every parameter's sizes, the model states): all ``plan`` reads of the config
     (``trainer.loss_chunks=auto`` settled first: ``settled``)."""
+    if fixed(cfg.trainer.loss_chunks) is None and expert_imbalance == 1.0:
+        chosen = loss_chunks_for(cfg, topology, kind)
+        reuse = _ONE_CHUNK_WALKS.get((repr(cfg), topology, kind)) if chosen.chunks == 1 else None
+        if reuse is not None:
+            return reuse
     cfg = settled(cfg, topology, kind)
     backend = backend_for(cfg)
     rules = backend.planner_rules(cfg)
@@ -228,6 +292,15 @@ def peak_and_need(
     from fsdp_exp.errors import ConfigError
 
     kind = device_kind or topology.device_type
+    if over is not None and cfg.parallel.pp == 1 and fixed(cfg.trainer.loss_chunks) is None:
+        # Before settling trainer.loss_chunks=auto (which walks the whole step): the blocks' forward phases, the
+        # same whichever the rule takes (the slices change only the output projection's phase and the loss's), a
+        # lower bound of the step's peak either way.
+        blocks = _walk(with_chunks(cfg, 1), topology, kind, expert_imbalance)[0].forward()
+        ahead = max(ph.total for ph in blocks if ph.name != OUTPUT_PROJECTION)
+        need = ahead + allocator_margin(kind, ahead, margin)[0]
+        if over(need):
+            return ahead, need, False
     cfg = settled(cfg, topology, kind)
     if cfg.parallel.pp > 1:
         from fsdp_exp.parallel.pipeline import settings_from

@@ -95,3 +95,33 @@ def test_the_step_time_model_and_hfu_count_the_output_projection_once_more_under
         if ac == "none":  # auto on this model takes one chunk: nothing recomputed
             auto = run_config(SMALL)
             assert step_costs(auto, topology).backward_flops == step_costs(whole, topology).backward_flops
+
+
+LLAMA2_7B = ["model=llama7b", "trainer.nproc_per_node=8", "precision=bf16", "trainer.global_batch_size=16"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        LARGE,
+        [*LARGE, "trainer.seq_len=2048"],
+        [*LARGE, "trainer.seq_len=4096", "trainer.micro_batch_size=1"],
+        [*LARGE, "ac=full"],
+        [*LARGE, "parallel.pp=2", "trainer.seq_len=4096"],
+        [*LARGE, "parallel.pp=2", "ac=full"],
+        [*LLAMA2_7B, "trainer.seq_len=4096"],
+        [*LLAMA2_7B, "trainer.seq_len=4096", "parallel.pp=2"],
+    ],
+    ids=["8192", "2048", "4096-mb1", "ac-full", "pp2-4096", "pp2-ac-full", "7b-bound", "7b-pp2-bound"],
+)
+def test_the_logits_bound_decides_as_planning_both_ways_would(overrides):
+    """loss_chunks_for skips planning the sliced step where the one-slice logits cannot reach the rule's share of
+    the peak (tune's 70B search: 40.8 s of CPU planning both ways, 14.6 s with the bound); the choice is the one the
+    two planned peaks give, on both sides of the rule's line and under stages."""
+    from fsdp_exp.plan.loss_chunks import candidate, decide
+
+    cfg = run_config(overrides)
+    topology = validate(cfg, cuda_devices=8)
+    one, chunked = (plan(with_chunks(cfg, n), topology, device_kind="cuda").peak["total"] for n in (1, candidate(cfg)))
+    expected = decide("auto", candidate(cfg), one, chunked).chunks
+    assert loss_chunks_for(cfg, topology, "cuda").chunks == expected
