@@ -80,7 +80,7 @@ def band_from(ran_over: list[float], oom_over: list[float], source: str) -> Erro
 # without AC, micro-batch 2 at 4096: 76.3 GiB before the allocator margin, 84.9 with it, of 79.1), the runs
 # published as out of memory at least +38.8%. tests/integration/test_plan.py derives it from the record again
 # (``band_from``) and fails when the planner or the record moves it.
-PLANNER_BAND = ErrorBand(over=0.075, ran=295, oom_least=0.388, source="benchmarks/published.py")
+PLANNER_BAND = ErrorBand(over=0.09, ran=295, oom_least=0.388, source="benchmarks/published.py")
 
 
 def error_band() -> ErrorBand:

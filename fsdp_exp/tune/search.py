@@ -260,13 +260,13 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
             continue
         w.topology, w.limit_bytes = topology, limit
         w.tracks_memory = backend_for(candidate.cfg).tracks_memory
-        floor = floor_need(candidate.cfg, topology, device.kind, opts.margin) if prune else 0
+        # A candidate asked for by id (tune.extra) is measured against its whole plan: never cut short.
+        cut = prune and candidate.id not in opts.extra
+        floor = floor_need(candidate.cfg, topology, device.kind, opts.margin) if cut else 0
         if floor and over_limit(floor):  # certain without the walk
             w.floor_bytes, w.floor_of, w.fits = floor, "its parameters and optimizer state", False
-            if candidate.id in opts.extra:
-                time_candidate(w, perf, opts.expert_imbalance)
             continue
-        if prune:  # the same figures, the pipeline's shared; a need over the limit by the forward alone stops there
+        if cut:  # the same figures, the pipeline's shared; a need over the limit by the forward alone stops there
             peak, need, whole = peak_and_need(
                 candidate.cfg,
                 topology,
@@ -277,8 +277,6 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
             )
             if not whole:
                 w.floor_bytes, w.floor_of, w.fits = need, "its forward's phases", False
-                if candidate.id in opts.extra:
-                    time_candidate(w, perf, opts.expert_imbalance)
                 continue
             w.peak_bytes, w.need_bytes = peak, need
         else:
