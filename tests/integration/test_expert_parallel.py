@@ -31,10 +31,10 @@ OVERRIDES = [
     "trainer.warmup_steps=1",
 ]
 CASES = [(precision, ep) for precision in ("fp32", "bf16") for ep in (1, 2, 4)]
-# The second and third steps (gradients and optimizer state exist, as in the trainer's sampled step), each part's
+# The second to fourth steps (gradients and optimizer state exist, as in the trainer's sampled step), each part's
 # smaller peak kept: gloo frees a collective's buffers when its thread gets to it, so one step in a few holds an
 # extra one at its peak (up to 3% of this tiny model's step); the planner plans the steady step.
-TRACKED_STEPS = (1, 2)
+TRACKED_STEPS = (1, 2, 3)
 PHASES = ("forward", "backward", "optimizer")
 # Expert parallel inside HSDP (2 replicas x 2 shards: the EP group is a replica's shard ranks) with every block
 # activation-checkpointed (its recompute runs the all-to-alls again in backward).
@@ -52,7 +52,7 @@ def _train(
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """``steps`` steps of fsdp_exp's recipe: each step's loss (mean over ranks) and its expert gradients, whole.
     ``memory``: a dict that gets this rank's tracked breakdown of ``TRACKED_STEPS`` (by phase, in bytes: each
-    part's smaller peak of the two), and the routed copies' max / mean per expert of the first (``imbalance``). ``favoured``: an expert every token
+    part's smallest peak of them), and the routed copies' max / mean per expert of the first (``imbalance``). ``favoured``: an expert every token
     picks (its router bias set far above the scores'), for an imbalanced run."""
     import contextlib
 
