@@ -146,7 +146,8 @@ def loss_chunks_for(cfg: "RunConfig", topology: "Topology", kind: Optional[str] 
             # one-slice peak that bound decides without walking the sliced step (most candidates of a search).
             if LOSS_BYTES_BOUND * walked[0].logit_elements < SIGNIFICANT * one:
                 _CHUNKS[key] = small_logits(asked, k, one, LOSS_BYTES_BOUND * walked[0].logit_elements)
-                _ONE_CHUNK_WALKS[key] = walked  # ``_walk`` of the settled config takes it again
+                # ``_walk`` of the settled config (this one-slice one) takes it again
+                _ONE_CHUNK_WALKS[(repr(with_chunks(cfg, 1)), topology, kind)] = walked
             else:
                 chunked = max(ph.total for ph in _walk(with_chunks(cfg, k), topology, kind)[0].phases())
                 _CHUNKS[key] = decide(asked, k, one, chunked)
@@ -198,12 +199,10 @@ def settled(cfg: "RunConfig", topology: "Topology", kind: Optional[str] = None) 
 def _walk(cfg: "RunConfig", topology: "Topology", kind: str, expert_imbalance: float = 1.0):
     """(the step's walk, every parameter's sizes, the model states): all ``plan`` reads of the config
     (``trainer.loss_chunks=auto`` settled first: ``settled``)."""
-    if fixed(cfg.trainer.loss_chunks) is None and expert_imbalance == 1.0:
-        chosen = loss_chunks_for(cfg, topology, kind)
-        reuse = _ONE_CHUNK_WALKS.get((repr(cfg), topology, kind)) if chosen.chunks == 1 else None
-        if reuse is not None:
-            return reuse
     cfg = settled(cfg, topology, kind)
+    reuse = _ONE_CHUNK_WALKS.get((repr(cfg), topology, kind)) if expert_imbalance == 1.0 else None
+    if reuse is not None:
+        return reuse
     backend = backend_for(cfg)
     rules = backend.planner_rules(cfg)
     shard = backend.shard_group(topology)
