@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from fsdp_exp.tune.published import CONVENTION, Configs, Row, _int, express, framework
+from fsdp_exp.tune.published import CONVENTION, Configs, Row, _int, express, framework, timing_config
 
 HERE = Path(__file__).resolve().parent
 RECORD = HERE / "published"
@@ -103,7 +103,9 @@ def predict_all(rows: list[Row], memory: bool = True, speed: bool = True) -> dic
                     row.need_gib, row.device_gib = need / GIB, device.bytes / GIB
                     row.verdict = band.verdict(need, device.bytes)
                 if speed:
-                    row.predicted_tokens = predict(cfg, topology, perf).tokens_per_s / topology.world_size
+                    row.predicted_tokens = (
+                        predict(timing_config(cfg, row), topology, perf).tokens_per_s / topology.world_size
+                    )
                 convention = CONVENTION.get(framework(row.fields))
                 if convention and row.published_tokens:
                     peak = perf.peak_tflops[cfg.precision.param_dtype]

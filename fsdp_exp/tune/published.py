@@ -206,6 +206,29 @@ def pipeline_overrides(f: dict) -> list[str]:
     return [f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}"]
 
 
+def loss_override(f: dict) -> str:
+    """How a row took its loss. llm-foundry's MPT (2023-2024) takes it with a fused cross-entropy kernel
+    (``loss_fn: fused_crossentropy``, its default: flash-attn's, the gradient written in place over the logits), which
+    holds no float32 copy of the logits: its memory is planned as fsdp_exp's default loss takes it
+    (``trainer.loss_chunks=auto``: sliced where the logits matter to the peak) and its step timed without the
+    sliced loss's second forward of the output projection (``fused_loss``: a fused kernel reads each logit once).
+    torchtitan's (2024) casts all of a micro-batch's logits to float32 and takes the loss at once:
+    ``trainer.loss_chunks=1``, planned and timed so."""
+    return "trainer.loss_chunks=auto" if fused_loss(f) else "trainer.loss_chunks=1"
+
+
+def fused_loss(f: dict) -> bool:
+    return framework(f) == "llmfoundry"
+
+
+def timing_config(cfg, row: "Row"):
+    """The config a row's step is timed with: a fused loss (``fused_loss``) recomputes nothing, as
+    ``trainer.loss_chunks=1`` prices it; otherwise the row's own config."""
+    if not fused_loss(row.fields):
+        return cfg
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, loss_chunks="1"))
+
+
 def ac_override(f: dict) -> str:
     text = f["activation_checkpointing"].lower()
     if text.startswith("none") or text == "no":
@@ -308,6 +331,7 @@ def express(row: Row) -> None:
         + compile_overrides(f)
         + [
             ac_override(f),
+            loss_override(f),
             f"trainer.nproc_per_node={per_node}",
             f"trainer.nnodes={n_gpus // per_node}",
             f"trainer.global_batch_size={f['global_batch']}",
@@ -344,6 +368,7 @@ def _trainer_fields(row: Row) -> dict:
         "micro_batch_size": int(values["trainer.micro_batch_size"]),
         "seq_len": int(values["trainer.seq_len"]),
         "device": values["trainer.device"],
+        "loss_chunks": values["trainer.loss_chunks"],
     }
 
 
@@ -405,7 +430,7 @@ def step_samples(paths: list[Path]) -> dict[str, dict]:
             group = groups.setdefault(row.device, {"samples": [], "perf": perf, "runs": 0})
             group["samples"].append(
                 (
-                    costs_for(cfg, topology),
+                    costs_for(timing_config(cfg, row), topology),
                     row.published_tokens * topology.world_size,
                     with_network(perf, row.network) if row.network else perf,
                 )
