@@ -291,6 +291,8 @@ def _classify(func, args, out, seq: int, gemms: dict, moved: list) -> None:
     if name.startswith(_COUNTED) or name.startswith(_FREE) or getattr(func, "is_view", False):
         return
     tensors = [t for t in (*args, *(out if isinstance(out, (tuple, list)) else (out,))) if isinstance(t, torch.Tensor)]
+    if name == "embedding":  # a lookup reads the rows its tokens pick (as many as it writes), not the whole table
+        tensors = [out, out, *tensors[1:-1]]
     if seq > 1 and any(t.dim() >= 2 and t.shape[-1] == seq and t.shape[-2] == seq for t in tensors):
         return  # attention's scores (on the meta device SDPA runs as math): a fused kernel never writes them
     moved[0] += float(sum(t.numel() for t in tensors))

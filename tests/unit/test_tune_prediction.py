@@ -239,6 +239,17 @@ def test_recompute_flops_match_the_flop_counter():
         ), ac
 
 
+def test_an_embedding_moves_the_rows_its_tokens_pick_not_its_table():
+    """The memory-bound bytes of a lookup are the rows it reads and writes (2 x dim per token), whatever the
+    vocabulary: before, the whole table was counted once per sequence (for an MPT of width 4,096, vocab 50,368 and
+    2,048 tokens: 25 elements per token and dim, about as much as one of its 32 blocks)."""
+    counts = [
+        work(run_config([f"model.vocab_size={vocab}", "trainer.seq_len=128"])).memory_elements_per_token
+        for vocab in (1024, 65536)
+    ]
+    assert counts[1] == counts[0]
+
+
 # ------------------------------------------------------------------------------------- the step-time model
 def test_the_alpha_beta_time_of_a_ring():
     assert collective_seconds("all-gather", 8, 8e9, 1, 10.0, 100.0) == pytest.approx(7 * 10e-6 + 7 / 8 * 8e9 / 100e9)
