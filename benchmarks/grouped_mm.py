@@ -1,6 +1,6 @@
 """How the experts' grouped matmul (``torch._grouped_mm``, fsdp_exp/models/moe.py) slows down when each expert gets
 few tokens: the shape of the fall that the step-time model's ``grouped_gemm_half_tokens`` carries
-(fsdp_exp/plan/devices.py, fsdp_exp/tune/perf.py).
+(fsdp_exp/plan/devices.py, fsdp_exp/tune/experts_perf.py).
 
 One grouped matmul of ``experts`` groups, each (tokens, K) x (K, N), for tokens per expert from 1 to 1024, timed
 (the median of repeats) and turned into a rate (FLOPs per second) relative to the largest size's. The fit is the

@@ -76,7 +76,8 @@ class DevicePerf:
     # forward and backward by the probe (fsdp_exp.tune.probe: a bf16 step gains far less than the bf16 peak says)
     dtype_scale: dict = field(default_factory=dict)
     # A mixture of experts' grouped matmuls reach m / (m + this) of the large-shape rate with m rows (tokens) per
-    # expert (fsdp_exp.tune.perf.grouped_seconds): GROUPED_HALF_TOKENS_GPU / _CPU below say where each comes from
+    # expert (fsdp_exp.tune.experts_perf.grouped_seconds): GROUPED_HALF_TOKENS_GPU / _CPU below say where each
+    # comes from
     grouped_gemm_half_tokens: float = 0.0
 
 

@@ -24,14 +24,13 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
     moving (cp-1)/cp of the local tensor, on the critical path; ``ring``: cp-1 passes of the local keys and
     values per layer in forward, twice that in backward (the gradients travel too), overlapped with
     attention's own compute: only what attention does not cover is exposed;
-  - a mixture of experts under expert parallel (``parallel.ep``, fsdp_exp/parallel/expert.py): per MoE layer and
-    micro-batch two all-to-alls of the routed copies in forward (dispatch, combine), two in backward and two more
-    per block activation checkpointing recomputes, on the critical path, over the ep consecutive ranks (NVLink
-    while ep <= nproc_per_node); the experts' all-gathers and reduce-scatters over efsdp = shard / ep ranks, 1/ep
-    of the experts each (the dense units keep the shard group);
+  - a mixture of experts under expert parallel (``parallel.ep``): the dispatch and combine all-to-alls and the
+    experts' own all-gathers and reduce-scatters over efsdp (``fsdp_exp.tune.experts_perf``);
   - two tiny all-reduces per step over the world (the loss statistics and the gradient norm).
-- **the routed experts** (``expert_costs``): their grouped matmuls by tokens per expert (T x k / E, ep times that
-  under EP), the most loaded EP rank's share of the copies (``rank_load`` of ``expert_imbalance``).
+- **the routed experts** (``expert_costs``, ``fsdp_exp.tune.experts_perf``): their grouped matmuls by tokens per
+  expert and the most loaded EP rank's share of the copies.
+- **float8** (``float8_costs``, ``fsdp_exp.tune.float8_perf``): the linears torchao converts, taken out of the
+  high-precision matmuls, and their casts' bytes.
 - **offload** (``offload=params`` where the backend offloads): each all-gather first copies the unit's
   fp32 shard from the host, the gradient shards go back once per step, and AdamW steps on the host.
   ``offload=optimizer`` (DeepSpeed's offload_optimizer): the parameters stay on the device; each reduction's
@@ -45,21 +44,17 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
 
 - compute on a GPU (``DevicePerf.kernels``), by kernel class (``kernel_seconds``): the linear layers'
   matmuls by shape at ``efficiency`` (less ``gemm_half_dim``'s penalty, never faster than their operands'
-  bytes allow), attention as a causal fused kernel does it (half the counted square; 2.5 x in backward) at
+  bytes allow: ``fsdp_exp.tune.gemm``), attention as a causal fused kernel does it (half the counted square; 2.5 x in backward) at
   ``attention_efficiency``, the memory-bound operators and the loss's logits by their bytes at
-  ``memory_efficiency`` of the memory's bandwidth, the experts' grouped matmuls at m / (m + h) of the rate with m
-  tokens per expert (``grouped_seconds``; on a CPU too), backward twice the matmuls and bytes, and the share of
-  the forward that activation checkpointing runs again. Under ``precision=float8`` the linears torchao
-  converts run at the FP8 peak x ``fp8_efficiency`` (operands 1 byte) and their casts add memory-bound bytes
-  (``float8_costs``; a GPU without an FP8 peak refuses, unless emulated). On a CPU: FLOPs / (peak of
+  ``memory_efficiency`` of the memory's bandwidth, the experts' grouped matmuls
+  (``grouped_seconds``, ``fsdp_exp.tune.experts_perf``; on a CPU too), backward twice the matmuls and bytes, and
+  the share of the forward that activation checkpointing runs again. Under ``precision=float8`` the converted
+  linears and their casts are timed by ``fsdp_exp.tune.float8_perf`` (``float8_seconds``; a GPU without an FP8
+  peak refuses, unless emulated: ``float8_refusal``). On a CPU: FLOPs / (peak of
   ``param_dtype`` x efficiency x the probe's step-like scale of that dtype, ``DevicePerf.dtype_scale``). The operators cost ``dispatch_us`` each, hidden behind the device's work where dispatch is
   asynchronous (CUDA), added to it where it is not (eager CPU);
-- a collective over a ring of n ranks (the alpha-beta model): an all-gather or a reduce-scatter takes
-  ``(n-1) x latency + (n-1)/n x bytes / bandwidth``, an all-reduce twice that; the link is the node's
-  (``intra``) when the group stays in one node, else the network's (``inter``): a network given per node
-  (a GPU's) carries the group's traffic over all of the node's cards, shared with the node's other groups
-  (``traffic_seconds``); an all-to-all across nodes is no ring: each rank's off-node share crosses the network at
-  once with the node's other ranks' (``all_to_all_seconds``);
+- each purpose's collectives on the node's link or the network's (``traffic_seconds``, the alpha-beta model of a
+  ring; an all-to-all across nodes is no ring): ``fsdp_exp.tune.traffic``;
 - the sharding backend's software: ``unit_us`` (by parameter layout) per gathered unit and collective;
 - overlap: collectives that a prefetch or the backward's bucketing can run ahead of need are hidden
   behind the phase's compute, up to ``overlap`` of the smaller of the two; the first unit's all-gather
@@ -74,6 +69,11 @@ A pipeline-parallel run (``parallel.pp > 1``) is timed by ``fsdp_exp.tune.pipeli
 module's counts, the schedule's bubble, the sends between stages, FSDP2 inside each stage); callers ask
 ``fsdp_exp.tune.step_time``, which dispatches to either.
 
+Where the parts live: this module counts (``step_costs``) and times (``timing``) the step and its overlap;
+``fsdp_exp.tune.traffic`` owns the collectives (``Traffic``, their seconds on a link), ``fsdp_exp.tune.gemm`` the
+linear layers' matmuls by shape, ``fsdp_exp.tune.experts_perf`` a mixture of experts' terms and
+``fsdp_exp.tune.float8_perf`` float8's. Each of them imports none of this module, so the imports point one way.
+
 What it leaves out, knowingly: stragglers, congestion between jobs, NCCL's tree and NVLS algorithms,
 compile (but for float8's casts, fused under it), rowwise float8's slower kernels; on a CPU kernels' efficiency by shape and the backend's per-collective software cost (both in
 the probed and fitted figures). The GPU figures it fits on the published record: fsdp_exp/plan/devices.py.
@@ -87,6 +87,25 @@ from typing import TYPE_CHECKING, Optional
 
 from fsdp_exp.config.schema import EVERY_MICRO_BATCH
 from fsdp_exp.plan.states import DTYPE_BYTES
+from fsdp_exp.tune.experts_perf import (
+    ExpertCosts,
+    all_to_all_traffic,
+    expert_costs,
+    expert_layers,
+    expert_traffic,
+    grouped_extra_flops,
+    grouped_seconds,
+)
+from fsdp_exp.tune.float8_perf import (
+    Float8Costs,
+    float8_all_gathered_numel,
+    float8_costs,
+    float8_on,
+    float8_refusal,
+    float8_seconds,
+)
+from fsdp_exp.tune.gemm import gemm_seconds
+from fsdp_exp.tune.traffic import Traffic, collective_seconds, group_nodes, link_for, traffic_seconds
 
 if TYPE_CHECKING:
     from fsdp_exp.config.schema import RunConfig
@@ -97,21 +116,6 @@ DDP_BUCKET_BYTES = 25 * 2**20
 ADAMW_BYTES_PER_PARAM = 28  # reads p, g, m, v (16 bytes), writes p, m, v (12 bytes), all fp32
 ADAMW_OPS_PER_TENSOR = 12  # a per-tensor AdamW step dispatches about this many operators
 TINY_ALL_REDUCES = 2
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """Collectives of one purpose in one step of one rank."""
-
-    purpose: str  # e.g. "forward all-gather"
-    kind: str  # all-gather | reduce-scatter | all-reduce
-    ranks: int  # the group's size
-    nodes: int  # nodes the group spans
-    count: int  # collectives per step
-    bytes: float  # the full (unsharded) tensors' bytes, summed over the count
-    phase: str  # forward | backward
-    overlappable: bool
-    behind_attention: bool = False  # ring attention's key/value passes: hidden behind attention's compute only
 
 
 @dataclass(frozen=True)
@@ -148,31 +152,6 @@ class StepCosts:
     experts: Optional["ExpertCosts"] = None
 
 
-@dataclass(frozen=True)
-class ExpertCosts:
-    """A mixture of experts' routed experts in one step of one rank (``expert_costs``)."""
-
-    ep: int
-    tokens_per_expert: float  # rows each of this rank's experts gets in one micro-batch's grouped matmul (mean)
-    load: float  # the most loaded EP rank's routed copies over the mean (1 at ep=1): it sets the pace
-    # (M = tokens_per_expert, K, N, forward FLOPs on this rank, the load included) of each grouped matmul shape
-    grouped: tuple[tuple[float, float, float, float], ...]
-    balanced_flops: float  # the same FLOPs at an even load: what the model FLOPs (compute) already count
-
-
-@dataclass(frozen=True)
-class Float8Costs:
-    """What torchao's float8 training adds to and changes in a step of one rank (``float8_costs``)."""
-
-    recipe: str
-    emulate: bool  # torchao's emulated matmul: the casts, then a high-precision matmul
-    gemms: tuple[tuple[float, float, float, float], ...]  # (M, K, N, FLOPs) of the converted matmuls, forward
-    backward_fp8_matmuls: int  # of a converted layer's two backward matmuls, those in float8 (1 under _gw_hp)
-    cast_bytes_forward: float  # the memory-bound amax and cast kernels' reads and writes, the step's forwards
-    cast_bytes_backward: float
-    optimizer_bytes: float = 0.0  # float8 all-gather: the scales precomputed from the updated weights
-
-
 @dataclass
 class StepPrediction:
     step_time_s: float
@@ -200,11 +179,6 @@ class StepPrediction:
 
 
 # ----------------------------------------------------------------------------------------------- counting
-def _group_nodes(stride: int, size: int, ranks_per_node: int) -> int:
-    """Nodes spanned by rank 0's group of ``size`` ranks ``stride`` apart."""
-    return len({(i * stride) // ranks_per_node for i in range(size)})
-
-
 _LAYOUTS: dict[tuple, tuple[list[float], int, int]] = {}
 
 
@@ -297,9 +271,9 @@ def step_costs(cfg: "RunConfig", topology: "Topology", expert_imbalance: float =
 
     unit_numel, local_numel, tensors = _units(cfg, rules, shard, tp)
     full_numel = sum(unit_numel)
-    shard_nodes = _group_nodes(tp, shard, nproc)
-    replica_nodes = _group_nodes(tp * shard, replicas, nproc)
-    dp_nodes = _group_nodes(tp, dp, nproc)
+    shard_nodes = group_nodes(tp, shard, nproc)
+    replica_nodes = group_nodes(tp * shard, replicas, nproc)
+    dp_nodes = group_nodes(tp, dp, nproc)
     traffic: list[Traffic] = []
     offload = bool(cfg.offload.params and rules.offloads)
     # offload=optimizer (DeepSpeed's offload_optimizer): the parameters stay on the device, the optimizer's
@@ -432,145 +406,6 @@ def step_costs(cfg: "RunConfig", topology: "Topology", expert_imbalance: float =
     )
 
 
-# ----------------------------------------------------------------------------------------- mixture of experts
-_EXPERT_LAYERS: dict[tuple, tuple[int, int]] = {}
-
-
-def expert_layers(cfg: "RunConfig") -> tuple[int, int]:
-    """(MoE layers, the routed experts' parameter elements over all of them), from the family's own answer
-    (``ModelSpec.expert_modules``: a family without routed experts fsdp_exp can split names none)."""
-    from fsdp_exp.models import spec_for
-    from fsdp_exp.models.spec import config_key
-
-    key = config_key(cfg.model)
-    if key not in _EXPERT_LAYERS:
-        spec = spec_for(cfg.model)
-        modules = spec.expert_modules(spec.meta_model(cfg.model))
-        prefixes = tuple(m + "." for m in modules)
-        numel = sum(p.numel for p in spec.inventory(cfg.model).params if p.name.startswith(prefixes))
-        _EXPERT_LAYERS[key] = (len(modules), numel)
-    return _EXPERT_LAYERS[key]
-
-
-def rank_load(imbalance: float, experts: int, ep: int) -> float:
-    """The most loaded EP rank's routed copies over the mean, from the experts' max / mean (``imbalance``): the
-    hottest expert on one rank, the rank's other experts sharing what the rest of the experts get evenly. At ep=1
-    every rank holds every expert (1: its total is its tokens x k whatever the split); at ep = experts it is the
-    expert's own imbalance; between, the rank's other experts dilute it. A lower bound: hot experts that share a
-    rank weigh more (pass that rank's figure as the imbalance then)."""
-    if ep <= 1 or imbalance <= 1 or experts <= 1:
-        return 1.0
-    per_rank = experts / ep
-    others = (experts - imbalance) / (experts - 1)  # each other expert's load, over the mean
-    return (imbalance + (per_rank - 1) * others) / per_rank
-
-
-def expert_costs(w, tokens: float, micro_tokens: float, ep: int, imbalance: float) -> ExpertCosts:
-    """The routed experts' grouped matmuls on this rank: each (M, K, N) with M the copies each of its experts gets
-    in one micro-batch: ``micro_tokens x k / E`` at ep=1, ep times that under EP (each rank runs E / ep experts on
-    the copies every rank of its group sends them); the step's FLOPs (``tokens`` on this rank) times the load."""
-    groups = max(g for _, _, g, _ in w.grouped_gemms)
-    k = w.routed_copies_per_token
-    m = max(ep * micro_tokens * k / groups, 1e-9)
-    load = rank_load(imbalance, groups, ep)
-    grouped = tuple((m, float(kk), float(n), tokens * f * load) for kk, n, _, f in w.grouped_gemms)
-    return ExpertCosts(ep, m, load, grouped, tokens * sum(f for *_, f in w.grouped_gemms))
-
-
-def expert_traffic(moe, ep, shard, tp, nproc, G, R, regather, cfg, e_p, e_r) -> list[Traffic]:
-    """FSDP2's collectives of the routed experts under expert parallel (fsdp_exp/parallel/fsdp2.py shards each
-    layer's experts as its own unit over efsdp, the shard ranks EP leaves): each rank gathers its E / ep experts
-    over shard / ep ranks (ep apart), 1/ep of what ep=1 gathers over all the shard ranks; reduce-scatters the same.
-    None where efsdp is one rank (ep = shard: each rank holds its experts whole)."""
-    layers, numel = moe
-    efsdp = shard // ep
-    if efsdp <= 1 or not layers:
-        return []
-    nodes = _group_nodes(tp * ep, efsdp, nproc)
-    local = numel / ep  # the experts one EP rank holds, gathered
-    out = [
-        Traffic(
-            "experts' all-gather (efsdp)",
-            "all-gather",
-            efsdp,
-            nodes,
-            G * layers,
-            G * e_p * local,
-            "forward",
-            cfg.prefetch.forward > 0,
-        )
-    ]
-    if regather:
-        out.append(
-            Traffic(
-                "experts' re-gather (efsdp)",
-                "all-gather",
-                efsdp,
-                nodes,
-                G * layers,
-                G * e_p * local,
-                "backward",
-                cfg.prefetch.backward != 0,
-            )
-        )
-    out.append(
-        Traffic(
-            "experts' reduce-scatter (efsdp)",
-            "reduce-scatter",
-            efsdp,
-            nodes,
-            R * layers,
-            R * e_r * local,
-            "backward",
-            True,
-        )
-    )
-    return out
-
-
-def all_to_all_traffic(cfg, topology, layers: int, ep: int, G: int, e: int, load: float, recomputed: float) -> list:
-    """Expert parallel's dispatch and combine (fsdp_exp/parallel/expert.py): per MoE layer and micro-batch, two
-    all-to-alls of every routed copy's hidden state (k per token, ``param_dtype``) over the EP group (ep
-    consecutive ranks: inside a node while ep <= nproc_per_node, else over the network) in forward, two in
-    backward (the gradients the other way), and two more in backward for every block activation checkpointing
-    recomputes (``recomputed``: their share). On the critical path: the layer waits for its tokens. The most
-    loaded rank receives ``load`` x the mean. (The counts' exchange before each dispatch is latency only: left
-    to the latency of the dispatch itself.)"""
-    from fsdp_exp.plan.activations import profile_for
-
-    w_k = work_copies(cfg)
-    stream = profile_for(cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, 1, False).residual(1)
-    moved = stream * w_k * e * load  # one all-to-all's bytes: this rank's routed copies
-    nodes = _group_nodes(topology.tp_size, ep, topology.nproc_per_node)
-    out = []
-    for phase, per_layer in (("forward", 2), ("backward", 2 + 2 * recomputed)):
-        count = G * layers * per_layer
-        out.append(
-            Traffic(f"expert all-to-all ({phase})", "all-to-all", ep, nodes, round(count), count * moved, phase, False)
-        )
-    return out
-
-
-def work_copies(cfg: "RunConfig") -> float:
-    from fsdp_exp.tune.work import work
-
-    return work(cfg).routed_copies_per_token
-
-
-def grouped_seconds(x: ExpertCosts, perf: "DevicePerf", rate: float, operand_bytes: int) -> float:
-    """The routed experts' grouped matmuls (forward): each expert's (M, K, N) at the large-shape rate, slowed by
-    few rows per expert (``DevicePerf.grouped_gemm_half_tokens``: M of them halve the rate; on a GPU the 128-row
-    tiles' padding, on a CPU measured: benchmarks/grouped_mm.py), and never faster than reading each expert's
-    weight and its rows once (the roofline: few tokens per expert make the experts memory-bound)."""
-    bandwidth = perf.memory_gbps * 1e9 * perf.memory_efficiency
-    total = 0.0
-    for m, k, n, flops in x.grouped:
-        calls = flops / (2 * m * k * n)  # one per expert and micro-batch
-        compute = flops / rate * (1 + perf.grouped_gemm_half_tokens / m)
-        total += max(compute, calls * operand_bytes * (m * k + k * n + m * n) / bandwidth)
-    return total
-
-
 def cp_traffic(cfg: "RunConfig", topology: "Topology", G: int, layers: int, e: int) -> list[Traffic]:
     """Context parallel's collectives in one step of one rank (see the module docstring). The CP group is cp
     ranks tp apart (the mesh's cp dim sits just outside tp)."""
@@ -579,7 +414,7 @@ def cp_traffic(cfg: "RunConfig", topology: "Topology", G: int, layers: int, e: i
 
     cp, tp = cfg.parallel.cp, topology.tp_size
     x = profile_for(cfg.model, topology.micro_batch_size, cfg.trainer.seq_len, tp, False, cp=cp)
-    nodes = _group_nodes(tp, cp, topology.nproc_per_node)
+    nodes = group_nodes(tp, cp, topology.nproc_per_node)
     kv = x.dq if getattr(x, "cp_repeats_kv", False) else x.dkv  # all-to-all repeats what cp does not divide
     if resolve_method(cfg.parallel.cp_method, topology.device_type) == "all_to_all":
         moved = e * x.tokens * (2 * x.dq + 2 * kv)  # q, k, v there, the output back: this rank's tensors
@@ -643,107 +478,7 @@ def _kernel_classes(w, cfg: "RunConfig", tokens: float, m: int, tp: int, e_p: in
     }
 
 
-# ----------------------------------------------------------------------------------------------- float8
-# torchao's float8 training (fsdp_exp/parallel/float8.py) casts each operand of a converted matmul to float8 with a
-# dynamic scale: the amax (max |x|) of the high-precision tensor, then the scaled cast. A converted linear casts its
-# input and its weight in forward; in backward its output's gradient twice (once per backward matmul, each in its
-# own layout), its weight and its input (torchao 0.18's matmul_with_hp_or_float8_args). Under
-# ``rowwise_with_gw_hp`` the weight's gradient matmul stays high precision: no casts for it. Under float8
-# all-gather the gathered weight is float8 already: no weight casts, but each all-gather casts the rank's fp32
-# shard first (the scale precomputed: read 4, write 1 byte an element) and after each optimizer step the amax of
-# every shard is taken (read 4).
-FLOAT8_HP_TO_FP32 = 4  # the cast scales in fp32
-
-
-def cast_bytes_per_element(e: int, compiled: bool) -> float:
-    """Bytes one float8 cast of a tensor of ``e``-byte elements reads and writes, per element. Compiled
-    (``compile=true``, as torchao needs for speed): inductor fuses it into two memory-bound kernels, the amax
-    reduction (reads the tensor) and the scale-and-cast (reads it, writes 1 byte). Eager: every operator of
-    torchao's cast its own kernel: abs (read, write), max (read), the fp32 upcast (read, write 4; none from fp32),
-    the scale's multiply and the clamp (read 4, write 4 each) and the float8 cast (read 4, write 1)."""
-    if compiled:
-        return 2 * e + 1
-    upcast = 0 if e == FLOAT8_HP_TO_FP32 else e + 4
-    return 3 * e + upcast + 8 + 8 + 5
-
-
-def float8_on(cfg: "RunConfig") -> bool:
-    return cfg.precision.float8_recipe is not None
-
-
-def _converted_shapes(cfg: "RunConfig") -> dict[tuple[int, int], int]:
-    """(in, out) features -> how many linears of that shape torchao converts (fsdp_exp.parallel.float8's filter)."""
-    from fsdp_exp.models import spec_for
-    from fsdp_exp.parallel.float8 import planned_matmuls
-
-    shapes: dict[tuple[int, int], int] = {}
-    for block in planned_matmuls(cfg, spec_for(cfg.model).inventory(cfg.model).blocks):
-        for shape in block:
-            shapes[shape] = shapes.get(shape, 0) + 1
-    return shapes
-
-
-def float8_all_gathered_numel(cfg: "RunConfig", tp: int = 1) -> float:
-    """The converted weights' elements one tensor-parallel rank holds (the blocks' linears are split over tp),
-    which a float8 all-gather moves at 1 byte each (0 without it)."""
-    if not (float8_on(cfg) and cfg.precision.float8_all_gather):
-        return 0.0
-    return float(sum(k * n * count for (k, n), count in _converted_shapes(cfg).items())) / tp
-
-
-def float8_costs(
-    cfg: "RunConfig", gemms: tuple, tokens: float, e: int, shard: int, gathers: tuple[float, float], tp: int = 1
-) -> tuple[tuple, Float8Costs]:
-    """(the matmuls left high precision, what float8 adds and changes): of each linear-layer matmul shape, the share
-    of its linears (per token, ``tokens`` of the step on this rank) that torchao converts; the casts' bytes over
-    the step. ``gathers``: how many times the step gathers all the weights in forward and in backward (a float8
-    all-gather casts the rank's shard of each converted weight first). ``tp``: the gemms' N is this rank's share
-    of the linear's output features, the converted shapes are the whole linears'."""
-    p = cfg.precision
-    converted = _converted_shapes(cfg)
-    cast = cast_bytes_per_element(e, cfg.compile)
-    weight_casts = 0 if p.float8_all_gather else 1
-    gw_hp = p.float8_recipe.endswith("_gw_hp")
-    kept, fp8 = [], []
-    forward = backward = 0.0
-    for m, k, n, flops in gemms:
-        whole_n = int(round(n * tp))
-        share = min(1.0, converted.get((int(k), whole_n), 0) * 2 * k * whole_n * tokens / flops) if flops else 0.0
-        if share < 1.0:
-            kept.append((m, k, n, flops * (1 - share)))
-        if share <= 0.0:
-            continue
-        fp8.append((m, k, n, flops * share))
-        calls = flops * share / (2 * m * k * n)  # converted matmuls of this shape in the step's forwards
-        forward += calls * cast * (m * k + weight_casts * k * n)  # input, weight
-        grads = 1 if gw_hp else 2  # the output's gradient, once per float8 backward matmul
-        backward += calls * cast * (grads * m * n + weight_casts * k * n + (0 if gw_hp else m * k))
-    gathered = float8_all_gathered_numel(cfg, tp) / max(shard, 1)  # this rank's shard of the converted weights
-    shard_cast = FLOAT8_HP_TO_FP32 + 1
-    return tuple(kept), Float8Costs(
-        p.float8_recipe,
-        p.float8_emulate,
-        tuple(fp8),
-        1 if gw_hp else 2,
-        cast_bytes_forward=forward + gathers[0] * shard_cast * gathered,
-        cast_bytes_backward=backward + gathers[1] * shard_cast * gathered,
-        optimizer_bytes=FLOAT8_HP_TO_FP32 * gathered,
-    )
-
-
 # ----------------------------------------------------------------------------------------------- timing
-def collective_seconds(kind: str, ranks: int, nbytes: float, count: int, latency_us: float, gbps: float) -> float:
-    """The alpha-beta time of ``count`` ring collectives moving ``nbytes`` (full tensors) in all."""
-    if ranks <= 1:
-        return 0.0
-    rounds = 2 if kind == "all-reduce" else 1
-    return rounds * (count * (ranks - 1) * latency_us * 1e-6 + (ranks - 1) / ranks * nbytes / (gbps * 1e9))
-
-
-def _link(perf: "DevicePerf", nodes: int):
-    return perf.intra if nodes <= 1 else perf.inter
-
-
 def _phase(compute: float, overlappable: float, waiting: float, overlap: float, units: int) -> tuple[float, float]:
     """(exposed communication of a phase, its part hidden) given its compute and its communication that
     can run ahead (``overlappable``) or must wait (``waiting``). The first (last) unit's share waits."""
@@ -753,47 +488,6 @@ def _phase(compute: float, overlappable: float, waiting: float, overlap: float, 
     return waiting + first + rest - hidden, hidden
 
 
-def _gemm_seconds(gemms: tuple, perf: "DevicePerf", rate: float, operand_bytes: int, output_bytes: int) -> float:
-    """Linear-layer matmuls: each at the large-shape rate less its shape's penalty (a smallest dimension of
-    ``gemm_half_dim`` halves it: short matmuls fill fewer of the SMs' tiles), and never faster than moving its
-    operands once through the device's memory (the roofline)."""
-    bandwidth = perf.memory_gbps * 1e9 * perf.memory_efficiency
-    total = 0.0
-    for m, k, n, flops in gemms:
-        calls = flops / (2 * m * k * n)
-        compute = flops / rate * (1 + perf.gemm_half_dim / min(m, k, n))
-        total += max(compute, calls * (operand_bytes * (m * k + k * n) + output_bytes * m * n) / bandwidth)
-    return total
-
-
-def float8_refusal(costs: StepCosts, perf: "DevicePerf") -> Optional[str]:
-    """Why a float8 step cannot be timed on this device (None: it can): fsdp_exp.parallel.float8's rule, the one
-    the planner and the ranks apply too (a GPU without FP8 tensor cores runs only torchao's emulation). A CPU's is
-    timed as its high-precision matmuls (the CPU kernel of _scaled_mm is no faster)."""
-    from fsdp_exp.parallel.float8 import device_refusal
-
-    if costs.float8 is None:
-        return None
-    f8 = costs.float8
-    refused = device_refusal(f8.recipe, f8.emulate, "this GPU", perf.peak_tflops.get("fp8"), gpu=bool(perf.kernels))
-    return f"{refused[0].rstrip('.')}; {refused[1]}" if refused else None
-
-
-def _float8_seconds(f8: "Float8Costs", perf: "DevicePerf", rate: float, e: int) -> tuple[float, float]:
-    """(forward, backward) seconds of the converted matmuls and their casts: on FP8 tensor cores at the FP8 peak
-    (operands 1 byte, the output in the compute dtype); emulated, at the high-precision rate; the casts by their
-    bytes at the memory's rate."""
-    high = _gemm_seconds(f8.gemms, perf, rate, e, e)
-    fp8 = (
-        high
-        if f8.emulate
-        else _gemm_seconds(f8.gemms, perf, perf.peak_tflops["fp8"] * 1e12 * perf.fp8_efficiency, 1, e)
-    )
-    bandwidth = perf.memory_gbps * 1e9 * perf.memory_efficiency
-    backward = f8.backward_fp8_matmuls * fp8 + (2 - f8.backward_fp8_matmuls) * high
-    return fp8 + f8.cast_bytes_forward / bandwidth, backward + f8.cast_bytes_backward / bandwidth
-
-
 def kernel_seconds(costs: StepCosts, perf: "DevicePerf", peak: float) -> tuple[float, float]:
     """(forward, backward) device seconds by kernel class (``DevicePerf.kernels``): matmuls by shape (float8 ones
     at the FP8 peak, with their casts), attention as a causal fused kernel, the memory-bound operators by their
@@ -801,53 +495,15 @@ def kernel_seconds(costs: StepCosts, perf: "DevicePerf", peak: float) -> tuple[f
     what checkpointing recomputes."""
     rate = peak * 1e12 * perf.efficiency
     e = DTYPE_BYTES[costs.dtype]
-    gemm = _gemm_seconds(costs.gemms, perf, rate, e, e)
+    gemm = gemm_seconds(costs.gemms, perf, rate, e, e)
     if costs.experts:
         gemm += grouped_seconds(costs.experts, perf, rate, e)
-    f8_f, f8_b = _float8_seconds(costs.float8, perf, rate, e) if costs.float8 else (0.0, 0.0)
+    f8_f, f8_b = float8_seconds(costs.float8, perf, rate, e) if costs.float8 else (0.0, 0.0)
     attention = costs.attention_flops / (peak * 1e12 * perf.attention_efficiency)
     memory = costs.memory_bytes / (perf.memory_gbps * 1e9 * perf.memory_efficiency)
     forward = gemm + f8_f + attention + memory
     backward = 2 * gemm + f8_b + FLASH_BACKWARD_PER_FORWARD * attention + BACKWARD_BYTES_PER_FORWARD * memory
     return forward, backward + costs.recompute_share * forward
-
-
-def traffic_seconds(t: Traffic, perf: "DevicePerf", ranks_per_node: int) -> float:
-    """One purpose's collectives. Within a node (or on a network given per rank): the ring of
-    ``collective_seconds``. Across nodes on a network given per node: NCCL runs a ring per network card, so the
-    node's cards carry the group's traffic together; a group holding r of a node's ranks shares them with the
-    node's other groups (r / ranks-per-node of the node's rate), and no rank moves faster than its NVLink. The
-    ring's latency: a step per rank within the nodes and a network hop per node."""
-    if t.kind == "all-to-all" and t.nodes > 1:
-        return all_to_all_seconds(t, perf, ranks_per_node)
-    if t.nodes <= 1 or not perf.inter.per_node:
-        link = _link(perf, t.nodes)
-        return collective_seconds(t.kind, t.ranks, t.bytes, t.count, link.latency_us, link.gbps)
-    if t.ranks <= 1:
-        return 0.0
-    local = max(1, t.ranks // t.nodes)
-    gbps = perf.inter.gbps * local / max(ranks_per_node, local)
-    if local > 1:
-        gbps = min(gbps, perf.intra.gbps)
-    rounds = 2 if t.kind == "all-reduce" else 1
-    latency = (t.ranks - t.nodes) * perf.intra.latency_us + t.nodes * perf.inter.latency_us
-    return rounds * (t.count * latency * 1e-6 + (t.ranks - 1) / t.ranks * t.bytes / (gbps * 1e9))
-
-
-def all_to_all_seconds(t: Traffic, perf: "DevicePerf", ranks_per_node: int) -> float:
-    """An all-to-all over several nodes is no ring: each rank sends 1/n of its bytes to every other rank at once,
-    (local - 1)/n of them over the node's links and (n - local)/n over the network, where every rank of the node
-    sends its share at the same time (the node's other groups too): a network given per node gives each rank
-    1/ranks-per-node of it. The two parts run at once; the latency is a step per peer, over the node's links or
-    the network as the peer sits. (Inside one node it is the ring formula's (n-1) x latency + (n-1)/n x bytes /
-    bandwidth, which ``collective_seconds`` gives.)"""
-    n, nodes = t.ranks, t.nodes
-    local = max(1, n // nodes)
-    network = perf.inter.gbps / ranks_per_node if perf.inter.per_node else perf.inter.gbps
-    inside = (local - 1) / n * t.bytes / (perf.intra.gbps * 1e9)
-    outside = (n - local) / n * t.bytes / (network * 1e9)
-    latency = (local - 1) * perf.intra.latency_us + (n - local) * perf.inter.latency_us
-    return t.count * latency * 1e-6 + max(inside, outside)
 
 
 def unit_seconds(costs: StepCosts, perf: "DevicePerf") -> float:
@@ -873,10 +529,7 @@ def compute_seconds(costs: StepCosts, perf: "DevicePerf") -> tuple[float, float]
     if perf.kernels and costs.gemms:
         k_f, k_b = kernel_seconds(costs, perf, peak)
         return max(k_f, costs.forward_ops * dispatch), max(k_b, costs.backward_ops * dispatch)
-    extra = 0.0  # the experts' grouped matmuls beyond their balanced FLOPs at the full rate: few rows, the load
-    if costs.experts:
-        x = costs.experts
-        extra = sum(f * (1 + perf.grouped_gemm_half_tokens / m) for m, _, _, f in x.grouped) - x.balanced_flops
+    extra = grouped_extra_flops(costs.experts, perf) if costs.experts else 0.0
     return compute(costs.forward_flops + extra, costs.forward_ops), compute(
         costs.backward_flops + 2 * extra, costs.backward_ops
     )
@@ -897,7 +550,7 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
     peak = perf.peak_tflops.get(costs.dtype)
     if not peak:
         raise ValueError(f"no peak FLOPS for {costs.dtype} on this device")
-    refusal = float8_refusal(costs, perf)
+    refusal = float8_refusal(costs.float8, perf)
     if refusal:
         raise ValueError(refusal)
     dispatch = perf.dispatch_us * 1e-6
@@ -933,7 +586,7 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
         optimizer += costs.float8.optimizer_bytes / (perf.memory_gbps * 1e9 * perf.memory_efficiency)
     if not perf.async_dispatch:
         optimizer += costs.optimizer_ops * dispatch
-    world_link = _link(perf, 2 if costs.world > costs.ranks_per_node else 1)
+    world_link = link_for(perf, 2 if costs.world > costs.ranks_per_node else 1)
     overhead = (
         perf.step_overhead_ms * 1e-3
         + unit_seconds(costs, perf)
@@ -978,4 +631,4 @@ def counts(costs: StepCosts) -> dict[str, int]:
     return out
 
 
-__all__ = ["StepCosts", "StepPrediction", "Traffic", "collective_seconds", "counts", "step_costs", "timing"]
+__all__ = ["StepCosts", "StepPrediction", "counts", "step_costs", "timing"]

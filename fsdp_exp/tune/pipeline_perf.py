@@ -55,13 +55,11 @@ from fsdp_exp.tune.perf import (
     TINY_ALL_REDUCES,
     StepCosts,
     StepPrediction,
-    Traffic,
     _phase,
-    collective_seconds,
     compute_seconds,
     step_costs,
-    traffic_seconds,
 )
+from fsdp_exp.tune.traffic import Traffic, collective_seconds, traffic_seconds
 
 if TYPE_CHECKING:
     from fsdp_exp.config.schema import RunConfig

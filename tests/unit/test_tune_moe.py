@@ -1,6 +1,6 @@
 """The step-time model and the tuner for a mixture of experts: the routed experts' grouped matmuls by tokens per
 expert, expert parallel's all-to-alls by where its group sits, the experts' FSDP traffic over the ranks EP leaves,
-the load imbalance, and ``ep`` in tune's space (fsdp_exp/tune/perf.py, fsdp_exp/tune/space.py). No process group:
+the load imbalance, and ``ep`` in tune's space (fsdp_exp/tune/experts_perf.py, fsdp_exp/tune/space.py). No process group:
 configs are validated for a GPU node (``cuda_devices=8``)."""
 
 from __future__ import annotations
@@ -12,15 +12,9 @@ import pytest
 
 from fsdp_exp.plan.devices import DEVICES
 from fsdp_exp.preflight import validate
-from fsdp_exp.tune.perf import (
-    ExpertCosts,
-    expert_layers,
-    grouped_seconds,
-    rank_load,
-    step_costs,
-    timing,
-    traffic_seconds,
-)
+from fsdp_exp.tune.experts_perf import ExpertCosts, expert_layers, grouped_seconds, rank_load
+from fsdp_exp.tune.perf import step_costs, timing
+from fsdp_exp.tune.traffic import traffic_seconds
 from fsdp_exp.tune.space import build_space, label
 from fsdp_exp.tune.work import work
 

@@ -18,8 +18,9 @@ from fsdp_exp.plan.devices import DEVICES
 from fsdp_exp.tune import calibrate, measure
 from fsdp_exp.tune.cli import main
 from fsdp_exp.tune.options import split_argv
-from fsdp_exp.tune.perf import collective_seconds, counts, step_costs, timing
+from fsdp_exp.tune.perf import counts, step_costs, timing
 from fsdp_exp.tune.step_time import predict
+from fsdp_exp.tune.traffic import collective_seconds
 from fsdp_exp.tune.search import weigh
 from fsdp_exp.tune.work import work
 
