@@ -28,7 +28,11 @@ work too:
   between "host" and "device", here the same memory;
 - gloo's all-gather and reduce-scatter at 1 KiB to 8 MiB: a least-squares line through
   ``time = (n-1) x latency + (n-1)/n x bytes / bandwidth`` gives the latency per ring step and the
-  bandwidth (the same ring model ``fsdp_exp.tune.perf`` uses).
+  bandwidth (the same ring model ``fsdp_exp.tune.perf`` uses), fitted on relative errors so that the small
+  sizes, which alone tell the latency, count as much as the large ones;
+- FSDP's own cost per gathered unit and collective (``unit_us``, FSDP2's and FSDP1's, ``_unit_us``): hooks,
+  copies in and out, the wait on gloo's thread, what a sharded step pays beyond the collectives themselves. On
+  a CPU it is of the order of the collectives (0.5 ms each here), where on a GPU the device's work hides it.
 
 The entry is cached in ``$XDG_CACHE_HOME/fsdp_exp/cpu_probe.json`` (default ``~/.cache``) per (CPU model,
 ranks per node, threads per rank, torch version, the block's shape), with the share of its cores' time the ranks got: a
@@ -92,8 +96,9 @@ def bounded_shape(width: int, tokens: int) -> tuple[int, int]:
 
 
 def _entry_key(ranks_per_node: int, threads: int, shape: tuple[int, int]) -> str:
-    # "step v4": entries of a fixed-shape block (v2) or of a bare operator's cost (v3) are measured again
-    return f"{probe_key(ranks_per_node, threads)} | step v4 | block {shape[0]} x {shape[1]} tokens"
+    # "step v5": entries of a fixed-shape block (v2), of a bare operator's cost (v3) or without FSDP's cost per
+    # collective and with an unweighted latency fit (v4) are measured again
+    return f"{probe_key(ranks_per_node, threads)} | step v5 | block {shape[0]} x {shape[1]} tokens"
 
 
 def _read(key: str) -> Optional[dict]:
@@ -142,6 +147,7 @@ def cpu_perf(ranks_per_node: int, threads: int, shape: tuple[int, int] = DEFAULT
         efficiency=CPU_EFFICIENCY,
         overlap=CPU_OVERLAP,
         dispatch_us=entry["dispatch_us"],
+        unit_us=entry.get("unit_us", {}),
         dtype_scale=entry.get("step_scale", {}),
         async_dispatch=False,
         step_overhead_ms=CPU_STEP_OVERHEAD_MS,
@@ -266,6 +272,62 @@ def _block_op_seconds(width: int = 64) -> float:
     return _timed(step) / (3 * max(1, Count.ops))
 
 
+UNIT_PROBE_UNITS = 8  # tiny linear layers, each its own FSDP unit: their arithmetic is negligible
+
+
+def _unit_us(world: int) -> dict[str, float]:
+    """FSDP's own host cost per gathered unit and collective, by parameter layout (``DevicePerf.unit_us``: FSDP2's
+    ``dim0``, FSDP1's ``flat``): a stack of tiny linear layers, each its own unit, forward and backward sharded
+    over the ranks, less the same stack unsharded and less the collectives' own time (the same all-gather and
+    reduce-scatter timed bare); per collective, counting what the step-time model counts for it: an all-gather per
+    unit in forward and again in backward (units are resharded after forward), a reduce-scatter per unit. On a CPU
+    this is the hooks' and copies' Python and the wait on gloo's thread, which eager dispatch does not hide; on
+    this 2-core machine about 0.5 ms a collective against the bare collective's 0.6-1.6 ms (2026-12-03), so
+    without it FSDP was priced nearly as DDP (issue #34 item 7)."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    width, units = 64, UNIT_PROBE_UNITS
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Linear(width, width) for _ in range(units)])
+    dim0 = copy.deepcopy(plain)
+    for layer in dim0:
+        fully_shard(layer)
+    fully_shard(dim0)
+    flat = FullyShardedDataParallel(
+        copy.deepcopy(plain),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        use_orig_params=True,
+        limit_all_gathers=True,
+        device_id=torch.device("cpu"),
+    )
+    x = torch.randn(2, width)
+
+    def step(model):
+        return lambda: model(x).sum().backward()
+
+    numel = width * (width + 1)  # a unit's weight and bias
+    full, part = torch.zeros(numel + numel % world), torch.zeros((numel + numel % world) // world)
+    dist.barrier()
+    gather = _timed(lambda: dist.all_gather_into_tensor(full, part))
+    dist.barrier()
+    scatter = _timed(lambda: dist.reduce_scatter_tensor(part, full))
+    collectives = 2 * units * gather + units * scatter
+    dist.barrier()
+    bare = _timed(step(plain))
+    out = {}
+    for layout, model in (("dim0", dim0), ("flat", flat)):
+        dist.barrier()
+        sharded = _timed(step(model))
+        out[layout] = max(0.0, (sharded - bare - collectives) / (3 * units)) * 1e6
+    return out
+
+
 def _rank(rank: int, world: int, threads: int, port: int, out: str, shape: tuple[int, int] = DEFAULT_SHAPE) -> None:
     os.environ["OMP_NUM_THREADS"] = str(threads)
     import warnings
@@ -326,9 +388,16 @@ def _rank(rank: int, world: int, threads: int, port: int, out: str, shape: tuple
                 dist.barrier()
                 seconds.append(_timed(lambda: dist.reduce_scatter_tensor(part, full)))
                 rows.append([world - 1, (world - 1) / world * size])
-            (alpha, inverse_beta), *_ = np.linalg.lstsq(np.array(rows), np.array(seconds), rcond=None)
+            # Relative least squares (each row over its own time): every size weighs alike, so the 1 KiB points,
+            # which alone tell the latency, are not drowned by the 8 MiB ones. Unweighted, a machine under load
+            # gave a negative intercept (clamped to 1 us) and FSDP's collectives were priced at nothing.
+            seconds_ = np.array(seconds)
+            (alpha, inverse_beta), *_ = np.linalg.lstsq(
+                np.array(rows) / seconds_[:, None], np.ones(len(rows)), rcond=None
+            )
             latency_us = max(float(alpha) * 1e6, 1.0)
             gbps = 1.0 / max(float(inverse_beta), 1e-12) / 1e9
+        unit_us = _unit_us(world) if world > 1 else {}
         if rank == 0:
             Path(out).write_text(
                 json.dumps(
@@ -343,6 +412,7 @@ def _rank(rank: int, world: int, threads: int, port: int, out: str, shape: tuple
                         "copy_gbps": copy_gbps,
                         "gloo_latency_us": latency_us,
                         "gloo_gbps": min(gbps, 1e4),
+                        "unit_us": unit_us,
                         "core_share": min(shares) if shares else 1.0,
                         "ranks_per_node": world,
                         "threads_per_rank": threads,

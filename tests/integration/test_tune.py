@@ -65,6 +65,10 @@ def test_the_cpu_probe_measures_once_then_reads_its_cache():
     assert entry["block_shape"] == [256, 256] and 0 < first.dtype_scale["bf16"] <= 1
     # an operator as a step dispatches it (autograd recorded, its backward too), never below a bare add's cost
     assert first.dispatch_us == entry["dispatch_us"] >= entry["bare_dispatch_us"] > 0
+    # FSDP's host cost per collective, both layouts, measured beyond the bare collectives: it prices FSDP apart
+    # from DDP (before, FSDP's steps were priced by the collectives' ring alone)
+    assert first.unit_us == entry["unit_us"] and set(entry["unit_us"]) == {"dim0", "flat"}
+    assert all(us >= 0 for us in entry["unit_us"].values()) and max(entry["unit_us"].values()) > 0, entry["unit_us"]
     again, entry = cpu_perf(2, 1)
     assert entry["how"] == "cached" and "cached" in again.intra.source
     assert (again.peak_tflops, again.intra.latency_us, again.intra.gbps, again.dispatch_us) == (
