@@ -26,7 +26,7 @@ class Traffic:
     """Collectives of one purpose in one step of one rank."""
 
     purpose: str  # e.g. "forward all-gather"
-    kind: str  # all-gather | reduce-scatter | all-reduce
+    kind: str  # all-gather | reduce-scatter | all-reduce | all-to-all | ring pass
     ranks: int  # the group's size
     nodes: int  # nodes the group spans
     count: int  # collectives per step
