@@ -69,7 +69,8 @@ class PlannerRules:
     """How a backend lays out memory, as the planner (``fsdp_exp.plan``) needs to know it.
 
     ``param_layout``: ``dim0`` (each parameter's dim 0 is chunked over the shard group, padded as
-    ``torch.chunk`` does: FSDP2), ``flat`` (one flat parameter per unit, padded to a multiple of the
+    ``torch.chunk`` does, but a stacked weight's whose dim 0 the group does not divide, sharded on a dim it
+    divides: ``fsdp_exp.parallel.placement``; FSDP2), ``flat`` (one flat parameter per unit, padded to a multiple of the
     shard group: FSDP1) or ``replicated`` (whole parameters on every rank: DDP).
     ``gathers_units``: compute all-gathers each unit's unsharded parameters (FSDP); False: the
     parameters are used in place (DDP). ``autocast``: compute runs under ``torch.autocast`` (DDP's

@@ -22,6 +22,7 @@ from fsdp_exp.config import RunConfig
 from fsdp_exp.models import canonical_name, init_weights
 from fsdp_exp.parallel.backend import Backend, PlannerRules
 from fsdp_exp.parallel.common import describe, dtype_of, refuse_zero_only_knobs, unit_label
+from fsdp_exp.parallel.placement import shard_dim
 from fsdp_exp.parallel.wrap import top_level, unit_names
 
 if TYPE_CHECKING:
@@ -69,6 +70,35 @@ def offload_policy(cfg: RunConfig, device_type: str) -> OffloadPolicy:
         return OffloadPolicy()
     pin = cfg.offload.pin_memory if cfg.offload.pin_memory is not None else device_type == "cuda"
     return CPUOffloadPolicy(pin_memory=pin)
+
+
+def _placement(mesh: DeviceMesh):
+    """``fully_shard``'s ``shard_placement_fn`` over ``mesh`` (its last dim is the shard group): the dim
+    ``fsdp_exp.parallel.placement`` picks for each parameter's local tensor (an expert-parallel DTensor's
+    experts of this rank), ``None`` (FSDP2's default ``Shard(0)``) for dim 0."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    group = mesh.size(mesh.ndim - 1)
+
+    def placement(param: nn.Parameter):
+        shape = param.to_local().shape if isinstance(param, DTensor) else param.shape
+        dim = shard_dim(tuple(shape), group)
+        return Shard(dim) if dim else None
+
+    return placement
+
+
+def _off_dim0(module: nn.Module, prefix: str) -> dict[str, str]:
+    """The parameters of a just-sharded unit that FSDP2 holds on a dim other than 0, for the run record."""
+    from torch.distributed.tensor import DTensor
+
+    found = {}
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            dims = [p.dim for p in param.placements if p.is_shard()]
+            if dims and dims[0]:  # the first shard placement is FSDP's (the mesh's outer dims come first)
+                found[canonical_name(f"{prefix}.{name}" if prefix else name)] = str(param.placements)
+    return found
 
 
 def _set_prefetch(model: nn.Module, chain: list[str], forward: int, backward: int | None) -> dict:
@@ -161,7 +191,7 @@ class FSDP2(Backend):
         for name, module in model.named_modules():
             if getattr(module, "efsdp_mesh", None) is not None:
                 kwargs = {**common, "mesh": module.efsdp_mesh, "reshard_after_forward": reshard}
-                fully_shard(module, **kwargs)
+                fully_shard(module, **kwargs, shard_placement_fn=_placement(module.efsdp_mesh))
                 applied_units.append({"module": name, "fully_shard": describe(kwargs)})
         sharded = {unit["module"] for unit in applied_units}
         units = [name for name in units if canonical_name(name) not in {canonical_name(n) for n in sharded}]
@@ -169,10 +199,10 @@ class FSDP2(Backend):
             # The last unit in forward is the first in backward: resharding it would all-gather it again.
             keep_last = name == chain[-1] and reshard is not False and not cfg.sharding.reshard_last_block
             kwargs = {**common, "reshard_after_forward": False if keep_last else reshard}
-            fully_shard(model.get_submodule(name), **kwargs)
+            fully_shard(model.get_submodule(name), **kwargs, shard_placement_fn=_placement(mesh))
             applied_units.append({"module": name, "fully_shard": describe(kwargs)})
         root_kwargs = {**common, "mp_policy": mp_policy(cfg, root=True), "reshard_after_forward": reshard}
-        fully_shard(model, **root_kwargs)
+        fully_shard(model, **root_kwargs, shard_placement_fn=_placement(mesh))
         applied_units.append({"module": "<root>", "fully_shard": describe(root_kwargs)})
 
         prefetch = _set_prefetch(model, chain, cfg.prefetch.forward, cfg.prefetch.backward)
@@ -188,6 +218,8 @@ class FSDP2(Backend):
             "mesh": {"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names or ())},
             "num_units": len(applied_units),
             "units": applied_units,
+            # stacked weights whose experts the group does not divide (fsdp_exp.parallel.placement)
+            "sharded_off_dim0": _off_dim0(model, ""),
         }
 
     # ---------------------------------------------------------------------------------- BackendStep

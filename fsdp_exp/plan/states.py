@@ -14,6 +14,7 @@ from typing import Optional
 
 from fsdp_exp.models.spec import Inventory, ParamEntry, config_key
 from fsdp_exp.parallel.backend import PlannerRules
+from fsdp_exp.parallel.placement import shard_numel
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -82,7 +83,10 @@ def param_infos(
     ``experts`` (``expert_units``): under expert parallel over ``ep`` ranks, the routed-expert units. Their
     stacked weights (experts first) are split by expert over the EP group, then each rank's experts/ep are
     chunked over the ``shard / ep`` ranks left ("efsdp"): at rest a rank holds 1/shard of them as without EP,
-    but their unit gathers experts/ep only, over the efsdp ranks (none where ep = shard)."""
+    but their unit gathers experts/ep only, over the efsdp ranks (none where ep = shard).
+
+    Under ``dim0`` a stacked weight whose experts the group does not divide is laid out on the dim that it
+    divides, unpadded (``fsdp_exp.parallel.placement``: the rule FSDP2's ``fully_shard`` is handed)."""
     key = (id(inventory), tuple(units), rules.param_layout, rules.gathers_units, shard, tp, experts, ep)
     if key in _INFOS:
         return _INFOS[key][1]
@@ -97,9 +101,8 @@ def param_infos(
         if owner in expert_set and ep > 1:  # this rank's experts (dim 0 / ep), then FSDP2 over the efsdp ranks
             shape = (shape[0] // ep, *shape[1:])
             group = shard // ep
-        if rules.param_layout == "dim0":  # dim 0 chunked over the shard group, padded as torch.chunk does
-            rows = math.ceil(shape[0] / group)
-            local = rows * math.prod(shape) // shape[0]
+        if rules.param_layout == "dim0":  # one dim chunked over the shard group (placement.shard_dim), padded
+            local = shard_numel(shape, group)  # as torch.chunk does: dim 0, or a stacked weight's even dim
             gathered = local * group
         else:  # flat units (padded below), or replicas
             local, gathered = numel, (numel if rules.gathers_units else 0)

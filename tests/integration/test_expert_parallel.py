@@ -39,6 +39,11 @@ PHASES = ("forward", "backward", "optimizer")
 # Expert parallel inside HSDP (2 replicas x 2 shards: the EP group is a replica's shard ranks) with every block
 # activation-checkpointed (its recompute runs the all-to-alls again in backward).
 HYBRID_AC = ["sharding=hybrid", "sharding.shard_size=2", "ac=full"]
+# Experts the shard ranks do not divide (fsdp_exp.parallel.placement): 6 over 4 ranks, and 3 a rank over the 2
+# efsdp ranks ep=2 leaves, are sharded on their out dim (dim 0 would pad them to 8 and 4); DDP, whole weights on
+# every rank, is the yardstick.
+UNEVEN = {"fsdp2": [], "ep2": ["parallel.ep=2"], "ddp": ["sharding=ddp"]}
+UNEVEN_STEPS = 3
 
 
 def _free_port() -> int:
@@ -48,12 +53,13 @@ def _free_port() -> int:
 
 
 def _train(
-    cfg, topology, device, steps=STEPS, memory=None, favoured=None
+    cfg, topology, device, steps=STEPS, memory=None, favoured=None, held=None
 ) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """``steps`` steps of fsdp_exp's recipe: each step's loss (mean over ranks) and its expert gradients, whole.
     ``memory``: a dict that gets this rank's tracked breakdown of ``TRACKED_STEPS`` (by phase, in bytes: each
     part's smallest peak of them), and the routed copies' max / mean per expert of the first (``imbalance``). ``favoured``: an expert every token
-    picks (its router bias set far above the scores'), for an imbalanced run."""
+    picks (its router bias set far above the scores'), for an imbalanced run. ``held``: a dict that gets this rank's
+    expert weights' local shapes and placements, and the bytes of every parameter it holds."""
     import contextlib
 
     import torch.distributed as dist
@@ -73,6 +79,13 @@ def _train(
     parallel = parallelize(meta, cfg, mesh, device)
     optimizer = parallel.build_optimizer(matrix_parameter_names(meta))
     layers = moe_layers(parallel.model)
+    if held is not None:
+        for n, p in parallel.model.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            held["params"] = held.get("params", 0) + local.numel() * local.element_size()
+            if ".experts." in n:
+                placements = str(p.placements) if isinstance(p, DTensor) else "whole"
+                held[canonical_name(n)] = (tuple(local.shape), placements)
     if favoured is not None:
         with torch.no_grad():
             for layer in layers:
@@ -148,6 +161,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     cfg = run_config([*OVERRIDES, "parallel.ep=2"])
     memory[("imbalanced", 2)] = {}
     _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), TRACKED_STEPS[-1] + 1, memory[("imbalanced", 2)], 0)
+    for name, extra in UNEVEN.items():
+        cfg = run_config([*OVERRIDES, "model.n_experts=6", *extra])
+        memory[("uneven", name)] = {}
+        results[("uneven", name)] = _train(
+            cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), UNEVEN_STEPS, held=memory[("uneven", name)]
+        )
     every_rank = [None] * world
     dist.all_gather_object(every_rank, memory)
     results["memory"] = every_rank
@@ -183,6 +202,42 @@ def test_expert_parallel_gives_fsdp_alones_losses_and_expert_gradients(trained, 
             diff, scale = got[name] - ref[name], ref[name]
             error = (diff.abs().max() / scale.abs().max() if precision == "fp32" else diff.norm() / scale.norm()).item()
             assert error < tolerance, (step, name, error)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp2", "ep2"])
+def test_experts_the_ranks_do_not_divide_are_held_unpadded_and_train_as_ddp(trained, layout):
+    """6 experts on 4 ranks: every rank holds an equal quarter of each stacked weight, cut on its out dim (dim 1;
+    dim 0 would give ranks 2 experts, 2, 2 and none, and gather 8); each step's loss and expert gradients are
+    DDP's to fp32 tolerance; and the planner's per-rank parameters are what the largest rank holds."""
+    from conftest import run_config
+    from fsdp_exp.plan import plan
+    from fsdp_exp.preflight import validate
+
+    ranks = [memory[("uneven", layout)] for memory in trained["memory"]]
+    experts = 6 if layout == "fsdp2" else 3  # this rank's experts: ep=2 splits them first
+    for held in ranks:
+        weights = {n: v for n, v in held.items() if ".experts." in n}
+        assert len(weights) == 3 * 2, weights  # w1, w3, w2 of both layers
+        for name, (shape, placements) in weights.items():
+            out = 64 // (4 if layout == "fsdp2" else 2)  # moe_tiny's experts: 64 x 64
+            assert shape == (experts, out, 64), (name, shape)
+            assert placements.startswith("(Shard(dim=1)"), (name, placements)
+    losses, grads = trained[("uneven", layout)]
+    ref_losses, ref_grads = trained[("uneven", "ddp")]
+    for loss, ref in zip(losses, ref_losses):
+        assert abs(loss / ref - 1) < 1e-5, (losses, ref_losses)
+    for step, (got, ref) in enumerate(zip(grads, ref_grads)):
+        ref = {n.removeprefix("module."): g for n, g in ref.items()}  # DDP's wrapper names its module
+        assert set(got) == set(ref) and len(ref) == 3 * 2
+        for name in ref:
+            error = ((got[name] - ref[name]).abs().max() / ref[name].abs().max()).item()
+            assert error < 1e-5, (step, name, error)
+    cfg = run_config([*OVERRIDES, "model.n_experts=6", *UNEVEN[layout]])
+    planned = plan(cfg, validate(cfg, cuda_devices=0)).model_states["device"]["params"]
+    assert planned == max(held["params"] for held in ranks)
+    ddp = plan(cfg := run_config([*OVERRIDES, "model.n_experts=6", "sharding=ddp"]), validate(cfg, cuda_devices=0))
+    assert ddp.model_states["device"]["params"] == trained["memory"][0][("uneven", "ddp")]["params"]
 
 
 PLAN_TOLERANCE = 0.05

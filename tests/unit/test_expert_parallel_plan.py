@@ -118,3 +118,43 @@ def test_the_fit_search_tries_expert_parallel_for_a_mixture_of_experts_only():
     assert tried(BASE) == ["parallel.ep=2", "parallel.ep=4"]  # the divisors of 4 data-parallel ranks
     assert tried([*BASE, "parallel.ep=2"]) == []  # the run's own choice stands
     assert tried(["model=llama_tiny", *TINY_BATCH]) == []
+
+
+@pytest.mark.parametrize(
+    "shape,group,dim,per_rank",
+    [
+        ((8, 4, 6), 16, 0, 4 * 6),  # 4 doesn't divide by 16 nor 6: 8 experts padded to 16, one a rank
+        ((8, 16, 6), 16, 1, 8 * 6),  # 8 experts over 16 ranks: the out dim, unpadded (was 1 x 16 x 6, twice)
+        ((3, 6, 8), 4, 2, 3 * 6 * 2),  # dim 1 does not divide either: the next that does
+        ((3, 6, 6), 4, 0, 6 * 6),  # none divides: dim 0 and its padding stay (rank 0 holds 1 expert of 3/4)
+        ((8, 4, 6), 4, 0, 2 * 4 * 6),  # experts divide the group: dim 0 as always
+        ((3, 64), 4, 0, 64),  # a 2-D weight keeps dim 0 (its padding is at most a row a rank)
+        ((3, 4, 6), 1, 0, 3 * 4 * 6),  # one rank: nothing to pad
+    ],
+)
+def test_a_stacked_weight_is_sharded_on_the_first_dim_its_group_divides_when_its_experts_do_not(
+    shape, group, dim, per_rank
+):
+    from fsdp_exp.parallel.placement import shard_dim, shard_numel
+
+    assert shard_dim(shape, group) == dim
+    assert shard_numel(shape, group) == per_rank
+
+
+@pytest.mark.parametrize("n_experts,ep", [(3, 1), (2, 1), (6, 2)])
+def test_experts_that_do_not_divide_the_shard_ranks_are_planned_unpadded(n_experts, ep):
+    """moe_tiny on 4 ranks: 3 (or 2) experts over 4 ranks, 6 over ep=2 (3 a rank over 2 efsdp ranks) are
+    sharded on their out dim, so every rank holds exactly its share of each layer's experts and the experts'
+    unit gathers them unpadded; the model states' bytes are 16 (fp32 weight, gradient, two moments) a held
+    element: the dense weights' and the two layers' experts' shares."""
+    from fsdp_exp.plan.predict import _states
+    from fsdp_exp.preflight import validate
+
+    cfg = run_config([*BASE, f"model.n_experts={n_experts}", f"parallel.ep={ep}"])
+    infos, states = _states(cfg, validate(cfg, cuda_devices=0), "cpu")
+    experts = [i for i in infos if i.block == 0 and ".experts." in i.name]
+    whole = n_experts * 3 * 64 * 64
+    assert sum(i.local_numel for i in experts) == whole // 4
+    assert sum(i.gathered_numel for i in experts) == whole // ep
+    dense = sum(i.local_numel for i in infos if ".experts." not in i.name)
+    assert states.at_rest["total"] == 16 * (dense + 2 * whole // 4)  # both layers' experts, unpadded
