@@ -288,7 +288,9 @@ def test_a_killed_rank_ends_an_expert_parallel_run_naming_it_and_the_resume_is_b
     """ep=2 on 4 ranks, checkpoints every 3 steps: rank 1 SIGKILLed after step 5 ends the job naming it; the
     rerun resumes from step 3 (the experts' DTensors through torch.distributed.checkpoint) and logs steps 4 and
     5 bit for bit as the first attempt did. Step 4 is profiled: its all-to-alls show in comm/all_to_all_s. The
-    step-3 checkpoint then resumes at ep=4 too, with the same losses within 1e-5."""
+    step-3 checkpoint then resumes at ep=1 too, with the same losses within 1e-5. 6 experts: 3 a rank, which
+    the 2 efsdp ranks do not divide, so they are saved sharded on their out dim (fsdp_exp.parallel.placement),
+    and at ep=1 loaded into 6 over 4 ranks, on their out dim again but over other ranks."""
     from fsdp_exp.launch import RunFailed
 
     from conftest import read_metrics, run_experiment
@@ -297,6 +299,7 @@ def test_a_killed_rank_ends_an_expert_parallel_run_naming_it_and_the_resume_is_b
         *OVERRIDES[:-2],
         "trainer.steps=6",
         "trainer.warmup_steps=1",
+        "model.n_experts=6",
         "parallel.ep=2",
         "checkpoint.every=3",
         "trainer.profile_steps=[3]",  # step 4's row: the collectives' times from its trace
@@ -315,12 +318,12 @@ def test_a_killed_rank_ends_an_expert_parallel_run_naming_it_and_the_resume_is_b
     resumed = {r["step"]: r["train/loss"] for r in read_metrics(tmp_path)}
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     assert [resumed[s] for s in (4, 5)] == [first[s] for s in (4, 5)]
-    # The same checkpoint resumed at ep=4: torch.distributed.checkpoint reshards the experts' DTensors.
-    other = tmp_path / "at_ep4"
+    # The same checkpoint resumed at ep=1: torch.distributed.checkpoint reshards the experts' DTensors.
+    other = tmp_path / "at_ep1"
     shutil.copytree(tmp_path / "checkpoints" / "step_3", other / "checkpoints" / "step_3")
-    record = run_experiment([*overrides, "parallel.ep=4"], other)
-    assert record["resumed_from"]["step"] == 3 and record["resumed_from"]["config_changes"] == {"parallel.ep": [2, 4]}
-    at_ep4 = {r["step"]: r["train/loss"] for r in read_metrics(other)}
-    assert sorted(at_ep4) == [4, 5, 6]
+    record = run_experiment([*overrides, "parallel.ep=1"], other)
+    assert record["resumed_from"]["step"] == 3 and record["resumed_from"]["config_changes"] == {"parallel.ep": [2, 1]}
+    at_ep1 = {r["step"]: r["train/loss"] for r in read_metrics(other)}
+    assert sorted(at_ep1) == [4, 5, 6]
     for step in (4, 5, 6):
-        assert abs(at_ep4[step] / resumed[step] - 1) < 1e-5, (step, at_ep4, resumed)
+        assert abs(at_ep1[step] / resumed[step] - 1) < 1e-5, (step, at_ep1, resumed)
