@@ -315,6 +315,9 @@ def test_a_killed_rank_ends_an_expert_parallel_run_naming_it_and_the_resume_is_b
     assert 0 < profiled["comm/all_to_all_s"] < profiled["comm/total_s"]  # the dispatch and combine, timed
     record = run_experiment(overrides, tmp_path)
     assert record["status"] == "completed" and record["resumed_from"]["step"] == 3
+    # The run record names the weights sharded off dim 0: the 3 stacked weights of both layers.
+    off_dim0 = record["applied"]["sharded_off_dim0"]
+    assert len(off_dim0) == 6 and set(off_dim0.values()) == {"(Shard(dim=1), Shard(dim=0))"}, off_dim0
     resumed = {r["step"]: r["train/loss"] for r in read_metrics(tmp_path)}
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
     assert [resumed[s] for s in (4, 5)] == [first[s] for s in (4, 5)]
@@ -323,6 +326,7 @@ def test_a_killed_rank_ends_an_expert_parallel_run_naming_it_and_the_resume_is_b
     shutil.copytree(tmp_path / "checkpoints" / "step_3", other / "checkpoints" / "step_3")
     record = run_experiment([*overrides, "parallel.ep=1"], other)
     assert record["resumed_from"]["step"] == 3 and record["resumed_from"]["config_changes"] == {"parallel.ep": [2, 1]}
+    assert set(record["applied"]["sharded_off_dim0"].values()) == {"(Shard(dim=1),)"}
     at_ep1 = {r["step"]: r["train/loss"] for r in read_metrics(other)}
     assert sorted(at_ep1) == [4, 5, 6]
     for step in (4, 5, 6):
