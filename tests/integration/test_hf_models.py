@@ -220,8 +220,10 @@ def test_a_saved_config_of_an_unshipped_architecture_compiles_trains_exports_and
 
 
 def test_a_tiny_mixtral_trains_on_2_ranks_and_the_planner_is_within_10_percent_of_the_tracker(tmp_path):
-    """transformers' Mixtral, 4 experts, top-2, fp32: its experts run torch's grouped matmul, whose meta kernel
-    takes bf16 only, so the planner crashed and the run's planner error was n/a. Now within 10%."""
+    """transformers' Mixtral, 3 experts, top-2, fp32: its experts run torch's grouped matmul, whose meta kernel
+    takes bf16 only, so the planner crashed and the run's planner error was n/a. Now within 10%. 3 experts over
+    2 ranks: its stacked expert weights are sharded on their out dim, unpadded (fsdp_exp.parallel.placement), as
+    the run record says and the planner counts."""
     from transformers import MixtralConfig
 
     MixtralConfig(
@@ -231,7 +233,7 @@ def test_a_tiny_mixtral_trains_on_2_ranks_and_the_planner_is_within_10_percent_o
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=256,
-        num_local_experts=4,
+        num_local_experts=3,
         num_experts_per_tok=2,
     ).save_pretrained(tmp_path / "mixtral")
     record = run_experiment(
@@ -246,6 +248,8 @@ def test_a_tiny_mixtral_trains_on_2_ranks_and_the_planner_is_within_10_percent_o
     )
     assert record["status"] == "completed"
     assert record["env"]["architecture"] == "MixtralForCausalLM"
+    off_dim0 = record["applied"]["sharded_off_dim0"]  # gate_up_proj and down_proj of both layers
+    assert len(off_dim0) == 4 and set(off_dim0.values()) == {"(Shard(dim=1),)"}, off_dim0
     assert abs(record["summary"]["summary/planner_peak_error"]) <= PLANNER_TOLERANCE
 
 
