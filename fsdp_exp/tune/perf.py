@@ -147,9 +147,9 @@ class StepCosts:
     recompute_share: float = 0.0  # of the forward's kernels, the share activation checkpointing runs again
     param_layout: str = ""  # the backend's (PlannerRules.param_layout): which per-unit software cost applies
     # precision.float8_recipe (torchao): the converted linears' matmuls, taken out of ``gemms`` (same layout)
-    float8: Optional["Float8Costs"] = None
+    float8: Optional[Float8Costs] = None
     # A mixture of experts: its routed experts' grouped matmuls (``expert_costs``); None for a dense model
-    experts: Optional["ExpertCosts"] = None
+    experts: Optional[ExpertCosts] = None
 
 
 @dataclass

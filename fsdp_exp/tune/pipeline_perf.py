@@ -59,7 +59,7 @@ from fsdp_exp.tune.perf import (
     compute_seconds,
     step_costs,
 )
-from fsdp_exp.tune.traffic import Traffic, collective_seconds, traffic_seconds
+from fsdp_exp.tune.traffic import Traffic, collective_seconds, link_for, traffic_seconds
 
 if TYPE_CHECKING:
     from fsdp_exp.config.schema import RunConfig
@@ -324,7 +324,7 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
 def send_seconds(b: Boundary, perf: "DevicePerf", ranks_per_node: int) -> float:
     """One way of one micro-batch over a boundary: a point-to-point copy (one latency, the bytes at the link's
     rate; a network given per node is shared by the node's ranks, which all send at once)."""
-    link = perf.intra if b.nodes <= 1 else perf.inter
+    link = link_for(perf, b.nodes)
     gbps = link.gbps / ranks_per_node if link.per_node else link.gbps
     return link.latency_us * 1e-6 + b.bytes / (gbps * 1e9)
 
@@ -352,7 +352,7 @@ def pipeline_timing(costs: PipelineCosts, perf: "DevicePerf") -> StepPrediction:
     p2p_exposed = fill + steady - perf.overlap * min(pace, steady)
     comm = {"pipeline sends": fill + steady}
 
-    world_link = perf.intra if costs.world <= costs.ranks_per_node else perf.inter
+    world_link = link_for(perf, 1 if costs.world <= costs.ranks_per_node else 2)
     tiny = collective_seconds(
         "all-reduce", costs.world, 8.0 * TINY_ALL_REDUCES, TINY_ALL_REDUCES, world_link.latency_us, world_link.gbps
     )

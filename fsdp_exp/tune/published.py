@@ -170,6 +170,8 @@ def sharding_overrides(f: dict) -> list[str] | str:
     composer = ["prefetch=none", "prefetch.backward_timing=post"] if "COMPOSER" in text else []
     if "FULL_SHARD" in text and "FSDP1" in text:
         return ["sharding=fsdp1"] + composer + tp
+    if "SHARD_GRAD_OP" in text and "FSDP1" in text:  # ZeRO-2 on FSDP1: units stay gathered from forward to backward
+        return ["sharding=fsdp1", "sharding.strategy=grad_op"] + composer + tp
     if "HYBRID" in text or "HSDP" in text:
         return ["sharding=hybrid"] + tp
     if "FSDP2" in text or "FULLY_SHARD" in text:

@@ -277,3 +277,24 @@ def test_published_rows_take_their_loss_as_their_frameworks_did():
             assert as_fused.backward_flops <= as_auto.backward_flops, row.name
             recomputed += as_auto.backward_flops > 1.1 * as_fused.backward_flops
     assert recomputed >= 1  # the MPT-125M row: auto slices its loss and would price the head's second forward
+
+
+def test_fsdp1s_shard_grad_op_rows_are_fsdp1_grad_op_runs():
+    """llm-foundry's H100 tables hold SHARD_GRAD_OP runs (FSDP1 keeping units gathered from forward to backward):
+    fsdp_exp runs that as sharding=fsdp1 with strategy grad_op, composer's prefetch defaults kept. Before, 6 of the
+    H100 rows were left out as "sharding not mapped"."""
+    from fsdp_exp.preflight import validate
+    from fsdp_exp.tune.perf import step_costs
+
+    rows = _rows({"llmfoundry_h100": [12, 9]})
+    by_strategy = {row.fields["sharding"]: row for row in rows}
+    grad_op, full = by_strategy["SHARD_GRAD_OP"], by_strategy["FULL_SHARD"]
+    assert grad_op.not_expressible is None
+    assert {"sharding=fsdp1", "sharding.strategy=grad_op", "prefetch=none"} <= set(grad_op.overrides)
+    with hydra_session() as (compose, _):
+        counts = []
+        for row in (grad_op, full):
+            cfg = compose(row.overrides)
+            costs = step_costs(cfg, validate(cfg, cuda_devices=8))
+            counts.append(sum(t.count for t in costs.traffic if t.kind == "all-gather"))
+    assert counts[0] < counts[1]  # no re-gather in backward
