@@ -73,16 +73,21 @@ def test_tune_ends_with_one_recommended_command_and_its_reasons(weighed_without_
     best = tuning.by_id(rec["id"])
     assert not best.borderline and best.headroom >= BORDERLINE
     safe = [w for w in tuning.ranked if not w.borderline]
-    assert best is safe[0]  # the fastest predicted that is not borderline
+    baselines = {cid for cid in tuning.baselines.values() if cid}
+    tied = [w for w in safe[1:] if w.prediction.tokens_per_s >= 0.98 * safe[0].prediction.tokens_per_s]
+    tied_baseline = next((w for w in tied if w.candidate.id in baselines), None)
+    # the fastest predicted that is not borderline, or a baseline the model cannot tell from it
+    assert best is (tied_baseline if tied_baseline and safe[0].candidate.id not in baselines else safe[0])
     assert rec["command"].startswith("python -m fsdp_exp model=llama3_8b ")
     for choice in rec["command"].split()[3:]:  # only what changes the run: every override is a real change
         assert "=" in choice
     assert re.search(r"needs [\d.]+ of [\d.]+ GiB per rank \(\d+% left\)", rec["why"][0])
     assert any(line.startswith("the runner-up, ") and "gives up" in line for line in rec["why"])
     runner = tuning.by_id(rec["runner_up"])
-    assert runner.prediction.tokens_per_s < 0.98 * best.prediction.tokens_per_s
+    top = safe[0].prediction.tokens_per_s
+    assert runner.prediction.tokens_per_s < 0.98 * top
     for cid in rec["ties"]:
-        assert tuning.by_id(cid).prediction.tokens_per_s >= 0.98 * best.prediction.tokens_per_s
+        assert tuning.by_id(cid).prediction.tokens_per_s >= 0.98 * top
     assert rec["measure_command"].startswith("python -m fsdp_exp.tune model=llama3_8b ")
     assert "tune.run=true" in rec["measure_command"] and rec["id"] in rec["measure_command"]
     printed = lines(rec, tuning)
