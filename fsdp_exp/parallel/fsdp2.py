@@ -88,8 +88,8 @@ def _placement(mesh: DeviceMesh):
     return placement
 
 
-def _off_dim0(module: nn.Module, prefix: str) -> dict[str, str]:
-    """The parameters of a just-sharded unit that FSDP2 holds on a dim other than 0, for the run record."""
+def _off_dim0(module: nn.Module) -> dict[str, str]:
+    """The parameters of a sharded model that FSDP2 holds on a dim other than 0, for the run record."""
     from torch.distributed.tensor import DTensor
 
     found = {}
@@ -97,7 +97,7 @@ def _off_dim0(module: nn.Module, prefix: str) -> dict[str, str]:
         if isinstance(param, DTensor):
             dims = [p.dim for p in param.placements if p.is_shard()]
             if dims and dims[0]:  # the first shard placement is FSDP's (the mesh's outer dims come first)
-                found[canonical_name(f"{prefix}.{name}" if prefix else name)] = str(param.placements)
+                found[canonical_name(name)] = str(param.placements)
     return found
 
 
@@ -219,7 +219,7 @@ class FSDP2(Backend):
             "num_units": len(applied_units),
             "units": applied_units,
             # stacked weights whose experts the group does not divide (fsdp_exp.parallel.placement)
-            "sharded_off_dim0": _off_dim0(model, ""),
+            "sharded_off_dim0": _off_dim0(model),
         }
 
     # ---------------------------------------------------------------------------------- BackendStep

@@ -506,6 +506,13 @@ def kernel_seconds(costs: StepCosts, perf: "DevicePerf", peak: float) -> tuple[f
     return forward, backward + costs.recompute_share * forward
 
 
+def tiny_all_reduce_seconds(perf: "DevicePerf", world: int, ranks_per_node: int) -> float:
+    """The step's ``TINY_ALL_REDUCES`` over the world (the loss statistics, the gradient norm): latency-bound, on the
+    network's link once the world spans nodes."""
+    link = link_for(perf, 2 if world > ranks_per_node else 1)
+    return collective_seconds("all-reduce", world, 8.0 * TINY_ALL_REDUCES, TINY_ALL_REDUCES, link.latency_us, link.gbps)
+
+
 def unit_seconds(costs: StepCosts, perf: "DevicePerf") -> float:
     """The sharding backend's own software per gathered unit and collective (``DevicePerf.unit_us`` of its
     parameter layout): host work that waits on the device (FSDP1's rate limiter, FSDP2's copy-in / copy-out
@@ -586,13 +593,10 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
         optimizer += costs.float8.optimizer_bytes / (perf.memory_gbps * 1e9 * perf.memory_efficiency)
     if not perf.async_dispatch:
         optimizer += costs.optimizer_ops * dispatch
-    world_link = link_for(perf, 2 if costs.world > costs.ranks_per_node else 1)
     overhead = (
         perf.step_overhead_ms * 1e-3
         + unit_seconds(costs, perf)
-        + collective_seconds(
-            "all-reduce", costs.world, 8.0 * TINY_ALL_REDUCES, TINY_ALL_REDUCES, world_link.latency_us, world_link.gbps
-        )
+        + tiny_all_reduce_seconds(perf, costs.world, costs.ranks_per_node)
     )
     breakdown = {
         "compute": c_f + c_b,

@@ -52,14 +52,14 @@ from fsdp_exp.tune.perf import (
     ADAMW_BYTES_PER_PARAM,
     ADAMW_OPS_PER_TENSOR,
     LOSS_BYTES_PER_LOGIT,
-    TINY_ALL_REDUCES,
     StepCosts,
     StepPrediction,
     _phase,
     compute_seconds,
     step_costs,
+    tiny_all_reduce_seconds,
 )
-from fsdp_exp.tune.traffic import Traffic, collective_seconds, link_for, traffic_seconds
+from fsdp_exp.tune.traffic import Traffic, link_for, traffic_seconds
 
 if TYPE_CHECKING:
     from fsdp_exp.config.schema import RunConfig
@@ -352,10 +352,7 @@ def pipeline_timing(costs: PipelineCosts, perf: "DevicePerf") -> StepPrediction:
     p2p_exposed = fill + steady - perf.overlap * min(pace, steady)
     comm = {"pipeline sends": fill + steady}
 
-    world_link = link_for(perf, 1 if costs.world <= costs.ranks_per_node else 2)
-    tiny = collective_seconds(
-        "all-reduce", costs.world, 8.0 * TINY_ALL_REDUCES, TINY_ALL_REDUCES, world_link.latency_us, world_link.gbps
-    )
+    tiny = tiny_all_reduce_seconds(perf, costs.world, costs.ranks_per_node)
     unit_us = perf.unit_us.get(costs.param_layout, 0.0) if costs.param_layout else 0.0
     dispatch = perf.dispatch_us * 1e-6
     worst = None

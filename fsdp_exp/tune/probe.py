@@ -311,8 +311,8 @@ def _unit_us(world: int) -> dict[str, float]:
     def step(model):
         return lambda: model(x).sum().backward()
 
-    numel = width * (width + 1)  # a unit's weight and bias
-    full, part = torch.zeros(numel + numel % world), torch.zeros((numel + numel % world) // world)
+    shard = -(-width * (width + 1) // world)  # a unit's weight and bias, padded to a multiple of the ranks
+    full, part = torch.zeros(shard * world), torch.zeros(shard)
     dist.barrier()
     gather = _timed(lambda: dist.all_gather_into_tensor(full, part))
     dist.barrier()
