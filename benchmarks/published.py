@@ -44,11 +44,11 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from fsdp_exp.tune.published import CONVENTION, Configs, Row, _int, express, framework, timing_config
+from fsdp_exp.tune.published import CONVENTION, Configs, Row, _int, express, framework, row_perf, timing_config
 
 HERE = Path(__file__).resolve().parent
 RECORD = HERE / "published"
-CALIBRATION = ("llmfoundry_a100", "llmfoundry_history_2023", "llmfoundry_h100", "torchtitan_a100_2024")
+CALIBRATION = ("llmfoundry_a100", "llmfoundry_history_2023", "llmfoundry_h100", "torchtitan_a100_2024", "moe_ep")
 
 
 def load(part: str, rows_per_file: Optional[int] = None, files: Optional[list[Path]] = None) -> list[Row]:
@@ -73,7 +73,7 @@ def predict_all(rows: list[Row], memory: bool = True, speed: bool = True) -> dic
     from fsdp_exp.metrics.flops import convention_flops_per_token
     from fsdp_exp.models import spec_for
     from fsdp_exp.plan import plan
-    from fsdp_exp.plan.devices import device_table, with_network
+    from fsdp_exp.plan.devices import device_table
     from fsdp_exp.units import GIB
     from fsdp_exp.tune.step_time import predict
     from fsdp_exp.tune.compose import hydra_session
@@ -89,7 +89,8 @@ def predict_all(rows: list[Row], memory: bool = True, speed: bool = True) -> dic
                 continue
             try:
                 cfg = configs(row)
-                published_n = _int(row.fields["n_params"])
+                # the published count less what the mapping states it leaves out (row.approximation)
+                published_n = _int(row.fields["n_params"]) - row.dropped_params
                 spec = spec_for(cfg.model)
                 n = sum(p.numel for p in spec.inventory(cfg.model).params)
                 if published_n and n != published_n:
@@ -97,14 +98,15 @@ def predict_all(rows: list[Row], memory: bool = True, speed: bool = True) -> dic
                     continue
                 topology = validate(cfg, cuda_devices=int(cfg.trainer.nproc_per_node))
                 device = table[row.device]
-                perf = with_network(device.perf, row.network) if row.network else device.perf
+                perf = row_perf(device.perf, row)
                 if memory:
                     need = plan(cfg, topology, device_kind="cuda").per_rank_bytes["total"]
                     row.need_gib, row.device_gib = need / GIB, device.bytes / GIB
                     row.verdict = band.verdict(need, device.bytes)
                 if speed:
                     row.predicted_tokens = (
-                        predict(timing_config(cfg, row), topology, perf).tokens_per_s / topology.world_size
+                        predict(timing_config(cfg, row), topology, perf, dispatch=row.dispatch).tokens_per_s
+                        / topology.world_size
                     )
                 convention = CONVENTION.get(framework(row.fields))
                 if convention and row.published_tokens:
