@@ -193,10 +193,13 @@ def all_to_all_traffic(
     """Expert parallel's dispatch and combine (fsdp_exp/parallel/expert.py): per MoE layer and micro-batch, two
     all-to-alls of every routed copy's hidden state (k per token, ``param_dtype``) over the EP group (ep
     consecutive ranks: inside a node while ep <= nproc_per_node, else over the network) in forward, two in
-    backward (the gradients the other way), and two more in backward for every block activation checkpointing
-    recomputes (``recomputed``: their share). On the critical path: the layer waits for its tokens. The most
-    loaded rank receives ``load`` x the mean. (The counts' exchange before each dispatch is latency only: left
-    to the latency of the dispatch itself.)"""
+    backward (the gradients the other way), and more in backward for every block activation checkpointing
+    recomputes (``recomputed``: their share): two through fsdp_exp's layer, whose routing weights multiply the
+    combined outputs (their gradient needs them, so the recompute runs the combine too), one through a fused
+    dispatcher, which applies the weights inside the SwiGLU: the recompute stops (non-reentrant checkpointing's early
+    stop) once the down projection's input is back, before the combine. On the critical path: the layer waits for its
+    tokens. The most loaded rank receives ``load`` x the mean. (The counts' exchange before each dispatch is latency
+    only: left to the latency of the dispatch itself.)"""
     from fsdp_exp.plan.activations import profile_for
 
     copies = sent_per_token(cfg, ep, dispatch)
@@ -205,8 +208,9 @@ def all_to_all_traffic(
         stream * copies * e * load
     )  # one all-to-all's bytes: this rank's routed copies (a fused dispatcher's tokens)
     nodes = group_nodes(topology.tp_size, ep, topology.nproc_per_node)
+    again = 1 if dispatch.fused else 2  # all-to-alls a recomputed layer runs again
     out = []
-    for phase, per_layer in (("forward", 2), ("backward", 2 + 2 * recomputed)):
+    for phase, per_layer in (("forward", 2), ("backward", 2 + again * recomputed)):
         count = G * layers * per_layer
         out.append(
             Traffic(f"expert all-to-all ({phase})", "all-to-all", ep, nodes, round(count), count * moved, phase, False)
