@@ -317,6 +317,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     for source, fig in data["by_source"].items():
         print("\n".join(lines(source, fig)))
+        if source in TIMED:  # a few rows, each worth reading
+            for r in (r for r in data["rows"] if r["source"] == source and r["ratio"]):
+                need = (
+                    f"; planned {r['need_gib']:.1f} of {r['device_gib']:.1f} GiB ({r['verdict']})"
+                    if r["need_gib"]
+                    else ""
+                )
+                print(
+                    f"    {r['name']}: predicted {r['predicted_tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, published "
+                    f"{r['published_tokens_per_s_per_gpu']:,.0f} (x{r['ratio']:.3f}){need}"
+                )
     print("\n".join(lines("overall", data["overall"])))
     if args.worst:
         ranked = sorted((r for r in data["rows"] if r["ratio"]), key=lambda r: -abs(math.log(r["ratio"])))

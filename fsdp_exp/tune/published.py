@@ -13,8 +13,11 @@ rowwise, rowwise_with_gw_hp; torchtitan's default, tensorwise, where a torchtita
 all-gathers where it says so; ``compile`` yes -> ``compile=true``; AC none / full / selective layer (every 2nd
 block, torchtitan's default) / per-op; pipeline stages (``pp``, ``vp``, ``micro_batch``) -> ``parallel.pp*``
 (``pipeline_overrides``); context parallel (``cp``) -> ``parallel.cp`` and the method the row names
-(``context_overrides``). Expert parallel rows, and formats fsdp_exp cannot train (NVFP4, MXFP8, FP8 with
-delayed or blockwise scaling), are not expressible, and say why.
+(``context_overrides``); a mixture of experts in every block (``moe_model_overrides``) with expert parallel
+(``ep`` -> ``parallel.ep``, FSDP2 without resharding after forward -> ``sharding=grad_op``), what the Llama family's
+MoE leaves out of it stated and counted (``moe_approximation``), and timed with the dispatcher and attention kernel
+the row ran (``expert_dispatch``: DeepEP; ``attention_kernel``: TransformerEngine's cuDNN attention, FlexAttention).
+Formats fsdp_exp cannot train (NVFP4, MXFP8, FP8 with delayed or blockwise scaling) are not expressible, and say why.
 
 Used by ``benchmarks/published.py`` (the figures) and ``tune.calibrate_from=<a table>`` (the fit).
 """
