@@ -63,8 +63,10 @@ def test_each_moe_row_is_its_architecture_on_fsdp2_grad_op_with_ep_8_and_says_wh
     with hydra_session() as (compose, _):
         from fsdp_exp.models import spec_for
 
+        fast = published.Configs(compose)
         for row in (qwen, gpt):
             cfg = compose(row.overrides)
+            assert fast(row) == cfg, row.name  # the benchmark's fast path is what Hydra composes
             n = sum(p.numel for p in spec_for(cfg.model).inventory(cfg.model).params)
             assert n == int(row.fields["n_params"]) - row.dropped_params, row.name
         preset = compose(["model=gpt_oss_20b_as_llama"])
