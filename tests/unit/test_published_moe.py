@@ -70,7 +70,12 @@ def test_each_moe_row_is_its_architecture_on_fsdp2_grad_op_with_ep_8_and_says_wh
             n = sum(p.numel for p in spec_for(cfg.model).inventory(cfg.model).params)
             assert n == int(row.fields["n_params"]) - row.dropped_params, row.name
         preset = compose(["model=gpt_oss_20b_as_llama"])
-        assert sum(p.numel for p in spec_for(preset.model).inventory(preset.model).params) == 20_907_927_360
+        spec = spec_for(preset.model)
+        assert sum(p.numel for p in spec.inventory(preset.model).params) == 20_907_927_360
+        # active: the record's 4,187,440,704 less the biases and sinks a token computes with (24 x (8,000 + 64 + 4
+        # experts' 8,640 + 32))
+        assert spec.active_params(preset.model) == int(gpt.fields["n_params_active"]) - 24 * (8064 + 4 * 8640 + 32)
+        assert spec.active_params(compose(qwen.overrides).model) == int(qwen.fields["n_params_active"])
 
 
 def test_the_rows_ran_deepep_under_a_force_balanced_gate_and_their_attention_kernels():
