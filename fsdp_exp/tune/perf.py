@@ -28,7 +28,9 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
     experts' own all-gathers and reduce-scatters over efsdp (``fsdp_exp.tune.experts_perf``);
   - two tiny all-reduces per step over the world (the loss statistics and the gradient norm).
 - **the routed experts** (``expert_costs``, ``fsdp_exp.tune.experts_perf``): their grouped matmuls by tokens per
-  expert and the most loaded EP rank's share of the copies.
+  expert and the most loaded EP rank's share of the copies; the all-to-alls' bytes and the permutation's memory
+  traffic as the run's dispatcher moves them (``ExpertDispatch``: fsdp_exp's own by default, or a fused one such
+  as DeepEP's, which the published MoE runs name).
 - **float8** (``float8_costs``, ``fsdp_exp.tune.float8_perf``): the linears torchao converts, taken out of the
   high-precision matmuls, and their casts' bytes.
 - **offload** (``offload=params`` where the backend offloads): each all-gather first copies the unit's
