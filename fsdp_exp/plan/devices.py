@@ -249,6 +249,32 @@ GROUPED_HALF_TOKENS_GPU = 64.0
 GROUPED_HALF_TOKENS_CPU = 10.25
 
 
+# Attention kernels a published run may name instead of FlashAttention-2, as a multiple of FA2's rate on the same
+# device (``with_attention_kernel``). cuDNN's fused attention (TransformerEngine's DotProductAttention on Hopper; torch
+# SDPA's cuDNN backend) on an H100 SXM at head dim 128 and 4k tokens: forward (causal) 518 TFLOPS against FA2's 319,
+# backward 499 against 310 (the FlashAttention-3 paper, Shah et al. 2024, arXiv:2407.08608, its H100 benchmarks). A
+# forward and its backward (2.5 x the forward's FLOPs) take 1 / 1.61 of FA2's time. FlexAttention is left at FA2's
+# rate (its authors put it at about 90% of FA2 in forward and 85% in backward on an A100; no Hopper figure found).
+ATTENTION_KERNELS = {
+    "fa2": 1.0,
+    "flex": 1.0,
+    "cudnn": (1 / 319 + 2.5 / 310) / (1 / 518 + 2.5 / 499),
+}
+
+
+def with_attention_kernel(perf: "DevicePerf", kernel: str) -> "DevicePerf":
+    """``perf`` with attention run by ``kernel`` (``ATTENTION_KERNELS``) instead of FlashAttention-2, the kernel of
+    the runs the device's attention efficiency was fitted on: the same software share of a faster kernel."""
+    scale = ATTENTION_KERNELS[kernel]
+    if scale == 1.0:
+        return perf
+    return dataclasses.replace(
+        perf,
+        attention_efficiency=perf.attention_efficiency * scale,
+        source=perf.source + f"; attention by {kernel} (x{scale:.2f} FA2's rate)",
+    )
+
+
 def kernel_efficiencies(prior: KernelPrior, has_fp8: bool = False) -> dict:
     """``DevicePerf``'s efficiencies of a device: its kernels' prior times the software's fitted share (the FP8
     matmuls' the same share of theirs: the training step around them is the same software)."""

@@ -28,7 +28,9 @@ the backend's ``PlannerRules`` and shard group, the mesh), what one optimizer st
     experts' own all-gathers and reduce-scatters over efsdp (``fsdp_exp.tune.experts_perf``);
   - two tiny all-reduces per step over the world (the loss statistics and the gradient norm).
 - **the routed experts** (``expert_costs``, ``fsdp_exp.tune.experts_perf``): their grouped matmuls by tokens per
-  expert and the most loaded EP rank's share of the copies.
+  expert and the most loaded EP rank's share of the copies; the all-to-alls' bytes and the permutation's memory
+  traffic as the run's dispatcher moves them (``ExpertDispatch``: fsdp_exp's own by default, or a fused one such
+  as DeepEP's, which the published MoE runs name).
 - **float8** (``float8_costs``, ``fsdp_exp.tune.float8_perf``): the linears torchao converts, taken out of the
   high-precision matmuls, and their casts' bytes.
 - **offload** (``offload=params`` where the backend offloads): each all-gather first copies the unit's
@@ -88,13 +90,16 @@ from typing import TYPE_CHECKING, Optional
 from fsdp_exp.config.schema import EVERY_MICRO_BATCH
 from fsdp_exp.plan.states import DTYPE_BYTES
 from fsdp_exp.tune.experts_perf import (
+    OWN_DISPATCH,
     ExpertCosts,
+    ExpertDispatch,
     all_to_all_traffic,
     expert_costs,
     expert_layers,
     expert_traffic,
     grouped_extra_flops,
     grouped_seconds,
+    memory_elements,
 )
 from fsdp_exp.tune.float8_perf import (
     Float8Costs,
@@ -239,9 +244,12 @@ def _tensor_parallel_traffic(cfg: "RunConfig", topology: "Topology", blocks: int
     ]
 
 
-def step_costs(cfg: "RunConfig", topology: "Topology", expert_imbalance: float = 1.0) -> StepCosts:
+def step_costs(
+    cfg: "RunConfig", topology: "Topology", expert_imbalance: float = 1.0, dispatch: ExpertDispatch = OWN_DISPATCH
+) -> StepCosts:
     """``expert_imbalance``: a mixture of experts' max / mean routed copies per expert (the planner's
-    ``plan.expert_imbalance``; 1.0 is a perfectly balanced router)."""
+    ``plan.expert_imbalance``; 1.0 is a perfectly balanced router). ``dispatch``: how its routed copies travel and
+    are permuted (``fsdp_exp.tune.experts_perf.ExpertDispatch``; fsdp_exp's own dispatcher by default)."""
     from fsdp_exp.parallel.backend import backend_for
     from fsdp_exp.tune.work import work
 
@@ -374,8 +382,11 @@ def step_costs(cfg: "RunConfig", topology: "Topology", expert_imbalance: float =
         experts = expert_costs(w, tokens_rank / tp, micro_tokens, ep, expert_imbalance)
         if ep > 1:
             recomputed = len(w.checkpointed(cfg)) / max(len(w.block_forward_flops), 1)
-            traffic += all_to_all_traffic(cfg, topology, moe_layers[0], ep, G, e_p, experts.load, recomputed)
-    kernels = _kernel_classes(w, cfg, tokens_rank / tp, topology.micro_batch_size * seq // cp, tp, e_p, head_again)
+            traffic += all_to_all_traffic(cfg, topology, moe_layers[0], ep, G, e_p, experts.load, recomputed, dispatch)
+    memory = memory_elements(w, cfg, ep, dispatch)
+    kernels = _kernel_classes(
+        w, cfg, tokens_rank / tp, topology.micro_batch_size * seq // cp, tp, e_p, head_again, memory
+    )
     float8 = None
     if float8_on(cfg):
         gathers = (G, G * regathered / units) if rules.gathers_units and units else (0.0, 0.0)
@@ -464,16 +475,20 @@ def head_recompute_flops_per_token(w, cfg: "RunConfig", topology: "Topology") ->
     return sum(f for _, n, f in w.gemms if n == w.logits_per_token)
 
 
-def _kernel_classes(w, cfg: "RunConfig", tokens: float, m: int, tp: int, e_p: int, head_again: float = 0.0) -> dict:
+def _kernel_classes(
+    w, cfg: "RunConfig", tokens: float, m: int, tp: int, e_p: int, head_again: float = 0.0, memory=None
+) -> dict:
     """The forward's work on this rank by kernel class (``Work``'s counts scaled to the step's tokens): each
     linear layer's matmul with its shape (M: a micro-batch's tokens; N split over tensor-parallel ranks),
-    attention at the FLOPs a causal fused kernel does, the memory-bound operators' bytes in the compute dtype."""
+    attention at the FLOPs a causal fused kernel does, the memory-bound operators' bytes in the compute dtype
+    (``memory``: their elements per token, ``Work``'s unless a fused expert dispatcher moves fewer)."""
     gemms = tuple((float(m), float(k), float(n) / tp, tokens * f) for k, n, f in w.gemms)
     counted = w.forward_flops_per_token or 1.0
+    memory = w.memory_elements_per_token if memory is None else memory
     return {
         "gemms": gemms,
         "attention_flops": tokens * w.attention_flops_per_token / 2,
-        "memory_bytes": tokens * (w.memory_elements_per_token * e_p + LOSS_BYTES_PER_LOGIT * w.logits_per_token),
+        "memory_bytes": tokens * (memory * e_p + LOSS_BYTES_PER_LOGIT * w.logits_per_token),
         "recompute_share": (w.recompute_flops_per_token(cfg) + head_again) / counted,
     }
 

@@ -13,8 +13,11 @@ rowwise, rowwise_with_gw_hp; torchtitan's default, tensorwise, where a torchtita
 all-gathers where it says so; ``compile`` yes -> ``compile=true``; AC none / full / selective layer (every 2nd
 block, torchtitan's default) / per-op; pipeline stages (``pp``, ``vp``, ``micro_batch``) -> ``parallel.pp*``
 (``pipeline_overrides``); context parallel (``cp``) -> ``parallel.cp`` and the method the row names
-(``context_overrides``). Expert parallel rows, and formats fsdp_exp cannot train (NVFP4, MXFP8, FP8 with
-delayed or blockwise scaling), are not expressible, and say why.
+(``context_overrides``); a mixture of experts in every block (``moe_model_overrides``) with expert parallel
+(``ep`` -> ``parallel.ep``, FSDP2 without resharding after forward -> ``sharding=grad_op``), what the Llama family's
+MoE leaves out of it stated and counted (``moe_approximation``), and timed with the dispatcher and attention kernel
+the row ran (``expert_dispatch``: DeepEP; ``attention_kernel``: TransformerEngine's cuDNN attention, FlexAttention).
+Formats fsdp_exp cannot train (NVFP4, MXFP8, FP8 with delayed or blockwise scaling) are not expressible, and say why.
 
 Used by ``benchmarks/published.py`` (the figures) and ``tune.calibrate_from=<a table>`` (the fit).
 """
@@ -26,6 +29,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from fsdp_exp.tune.experts_perf import OWN_DISPATCH, ExpertDispatch, destination_ranks
 
 # The published device names -> the device table's (fsdp_exp/plan/devices.py).
 DEVICES = {
@@ -52,6 +57,11 @@ class Row:
     network: Optional[str] = None
     not_expressible: Optional[str] = None
     model_fields: dict = field(default_factory=dict)  # the model's fields, as the overrides set them
+    # what the mapping leaves out of the architecture, and the parameters that drops (the count checked is less them)
+    approximation: Optional[str] = None
+    dropped_params: int = 0
+    attention_kernel: str = "fa2"  # the attention kernel the row ran (fsdp_exp.plan.devices.ATTENTION_KERNELS)
+    dispatch: ExpertDispatch = OWN_DISPATCH  # a mixture of experts' dispatcher, as the row ran it
     # predictions
     predicted_tokens: Optional[float] = None
     need_gib: Optional[float] = None
@@ -110,7 +120,7 @@ def _int(text: str, default: int = 0) -> int:
 def model_overrides(f: dict) -> list[str] | str:
     """The model as the row's architecture, or why it cannot be expressed."""
     d, layers, heads, kv = int(f["d_model"]), int(f["n_layers"]), int(f["n_heads"]), _int(f["n_kv_heads"])
-    ffn, vocab, seq = int(f["ffn_dim"]), int(f["vocab"]), int(f["seq_len"])
+    ffn, vocab, seq = _int(f["ffn_dim"]), int(f["vocab"]), int(f["seq_len"])  # no ffn_dim: every block's an MoE
     kind = f["ffn_type"]
     if kind.startswith("GELU MLP") and "learned pos-emb" in kind:
         # MPT as llm-foundry builds it: GPT-2's block (LayerNorm with biases, biases on every linear, a GELU
@@ -131,6 +141,8 @@ def model_overrides(f: dict) -> list[str] | str:
         }
         body = ",".join(f"{k}:{v}" for k, v in fields.items())
         return ["model=hf", "+model.hf_fields={" + body + "}"]
+    if kind.startswith("MoE in every layer") and "untied" in kind:
+        return moe_model_overrides(f)
     if kind.startswith("SwiGLU") and "untied" in kind:
         base = [
             "model=llama7b",
@@ -143,6 +155,86 @@ def model_overrides(f: dict) -> list[str] | str:
         ]
         return base + _swiglu_hidden(d, ffn)
     return f"architecture not mapped: {kind}"
+
+
+def moe_model_overrides(f: dict) -> list[str]:
+    """A mixture of experts in every block (the record's MoE rows: ``n_experts``, ``experts_top_k``,
+    ``n_shared_experts``, ``moe_ffn_dim``, ``head_dim``; Qwen3's query/key norms where ``attention`` says qk_norm) as
+    the Llama family's MoE: routed SwiGLU experts behind a softmax top-k router. What the family has no place for is
+    left out by ``moe_approximation``."""
+    heads, kv = int(f["n_heads"]), _int(f["n_kv_heads"])
+    out = [
+        "model=llama7b",
+        f"model.dim={f['d_model']}",
+        f"model.n_layers={f['n_layers']}",
+        f"model.n_heads={heads}",
+        f"model.n_kv_heads={kv or heads}",
+        f"model.vocab_size={f['vocab']}",
+        f"model.max_seq_len={f['seq_len']}",
+        f"model.n_experts={f['n_experts']}",
+        f"model.experts_top_k={f['experts_top_k']}",
+        f"model.moe_hidden_dim={f['moe_ffn_dim']}",
+        f"model.n_shared_experts={_int(f['n_shared_experts'])}",
+    ]
+    if _int(f.get("head_dim", "")):
+        out.append(f"model.head_dim={f['head_dim']}")
+    if "qk_norm" in f.get("attention", ""):
+        out.append("model.qk_norm=true")
+    return out
+
+
+def moe_approximation(f: dict) -> tuple[str, int]:
+    """(what the Llama family's MoE leaves out of the row's architecture, the parameters that drops), from the row's
+    ``attention`` and ``ffn_type`` columns: GPT-OSS's q/k/v/o biases, attention sinks, the experts' and the router's
+    biases (counted from the row's shape), its sliding-window layers (run as full causal attention, their
+    attention priced as such) and its clamped SwiGLU (as SwiGLU). ("", 0) where nothing is left out."""
+    attention, kind = f.get("attention", "").lower(), f["ffn_type"].lower()
+    d, layers, heads, kv = int(f["d_model"]), int(f["n_layers"]), int(f["n_heads"]), _int(f["n_kv_heads"])
+    hd, experts, width = _int(f.get("head_dim", "")) or d // heads, _int(f["n_experts"]), _int(f["moe_ffn_dim"])
+    parts, dropped = [], 0
+    if "biases" in attention:
+        dropped += layers * (heads * hd + 2 * (kv or heads) * hd + d)
+        parts.append("q/k/v/o biases")
+    if "sinks" in attention:
+        dropped += layers * heads
+        parts.append("attention sinks")
+    if "with biases" in kind:
+        dropped += layers * (experts * (2 * width + d) + experts)
+        parts.append("the experts' and the router's biases")
+    if not parts and "sliding-window" not in attention and "clamped" not in kind:
+        return "", 0
+    text = f"left out: {', '.join(parts)} ({dropped:,} parameters)" if parts else "nothing left out"
+    if "sliding-window" in attention:
+        text += "; the sliding-window layers run as full causal attention"
+    if "clamped" in kind:
+        text += "; the clamped SwiGLU as SwiGLU"
+    return text, dropped
+
+
+def attention_kernel(f: dict) -> str:
+    """The attention kernel a row ran: FlexAttention where its notes name it, cuDNN's fused attention where they name
+    TransformerEngine's (``attn te``), else FlashAttention-2 (llm-foundry's and torchtitan's rows, 2023-2024)."""
+    notes = f.get("notes", "").lower()
+    if "flexattn" in notes or "flexattention" in notes:
+        return "flex"
+    if "attn te" in notes:
+        return "cudnn"
+    return "fa2"
+
+
+def expert_dispatch(f: dict) -> ExpertDispatch:
+    """A mixture of experts' dispatcher as the row ran it: DeepEP (its framework column) is a fused dispatcher that
+    sends each token once to each EP rank holding one of its experts; under NeMo AutoModel's force-balanced "fake"
+    gate (its ``task`` says "fake balanced gate") token i goes to the k experts from i x k on, so the ranks it
+    reaches are those k consecutive experts' (``destination_ranks``). Anything else: fsdp_exp's own dispatcher."""
+    said = (f["framework"] + " " + f.get("notes", "")).lower()
+    if "deepep" not in said:
+        return OWN_DISPATCH
+    k, experts, ep = _int(f["experts_top_k"]), _int(f["n_experts"]), _int(f["ep"], 1)
+    consecutive = "fake balanced gate" in f.get("task", "").lower()
+    ranks = destination_ranks(k, experts, ep, consecutive) if ep > 1 else 1.0
+    gate = "the force-balanced gate's consecutive experts" if consecutive else "a uniformly random top-k"
+    return ExpertDispatch(True, ranks, f"DeepEP: {ranks:g} ranks a token ({gate})")
 
 
 def _swiglu_hidden(d: int, ffn: int) -> list[str]:
@@ -161,9 +253,11 @@ def _swiglu_hidden(d: int, ffn: int) -> list[str]:
 
 def sharding_overrides(f: dict) -> list[str] | str:
     text = (f["sharding"] + " " + f["framework"]).upper()
-    if _int(f["ep"], 1) > 1:
-        return "expert parallel rows are not expressible (no such dimension yet)"
+    ep = _int(f["ep"], 1)
+    if ep > 1 and "FSDP2" not in text:
+        return "expert parallel rows are expressible on FSDP2 only (fsdp_exp's EP is built on it)"
     tp = [f"parallel.tp={_int(f['tp'], 1)}"] if _int(f["tp"], 1) > 1 else []
+    tp += [f"parallel.ep={ep}"] if ep > 1 else []
     tp += pipeline_overrides(f) + context_overrides(f)
     # composer (llm-foundry) runs FSDP1 with its FSDPConfig's defaults: forward_prefetch=False (each unit's
     # all-gather issued when the unit runs), backward_prefetch=BACKWARD_POST, limit_all_gathers=True
@@ -175,7 +269,9 @@ def sharding_overrides(f: dict) -> list[str] | str:
     if "HYBRID" in text or "HSDP" in text:
         return ["sharding=hybrid"] + tp
     if "FSDP2" in text or "FULLY_SHARD" in text:
-        return ["sharding=full"] + tp
+        # FSDP2 keeping units gathered from forward to backward (reshard_after_forward=False): ZeRO-2 on FSDP2
+        kept = "RESHARD_AFTER_FORWARD=FALSE" in text.replace(" ", "")
+        return ["sharding=grad_op" if kept else "sharding=full"] + tp
     if "FULL_SHARD" in text:
         return ["sharding=fsdp1"] + tp
     return f"sharding not mapped: {f['sharding']}"
@@ -311,7 +407,7 @@ def network_of(f: dict, device: str) -> str:
 
 def express(row: Row) -> None:
     f = row.fields
-    gpu = DEVICES.get(f["gpu"].upper())
+    gpu = DEVICES.get(f["gpu"].split(" (")[0].upper())  # "H100_80GB (DGX-H100)": the system in brackets
     if gpu is None:
         row.not_expressible = f"device {f['gpu']} is not in the device table"
         return
@@ -326,6 +422,13 @@ def express(row: Row) -> None:
     per_node = _int(f["gpus_per_node"]) or min(8, n_gpus)
     row.device, row.network = gpu, network_of(f, gpu)
     row.model_fields = _model_fields(model)
+    row.attention_kernel, row.dispatch = (
+        attention_kernel(f),
+        expert_dispatch(f) if _int(f.get("n_experts", "")) else OWN_DISPATCH,
+    )
+    if _int(f.get("n_experts", "")):
+        text, dropped = moe_approximation(f)
+        row.approximation, row.dropped_params = text or None, dropped
     row.overrides = (
         model
         + sharding
@@ -342,6 +445,14 @@ def express(row: Row) -> None:
             "trainer.device=cuda",
         ]
     )
+
+
+def row_perf(perf, row: Row):
+    """The device's figures as the row ran: its network between nodes and its attention kernel."""
+    from fsdp_exp.plan.devices import with_attention_kernel, with_network
+
+    perf = with_network(perf, row.network) if row.network else perf
+    return with_attention_kernel(perf, row.attention_kernel)
 
 
 def _model_fields(model: list[str]) -> dict:
@@ -408,7 +519,7 @@ def step_samples(paths: list[Path]) -> dict[str, dict]:
     from fsdp_exp.preflight import validate
     from fsdp_exp.errors import ConfigError
     from fsdp_exp.models import spec_for
-    from fsdp_exp.plan.devices import device_table, with_network
+    from fsdp_exp.plan.devices import device_table
     from fsdp_exp.tune.step_time import costs_for
     from fsdp_exp.tune.compose import hydra_session
 
@@ -421,7 +532,7 @@ def step_samples(paths: list[Path]) -> dict[str, dict]:
             if row.not_expressible or not row.published_tokens:
                 continue
             cfg = configs(row)
-            published_n = _int(row.fields.get("n_params", ""))
+            published_n = _int(row.fields.get("n_params", "")) - row.dropped_params
             if published_n and sum(p.numel for p in spec_for(cfg.model).inventory(cfg.model).params) != published_n:
                 continue
             try:
@@ -432,9 +543,9 @@ def step_samples(paths: list[Path]) -> dict[str, dict]:
             group = groups.setdefault(row.device, {"samples": [], "perf": perf, "runs": 0})
             group["samples"].append(
                 (
-                    costs_for(timing_config(cfg, row), topology),
+                    costs_for(timing_config(cfg, row), topology, dispatch=row.dispatch),
                     row.published_tokens * topology.world_size,
-                    with_network(perf, row.network) if row.network else perf,
+                    row_perf(perf, row),
                 )
             )
             group["runs"] += 1

@@ -56,6 +56,11 @@ class Work:
     # grouped matmul shape, every routed copy of a token counted (top k per token), over all MoE layers
     grouped_gemms: tuple[tuple[int, int, int, float], ...] = ()
     routed_copies_per_token: float = 0.0  # rows of the experts' grouped matmuls per token: the router's top k
+    # forward, per token: the part of ``memory_elements_per_token`` moved inside the mixture-of-experts layers (the
+    # router's scores, the routed copies gathered, masked, weighted and scattered back, the experts' activation), as
+    # the family's eager layer moves it (``fsdp_exp.tune.experts_perf.moe_memory_elements`` prices a fused layer)
+    moe_memory_elements_per_token: float = 0.0
+    moe_layers: int = 0  # the mixture-of-experts layers (``ModelSpec.expert_modules``)
 
     def checkpointed(self, cfg: "RunConfig") -> list[int]:
         """The blocks activation checkpointing wraps (the rule of fsdp_exp.parallel.ac)."""
@@ -107,6 +112,7 @@ def _count(cfg: "RunConfig") -> Work:
 
     gemms: dict[tuple, float] = {}  # (K, N) of a linear layer, (K, N, groups) of the experts' grouped matmul
     moved = [0.0]
+    moe_moved = [0.0] * len(blocks)  # each block's memory-bound elements inside its mixture-of-experts layer
     routed = [0.0]
     unsaved = [0.0] * len(blocks)
     running: dict = {}  # the block running now and its OpSaver
@@ -122,7 +128,10 @@ def _count(cfg: "RunConfig") -> Work:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             CountOps.count += 1
             out = func(*args, **(kwargs or {}))
+            before = moved[0]
             _classify(func, args, out, seq, gemms, moved)
+            if running.get("moe") and "block" in running:
+                moe_moved[running["block"]] += moved[0] - before
             if b_is_grouped(func, args):
                 routed[0] = max(routed[0], args[0].shape[0] / seq)
             count_unsaved(func, args)
@@ -143,6 +152,12 @@ def _count(cfg: "RunConfig") -> Work:
         module = model.get_submodule(name)
         handles.append(module.register_forward_pre_hook(lambda *_, j=j: entered(j)))
         handles.append(module.register_forward_hook(lambda *_, j=j: left(j)))
+    # the mixture-of-experts layers: the module holding each family's routed experts (``ModelSpec.expert_modules``)
+    experts = spec.expert_modules(model)
+    for name in experts:
+        layer = model.get_submodule(name.rpartition(".")[0])
+        handles.append(layer.register_forward_pre_hook(lambda *_: running.update(moe=True)))
+        handles.append(layer.register_forward_hook(lambda *_: running.update(moe=False)))
     tokens = torch.zeros((1, seq), dtype=torch.long, device="meta")
     twin = _Repeats(model, blocks, gemms, moved)
     try:
@@ -159,6 +174,7 @@ def _count(cfg: "RunConfig") -> Work:
             handle.remove()
     for j in twin.skipped:  # each skipped block did what its twin did
         block_ops[j], unsaved[j] = block_ops[twin.index], unsaved[twin.index]
+        moe_moved[j] = moe_moved[twin.index]
     if twin.skipped:
         CountOps.count += len(twin.skipped) * block_ops[twin.index]
     counts = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
@@ -183,6 +199,8 @@ def _count(cfg: "RunConfig") -> Work:
         routed_copies_per_token=routed[0],
         attention_flops_per_token=max(0.0, total - sum(gemms.values())),
         memory_elements_per_token=moved[0] / seq,
+        moe_memory_elements_per_token=sum(moe_moved) / seq,
+        moe_layers=len(experts),
         block_unsaved_matmul_flops=tuple(unsaved),
         logits_per_token=_numel(output) / seq,
     )
@@ -265,7 +283,9 @@ _FREE = (
     "_local_scalar_dense",
     "_unsafe_view",
     "alias",
+    "new_empty",
 )
+_FILLS = ("new_zeros", "new_ones", "new_full")  # x.new_zeros(shape): the output written, x not read
 
 
 def _classify(func, args, out, seq: int, gemms: dict, moved: list) -> None:
@@ -291,6 +311,10 @@ def _classify(func, args, out, seq: int, gemms: dict, moved: list) -> None:
     if name.startswith(_COUNTED) or name.startswith(_FREE) or getattr(func, "is_view", False):
         return
     tensors = [t for t in (*args, *(out if isinstance(out, (tuple, list)) else (out,))) if isinstance(t, torch.Tensor)]
+    if name.startswith(
+        _FILLS
+    ):  # a factory method of a tensor: writes its output, never reads the tensor it is called on
+        tensors = [out]
     if name == "embedding":  # a lookup reads the rows its tokens pick (as many as it writes), not the whole table
         tensors = [out, out, *tensors[1:-1]]
     if seq > 1 and any(t.dim() >= 2 and t.shape[-1] == seq and t.shape[-2] == seq for t in tensors):
