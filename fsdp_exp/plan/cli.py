@@ -251,8 +251,9 @@ def fit_lines(found: Optional[dict], result: Plan, overrides: list[str], argv: l
         return []
     if found is None:
         return [
-            f"no combination of the memory options (ac, precision, sharding, offload, micro-batch, up to "
-            f"{max(MORE_NODES)}x the nodes) fits {dv['name']}: try a larger device (plan.device=...) or a smaller model"
+            f"no combination of the memory options (ac, precision, sharding, offload, micro-batch, context parallel, "
+            f"pipeline stages, expert parallel for a mixture of experts, up to {max(MORE_NODES)}x the nodes) fits "
+            f"{dv['name']}: try a larger device (plan.device=...) or a smaller model"
         ]
     planner = [a for a in argv if a.startswith("plan.")]
     run = " ".join(overrides + found["changes"])
