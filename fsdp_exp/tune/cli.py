@@ -89,7 +89,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def report(tuning, data: dict, status: int, argv: list[str]) -> int:
     from rich.console import Console
 
-    from fsdp_exp.narrow import terminal_width
+    from fsdp_exp.narrow import console_lines, terminal_width
     from fsdp_exp.tune import output, recommend
     from fsdp_exp.tune.options import split_argv
 
@@ -105,8 +105,8 @@ def report(tuning, data: dict, status: int, argv: list[str]) -> int:
     width = console.width
 
     def say(text: str) -> None:
-        """Prose wrapped at the console's width, commands broken with continuations (output.console_lines)."""
-        for line in output.console_lines(text, width):
+        """Prose wrapped at the console's width, commands broken with continuations (narrow.console_lines)."""
+        for line in console_lines(text, width):
             console.print(line, highlight=False, markup=False, soft_wrap=True)
 
     console.print(

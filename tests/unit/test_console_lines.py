@@ -1,4 +1,4 @@
-"""tune's console prose at the terminal's width (fsdp_exp.tune.output.console_lines): prose wrapped between words,
+"""tune's console prose at the terminal's width (fsdp_exp.narrow.console_lines): prose wrapped between words,
 commands broken between their arguments with shell continuations, whatever line a reason adds."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from fsdp_exp.tune.output import console_lines
+from fsdp_exp.narrow import console_lines
 
 
 def test_a_labelled_command_breaks_between_arguments_and_reads_back_as_the_same_command():
