@@ -51,3 +51,14 @@ def test_every_alias_is_no_real_option_and_every_fix_it_offers_composes():
         assert not (CONF / group / f"{word}.yaml").exists(), f"{group}={word} is a real option: its alias is never used"
     for fix in sorted({fix for alias in ALIASES.values() for fix in alias.fixes}):
         compose_config([fix])  # raises where the fix names an option or key that does not exist
+
+
+def test_a_sweep_value_is_answered_the_same_way():
+    from hydra import initialize_config_module
+
+    from fsdp_exp.sweep import sweep_problems
+
+    with initialize_config_module(config_module="fsdp_exp.conf", version_base="1.3"):
+        (problem,) = sweep_problems(["sharding=full,fsdp2", "precision=bf16"])
+    assert "sharding=fsdp2: no such option; did you mean sharding=full or sharding.backend=fsdp2 " in problem
+    assert "mean sharding=fsdp1" not in problem
