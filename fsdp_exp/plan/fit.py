@@ -170,11 +170,12 @@ def find_fit(
     for picks in itertools.product(*_dimensions(cfg, group_node, dp)):
         changes = _overrides(cfg, picks, dp)
         if changes:
-            combos.append((sum(p[1] for p in picks), len(changes), changes, picks))
+            # the count is of savers chosen: a micro-batch pinned beside context parallel is no saver of its own
+            combos.append((sum(p[1] for p in picks), sum(1 for p in picks if p[0]), changes, picks))
     combos.sort(key=lambda c: (c[0], c[1]))
-    best, tried = None, 0
+    best, best_level, tried = None, None, 0
     for price, count, changes, picks in combos:
-        if best is not None and (price, count) > (best["price"], len(best["changes"])):
+        if best_level is not None and (price, count) > best_level:
             break  # every later combination costs more than the one found
         variant = _apply(cfg, picks, dp)
         try:
@@ -191,6 +192,7 @@ def find_fit(
                 "needed_bytes": verdict["needed_bytes"],
                 "device_bytes": verdict["bytes"],
             }
+            best_level = (price, count)
     if best is not None:
         best["tried"] = tried
     return best
