@@ -10,8 +10,9 @@ import pytest
 from fsdp_exp.config import RunConfig
 from fsdp_exp.config.aliases import ALIASES
 from fsdp_exp.config.strict import explain_composition_error
+from fsdp_exp.preflight import validate
 
-from conftest import compose_config
+from conftest import compose_config, run_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 
@@ -50,7 +51,11 @@ def test_every_alias_is_no_real_option_and_every_fix_it_offers_composes():
     for (group, word), alias in ALIASES.items():
         assert not (CONF / group / f"{word}.yaml").exists(), f"{group}={word} is a real option: its alias is never used"
     for fix in sorted({fix for alias in ALIASES.values() for fix in alias.fixes}):
-        compose_config([fix])  # raises where the fix names an option or key that does not exist
+        key, _, value = fix.partition("=")
+        if (CONF / key).is_dir():  # a group's option: its YAML (Hydra composes nothing else)
+            assert (CONF / key / f"{value}.yaml").exists(), f"{fix} names no option of the {key} group"
+        else:
+            validate(run_config([fix]), cuda_devices=0)  # a key's value: refused where either does not exist
 
 
 def test_a_sweep_value_is_answered_the_same_way():
