@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,6 +126,59 @@ def check_partition(partition: Optional[str], nodes: int, sizes: dict[str, int])
             f"trainer.nnodes={nodes}, but {shown} has {sizes[name]} node(s): the job would wait in the queue forever.",
             f"pass trainer.nnodes={sizes[name]} or less, or a larger partition (hydra.launcher.partition=...)",
         )
+
+
+# sbatch submits each job array; srun starts each job's tasks (submitit looks for it before submitting anything).
+SLURM_COMMANDS = ("sbatch", "srun")
+SCONTROL_TIMEOUT_S = 30
+
+
+def unreachable() -> Optional[str]:
+    """Why no job can be submitted from here, or None: SLURM's commands not on PATH, ``SLURM_CONF`` naming no
+    file, or ``scontrol`` (the controller, through the configuration the commands find) not answering. Asked
+    before submitting, so that a machine without SLURM gets one sentence instead of submitit's traceback."""
+    missing = [command for command in SLURM_COMMANDS if shutil.which(command) is None]
+    if missing:
+        return (
+            f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not on PATH: SLURM's client commands "
+            "are not installed on this machine (or not on its PATH)"
+        )
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not Path(conf).is_file():  # SLURM itself would retry reading it for a minute before giving up
+        return f"SLURM_CONF={conf} names no file: SLURM's commands have no configuration to read"
+    if shutil.which("scontrol") is None:
+        return None  # nothing to ask: sbatch judges for itself
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "partition", "--oneliner"],
+            capture_output=True,
+            text=True,
+            timeout=SCONTROL_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return f"SLURM's controller did not answer `scontrol show partition` within {SCONTROL_TIMEOUT_S} s"
+    except OSError as err:
+        return f"scontrol could not run: {err}"
+    if out.returncode == 0:
+        return None
+    said = (out.stderr.strip() or out.stdout.strip() or f"exit status {out.returncode}").splitlines()[-1]
+    if "configuration source" in said:
+        return (
+            "no SLURM configuration was found (no slurm.conf where SLURM_CONF or SLURM's default path says, and no "
+            f"configless controller): scontrol says {said!r}"
+        )
+    return f"SLURM's controller cannot be reached from here: scontrol says {said!r}"
+
+
+def local_command(argv: Sequence[str]) -> str:
+    """``argv`` (a sweep's command line) without the SLURM launcher and its settings: the same sweep, run on
+    this machine one job after another."""
+    kept = [
+        arg
+        for arg in argv
+        if arg.lstrip("+~") not in ("hydra/launcher=slurm",) and not arg.lstrip("+~").startswith("hydra.launcher.")
+    ]
+    return shlex.join(["python", "-m", "fsdp_exp", *kept])
 
 
 def _requeue_after_time_limit(max_num_timeout: int) -> Optional[str]:
@@ -260,6 +314,14 @@ class SlurmLauncher(SubmititSlurmLauncher):
                     "requeued with hardly a step trained.",
                     f"keep timeout_min * 60 - signal_delay_s at {MIN_SIGNAL_LEAD_S} s or more, e.g. "
                     f"hydra.launcher.signal_delay_s={max(0, int(params['timeout_min']) * 60 - MIN_SIGNAL_LEAD_S)}",
+                )
+            problem = unreachable()
+            if problem:
+                fail(
+                    f"hydra/launcher=slurm cannot submit from this machine: {problem}.",
+                    f"run the sweep here instead: {local_command(sys.argv[1:])}; or run it where SLURM is set up "
+                    "(sbatch and srun on PATH, and SLURM_CONF naming the cluster's slurm.conf where it is not at "
+                    "SLURM's default path)",
                 )
             sizes = partition_sizes()
             for i, cfg in enumerate(configs):

@@ -21,7 +21,8 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from fsdp_exp.errors import closest, did_you_mean
+from fsdp_exp.config.aliases import fix_text, meant
+from fsdp_exp.errors import did_you_mean
 from fsdp_exp.identity import REPEAT_KEY
 
 EXIT_BAD_SWEEP = 2
@@ -67,7 +68,10 @@ def sweep_problems(overrides: list[str]) -> list[str]:
             problems.extend(_unknown_key(key.lstrip("+~").split("@")[0]))
         for value in chosen if options and not override.is_delete() else []:
             if value not in options and value != "null":
-                hint = did_you_mean(closest(value, options), f"{key}={{}}", after=" ")
+                alias = meant(
+                    key.split("@")[0].lstrip("+~"), value, list(options)
+                )  # spelling checked against what was meant
+                hint = did_you_mean(fix_text(alias) if alias else None, after=" ")
                 problems.append(f"{key}={value}: no such option; {hint}options: {', '.join(options)}")
     return problems
 

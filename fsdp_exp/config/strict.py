@@ -16,6 +16,7 @@ import math
 import typing
 from typing import Any, Iterator
 
+from fsdp_exp.config.aliases import fix_text, meant
 from fsdp_exp.errors import closest, did_you_mean, fail
 
 IGNORED_TOP_LEVEL = frozenset({"hydra"})  # Hydra's own node, when a config carries it
@@ -226,7 +227,8 @@ def explain_composition_error(exc: BaseException, schema: type) -> str | None:
         message = str(exc).split("\nConfig search path")[0].strip()
         missing = (exc.missing_cfg_file or "").rsplit("/", 1)
         if len(missing) == 2 and exc.options:
-            message += did_you_mean(closest(missing[1], exc.options), f"{missing[0]}={{}}", before="\n  fix: ")
+            alias = meant(missing[0], missing[1], list(exc.options))  # spelling checked against what was meant
+            message += did_you_mean(fix_text(alias) if alias else None, before="\n  fix: ")
         return message
     if isinstance(exc, OverrideParseException):
         return str(exc).strip()

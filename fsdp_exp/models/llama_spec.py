@@ -258,14 +258,16 @@ class LlamaSpec(ModelSpec):
     def expert_modules(self, model: Llama) -> list[str]:
         return [f"{name}.experts" for name, m in model.named_modules() if isinstance(m, MoE)]
 
-    def check_context_parallel(self, cfg: ModelConfig, cp: int, tp: int) -> None:
-        """Ulysses hands each CP rank cp-th of the local query heads; key/value heads cp does not divide are
-        repeated up to the query heads (fsdp_exp.parallel.context)."""
+    def check_context_parallel(self, cfg: ModelConfig, cp: int, tp: int, method: str) -> None:
+        """all_to_all (Ulysses) hands each CP rank cp-th of the local query heads; key/value heads cp does not
+        divide are repeated up to the query heads (fsdp_exp.parallel.context). Ring keeps every head on every
+        rank and splits only the sequence: no rule on the heads."""
         local = cfg.n_heads // tp
-        if local % cp:
+        if method == "all_to_all" and local % cp:
             fail(
                 f"parallel.cp={cp} does not divide the {local} query heads each rank holds (model.n_heads="
-                f"{cfg.n_heads} over parallel.tp={tp}): all-to-all attention gives each CP rank whole heads "
+                f"{cfg.n_heads} over parallel.tp={tp}): all-to-all attention (parallel.cp_method=all_to_all) gives each "
+                "CP rank whole heads "
                 "(key/value heads that cp does not divide are repeated up to the query heads).",
                 f"pass parallel.cp={largest_divisor_at_most(local, cp)}, or a model.n_heads that {cp * tp} divides",
             )

@@ -310,9 +310,10 @@ class SpecContextParallel(ABC):
     """Role: what context parallel (``fsdp_exp.parallel.context``) needs of a family: whether its attention
     can be split over the sequence, where its attention kernels are and which buffers are indexed by position."""
 
-    def check_context_parallel(self, cfg, cp: int, tp: int) -> None:
-        """Refuse ``parallel.cp`` where this family's attention cannot be wrapped (the default: every family
-        that has not said how)."""
+    def check_context_parallel(self, cfg, cp: int, tp: int, method: str) -> None:
+        """Refuse ``parallel.cp`` with attention ``method`` (``ring`` or ``all_to_all``, resolved) where this
+        family's attention cannot be split that way, by that method's own rules only (the default: every family
+        that has not said how, whatever the method)."""
         from fsdp_exp.errors import fail
 
         fail(

@@ -59,28 +59,47 @@ def resolve_method(method: str, device_type: str) -> str:
     return method
 
 
+def method_refusal(cfg: "RunConfig", method: str, device_type: str) -> tuple[str, str] | None:
+    """(problem, fix) where attention ``method`` (resolved: ring or all_to_all) cannot run this config on
+    ``device_type``, by that method's own rules only; None where it can. Ring needs CUDA's SDPA kernels;
+    all_to_all needs whole heads on each CP rank, which the family says (``check_context_parallel``)."""
+    from fsdp_exp.errors import ConfigError
+    from fsdp_exp.models import spec_for
+
+    if method == "ring" and device_type != "cuda":
+        return f"parallel.cp_method=ring cannot run on the CPU: {RING_REFUSAL}.", "pass parallel.cp=1"
+    try:
+        spec_for(cfg.model).check_context_parallel(cfg.model, cfg.parallel.cp, cfg.parallel.tp, method)
+    except ConfigError as refused:
+        problem, _, fix = str(refused).partition("\n  fix: ")
+        return problem, fix
+    return None
+
+
 def check(cfg: "RunConfig", device_type: str) -> None:
     """preflight's context-parallel checks (before any rank starts; preflight has checked that cp divides the
-    ranks and names a method): the method on this device, the sequence, the family's heads, and every dimension
-    cp does not compose with yet, each refused by name."""
+    ranks and names a method): the sequence, the chosen method's own rules (on this device, with the family's
+    heads), and every dimension cp does not compose with yet, each refused by name. A method refused here names
+    the other one where that one would run."""
     from fsdp_exp.errors import fail
-    from fsdp_exp.models import spec_for
 
     p, seq = cfg.parallel, cfg.trainer.seq_len
     if p.cp == 1:
         return
-    if resolve_method(p.cp_method, device_type) == "ring" and device_type != "cuda":
-        fail(
-            f"parallel.cp_method=ring cannot run on the CPU: {RING_REFUSAL}.",
-            "pass parallel.cp_method=all_to_all (or auto, which picks it here)",
-        )
     if seq % (2 * p.cp):
         fail(
             f"trainer.seq_len={seq} does not cut into 2 x parallel.cp = {2 * p.cp} equal chunks (each CP rank holds "
             "a head and a tail chunk of every sequence, for causal load balance).",
             f"pass trainer.seq_len={max(2 * p.cp, seq // (2 * p.cp) * 2 * p.cp)} (a multiple of {2 * p.cp})",
         )
-    spec_for(cfg.model).check_context_parallel(cfg.model, p.cp, p.tp)
+    method = resolve_method(p.cp_method, device_type)
+    refusal = method_refusal(cfg, method, device_type)
+    if refusal is not None:
+        problem, fix = refusal
+        other = next(m for m in ("all_to_all", "ring") if m != method)
+        if method_refusal(cfg, other, device_type) is None:
+            fix = f"pass parallel.cp_method={other}, which runs here; or " + fix.removeprefix("pass ")
+        fail(problem, fix)
     refused = [
         (
             p.pp > 1,

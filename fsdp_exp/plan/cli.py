@@ -251,8 +251,9 @@ def fit_lines(found: Optional[dict], result: Plan, overrides: list[str], argv: l
         return []
     if found is None:
         return [
-            f"no combination of the memory options (ac, precision, sharding, offload, micro-batch, up to "
-            f"{max(MORE_NODES)}x the nodes) fits {dv['name']}: try a larger device (plan.device=...) or a smaller model"
+            f"no combination of the memory options (ac, precision, sharding, offload, micro-batch, context parallel, "
+            f"pipeline stages, expert parallel for a mixture of experts, up to {max(MORE_NODES)}x the nodes) fits "
+            f"{dv['name']}: try a larger device (plan.device=...) or a smaller model"
         ]
     planner = [a for a in argv if a.startswith("plan.")]
     run = " ".join(overrides + found["changes"])
@@ -420,21 +421,26 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         from rich.console import Console
 
-        from fsdp_exp.narrow import terminal_width
+        from fsdp_exp.narrow import console_lines, terminal_width
 
         console = Console(width=terminal_width())
+
+        def say(text: str) -> None:  # prose wrapped at the width, commands broken with continuations
+            for part in console_lines(text, console.width):
+                console.print(part, highlight=False, markup=False, soft_wrap=True)
+
         overrides = split_argv(argv)[1]
-        console.print(opts["header"], highlight=False, markup=False, soft_wrap=True)
+        say(opts["header"])
         # the ep variants have their own lines below the table (``expert_parallel_lines``)
         rows = [o for o in opts["options"] if not o["change"].startswith("parallel.ep=")]
         console.print(render_table(result, overrides, rows))
         line = verdict_line(result)
         if line:
-            console.print(line, highlight=False, soft_wrap=True)
+            say(line)
         for line in expert_parallel_lines(result, opts["options"], opts["ep"]):
             console.print(line, highlight=False, markup=False)
         for line in fit_lines(opts["fit"], result, overrides, argv):
-            console.print(line, highlight=False, markup=False, soft_wrap=True)
+            say(line)
     return 0
 
 

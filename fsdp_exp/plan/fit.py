@@ -11,6 +11,15 @@ matmuls are faster than fp32's); sharding and a smaller micro-batch cost a littl
 matmuls); recomputing activations costs its forward again (selective less than full); offloading moves the
 parameters over PCIe every step; more ranks cost hardware, the most of all. A mixture of experts also tries
 expert parallel (``parallel.ep``): each rank then gathers experts/ep of each layer instead of all of them.
+
+The model-parallel savers take their ranks from the data-parallel ones, so they are priced per doubling as the
+micro-batch is per halving: each halves the tokens (context parallel, ``parallel.cp``: every sequence split over
+cp ranks, its collectives alongside attention) or the layers (pipeline stages, ``parallel.pp``) a rank holds.
+Context parallel costs what a halving of the micro-batch costs (1 per doubling; docs/context_parallel.md: at
+32K tokens CP 8 without recomputation is predicted faster than full AC without CP); a pipeline stage adds its
+bubble, idle time that nothing hides, so it costs what full AC does (2 per doubling). Both keep each rank's
+micro-batch what it was (``trainer.micro_batch_size`` pinned where the run left it to the ranks), since fewer
+data-parallel ranks would otherwise hand each one more sequences at once.
 """
 
 from __future__ import annotations
@@ -36,6 +45,10 @@ MORE_NODES = (2, 4)  # the node counts tried, as multiples of the run's
 # price for every ep, so that among equal prices the smallest need (the largest ep that fits) wins.
 EP_PRICE = 1
 EP_VALUES = (2, 4, 8, 16, 32, 64)
+# Context parallel and pipeline stages, per doubling of the degree (the module's docstring says why).
+CP_PRICE = 1
+PP_PRICE = 2
+MODEL_PARALLEL_VALUES = (2, 4, 8, 16, 32, 64)
 
 
 def _dimensions(cfg: "RunConfig", group_node, dp: int) -> list[list[tuple[str, int, object]]]:
@@ -69,23 +82,61 @@ def _dimensions(cfg: "RunConfig", group_node, dp: int) -> list[list[tuple[str, i
             [("", 0, None)]
             + [(f"parallel.ep={ep}", EP_PRICE, ("ep", ep)) for ep in EP_VALUES if ep <= max(dp, 1) and dp % ep == 0]
         )
+    return dims + _model_parallel_dimensions(cfg, dp)
+
+
+def _model_parallel_dimensions(cfg: "RunConfig", dp: int) -> list[list[tuple[str, int, object]]]:
+    """Context parallel and pipeline stages, each a degree that divides the data-parallel ranks it takes; what
+    preflight refuses (a family without CP, a sequence 2 x cp does not cut, cp with pp) drops out when tried."""
+    dims = []
+    for key, price in (("cp", CP_PRICE), ("pp", PP_PRICE)):
+        if getattr(cfg.parallel, key) != 1:
+            continue  # the run chose its degree
+        values = [("", 0, None)]
+        for degree in MODEL_PARALLEL_VALUES:
+            if degree <= dp and dp % degree == 0:
+                values.append((f"parallel.{key}={degree}", price * (degree.bit_length() - 1), (key, degree)))
+        if len(values) > 1:
+            dims.append(values)
     return dims
 
 
-def _apply(cfg: "RunConfig", picks) -> "RunConfig":
-    changes, trainer = {}, {}
+def _pinned_micro_batch(cfg: "RunConfig", picks, dp: int) -> Optional[int]:
+    """The micro-batch a rank trains now, where ``picks`` take data-parallel ranks for context parallel or
+    pipeline stages and set no micro-batch, and the run leaves it to the ranks (None otherwise): fewer
+    data-parallel ranks would hand each one more sequences at once, undoing what the saver saves."""
+    keys = {how[0] for _, _, how in picks if how is not None}
+    t = cfg.trainer
+    if not keys & {"cp", "pp"} or "micro_batch_size" in keys or t.micro_batch_size or not dp:
+        return None
+    return t.global_batch_size // dp if t.global_batch_size % dp == 0 else None
+
+
+def _overrides(cfg: "RunConfig", picks, dp: int) -> list[str]:
+    """The overrides that make a combination, in the dimensions' order (a pinned micro-batch last)."""
+    pinned = _pinned_micro_batch(cfg, picks, dp)
+    return [p[0] for p in picks if p[0]] + ([f"trainer.micro_batch_size={pinned}"] if pinned else [])
+
+
+def _apply(cfg: "RunConfig", picks, dp: int) -> "RunConfig":
+    changes, trainer, parallel = {}, {}, {}
+    pinned = _pinned_micro_batch(cfg, picks, dp)
+    if pinned:
+        trainer["micro_batch_size"] = pinned
     for _, _, how in picks:
         if how is None:
             continue
         key, value = how
         if key in ("micro_batch_size", "nnodes"):
             trainer[key] = value
-        elif key == "ep":
-            changes["parallel"] = dataclasses.replace(cfg.parallel, ep=value)
+        elif key in ("ep", "cp", "pp"):
+            parallel[key] = value
         else:
             changes[key] = value
     if trainer:
         changes["trainer"] = dataclasses.replace(cfg.trainer, **trainer)
+    if parallel:
+        changes["parallel"] = dataclasses.replace(cfg.parallel, **parallel)
     return dataclasses.replace(cfg, **changes)
 
 
@@ -117,15 +168,16 @@ def find_fit(
 
     combos = []
     for picks in itertools.product(*_dimensions(cfg, group_node, dp)):
-        changes = [p[0] for p in picks if p[0]]
+        changes = _overrides(cfg, picks, dp)
         if changes:
-            combos.append((sum(p[1] for p in picks), len(changes), changes, picks))
+            # the count is of savers chosen: a micro-batch pinned beside context parallel is no saver of its own
+            combos.append((sum(p[1] for p in picks), sum(1 for p in picks if p[0]), changes, picks))
     combos.sort(key=lambda c: (c[0], c[1]))
-    best, tried = None, 0
+    best, best_level, tried = None, None, 0
     for price, count, changes, picks in combos:
-        if best is not None and (price, count) > (best["price"], len(best["changes"])):
+        if best_level is not None and (price, count) > best_level:
             break  # every later combination costs more than the one found
-        variant = _apply(cfg, picks)
+        variant = _apply(cfg, picks, dp)
         try:
             topology = validate(variant, cuda_devices=cuda_devices)
         except ConfigError:
@@ -140,6 +192,7 @@ def find_fit(
                 "needed_bytes": verdict["needed_bytes"],
                 "device_bytes": verdict["bytes"],
             }
+            best_level = (price, count)
     if best is not None:
         best["tried"] = tried
     return best

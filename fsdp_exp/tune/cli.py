@@ -89,7 +89,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 def report(tuning, data: dict, status: int, argv: list[str]) -> int:
     from rich.console import Console
 
-    from fsdp_exp.narrow import terminal_width
+    from fsdp_exp.narrow import console_lines, terminal_width
     from fsdp_exp.tune import output, recommend
     from fsdp_exp.tune.options import split_argv
 
@@ -103,6 +103,12 @@ def report(tuning, data: dict, status: int, argv: list[str]) -> int:
         return status
     console = Console(width=terminal_width())
     width = console.width
+
+    def say(text: str) -> None:
+        """Prose wrapped at the console's width, commands broken with continuations (narrow.console_lines)."""
+        for line in console_lines(text, width):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
+
     console.print(
         f"[bold]fsdp_exp tune[/bold]: the best {min(opts.show, len(tuning.ranked))} of "
         f"{len(tuning.ranked):,} candidates that fit, by predicted tokens/s",
@@ -110,41 +116,27 @@ def report(tuning, data: dict, status: int, argv: list[str]) -> int:
     )
     console.print(output.render_table(tuning, opts.show, width))
     for line in output.summary_lines(tuning):
-        console.print(line, highlight=False, markup=False, soft_wrap=True)
+        say(line)
     if data.get("spearman") is not None or data.get("winner", {}).get("measured"):
         winner = data["winner"]
-        console.print(
+        say(
             f"measured: Spearman {data['spearman']}, mean absolute error "
-            f"{data['mae_tokens_per_s']:,.0f} tokens/s; {winner['verdict']}",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
+            f"{data['mae_tokens_per_s']:,.0f} tokens/s; {winner['verdict']}"
         )
     check = data.get("budget_check")
     if check:
-        console.print(
+        say(
             f"memory vs {check['limit']}: {len(check['held'])} held, {len(check['broken'])} broken, "
-            f"{len(check['borderline'])} borderline; left out: {check['left_out'] or 'none'}",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
+            f"{len(check['borderline'])} borderline; left out: {check['left_out'] or 'none'}"
         )
-    console.print(
-        f"wrote {path}" + (f", {out / 'tune.html'}" if (out / "tune.html").exists() else ""),
-        highlight=False,
-        markup=False,
-        soft_wrap=True,
-    )
+    say(f"wrote {path}" + (f", {out / 'tune.html'}" if (out / "tune.html").exists() else ""))
     if not opts.run:
-        console.print(
+        say(
             f"measure the top {opts.top_k} and the baselines ({len(data['measure']['candidates'])} "
-            f"candidates x {opts.repeats} runs): add tune.run=true, or run\n  {data['measure']['command']}",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
+            f"candidates x {opts.repeats} runs): add tune.run=true, or run\n  {data['measure']['command']}"
         )
-    # The answer: last, where the eye lands. Lines are not broken (soft_wrap): a command copied from a log must
-    # stay one command.
+    # The answer: last, where the eye lands. A command is broken only between its arguments, with shell
+    # continuations: copied from a log, it is still one command.
     for line in recommend.lines(data.get("recommendation"), tuning):
-        console.print(line, highlight=False, markup=False, soft_wrap=True)
+        say(line)
     return status

@@ -119,3 +119,36 @@ def test_a_cp_run_lays_out_its_mesh_and_batch_as_torchtitan_orders_them():
     t = validate(run_config([*TINY, "parallel.cp=2", "parallel.tp=2", "trainer.nproc_per_node=8"]), cuda_devices=0)
     assert (t.mesh_dim_names, t.mesh_shape) == (("shard", "cp", "tp"), (2, 2, 2))
     assert (t.dp_size, t.cp_size) == (2, 2)  # 2 batch shards, each sequence over 2 CP ranks
+
+
+def test_ring_attention_has_no_rule_on_the_heads_and_all_to_all_names_ring_where_ring_would_run():
+    from fsdp_exp.config import ConfigError
+    from fsdp_exp.preflight import validate
+
+    from conftest import run_config
+
+    eight = [*TINY, "trainer.seq_len=32", "parallel.cp=8", "trainer.nproc_per_node=8"]  # 4 heads over cp 8
+    validate(run_config([*eight, "parallel.cp_method=ring"]), cuda_devices=8)  # ring splits the sequence only
+    with pytest.raises(ConfigError) as on_cuda:
+        validate(run_config([*eight, "parallel.cp_method=all_to_all"]), cuda_devices=8)
+    assert "4 query heads" in str(on_cuda.value) and "parallel.cp_method=ring, which runs here" in str(on_cuda.value)
+    with pytest.raises(ConfigError) as on_cpu:  # ring cannot run on the CPU: not offered there
+        validate(run_config([*eight, "parallel.cp_method=all_to_all"]), cuda_devices=0)
+    assert "4 query heads" in str(on_cpu.value) and "cp_method=ring" not in str(on_cpu.value)
+
+
+def test_a_ring_plan_with_more_cp_ranks_than_heads_plans():
+    # Llama-3 8B (32 heads) at 262,144 tokens, each sequence over 64 ranks of 8 nodes: the long-context plan
+    # that all-to-all's rule on the heads used to refuse.
+    from fsdp_exp.plan.predict import plan
+    from fsdp_exp.preflight import validate
+
+    from conftest import run_config
+
+    cfg = run_config(
+        ["model=llama3_8b", "model.max_seq_len=262144", "trainer.nnodes=8", "trainer.nproc_per_node=8"]
+        + ["trainer.seq_len=262144", "trainer.global_batch_size=1", "trainer.micro_batch_size=1"]
+        + ["parallel.cp=64", "parallel.cp_method=ring", "ac=full", "precision=bf16"]
+    )
+    result = plan(cfg, validate(cfg, cuda_devices=8), device_kind="cuda")
+    assert 0 < result.per_rank_bytes["total"] < 80 * 2**30

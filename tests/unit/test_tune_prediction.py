@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -486,6 +487,30 @@ def test_the_printed_table_explains_the_top_candidates(tuning_7b, tmp_path, caps
     assert "compute" in out and "where the time goes" in out
     assert json.loads((tmp_path / "tune.json").read_text())["candidates"]
     assert out.splitlines()[-1].startswith("  left out: ") or "recommended: " in out  # the answer comes last
+
+
+@pytest.mark.parametrize("width", [100, 64])
+def test_every_printed_line_fits_the_terminal_and_its_commands_paste_whole(
+    width, tuning_7b, tmp_path, capsys, monkeypatch
+):
+    from rich.cells import cell_len
+
+    from fsdp_exp.tune.cli import report
+    from fsdp_exp.tune.output import summary_lines
+
+    monkeypatch.setenv("COLUMNS", str(width))
+    data = _tune_json(tuning_7b, tmp_path)
+    assert report(tuning_7b, data, 0, [f"tune.out={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    for line in out.splitlines():
+        alone = len(line.removesuffix(" \\").split()) == 1  # one word wider than the terminal (a path) stays whole
+        assert cell_len(line) <= width or alone, f"{cell_len(line)} columns at COLUMNS={width}: {line!r}"
+    pasted = re.sub(r" \\\n\s+", " ", out)  # what a shell reads of a command broken with continuations
+    for command in (data["measure"]["command"], data["recommendation"]["command"]):
+        assert command in pasted, command
+        assert command not in out or cell_len(command) + 2 <= width  # broken where it is too wide
+    for line in summary_lines(tuning_7b):  # prose wrapped between words, none lost
+        assert " ".join(line.split()) in " ".join(out.split())
 
 
 @pytest.mark.parametrize(
