@@ -11,12 +11,12 @@ from typing import Optional
 
 from fsdp_exp.config.schema import AC_OPS, DTYPES, GRAD_SYNC, ModelConfig, OptimConfig, RunConfig
 from fsdp_exp.config.schema import LOSS_CHUNKS_AUTO as AUTO_CHUNKS, fixed_loss_chunks as fixed_chunks
+from fsdp_exp.config.layout import Layout
 from fsdp_exp.config.topology import Topology, largest_divisor_at_most as _largest_divisor_at_most, resolve_nproc
 from fsdp_exp.checkpoint.checks import check_checkpoint
 from fsdp_exp.context import sampled_steps
 from fsdp_exp.errors import fail
 from fsdp_exp.parallel.backend import backend_for, check_backend_name
-from fsdp_exp.parallel.mesh import layout as mesh_layout
 
 
 def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = None) -> Topology:
@@ -138,7 +138,8 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
 
     _validate_optim(cfg.optim, t.steps)
 
-    mesh_shape, mesh_names, dp = _validate_parallel(cfg, world, nproc, device_type)
+    layout = _validate_parallel(cfg, world, nproc, device_type)
+    dp = layout.dp
     _validate_backend_knobs(cfg, device_type)
 
     # Batch over data-parallel ranks.
@@ -148,7 +149,7 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
             f"pass trainer.global_batch_size={dp * max(1, math.ceil(t.global_batch_size / dp))} "
             f"(a multiple of {dp}) or change trainer.nproc_per_node",
         )
-    per_rank = t.global_batch_size // dp
+    per_rank = layout.local_batch(t.global_batch_size)
     micro = t.micro_batch_size if t.micro_batch_size is not None else per_rank
     if micro < 1 or per_rank % micro:
         fail(
@@ -219,13 +220,7 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
         device_type=device_type,
         nproc_per_node=nproc,
         nnodes=t.nnodes,
-        world_size=world,
-        dp_size=dp,
-        tp_size=cfg.parallel.tp,
-        mesh_shape=mesh_shape,
-        mesh_dim_names=mesh_names,
-        cp_size=cfg.parallel.cp,
-        ep_size=cfg.parallel.ep,
+        layout=layout,
         # Under pipeline parallel the trainer feeds each dp rank's whole batch to the schedule,
         # which cuts it into parallel.pp_microbatches (trainer.micro_batch_size is that cut).
         micro_batch_size=micro if cfg.parallel.pp == 1 else per_rank,
@@ -239,7 +234,7 @@ CP_METHODS = ("auto", "ring", "all_to_all")
 
 def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str):
     """The device mesh: data-parallel dims from the strategy (laid out by the backend), then a tp dim.
-    Returns (shape, names, dp)."""
+    Returns the run's ``Layout``."""
     s, tp = cfg.sharding, cfg.parallel.tp
     check_backend_name(s.backend)
     if s.strategy not in STRATEGIES:
@@ -254,31 +249,12 @@ def _validate_parallel(cfg: RunConfig, world: int, nproc: int, device_type: str)
         )
     if tp > 1:
         _validate_tp(cfg, tp)
-    cp = _check_cp(cfg, world, device_type)
+    _check_cp(cfg, world, device_type)
     if cfg.parallel.pp != 1:
-        return _validate_pipeline(cfg, world)
-    dp = world // (tp * cp)
-    replicate, shard = 1, dp
-    if s.strategy == "hybrid":
-        local_dp = max(1, min(nproc // tp, dp)) if nproc >= tp else 1
-        shard = s.shard_size if s.shard_size is not None else (dp // s.replicate_size if s.replicate_size else local_dp)
-        replicate = s.replicate_size if s.replicate_size is not None else max(1, dp // max(shard, 1))
-        if shard < 1 or replicate < 1 or replicate * shard != dp:
-            good = _largest_divisor_at_most(dp, local_dp)
-            fail(
-                f"sharding=hybrid needs replicate_size x shard_size = {dp} data-parallel ranks, "
-                f"got {replicate} x {shard}.",
-                f"pass sharding.shard_size and sharding.replicate_size whose product is {dp}, "
-                f"e.g. sharding.replicate_size={dp // good} sharding.shard_size={good}",
-            )
-    elif s.strategy != "no_shard" and (s.replicate_size is not None or s.shard_size is not None):
-        fail(
-            f"sharding.replicate_size/shard_size only apply to sharding=hybrid, not {s.strategy}.",
-            "drop them, or pass sharding=hybrid",
-        )
-    shape, names = backend_for(cfg).data_parallel_mesh(s.strategy, dp, replicate, shard)
-    _check_ep(cfg, shard_ranks=shape[names.index("shard")] * cp if "shard" in names else cp)
-    return (*mesh_layout(shape, names, cp=cp, tp=tp), dp)
+        return _validate_pipeline(cfg, world, nproc)
+    layout = Layout.from_config(cfg, world, nproc, backend_for(cfg).data_parallel_mesh)
+    _check_ep(cfg, shard_ranks=layout.shard_cp)
+    return layout
 
 
 def _check_cp(cfg: RunConfig, world: int, device_type: str) -> int:
@@ -315,9 +291,9 @@ def _check_ep(cfg: RunConfig, shard_ranks: int) -> None:
     expert.check(cfg, ep)
 
 
-def _validate_pipeline(cfg: RunConfig, world: int):
+def _validate_pipeline(cfg: RunConfig, world: int, nproc: int):
     """parallel.pp > 1: the (pp, dp) mesh, (pp, dp, tp) under tensor parallel, FSDP2 or DDP inside each stage;
-    what the pipeline does not compose with yet is refused by name. Returns (shape, names, dp)."""
+    what the pipeline does not compose with yet is refused by name. Returns the run's ``Layout``."""
     from fsdp_exp.parallel import pipeline
 
     pp, tp = cfg.parallel.pp, cfg.parallel.tp  # checkpoint and export work per stage (fsdp_exp.checkpoint, .export)
@@ -346,11 +322,10 @@ def _validate_pipeline(cfg: RunConfig, world: int):
                 "not built; docs/pipeline.md).",
                 f"pass {fix}, or parallel.pp=1",
             )
-    dp = world // (pp * tp * cfg.parallel.cp)
-    _check_ep(cfg, shard_ranks=dp * cfg.parallel.cp)
-    pipeline.stage_dp_layout(cfg, dp)  # sharding=hybrid: the split of a stage's dp ranks
+    layout = Layout.from_config(cfg, world, nproc, backend_for(cfg).data_parallel_mesh)
+    _check_ep(cfg, shard_ranks=layout.shard_cp)
     t = cfg.trainer
-    local_batch = t.global_batch_size // dp
+    local_batch = layout.local_batch(t.global_batch_size)
     settings = pipeline.settings_from(cfg, local_batch)
     if (
         t.micro_batch_size is not None
@@ -363,9 +338,9 @@ def _validate_pipeline(cfg: RunConfig, world: int):
             "on per step (under pipeline parallel the micro-batch is the pipeline's).",
             "pass one of them only (the other follows), or trainer.micro_batch_size=null",
         )
-    if t.global_batch_size % dp == 0:  # otherwise the batch check after this one names the fix
+    if t.global_batch_size % layout.dp == 0:  # otherwise the batch check after this one names the fix
         pipeline.check(settings, cfg.model, local_batch)
-    return (*pipeline.mesh_layout(pp, dp, tp, cfg.parallel.cp), dp)
+    return layout
 
 
 def _value(cfg: RunConfig, key: str):

@@ -18,6 +18,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Optional
 
+from fsdp_exp.config.layout import ep_values
 from fsdp_exp.errors import EXIT_BAD_CONFIG, fail
 from fsdp_exp.plan.devices import device_table, fits, local_cuda_device
 from fsdp_exp.plan.fit import MORE_NODES
@@ -101,10 +102,7 @@ def expert_parallel_options(cfg: "RunConfig") -> list[str]:
     checks, drop out when they are planned), so that the table shows what expert parallel saves or costs."""
     if not getattr(cfg.model, "n_experts", 0):
         return []
-    return [f"parallel.ep={ep}" for ep in EP_VALUES if ep != cfg.parallel.ep]
-
-
-EP_VALUES = (1, 2, 4, 8, 16, 32, 64)
+    return [f"parallel.ep={ep}" for ep in ep_values() if ep != cfg.parallel.ep]
 
 
 def price_options(

@@ -19,6 +19,8 @@ import dataclasses
 import itertools
 from typing import TYPE_CHECKING, Optional
 
+from fsdp_exp.config.layout import ep_values
+
 if TYPE_CHECKING:
     from fsdp_exp.config.schema import RunConfig
     from fsdp_exp.plan.devices import Device
@@ -35,7 +37,6 @@ MORE_NODES = (2, 4)  # the node counts tried, as multiples of the run's
 # A mixture of experts' expert parallel: its all-to-alls replace the experts' all-gathers over the EP ranks; one
 # price for every ep, so that among equal prices the smallest need (the largest ep that fits) wins.
 EP_PRICE = 1
-EP_VALUES = (2, 4, 8, 16, 32, 64)
 
 
 def _dimensions(cfg: "RunConfig", group_node, dp: int) -> list[list[tuple[str, int, object]]]:
@@ -66,8 +67,7 @@ def _dimensions(cfg: "RunConfig", group_node, dp: int) -> list[list[tuple[str, i
     if getattr(cfg.model, "n_experts", 0) and cfg.parallel.ep == 1:
         # ep must divide the shard ranks (preflight refuses the others, and the search skips what it refuses)
         dims.append(
-            [("", 0, None)]
-            + [(f"parallel.ep={ep}", EP_PRICE, ("ep", ep)) for ep in EP_VALUES if ep <= max(dp, 1) and dp % ep == 0]
+            [("", 0, None)] + [(f"parallel.ep={ep}", EP_PRICE, ("ep", ep)) for ep in ep_values(max(dp, 1)) if ep > 1]
         )
     return dims
 

@@ -249,7 +249,7 @@ def step_costs(cfg: "RunConfig", topology: "Topology", expert_imbalance: float =
     rules = backend.planner_rules(cfg)
     tp, dp, nproc = topology.tp_size, topology.dp_size, topology.nproc_per_node
     shard = backend.shard_group(topology)  # shard x cp under context parallel
-    replicas = max(1, dp * topology.cp_size // max(shard, 1))
+    replicas = topology.layout.replicas_of(shard)
     G = topology.grad_accum_steps
     # Gradient reductions per step (trainer.grad_sync as the backend resolves it): every micro-batch, or the last.
     R = G if backend.grad_sync(cfg) == EVERY_MICRO_BATCH else 1

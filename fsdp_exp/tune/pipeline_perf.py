@@ -203,14 +203,8 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
     m = s.n_microbatches
     micro = local_batch // m
     # The whole model's compute on one rank for this dp rank's batch, in m micro-batches of the pipeline's size.
-    names = ("shard", "tp") if tp > 1 else ("shard",)
     whole_topology = dataclasses.replace(
-        topology,
-        mesh_shape=(dp, tp) if tp > 1 else (dp,),
-        mesh_dim_names=names,
-        micro_batch_size=micro,
-        grad_accum_steps=m,
-        world_size=dp * tp,
+        topology, layout=topology.layout.without_pipeline(), micro_batch_size=micro, grad_accum_steps=m
     )
     whole = step_costs(cfg, whole_topology)
     whole = dataclasses.replace(whole, traffic=tuple(t for t in whole.traffic if t.purpose.startswith("tensor")))

@@ -57,6 +57,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Optional
 
+from fsdp_exp.config.layout import divisors as _divisors, ep_values
 from fsdp_exp.errors import closest, did_you_mean, fail
 from fsdp_exp.tune.options import SPACE_DIMENSIONS
 
@@ -125,10 +126,6 @@ def fixed_dimensions(overrides: list[str]) -> dict[str, str]:
     return fixed
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def pipeline_sizes(base: "RunConfig", dp: int) -> list[str]:
     """``parallel.pp`` values: 1 and every divisor of the data-parallel ranks with at most as many stages as the
     model has blocks. The family checks its config first (as preflight does), so that a model it refuses is
@@ -164,7 +161,7 @@ def expert_sizes(base: "RunConfig", dp: int) -> list[str]:
     if not spec.expert_modules(spec.meta_model(base.model)):
         return ["1"]
     sizes = ["1"]
-    for d in _divisors(dp)[1:]:
+    for d in ep_values(dp)[1:]:
         try:
             spec.check_expert_parallel(base.model, d)
         except ConfigError:
