@@ -196,6 +196,14 @@ class Layout:
             dims = tuple(zip(names, shape))
         return cls(world, p.pp, replicate, shard, p.cp, p.tp, p.ep, dims)
 
+    @classmethod
+    def for_stages(cls, cfg: "RunConfig", dp: int) -> "Layout":
+        """The layout of a pipeline run whose stages have ``dp`` data-parallel ranks (the planner's and the
+        step-time model's view of one stage's sub-groups: its dp split, cp, tp and ep)."""
+        p = cfg.parallel
+        replicate, shard = dp_split(cfg, dp)
+        return cls(p.pp * dp * p.cp * p.tp, p.pp, replicate, shard, p.cp, p.tp, p.ep, (("dp", dp),))
+
     def with_degrees(self, **degrees) -> "Layout":
         return dataclasses.replace(self, **degrees)
 

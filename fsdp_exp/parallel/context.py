@@ -63,7 +63,7 @@ def check(cfg: "RunConfig", device_type: str) -> None:
     """preflight's context-parallel checks (before any rank starts; preflight has checked that cp divides the
     ranks and names a method): the method on this device, the sequence, the family's heads, and every dimension
     cp does not compose with yet, each refused by name."""
-    from fsdp_exp.errors import fail
+    from fsdp_exp.errors import fail, not_built
     from fsdp_exp.models import spec_for
 
     p, seq = cfg.parallel, cfg.trainer.seq_len
@@ -91,7 +91,7 @@ def check(cfg: "RunConfig", device_type: str) -> None:
     ]
     for bad, what, why, fix in refused:
         if bad:
-            fail(f"{what} with parallel.cp={p.cp} is not supported yet: {why}.", f"pass {fix}, or parallel.cp=1")
+            not_built(f"{what} with parallel.cp={p.cp} is not supported yet: {why}.", f"pass {fix}, or parallel.cp=1")
 
 
 # ------------------------------------------------------------------------------- load balancing

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from fsdp_exp.config.layout import Layout, dp_split
 from fsdp_exp.config.schema import settled_loss_chunks
-from fsdp_exp.errors import fail
+from fsdp_exp.errors import fail, not_built
 from fsdp_exp.parallel import Parallelized
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ def check_sharding(cfg: "RunConfig") -> None:
     if p.tp > 1 and p.sequence_parallel:
         # Every stage but the first would receive a shard of the sequence, and the family's forward takes
         # the rotary tables' length from its input (models/llama.py): a stage would rotate by the wrong length.
-        fail(
+        not_built(
             f"parallel.sequence_parallel=true with parallel.pp={p.pp}: a later stage receives its activations "
             "sharded over the sequence, and the model's forward reads the sequence length from its input.",
             "pass parallel.sequence_parallel=false (loss parallel composes with stages), or parallel.pp=1",
