@@ -39,11 +39,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from fsdp_exp.config.layout import Layout
 from fsdp_exp.parallel.pipeline import (
     bubble_fraction,
     settings_from,
     stage_blocks,
-    stage_dp_layout,
     stage_planner_rules,
     stages_of_rank,
 )
@@ -60,6 +60,9 @@ from fsdp_exp.tune.perf import (
     tiny_all_reduce_seconds,
 )
 from fsdp_exp.tune.traffic import Traffic, link_for, traffic_seconds
+
+# The whole model's traffic that stays inside a stage (its purposes' first words, fsdp_exp.tune.perf / experts_perf)
+IN_STAGE = ("tensor", "context-parallel", "ring attention", "expert all-to-all")
 
 if TYPE_CHECKING:
     from fsdp_exp.config.schema import RunConfig
@@ -207,7 +210,9 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
         topology, layout=topology.layout.without_pipeline(), micro_batch_size=micro, grad_accum_steps=m
     )
     whole = step_costs(cfg, whole_topology)
-    whole = dataclasses.replace(whole, traffic=tuple(t for t in whole.traffic if t.purpose.startswith("tensor")))
+    # What a stage's blocks exchange inside it (TP, CP, the experts' all-to-all), in proportion to its blocks;
+    # its data-parallel collectives are counted below, per stage
+    whole = dataclasses.replace(whole, traffic=tuple(t for t in whole.traffic if t.purpose.startswith(IN_STAGE)))
     w = work(cfg)
     vocab = w.logits_per_token
     head = next((g for g in whole.gemms if round(g[2] * tp) == round(vocab)), None)
@@ -245,8 +250,10 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
         numel[st] += p.numel / tp
         tensors[st] += 1
     nproc = topology.nproc_per_node
-    # The stage's dp ranks as (replicate, shard): dp_index = replica * shards + shard_index
-    replicas, shards = stage_dp_layout(cfg, dp)
+    # The stage's dp ranks as (replicate, shard): dp_index = replica * shards + shard_index; FSDP shards a stage's
+    # weights over shard x cp (a CP rank holds the same weights), tp ranks apart
+    layout = Layout.for_stages(cfg, dp)
+    replicas, shards = layout.dp_replicate, layout.shard_cp
     shard_nodes = len({(i * tp) // nproc for i in range(shards)})
     replica_nodes = len({(i * shards * tp) // nproc for i in range(replicas)})
     ranks = []

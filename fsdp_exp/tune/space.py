@@ -423,8 +423,6 @@ def _idle_duplicate(options: dict, base: "RunConfig", v: dict, dp: int, stages_c
     cp = int(options["cp"]) if "cp" in options else base.parallel.cp
     if "cp_method" in options and cp == 1 and options["cp_method"] != v["cp_method"][0]:
         return True  # no sequence split: the method changes nothing
-    if "ep" in options and options["ep"] != "1" and (cp > 1 or pipelined):
-        return True  # expert parallel with context parallel or stages: refused (parallel.expert.check, check_pipeline)
     return False
 
 
