@@ -74,16 +74,6 @@ class Layout:
         return self.dp_shard * self.cp
 
     @property
-    def mesh_shard(self) -> int:
-        """The mesh's ``shard`` dim (1 where the backend names none: DDP, no_shard, a stage's ``dp``)."""
-        return dict(self.dp_dims).get("shard", 1)
-
-    @property
-    def mesh_shard_cp(self) -> int:
-        """The mesh's shard dim x cp: what the backend's planner rules shard a dense weight over."""
-        return self.mesh_shard * self.cp
-
-    @property
     def efsdp(self) -> int:
         """The ranks a routed expert's weights are FSDP-sharded over once EP has taken its ranks: shard x cp / ep."""
         return efsdp_size(self.shard_cp, self.ep)

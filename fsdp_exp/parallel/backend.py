@@ -319,7 +319,7 @@ class BackendPlanning(ABC):
 
     def shard_group(self, topology: "Topology") -> int:
         """Ranks one parameter is sharded over (1 when it is replicated)."""
-        return topology.layout.mesh_shard_cp  # CP's ranks hold the same weights: FSDP shards over them too
+        return topology.layout.shard_cp  # CP's ranks hold the same weights: FSDP shards over them too
 
 
 class BackendDocs(ABC):
