@@ -276,6 +276,11 @@ def dp_split(cfg: "RunConfig", dp: int, nproc: int = 0) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------------ valid values
+def data_parallel_ranks(world: int, pp: int = 1, cp: int = 1, tp: int = 1) -> int:
+    """The ranks pp, cp and tp leave of ``world`` (at least 1; preflight refuses degrees that do not divide it)."""
+    return max(1, world // (max(pp, 1) * max(cp, 1) * max(tp, 1)))
+
+
 def degree_values(ranks: int) -> list[int]:
     """The values a degree can take over ``ranks`` ranks: its divisors."""
     return divisors(ranks)

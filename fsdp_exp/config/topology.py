@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 from fsdp_exp.config.layout import Layout, largest_divisor_at_most  # noqa: F401 (re-exported)
+from fsdp_exp.config.schema import TRAINER_DEVICES
 from fsdp_exp.errors import fail
 
 
@@ -90,6 +92,25 @@ class Topology:
             fields["micro_batch_size"],
             fields["grad_accum_steps"],
         )
+
+
+def resolve_where(t, cuda_devices: int, world_size: Optional[int] = None) -> tuple[str, int, int]:
+    """(device type, ranks per node, world) of the trainer group against this machine: ``world_size`` is given
+    when ranks come from outside (torchrun, SLURM), else it is ``trainer.nproc_per_node`` x ``trainer.nnodes``."""
+    if t.device not in TRAINER_DEVICES:
+        fail(f"trainer.device={t.device!r} is not one of {', '.join(TRAINER_DEVICES)}.", "pass trainer.device=auto")
+    device_type = "cuda" if (t.device == "cuda" or (t.device == "auto" and cuda_devices > 0)) else "cpu"
+    if device_type == "cuda" and cuda_devices == 0:
+        fail("trainer.device=cuda but this machine has no CUDA device.", "pass trainer.device=cpu (or auto)")
+    nproc = resolve_nproc(t.nproc_per_node, cuda_devices if device_type == "cuda" else 0)
+    if t.nnodes < 1:
+        fail(f"trainer.nnodes={t.nnodes} must be at least 1.", "pass trainer.nnodes=1")
+    if device_type == "cuda" and nproc > cuda_devices:
+        fail(
+            f"trainer.nproc_per_node={nproc} asks for more ranks than the {cuda_devices} GPUs here.",
+            f"pass trainer.nproc_per_node={cuda_devices} (or auto)",
+        )
+    return device_type, nproc, world_size if world_size is not None else nproc * t.nnodes
 
 
 def resolve_nproc(value: str, cuda_devices: int) -> int:

@@ -325,7 +325,7 @@ def with_worst_stage(result, cfg: "RunConfig", topology, margin=None):
 
     from fsdp_exp.errors import ConfigError
 
-    settings = settings_from(cfg, cfg.trainer.global_batch_size // topology.dp_size)
+    settings = settings_from(cfg, topology.layout.local_batch(cfg.trainer.global_batch_size))
     try:
         pipeline = pipeline_plan(cfg, settings, topology.dp_size, result.device_kind)
     except ConfigError as exc:  # a schedule without an activation model: the whole model, an upper bound

@@ -201,7 +201,7 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
     from fsdp_exp.tune.work import work
 
     tp, dp = topology.tp_size, topology.dp_size
-    local_batch = cfg.trainer.global_batch_size // dp
+    local_batch = topology.layout.local_batch(cfg.trainer.global_batch_size)
     s = settings_from(cfg, local_batch)
     m = s.n_microbatches
     micro = local_batch // m

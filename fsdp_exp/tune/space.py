@@ -57,7 +57,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Optional
 
-from fsdp_exp.config.layout import divisors as _divisors, ep_values
+from fsdp_exp.config.layout import data_parallel_ranks, divisors as _divisors, ep_values
+from fsdp_exp.config.schema import CP_METHODS as CP_METHOD_VALUES, STRATEGIES
 from fsdp_exp.errors import closest, did_you_mean, fail
 from fsdp_exp.tune.options import SPACE_DIMENSIONS
 
@@ -85,7 +86,7 @@ FIXED_BY = {
     "ep": ("parallel.ep",),
 }
 CP_FROM_SEQ_LEN = 16384  # context parallel is searched from this sequence length on
-CP_METHODS = ["all_to_all", "ring"]
+CP_METHODS = [m for m in CP_METHOD_VALUES if m != "auto"]  # the methods searched (auto picks one of them)
 GRAD_SYNC_VALUES = ["every_micro_batch", "last_micro_batch"]
 # pp_schedule's values -> (parallel.pp_schedule, parallel.pp_stages_per_rank)
 PP_SCHEDULES = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1), "interleaved_1f1b": ("interleaved_1f1b", 2)}
@@ -232,7 +233,6 @@ def build_space(
 ) -> Space:
     """The space for this run: ``requested`` (``tune.space.*``) where given, else the defaults of the table above,
     less the dimensions ``overrides`` fix."""
-    from fsdp_exp.preflight import STRATEGIES
     from fsdp_exp.parallel.backend import backend_names, get_backend
 
     fixed = fixed_dimensions(overrides)
@@ -242,7 +242,7 @@ def build_space(
                 f"tune.space.{dim} searches what {fixed[dim]} fixes.",
                 f"drop {fixed[dim]} to search it, or drop tune.space.{dim} to keep it",
             )
-    dp = max(1, world // max(base.parallel.tp, 1))
+    dp = data_parallel_ranks(world, tp=base.parallel.tp)  # the space's pp, cp and ep divide these
     values: dict[str, list[str]] = {}
     notes: list[str] = []
     names = backend_names()
