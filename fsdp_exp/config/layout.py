@@ -1,7 +1,7 @@
 """The layout of a run's ranks: the one owner of the parallel degrees and of every size derived from them.
 
-Built once (``Layout.of``, by preflight) from the config and the world, frozen, torch-free. Everything that
-needs a data-parallel size, a shard group, the experts' efsdp group, the replicas, the split of a stage's
+Built once (``Layout.from_config``, by preflight) from the config and the world, frozen, torch-free. Everything
+that needs a data-parallel size, a shard group, the experts' efsdp group, the replicas, the split of a stage's
 data-parallel ranks or a rank's share of the batch asks it; ``fsdp_exp.parallel.mesh.build_meshes`` turns it
 into DeviceMeshes. It lives in ``config`` (a leaf the parallel package imports) so that ``Topology`` can hold it.
 
