@@ -116,3 +116,27 @@ def test_a_mixture_of_experts_with_stages_and_expert_parallel_is_planned_its_exp
         assert topology.layout.efsdp == 8 // ep
         needs[ep] = plan(cfg, topology, device_kind="cuda").per_rank_bytes["total"]
     assert needs[8] < needs[1]  # each rank gathers its experts/ep only
+
+
+def test_tune_ranks_stages_with_expert_parallel_and_measures_none_of_what_a_run_would_refuse():
+    from fsdp_exp.tune import measure
+    from fsdp_exp.tune.options import split_argv
+    from fsdp_exp.tune.search import weigh
+
+    run = [
+        "model=moe_tiny",
+        "trainer.device=cuda",
+        "trainer.nproc_per_node=4",
+        "trainer.global_batch_size=16",
+        "sharding=full",
+    ]
+    run += ["offload=none", "prefetch=default", "ac=none", "precision=fp32"]
+    opts, overrides = split_argv(
+        run + ["plan.device=h100_80gb", "tune.space.pp=[1,2]", "tune.space.ep=[1,2]", "tune.space.micro_batch_size=[2]"]
+    )
+    tuning = weigh(overrides, opts)
+    staged = [w for w in tuning.ranked if w.candidate.cfg.parallel.pp == 2 and w.candidate.cfg.parallel.ep == 2]
+    assert staged and all("mixture of experts" in w.not_built for w in staged)
+    assert all(w.topology.layout.efsdp == 1 for w in staged)  # ep 2 of a stage's 2 dp ranks
+    chosen = measure.choose(tuning, opts)
+    assert chosen and not any(tuning.by_id(cid).not_built for cid in chosen)
