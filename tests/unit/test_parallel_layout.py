@@ -140,3 +140,23 @@ def test_tune_ranks_stages_with_expert_parallel_and_measures_none_of_what_a_run_
     assert all(w.topology.layout.efsdp == 1 for w in staged)  # ep 2 of a stage's 2 dp ranks
     chosen = measure.choose(tuning, opts)
     assert chosen and not any(tuning.by_id(cid).not_built for cid in chosen)
+
+
+def test_the_stage_step_time_counts_each_stages_cp_traffic_and_its_experts_over_efsdp():
+    from fsdp_exp.tune.pipeline_perf import pipeline_costs
+
+    def purposes(overrides):
+        cfg = run_config(["trainer.device=cuda", "trainer.nproc_per_node=8", "parallel.pp=2", *overrides])
+        with planning():
+            costs = pipeline_costs(cfg, validate(cfg, cuda_devices=8))
+        rank = costs.ranks[0]
+        return {t.purpose: t.ranks for c in rank.compute for t in c.traffic} | {
+            t.purpose: t.ranks for t in rank.traffic
+        }
+
+    cp = purposes(["trainer.seq_len=256", "parallel.cp=2", "parallel.cp_method=all_to_all"])
+    assert any(p.startswith("context-parallel all-to-all") for p in cp)
+    assert cp["stage all-gather"] == 4  # a stage's 2 dp ranks x cp 2
+    moe = purposes(["model=moe_tiny", "parallel.ep=2", "trainer.global_batch_size=8"])
+    assert moe["stage experts' all-gather (efsdp)"] == 2  # a stage's 4 dp ranks over ep 2
+    assert any(p.startswith("expert all-to-all") for p in moe)
