@@ -257,7 +257,7 @@ def step_costs(cfg: "RunConfig", topology: "Topology", expert_imbalance: float =
     seq = cfg.trainer.seq_len
     cp = cfg.parallel.cp
     tokens = cfg.trainer.global_batch_size * seq
-    tokens_rank = tokens / (dp * cp)  # context parallel: each of the cp ranks computes its share of a sequence
+    tokens_rank = tokens / topology.layout.tokens_shards  # dp x cp: a CP rank computes its share of a sequence
 
     w = work(cfg)
     ep = max(1, topology.ep_size)
