@@ -19,6 +19,17 @@ EVERY_MICRO_BATCH, LAST_MICRO_BATCH = "every_micro_batch", "last_micro_batch"
 GRAD_SYNC = ("auto", EVERY_MICRO_BATCH, LAST_MICRO_BATCH)
 # ac.ops: which op outputs a checkpointed block saves (``fsdp_exp.parallel.ac``)
 AC_OPS = ("none", "every_other_matmul", "every_matmul")
+# The allowed values of the other options with a closed set (each check and tune's search space read them here)
+TRAINER_DEVICES = ("auto", "cpu", "cuda")
+STRATEGIES = ("full", "grad_op", "hybrid", "no_shard", "optimizer")
+CP_METHODS = ("auto", "ring", "all_to_all")
+LOSS_SCALERS = ("none", "dynamic")
+WANDB_MODES = ("online", "offline", "disabled")
+PREFETCH_TIMINGS = ("pre", "post")
+WRAP_POLICIES = ("block", "none", "size", "experts")
+AC_MODES = ("none", "full", "selective")
+OPTIMIZERS = ("adamw",)
+LR_SCHEDULES = ("cosine", "constant")
 
 
 @dataclass

@@ -73,7 +73,7 @@ class StepData:
         val_batches: int = 0,
     ):
         self.source, self.val_source, self.device = source, val_source, device
-        per_rank = cfg.trainer.global_batch_size // topology.dp_size
+        per_rank = topology.layout.local_batch(cfg.trainer.global_batch_size)
         self.layout = Layout(cfg.trainer.global_batch_size, per_rank, topology.micro_batch_size, dp_rank)
         self.total_steps = cfg.trainer.steps
         self.num_workers = cfg.data.num_workers

@@ -16,7 +16,7 @@ import torch
 
 from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.config.topology import largest_divisor_at_most
-from fsdp_exp.errors import fail
+from fsdp_exp.errors import fail, not_built
 from fsdp_exp.models.llama import CausalAttention, Llama, TransformerBlock, ffn_hidden_dim, head_dim
 from fsdp_exp.models.moe import ROUTER_SCORES, MoE, grouped_mm_in_any_dtype, moe_hidden_dim
 from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan
@@ -200,7 +200,7 @@ class LlamaSpec(ModelSpec):
     def check_pipeline(self, m: ModelConfig) -> None:
         if m.n_experts:
             # Each stage would count and balance only its own layers' experts; not built yet.
-            fail(
+            not_built(
                 f"parallel.pp > 1 with a mixture of experts (model.n_experts={m.n_experts}) is not built yet: the "
                 "routing counts and the loss-free bias are kept over every rank.",
                 "pass parallel.pp=1 (and shard the experts with parallel.ep)",

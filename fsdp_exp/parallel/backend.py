@@ -319,9 +319,7 @@ class BackendPlanning(ABC):
 
     def shard_group(self, topology: "Topology") -> int:
         """Ranks one parameter is sharded over (1 when it is replicated)."""
-        names = list(topology.mesh_dim_names)
-        shard = topology.mesh_shape[names.index("shard")] if "shard" in names else 1
-        return shard * topology.cp_size  # context parallel's ranks hold the same weights: FSDP shards over them too
+        return topology.layout.shard_cp  # CP's ranks hold the same weights: FSDP shards over them too
 
 
 class BackendDocs(ABC):

@@ -81,7 +81,7 @@ def check(cfg: "RunConfig", device_type: str) -> None:
     ranks and names a method): the sequence, the chosen method's own rules (on this device, with the family's
     heads), and every dimension cp does not compose with yet, each refused by name. A method refused here names
     the other one where that one would run."""
-    from fsdp_exp.errors import fail
+    from fsdp_exp.errors import fail, not_built
 
     p, seq = cfg.parallel, cfg.trainer.seq_len
     if p.cp == 1:
@@ -110,7 +110,7 @@ def check(cfg: "RunConfig", device_type: str) -> None:
     ]
     for bad, what, why, fix in refused:
         if bad:
-            fail(f"{what} with parallel.cp={p.cp} is not supported yet: {why}.", f"pass {fix}, or parallel.cp=1")
+            not_built(f"{what} with parallel.cp={p.cp} is not supported yet: {why}.", f"pass {fix}, or parallel.cp=1")
 
 
 # ------------------------------------------------------------------------------- load balancing

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fsdp_exp.errors import fail
+from fsdp_exp.errors import fail, not_built
 from fsdp_exp.models.moe import GroupedExperts, grouped_swiglu
 
 # What expert parallel composes with today; everything else is refused by name before any rank starts.
@@ -48,7 +48,7 @@ def check(cfg, ep: int) -> None:
             "pass sharding=full (or hybrid), or parallel.ep=1",
         )
     if cfg.parallel.cp > 1:
-        fail(f"parallel.ep={ep} with parallel.cp={cfg.parallel.cp} is not built yet.", "pass parallel.cp=1")
+        not_built(f"parallel.ep={ep} with parallel.cp={cfg.parallel.cp} is not built yet.", "pass parallel.cp=1")
     if cfg.compile:
         # The split sizes are read from the counts each step (data-dependent): every MoE layer breaks the graph.
         fail(
