@@ -298,6 +298,17 @@ def _check_cp(cfg: RunConfig, world: int, device_type: str) -> int:
     from fsdp_exp.parallel import context
 
     context.check(cfg, device_type)  # the sequence, the heads, the method on this device, what cp refuses
+    capacity = getattr(cfg.model, "capacity_factor", None)
+    if p.cp > 1 and capacity is not None:
+        # An expert's capacity counts the tokens of one rank's micro-batch, and which copies pass it depends on
+        # their order there: cp gives each rank a part of every sequence, so the same run would drop other
+        # copies (and train to other losses) at each cp.
+        fail(
+            f"model.capacity_factor={capacity} with parallel.cp={p.cp}: an expert's capacity is counted over one "
+            "rank's tokens, and context parallel splits each sequence over ranks, so which copies are dropped "
+            "would change with parallel.cp.",
+            "pass model.capacity_factor=null (dropless), or parallel.cp=1",
+        )
     return p.cp
 
 
