@@ -167,7 +167,8 @@ class MoE(nn.Module):
         token = order // self.top_k
         out = self.experts(x[token], counts)
         out = out * torch.where(kept, weights, 0.0).to(out.dtype)[:, None]
-        y = torch.zeros_like(x).index_add_(0, token, out)
+        # scatter_add's backward needs only the indices (index_add_'s keeps its source, every routed copy's output)
+        y = torch.zeros_like(x).scatter_add_(0, token[:, None].expand(-1, x.shape[-1]), out)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         aux = self.balance_loss(scores, routed)

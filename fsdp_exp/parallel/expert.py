@@ -127,9 +127,11 @@ class ExpertParallelExperts(GroupedExperts):
         )
         order = expert_of.argsort(stable=True)
         out = grouped_swiglu(arrived[order], got.sum(0), w1, w3, w2)
-        # 4. back into arrival order, and home.
-        out = torch.empty_like(out).index_copy(0, order, out)
-        out = AllToAll.apply(out, recv, send, self.ep_group)
+        # 4. back into arrival order (a gather by the inverse permutation: its backward needs the indices only,
+        # where index_copy's keeps its whole source, the experts' output, alive until backward), and home.
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        out = AllToAll.apply(out[inverse], recv, send, self.ep_group)
         return F.pad(out, (0, 0, 0, routed - out.shape[0])) if routed > out.shape[0] else out
 
 

@@ -150,7 +150,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     results, memory = {}, {}
     for precision, ep in CASES:
         cfg = run_config([*OVERRIDES, f"precision={precision}", f"parallel.ep={ep}"])
-        tracked = memory.setdefault(("shared-expert", ep), {}) if precision == "fp32" else None
+        tracked = memory.setdefault(("shared-expert" if precision == "fp32" else "shared-expert-bf16", ep), {})
         results[(precision, ep)] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), memory=tracked)
     for ep in (1, 2):
         cfg = run_config([*OVERRIDES, *CAPACITY, f"parallel.ep={ep}"])
@@ -265,6 +265,7 @@ PLAN_TOLERANCE = 0.05
 # (layout, the overrides beyond OVERRIDES, the eps tracked)
 PLANNED = [
     ("shared-expert", [], (1, 2, 4)),
+    ("shared-expert-bf16", ["precision=bf16"], (1, 2, 4)),
     ("routed-only", ["model.n_shared_experts=0"], (1, 2, 4)),
     ("hybrid+ac", HYBRID_AC, (2,)),  # ep = the shard ranks: the experts' unit gathers and reduces nothing
     ("imbalanced", [], (2,)),  # planned at the imbalance the run measured (4: every token picks expert 0)

@@ -127,20 +127,20 @@ class LlamaActivations(TokenCounts):
 
     def _routed_saved(self, e: int) -> int:
         """What a mixture of experts (``fsdp_exp.models.moe``) keeps: the router's probabilities (fp32), the
-        picked weights and their sum; the routed copies of the tokens, each expert's SwiGLU on them (w1's
-        and w3's outputs, silu's, the product), the experts' outputs before and after their weighting (the
-        scatter back to the tokens keeps its source), all per copy; the int64 orders that sort and scatter the
-        copies, the kept masks, the group offsets; the shared experts' SwiGLU."""
+        picked weights and their sum; per routed copy, the experts' masked input and their SwiGLU on it (w1's
+        and w3's outputs, silu's, the product), and the experts' output (the weighting's other operand) with
+        its weight; the int64 orders that sort and scatter the copies, the kept masks, the group offsets; the
+        shared experts' SwiGLU. The scatter back to the tokens keeps only its indices. docs/moe.md lists them."""
         n, t = self.routed, self.tokens
         router = 4 * t * self.experts + 4 * n + 4 * t + 4 * self.experts
-        experts = e * n * (3 * self.d + 4 * self.ffn + 1)
+        experts = e * n * (2 * self.d + 4 * self.ffn + 1)
         indices = 3 * 8 * n + 2 * n  # the sort order, each copy's token, the picked experts; two masks
         if self.ep > 1:
-            # Expert parallel (fsdp_exp.parallel.expert): the SwiGLU and its masked input run on the copies
-            # received (not this rank's own), which also keep the all-to-all's output beside the regrouped
-            # copies, the regrouping order (int64) and the mask (measured with torch's tracker on 4 gloo ranks).
+            # Expert parallel (fsdp_exp.parallel.expert): the masked input and the SwiGLU are the received
+            # copies' (not this rank's own), with the regrouping order, its inverse (int64) and the mask over
+            # them; the combined outputs and their weights stay per own copy (torch's tracker on 4 gloo ranks).
             r = self.received
-            experts += e * r * (2 * self.d + 4 * self.ffn) + 9 * r - e * n * (self.d + 4 * self.ffn) - n
+            experts += e * r * (self.d + 4 * self.ffn) + 17 * r - e * n * (self.d + 4 * self.ffn) - n
         return router + experts + indices + 4 * e * t * self.shared_ffn
 
     def _stacked_experts(self, e: int) -> int:
@@ -212,13 +212,12 @@ class LlamaActivations(TokenCounts):
         return 2 * e * self._ffn_rows() * self.ffn + stacked
 
     def dispatch_forward_peak(self, e: int) -> int:
-        """Expert parallel (``fsdp_exp.parallel.expert``): when the received copies' outputs are put back in
-        arrival order, the experts' output, the empty tensor it is copied into and the copy (3 x received) are
-        alive beside the copies this rank sent, while the combined outputs and their weighting that the layer
-        saves next (2 x its own copies) do not exist yet."""
+        """Expert parallel (``fsdp_exp.parallel.expert``): while the combine's all-to-all runs, the experts'
+        output and its copy in arrival order (2 x received) are alive beside the copies this rank sent, next
+        to the combined outputs the layer saves."""
         if self.ep == 1 or not self.experts:
             return 0
-        return max(0, e * self.d * (3 * self.received + self.routed - 2 * self.routed))
+        return e * self.d * (2 * self.received + self.routed)
 
     def head_saved(self, e: int, autocast: bool) -> int:
         """The final RMSNorm: under autocast its fp32 input, rsqrt, normalized tensor and the output
