@@ -50,6 +50,7 @@ UNEVEN_STEPS = 3
 # (before, torch's selective contexts refused their profiler markers in the first backward).
 CAPACITY = ["model.capacity_factor=1.0", "model.aux_loss_coef=0.01"]
 SELECTIVE_OP = ["ac=selective_op"]
+GRAD_OP = ["sharding=grad_op"]
 
 
 def _free_port() -> int:
@@ -155,6 +156,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     for ep in (1, 2):
         cfg = run_config([*OVERRIDES, *CAPACITY, f"parallel.ep={ep}"])
         results[("capacity", ep)] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"))
+    # grad_op at ep = the shard ranks: the experts' unit of one rank reshards after forward (fsdp_exp.parallel.fsdp2)
+    cfg = run_config([*OVERRIDES, *GRAD_OP, "parallel.ep=4"])
+    memory[("grad_op", 4)] = {}
+    results[("fp32", "grad_op")] = _train(
+        cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), memory=memory[("grad_op", 4)]
+    )
     cfg = run_config([*OVERRIDES, *SELECTIVE_OP, "parallel.ep=2"])
     results[("fp32", "selective_op")] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"))
     cfg = run_config([*OVERRIDES, *HYBRID_AC, "parallel.ep=2"])
@@ -201,6 +208,7 @@ def trained(tmp_path_factory) -> dict:
         ("fp32", 1e-5, 4),
         ("fp32", 1e-5, "hybrid+ac"),
         ("fp32", 1e-5, "selective_op"),
+        ("fp32", 1e-5, "grad_op"),
         ("capacity", 1e-5, 2),
         ("bf16", 1e-2, 2),
         ("bf16", 1e-2, 4),
@@ -268,6 +276,7 @@ PLANNED = [
     ("shared-expert-bf16", ["precision=bf16"], (1, 2, 4)),
     ("routed-only", ["model.n_shared_experts=0"], (1, 2, 4)),
     ("hybrid+ac", HYBRID_AC, (2,)),  # ep = the shard ranks: the experts' unit gathers and reduces nothing
+    ("grad_op", GRAD_OP, (4,)),  # no resharding after forward, but the experts' unit of one rank does
     ("imbalanced", [], (2,)),  # planned at the imbalance the run measured (4: every token picks expert 0)
 ]
 
