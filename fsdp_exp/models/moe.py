@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 
@@ -70,30 +71,42 @@ class GroupedExperts(nn.Module):
     (the rows past their sum are padding and come back as zeros).
     """
 
-    def __init__(self, n_experts: int, dim: int, hidden: int):
+    def __init__(self, n_experts: int, dim: int, hidden: int, recompute_activation: bool = False):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down
+        self.recompute_activation = recompute_activation  # model.recompute_expert_activation
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(x, counts, self.w1, self.w3, self.w2)
+        return grouped_swiglu(x, counts, self.w1, self.w3, self.w2, self.recompute_activation)
 
 
-def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2) -> torch.Tensor:
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, recompute_activation: bool = False):
     """SwiGLU of each expert on its rows of ``x`` (sorted by expert, ``counts`` per expert), in one grouped
     matmul per projection. torch's grouped matmul leaves the rows past the last group unwritten (uninitialized
     on CPU), so they are zeroed here; its operands' strides must be multiples of 16 bytes (the model's width
-    and the experts' width multiples of 8: ``LlamaSpec.check``)."""
+    and the experts' width multiples of 8: ``LlamaSpec.check``).
+
+    ``recompute_activation``: silu, the product and w2's grouped matmul run under activation checkpointing, so
+    that backward keeps w1's and w3's outputs and recomputes silu and the product (no matmul) from them: 2 x
+    the experts' width per row kept instead of 4 (silu's input and output, w3's output, the product)."""
     offsets = counts.cumsum(0).to(torch.int32)
     w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
     # The same holds for the gradient of x in backward: the mask on the way in zeroes it there.
     valid = (torch.arange(x.shape[0], device=x.device) < offsets[-1])[:, None]
     x = torch.where(valid, x, x.new_zeros(()))
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-    out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+    gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+    up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+    if recompute_activation and torch.is_grad_enabled():
+        out = checkpoint(_activation_and_down, gate, up, w2, offsets, use_reentrant=False, preserve_rng_state=False)
+    else:
+        out = _activation_and_down(gate, up, w2, offsets)
     return torch.where(valid, out, out.new_zeros(()))
+
+
+def _activation_and_down(gate: torch.Tensor, up: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor):
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
 
 
 class AuxLossGradient(torch.autograd.Function):
@@ -127,7 +140,9 @@ class MoE(nn.Module):
         # scale (reset_routing_counts; AuxLossGradient)
         self.aux_loss_weight = 1.0
         self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_top_k, cfg.router_score, cfg.router_renormalize)
-        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, moe_hidden_dim(cfg, ffn_hidden))
+        self.experts = GroupedExperts(
+            cfg.n_experts, cfg.dim, moe_hidden_dim(cfg, ffn_hidden), cfg.recompute_expert_activation
+        )
         self.shared_experts = shared  # always-on experts, one SwiGLU of n_shared_experts x the experts' width
         # Since the last reset (the trainer's, once a step): routed copies per expert (before dropping: the
         # load the bias balances), copies dropped, and the aux loss's sum. Counted in forward only, never in activation checkpointing's recompute.

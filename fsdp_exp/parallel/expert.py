@@ -126,7 +126,7 @@ class ExpertParallelExperts(GroupedExperts):
             torch.arange(local, device=x.device).repeat(ep), got.flatten(), output_size=arrived.shape[0]
         )
         order = expert_of.argsort(stable=True)
-        out = grouped_swiglu(arrived[order], got.sum(0), w1, w3, w2)
+        out = grouped_swiglu(arrived[order], got.sum(0), w1, w3, w2, self.recompute_activation)
         # 4. back into arrival order (a gather by the inverse permutation: its backward needs the indices only,
         # where index_copy's keeps its whole source, the experts' output, alive until backward), and home.
         inverse = torch.empty_like(order)

@@ -49,7 +49,7 @@ UNEVEN_STEPS = 3
 # torchtitan's op-level policy (ac=selective_op), whose recompute under EP runs the experts' FSDP unit's hooks
 # (before, torch's selective contexts refused their profiler markers in the first backward).
 CAPACITY = ["model.capacity_factor=1.0", "model.aux_loss_coef=0.01"]
-SELECTIVE_OP = ["ac=selective_op"]
+SELECTIVE_OP = ["ac=selective_op", "model.recompute_expert_activation=true"]  # the experts' own recompute inside
 GRAD_OP = ["sharding=grad_op"]
 
 

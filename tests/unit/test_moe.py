@@ -110,6 +110,32 @@ def test_the_aux_loss_is_counted_and_its_gradient_reaches_the_router_only_throug
     torch.testing.assert_close(grad, expected_grad)
 
 
+def test_recomputing_the_experts_activation_gives_the_same_gradients_and_keeps_half_their_intermediates():
+    """model.recompute_expert_activation: silu, the product and w2's grouped matmul recomputed in backward from
+    w1's and w3's outputs. The same outputs and gradients; per routed copy 2 x the experts' width kept instead
+    of 4 (silu's input and output, w3's output and the product), measured on the saved tensors' storages."""
+    grads, kept = [], []
+    for recompute in (False, True):
+        cfg = tiny(f"model.recompute_expert_activation={str(recompute).lower()}", "model.moe_hidden_dim=128")
+        moe = built(cfg).layers["0"].feed_forward
+        x = hidden(cfg, tokens=32).requires_grad_()
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = moe(x)
+        kept.append(sum(storages.values()))
+        g = torch.randn_like(y, generator=torch.Generator().manual_seed(2))
+        grads.append(torch.autograd.grad(y, [x, moe.experts.w1, moe.experts.w3, moe.experts.w2], g))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    copies, width = 32 * 2, 128
+    assert kept[0] - kept[1] == 2 * copies * width * 4, kept  # two fp32 widths a copy fewer
+
+
 def test_the_aux_loss_reads_the_routed_copies_before_a_capacity_drops_any():
     """With a capacity that drops copies, the aux loss is the dropless layer's (the same router, the same
     assignment): before, it read the counts after dropping, and a crowded expert looked less crowded."""
@@ -226,15 +252,18 @@ def test_the_mixture_is_one_grouped_module_per_layer_that_wrap_experts_can_shard
     assert all(isinstance(m, MoE) for m in (model.layers["0"].feed_forward, model.layers["1"].feed_forward))
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute-activation"])
 @pytest.mark.parametrize("shared", [0, 1], ids=["routed-only", "with-a-shared-expert"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_planner_counts_what_a_mixture_of_experts_block_saves_within_5_percent_of_torchs_tracker(shared, dtype):
+def test_the_planner_counts_what_a_mixture_of_experts_block_saves_within_5_percent_of_torchs_tracker(
+    shared, dtype, recompute
+):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from fsdp_exp.models.llama import TransformerBlock, rope_tables
     from fsdp_exp.plan.activations import profile_for
 
-    cfg = tiny(f"model.n_shared_experts={shared}")
+    cfg = tiny(f"model.n_shared_experts={shared}", f"model.recompute_expert_activation={str(recompute).lower()}")
     torch.manual_seed(0)
     block = TransformerBlock(cfg).to(dtype)
     cos, sin = rope_tables(cfg.dim // cfg.n_heads, 32, cfg.rope_theta)

@@ -33,6 +33,9 @@ class LlamaActivations(TokenCounts):
     cp: int = 1  # context-parallel degree: s is already this rank's share of the sequence
     ep: int = 1  # expert-parallel degree: this rank runs experts/ep experts on the copies other ranks send it
     imbalance: float = 1.0  # plan.expert_imbalance: max / mean routed copies per expert (1 = balanced)
+    # the experts' SwiGLU intermediates kept per routed copy, in widths: 4, or 2 (w1's and w3's outputs) with
+    # model.recompute_expert_activation
+    expert_intermediates: int = 4
 
     @property
     def cp_repeats_kv(self) -> bool:
@@ -133,14 +136,15 @@ class LlamaActivations(TokenCounts):
         shared experts' SwiGLU. The scatter back to the tokens keeps only its indices. docs/moe.md lists them."""
         n, t = self.routed, self.tokens
         router = 4 * t * self.experts + 4 * n + 4 * t + 4 * self.experts
-        experts = e * n * (2 * self.d + 4 * self.ffn + 1)
+        act = self.expert_intermediates * self.ffn
+        experts = e * n * (2 * self.d + act + 1)
         indices = 3 * 8 * n + 2 * n  # the sort order, each copy's token, the picked experts; two masks
         if self.ep > 1:
             # Expert parallel (fsdp_exp.parallel.expert): the masked input and the SwiGLU are the received
             # copies' (not this rank's own), with the regrouping order, its inverse (int64) and the mask over
             # them; the combined outputs and their weights stay per own copy (torch's tracker on 4 gloo ranks).
             r = self.received
-            experts += e * r * (self.d + 4 * self.ffn) + 17 * r - e * n * (self.d + 4 * self.ffn) - n
+            experts += e * r * (self.d + act) + 17 * r - e * n * (self.d + act) - n
         return router + experts + indices + 4 * e * t * self.shared_ffn
 
     def _stacked_experts(self, e: int) -> int:
@@ -274,6 +278,7 @@ def profile(
         experts=cfg.n_experts,
         top_k=cfg.experts_top_k if cfg.n_experts else 0,
         shared_ffn=cfg.n_shared_experts * expert_width if cfg.n_experts else 0,
+        expert_intermediates=2 if cfg.n_experts and getattr(cfg, "recompute_expert_activation", False) else 4,
         sp=tp if sequence_parallel else 1,
         tp=tp,
         cp=cp,
