@@ -131,4 +131,19 @@ def _check_loss_chunks(cfg: RunConfig, layout: Layout) -> None:
 
 
 # The checks that span config groups, in order (each owner's checks have run before them).
-CROSS_GROUP = (_check_seq_len, _check_output_dtype, _check_batch, _check_loss_chunks)
+def _check_capacity_with_cp(cfg: RunConfig, layout: Layout) -> None:
+    """model x parallel: a MoE's capacity factor under context parallel."""
+    capacity = getattr(cfg.model, "capacity_factor", None)
+    if layout.cp > 1 and capacity is not None:
+        # An expert's capacity counts the tokens of one rank's micro-batch, and which copies pass it depends on
+        # their order there: cp gives each rank a part of every sequence, so the same run would drop other
+        # copies (and train to other losses) at each cp.
+        fail(
+            f"model.capacity_factor={capacity} with parallel.cp={layout.cp}: an expert's capacity is counted over "
+            "one rank's tokens, and context parallel splits each sequence over ranks, so which copies are dropped "
+            "would change with parallel.cp.",
+            "pass model.capacity_factor=null (dropless), or parallel.cp=1",
+        )
+
+
+CROSS_GROUP = (_check_seq_len, _check_output_dtype, _check_batch, _check_loss_chunks, _check_capacity_with_cp)

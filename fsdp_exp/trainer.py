@@ -178,7 +178,9 @@ class Trainer:
         for step in range(self.start_step, self.cfg.trainer.steps):
             started = time.perf_counter()  # the step's time: from here until its row is gathered
             inject_step_fault(self.cfg.debug, step, self.info.rank, self.model)  # debug.fail_at_step etc.
-            reset_routing_counts(self.model, self.topology.grad_accum_steps)  # a mixture of experts' loads: per step
+            # a mixture of experts' loads: per step; its aux gradient scaled as fp16's scaler scales the loss
+            scale = self.backend.loss_scale(self.model, self.scaler)
+            reset_routing_counts(self.model, self.topology.grad_accum_steps, scale)
             loss, grad_norm, lr = self.metrics.run(step, step_fn, started)  # tracked or profiled if sampled
             # DeepSeek-V3's loss-free balancing: the biases move after the step, by the load over every rank.
             update_expert_bias(self.model, getattr(self.cfg.model, "expert_bias_rate", 0.0), dist.all_reduce)

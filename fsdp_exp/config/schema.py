@@ -62,6 +62,9 @@ class ModelConfig:
     aux_loss_coef: float = 0.0  # load-balancing loss coefficient (Mixtral 0.02, Qwen3-MoE 0.001)
     expert_bias_rate: float = 0.0  # DeepSeek-V3's loss-free balancing: bias update per step (0.001), 0 = off
     capacity_factor: Optional[float] = None  # None = dropless; else copies per expert <= cf x tokens x k / E
+    # the routed experts' SwiGLU product (and w2's input) recomputed in backward from w1's and w3's outputs:
+    # per routed copy 2 x the experts' width kept instead of 4 (fsdp_exp.models.moe.grouped_swiglu)
+    recompute_expert_activation: bool = False
 
 
 @dataclass

@@ -193,6 +193,11 @@ class BackendStep(ABC):
         """Backpropagate one micro-batch's loss (scaled when a loss scaler is in use)."""
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
+    def loss_scale(self, model: "nn.Module", scaler) -> float:
+        """What ``backward`` multiplies the loss by this step (fp16's loss scale; 1 otherwise): a gradient added
+        inside the backward, a mixture of experts' aux loss's, is multiplied by it too (fsdp_exp.models.moe)."""
+        return scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+
     @abstractmethod
     def clip_grad_norm(self, model: "nn.Module", max_norm: float) -> "torch.Tensor":
         """Clip the gradients to a global norm of ``max_norm`` (inf: never); returns the norm before clipping."""

@@ -33,6 +33,9 @@ class LlamaActivations(TokenCounts):
     cp: int = 1  # context-parallel degree: s is already this rank's share of the sequence
     ep: int = 1  # expert-parallel degree: this rank runs experts/ep experts on the copies other ranks send it
     imbalance: float = 1.0  # plan.expert_imbalance: max / mean routed copies per expert (1 = balanced)
+    # the experts' SwiGLU intermediates kept per routed copy, in widths: 4, or 2 (w1's and w3's outputs) with
+    # model.recompute_expert_activation
+    expert_intermediates: int = 4
 
     @property
     def cp_repeats_kv(self) -> bool:
@@ -127,20 +130,21 @@ class LlamaActivations(TokenCounts):
 
     def _routed_saved(self, e: int) -> int:
         """What a mixture of experts (``fsdp_exp.models.moe``) keeps: the router's probabilities (fp32), the
-        picked weights and their sum; the routed copies of the tokens, each expert's SwiGLU on them (w1's
-        and w3's outputs, silu's, the product), the experts' outputs before and after their weighting (the
-        scatter back to the tokens keeps its source), all per copy; the int64 orders that sort and scatter the
-        copies, the kept masks, the group offsets; the shared experts' SwiGLU."""
+        picked weights and their sum; per routed copy, the experts' masked input and their SwiGLU on it (w1's
+        and w3's outputs, silu's, the product), and the experts' output (the weighting's other operand) with
+        its weight; the int64 orders that sort and scatter the copies, the kept masks, the group offsets; the
+        shared experts' SwiGLU. The scatter back to the tokens keeps only its indices. docs/moe.md lists them."""
         n, t = self.routed, self.tokens
         router = 4 * t * self.experts + 4 * n + 4 * t + 4 * self.experts
-        experts = e * n * (3 * self.d + 4 * self.ffn + 1)
+        act = self.expert_intermediates * self.ffn
+        experts = e * n * (2 * self.d + act + 1)
         indices = 3 * 8 * n + 2 * n  # the sort order, each copy's token, the picked experts; two masks
         if self.ep > 1:
-            # Expert parallel (fsdp_exp.parallel.expert): the SwiGLU and its masked input run on the copies
-            # received (not this rank's own), which also keep the all-to-all's output beside the regrouped
-            # copies, the regrouping order (int64) and the mask (measured with torch's tracker on 4 gloo ranks).
+            # Expert parallel (fsdp_exp.parallel.expert): the masked input and the SwiGLU are the received
+            # copies' (not this rank's own), with the regrouping order, its inverse (int64) and the mask over
+            # them; the combined outputs and their weights stay per own copy (torch's tracker on 4 gloo ranks).
             r = self.received
-            experts += e * r * (2 * self.d + 4 * self.ffn) + 9 * r - e * n * (self.d + 4 * self.ffn) - n
+            experts += e * r * (self.d + act) + 17 * r - e * n * (self.d + act) - n
         return router + experts + indices + 4 * e * t * self.shared_ffn
 
     def _stacked_experts(self, e: int) -> int:
@@ -212,13 +216,12 @@ class LlamaActivations(TokenCounts):
         return 2 * e * self._ffn_rows() * self.ffn + stacked
 
     def dispatch_forward_peak(self, e: int) -> int:
-        """Expert parallel (``fsdp_exp.parallel.expert``): when the received copies' outputs are put back in
-        arrival order, the experts' output, the empty tensor it is copied into and the copy (3 x received) are
-        alive beside the copies this rank sent, while the combined outputs and their weighting that the layer
-        saves next (2 x its own copies) do not exist yet."""
+        """Expert parallel (``fsdp_exp.parallel.expert``): while the combine's all-to-all runs, the experts'
+        output and its copy in arrival order (2 x received) are alive beside the copies this rank sent, next
+        to the combined outputs the layer saves."""
         if self.ep == 1 or not self.experts:
             return 0
-        return max(0, e * self.d * (3 * self.received + self.routed - 2 * self.routed))
+        return e * self.d * (2 * self.received + self.routed)
 
     def head_saved(self, e: int, autocast: bool) -> int:
         """The final RMSNorm: under autocast its fp32 input, rsqrt, normalized tensor and the output
@@ -275,6 +278,7 @@ def profile(
         experts=cfg.n_experts,
         top_k=cfg.experts_top_k if cfg.n_experts else 0,
         shared_ffn=cfg.n_shared_experts * expert_width if cfg.n_experts else 0,
+        expert_intermediates=2 if cfg.n_experts and getattr(cfg, "recompute_expert_activation", False) else 4,
         sp=tp if sequence_parallel else 1,
         tp=tp,
         cp=cp,
