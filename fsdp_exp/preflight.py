@@ -15,6 +15,7 @@ from fsdp_exp.config.topology import Topology, largest_divisor_at_most as _large
 from fsdp_exp.checkpoint.checks import check_checkpoint
 from fsdp_exp.context import sampled_steps
 from fsdp_exp.errors import fail
+from fsdp_exp.models import attention_mask
 from fsdp_exp.parallel.backend import backend_for, check_backend_name
 from fsdp_exp.parallel.mesh import layout as mesh_layout
 
@@ -62,6 +63,7 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
             f"pass trainer.warmup_steps={max(0, t.steps // 5)} or raise trainer.steps",
         )
     _validate_model(cfg.model)  # first: what follows reads the model's length and vocabulary through its family
+    attention_mask.check(cfg, device_type)  # model.attention_mask, data.positions: packed documents kept apart
     max_seq_len = _model_spec(cfg).max_seq_len(cfg.model)
     if t.seq_len > max_seq_len:
         fail(

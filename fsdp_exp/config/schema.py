@@ -50,6 +50,8 @@ class ModelConfig:
     router_renormalize: bool = True  # softmax: the top-k weights rescaled to sum to 1
     aux_loss_coef: float = 0.0  # load-balancing loss coefficient (Mixtral 0.02, Qwen3-MoE 0.001)
     expert_bias_rate: float = 0.0  # DeepSeek-V3's loss-free balancing: bias update per step (0.001), 0 = off
+    # causal: every earlier token of the sequence | block_causal: the earlier tokens of the same packed document
+    attention_mask: str = "causal"
     capacity_factor: Optional[float] = None  # None = dropless; else copies per expert <= cf x tokens x k / E
 
 
@@ -70,6 +72,7 @@ class HfModelConfig:
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     revision: Optional[str] = None  # a hub name's branch, tag or commit (None = main)
     attn_implementation: str = "sdpa"  # sdpa | eager: transformers' attention kernels
+    attention_mask: str = "causal"  # block_causal is refused for transformers models (fsdp_exp.models.hf)
 
 
 # model.name -> the family's schema. The ``model`` group's presets name theirs in their defaults list
@@ -235,6 +238,10 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes per rank; 0 = load in the training loop
     prefetch_factor: int = 2  # micro-batches each worker keeps ready
     val_batches: int = 4  # global batches of validation data per evaluation
+    # rotary positions: block (0.. over the packed block) | document (restart at each document's first token)
+    positions: str = "block"
+    # synthetic: mean document length in tokens (lengths drawn uniformly in [1, 2 x mean - 1]); 0 = one per block
+    synthetic_doc_len: Optional[int] = None  # None = trainer.seq_len // 4
 
 
 @dataclass
