@@ -242,6 +242,10 @@ class DataConfig:
     positions: str = "block"
     # synthetic: mean document length in tokens (lengths drawn uniformly in [1, 2 x mean - 1]); 0 = one per block
     synthetic_doc_len: Optional[int] = None  # None = trainer.seq_len // 4
+    # The step-time model's document lengths (model.attention_mask=block_causal prices each document's own
+    # attention): None = what the data says (fsdp_exp.data.attention_span); else their mean and spread in tokens.
+    doc_len_mean: Optional[float] = None
+    doc_len_std: float = 0.0
 
 
 @dataclass

@@ -214,6 +214,16 @@ def pack_key(source: Source, tokenizer_ident: dict, seq_len: int, max_blocks: Op
     return f"{source.kind}-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
 
 
+def find_packed(
+    source: Source, tokenizer_spec: str, seq_len: int, max_blocks: Optional[int], root: Path
+) -> Optional[Packed]:
+    """The packed blocks of ``source`` if the cache holds them (nothing is built)."""
+    from fsdp_exp.data.tokenizer import tokenizer_identity
+
+    meta_file = root / pack_key(source, tokenizer_identity(tokenizer_spec), seq_len, max_blocks) / "meta.json"
+    return Packed(meta_file.parent, json.loads(meta_file.read_text())) if meta_file.exists() else None
+
+
 def find_or_pack(
     source: Source,
     tokenizer_spec: str,
@@ -451,9 +461,26 @@ def _pack(
     return {
         "num_blocks": n_blocks,
         "num_docs": n_docs,
+        "attention_span": _attention_span(starts_file, n_blocks, seq_len),
         "num_tokens": n_tokens,
         "max_id": max(max_id, eos_id) if n_docs else 0,
     }
+
+
+def block_attention_span(starts: np.ndarray, n_blocks: int, seq_len: int) -> float:
+    """The mean over the blocks of (sum of the squared lengths of the document pieces in a block) / seq_len: the
+    sequence length at which a causal attention costs, per token, what block-causal attention over these
+    blocks costs (``seq_len`` itself for one document a block; the mean document length for many short ones)."""
+    if n_blocks == 0:
+        return float(seq_len)
+    end = n_blocks * seq_len  # the inputs of the blocks: each block's first seq_len tokens of the stream
+    cuts = np.union1d(starts[starts < end], np.arange(0, end + 1, seq_len))
+    pieces = np.diff(cuts).astype(np.float64)
+    return float((pieces**2).sum() / end)
+
+
+def _attention_span(starts_file: Path, n_blocks: int, seq_len: int) -> float:
+    return round(block_attention_span(np.fromfile(starts_file, dtype=np.int64), n_blocks, seq_len), 3)
 
 
 def stderr_log(message: str) -> None:
