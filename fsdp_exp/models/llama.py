@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_exp.config.schema import ModelConfig
-from fsdp_exp.models.attention_mask import Mask, attend, document_mask
+from fsdp_exp.models.attention_mask import Mask, attend, compute_dtype, document_mask
 from fsdp_exp.models.loss import chunked_cross_entropy
 from fsdp_exp.models.moe import MoE, moe_hidden_dim
 
@@ -197,8 +197,8 @@ class Llama(nn.Module):
             cos, sin = rope_at(positions, head_dim(self.cfg), self.cfg.rope_theta)
         else:
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        mask = document_mask(documents, self.cfg.attention_mask)  # once per batch, shared by every block
         h = self.tok_embeddings(tokens)
+        mask = document_mask(documents, self.cfg.attention_mask, compute_dtype(h))  # once a batch, for every block
         for block in self.layers.values():
             h = block(h, cos, sin, mask)
         if targets is not None:
