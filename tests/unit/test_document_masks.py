@@ -148,3 +148,10 @@ def test_synthetic_data_says_its_span():
     # lengths uniform in [1, 31]: E[L^2] / E[L] = 16 + var / 16 = 16 + 80 / 16 = 21, less the pieces the rows cut
     assert 17 < span < 21 and "synthetic" in source
     assert attention_span(run_config([*TINY_MODEL, "trainer.seq_len=256"]))[0] == 256
+
+
+@pytest.mark.parametrize("packed", ["model.attention_mask=block_causal", "data.positions=document"])
+def test_a_transformers_model_is_refused_packed_documents_by_name(packed):
+    cfg = run_config(["model=hf_gpt2_xl", packed])
+    with pytest.raises(ConfigError, match="model=hf takes no packed-document inputs"):
+        attention_mask.check(cfg, "cpu")
