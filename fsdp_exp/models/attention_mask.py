@@ -96,7 +96,10 @@ def document_mask(documents: Optional[torch.Tensor], kind: str, dtype: torch.dty
 def compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     """The dtype attention's queries will have: autocast's where it is on, else the hidden states'."""
     device = hidden.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    try:
+        return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    except RuntimeError:  # a device autocast does not know (meta: the planner's and the FLOP counter's models)
+        return hidden.dtype
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = None) -> torch.Tensor:

@@ -198,7 +198,8 @@ class Llama(nn.Module):
         else:
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
-        mask = document_mask(documents, self.cfg.attention_mask, compute_dtype(h))  # once a batch, for every block
+        # once a batch, for every block (none without documents: the causal kernel's own mask)
+        mask = None if documents is None else document_mask(documents, self.cfg.attention_mask, compute_dtype(h))
         for block in self.layers.values():
             h = block(h, cos, sin, mask)
         if targets is not None:
