@@ -34,6 +34,8 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from fsdp_exp.errors import fail
+
 CAUSAL, BLOCK_CAUSAL = "causal", "block_causal"
 MASKS = (CAUSAL, BLOCK_CAUSAL)
 POSITIONS = ("block", "document")  # data.positions: rotary positions count from the block's / each document's start
@@ -123,8 +125,6 @@ RING_BLOCK_CAUSAL_REFUSAL = (
 def check(cfg, device_type: str) -> None:
     """preflight's checks of ``model.attention_mask`` and ``data.positions`` (before any rank starts): the
     names, the families that take packed documents, and the context-parallel method that cannot mask them."""
-    from fsdp_exp.errors import fail
-
     kind = getattr(cfg.model, "attention_mask", CAUSAL)
     if kind not in MASKS:
         fail(f"model.attention_mask={kind!r} is not one of {', '.join(MASKS)}.", "pass model.attention_mask=causal")
