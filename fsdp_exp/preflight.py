@@ -16,6 +16,7 @@ from fsdp_exp.config.schema import STRATEGIES, RunConfig, fixed_loss_chunks as f
 from fsdp_exp.config.topology import Topology, resolve_where
 from fsdp_exp.context import check_trainer
 from fsdp_exp.errors import fail
+from fsdp_exp.models import attention_mask
 from fsdp_exp.parallel.backend import backend_for
 from fsdp_exp.parallel.checks import check_knobs, check_offload, check_precision, layout_for
 
@@ -39,6 +40,7 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
     check_trainer(t, device_type, backend_for(cfg).tracks_memory)
     check_convention(t.flops_convention)
     get_spec(cfg.model.name).check(cfg.model)  # the family must be registered (with a "did you mean")
+    attention_mask.check(cfg, device_type)  # model.attention_mask, data.positions: packed documents kept apart
     optim.check(cfg.optim, t.steps)
     layout = layout_for(cfg, world, nproc, device_type)
     check_knobs(cfg, device_type)

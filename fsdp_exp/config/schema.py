@@ -61,6 +61,8 @@ class ModelConfig:
     router_renormalize: bool = True  # softmax: the top-k weights rescaled to sum to 1
     aux_loss_coef: float = 0.0  # load-balancing loss coefficient (Mixtral 0.02, Qwen3-MoE 0.001)
     expert_bias_rate: float = 0.0  # DeepSeek-V3's loss-free balancing: bias update per step (0.001), 0 = off
+    # causal: every earlier token of the sequence | block_causal: the earlier tokens of the same packed document
+    attention_mask: str = "causal"
     capacity_factor: Optional[float] = None  # None = dropless; else copies per expert <= cf x tokens x k / E
     # the routed experts' SwiGLU product (and w2's input) recomputed in backward from w1's and w3's outputs:
     # per routed copy 2 x the experts' width kept instead of 4 (fsdp_exp.models.moe.grouped_swiglu)
@@ -84,6 +86,7 @@ class HfModelConfig:
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     revision: Optional[str] = None  # a hub name's branch, tag or commit (None = main)
     attn_implementation: str = "sdpa"  # sdpa | eager: transformers' attention kernels
+    attention_mask: str = "causal"  # block_causal is refused for transformers models (fsdp_exp.models.hf)
 
 
 # model.name -> the family's schema. The ``model`` group's presets name theirs in their defaults list
@@ -249,6 +252,14 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes per rank; 0 = load in the training loop
     prefetch_factor: int = 2  # micro-batches each worker keeps ready
     val_batches: int = 4  # global batches of validation data per evaluation
+    # rotary positions: block (0.. over the packed block) | document (restart at each document's first token)
+    positions: str = "block"
+    # synthetic: mean document length in tokens (lengths drawn uniformly in [1, 2 x mean - 1]); 0 = one per block
+    synthetic_doc_len: Optional[int] = None  # None = trainer.seq_len // 4
+    # The step-time model's document lengths (model.attention_mask=block_causal prices each document's own
+    # attention): None = what the data says (fsdp_exp.data.attention_span); else their mean and spread in tokens.
+    doc_len_mean: Optional[float] = None
+    doc_len_std: float = 0.0
 
 
 @dataclass

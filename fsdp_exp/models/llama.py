@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_exp.config.schema import ModelConfig
+from fsdp_exp.models.attention_mask import Mask, attend, compute_dtype, document_mask
 from fsdp_exp.models.loss import chunked_cross_entropy
 from fsdp_exp.models.moe import MoE, moe_hidden_dim
 
@@ -44,8 +45,21 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
             torch.empty(max_seq_len, head_dim // 2, device=device, dtype=torch.float32),
             torch.empty(max_seq_len, head_dim // 2, device=device, dtype=torch.float32),
         )
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(
+        torch.arange(max_seq_len, device=device, dtype=torch.float32), _inv_freq(head_dim, theta, device)
+    )
+    return angles.cos(), angles.sin()
+
+
+def _inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
+def rope_at(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (batch, seq, head_dim // 2) at each token's own position (``data.positions=document``: counted
+    from its document's start). The same fp32 products as ``rope_tables``' rows, so a document alone at
+    positions 0.. gets bit-identical angles."""
+    angles = positions.to(torch.float32)[..., None] * _inv_freq(head_dim, theta, positions.device)
     return angles.cos(), angles.sin()
 
 
@@ -53,7 +67,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by the position's angle."""
     x_pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = x_pairs[..., 0], x_pairs[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    # (seq, d/2) tables shared by the batch, or (batch, seq, d/2) per-token positions (rope_at)
+    cos, sin = (cos[None, :, None, :], sin[None, :, None, :]) if cos.dim() == 2 else (cos[:, :, None], sin[:, :, None])
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -73,12 +88,13 @@ class RMSNorm(nn.Module):
 
 
 class CausalAttention(nn.Module):
-    """The attention kernel alone: causal SDPA of (batch, heads, seq, head_dim) queries, keys and values,
-    grouped-query when there are fewer key/value heads. Its own module so that context parallel
-    (fsdp_exp.parallel.context) can wrap the kernel without knowing the projections around it."""
+    """The attention kernel alone: (batch, heads, seq, head_dim) queries, keys and values, grouped-query when
+    there are fewer key/value heads, under the batch's mask (causal, or block-causal over its documents:
+    fsdp_exp.models.attention_mask). Its own module so that context parallel (fsdp_exp.parallel.context) can
+    wrap the kernel without knowing the projections around it."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = None) -> torch.Tensor:
+        return attend(q, k, v, mask)
 
 
 class Attention(nn.Module):
@@ -96,7 +112,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
         self.kernel = CausalAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 rather than the configured head count, so a tensor-parallel shard of wq/wk/wv still works.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -106,7 +122,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
-        out = self.kernel(q, k, v)
+        out = self.kernel(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -138,8 +154,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = moe_feed_forward(cfg) if cfg.n_experts > 0 else FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -163,14 +179,29 @@ class Llama(nn.Module):
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunks: int = 1) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        loss_chunks: int = 1,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The logits; with ``targets``, the summed cross-entropy instead, the output projection taken
-        ``loss_chunks`` slices of the sequence at a time (``fsdp_exp.models.loss``)."""
+        ``loss_chunks`` slices of the sequence at a time (``fsdp_exp.models.loss``). ``documents``: each
+        position's document number in its block, over the whole sequence (under context parallel too), which
+        ``model.attention_mask=block_causal`` keeps apart; ``positions``: each token's rotary position
+        (``data.positions=document``), else the tables' rows in order."""
         seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        if positions is not None:
+            cos, sin = rope_at(positions, head_dim(self.cfg), self.cfg.rope_theta)
+        else:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
+        # once a batch, for every block (none without documents: the causal kernel's own mask)
+        mask = None if documents is None else document_mask(documents, self.cfg.attention_mask, compute_dtype(h))
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin, mask)
         if targets is not None:
             return chunked_cross_entropy(self.norm(h), self.output, targets, loss_chunks)
         return self.output(self.norm(h))

@@ -296,7 +296,7 @@ class LlamaSpec(ModelSpec):
             },
             sequence_parallel_root=("norm",),
             sequence_parallel_block=("attention_norm", "ffn_norm"),
-            gathered_inputs={"attention": 3, "feed_forward": 1},  # attention also takes cos and sin
+            gathered_inputs={"attention": 4, "feed_forward": 1},  # attention also takes cos, sin and the mask
         )
 
     # ----------------------------------------------------------------------------------- SpecExport

@@ -442,10 +442,11 @@ class PipelineEngine:
     def has_last(self) -> bool:
         return self.settings.num_stages - 1 in self.stage_indices
 
-    def step(self, inputs: "torch.Tensor", targets: "torch.Tensor") -> float:
+    def step(self, inputs: "torch.Tensor", targets: "torch.Tensor", **packed) -> float:
         """Forward and backward over ``settings.n_microbatches`` micro-batches of (inputs, targets): this dp
         rank's sequences (every rank passes them; the schedule reads inputs on the first stage, targets on
-        the last). Returns the step's mean loss over the global batch, on every rank."""
+        the last). ``packed`` (documents, positions: attention_mask.packed_inputs) reaches every stage's
+        forward, cut into the same micro-batches. Returns the step's mean loss over the global batch, on every rank."""
         import torch
         import torch.distributed as dist
 
@@ -456,6 +457,7 @@ class PipelineEngine:
                 target=targets if self.has_last else None,
                 losses=losses if self.has_last else None,
                 return_outputs=False,
+                **packed,
             )
         # The last stage's mean over its micro-batches, summed over the pp group (the other stages add 0),
         # then averaged over dp: the mean over the global batch, on every rank of this mesh.

@@ -180,11 +180,13 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     chunks = max(1, min(fixed(cfg.trainer.loss_chunks), cfg.trainer.seq_len))  # settled above
     head_bytes = profile.head_saved(e, False) + 4 * -(-logits // chunks) + e * logits
     temporaries = resid + profile.backward_peak(e) + e * profile.peak_weight_grad
+    # model.attention_mask=block_causal: every stage builds the micro-batch's mask, held until its backward ends
+    mask = profile.batch_inputs(device_kind, e) if hasattr(profile, "batch_inputs") else 0
 
     def stage_microbatch(stage: int) -> int:
         first_input = resid if stage != 0 else 0  # in a receive buffer instead
         output = head_bytes if stage == last else resid
-        return sum(saved(b) for b in blocks[stage]) - first_input + output
+        return sum(saved(b) for b in blocks[stage]) - first_input + output + mask
 
     # Each stage's once: the ranks' walks below ask for it once per micro-batch in flight (a search plans thousands).
     per_microbatch = [stage_microbatch(stage) for stage in range(s.num_stages)].__getitem__

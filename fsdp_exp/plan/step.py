@@ -140,7 +140,8 @@ class StepWalk:
         self.logits = (DTYPE_BYTES[out] if out else e) * self.logit_elements
         self.log_softmax = 4 * self.logit_elements
         self.module_buffers = buffer_bytes
-        self.inputs = 2 * 8 * x.tokens  # token ids and targets (int64)
+        # token ids and targets (int64); block_causal's documents and mask (a family without: none)
+        self.inputs = 2 * 8 * x.tokens + (x.batch_inputs(s.kind, e) if hasattr(x, "batch_inputs") else 0)
         # Weight gradients: in param_dtype where the unsharded parameters are (FSDP); DDP's land in
         # the fp32 parameters' .grad.
         self.e_grad_w = e if self.gathers else 4

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from fsdp_exp.models.attention_mask import BLOCK_CAUSAL, mask_bytes
 from fsdp_exp.models.llama import ffn_hidden_dim, head_dim
 from fsdp_exp.models.moe import moe_hidden_dim
 from fsdp_exp.plan.activations.profile import TokenCounts
@@ -36,6 +37,17 @@ class LlamaActivations(TokenCounts):
     # the experts' SwiGLU intermediates kept per routed copy, in widths: 4, or 2 (w1's and w3's outputs) with
     # model.recompute_expert_activation
     expert_intermediates: int = 4
+    attention_mask: str = "causal"  # model.attention_mask: block_causal builds a mask per micro-batch
+
+    def batch_inputs(self, device_kind: str, e: int) -> int:
+        """What a micro-batch holds besides its token ids and targets from its forward until its backward ends,
+        under block_causal: the document numbers (int32) and the mask built from them, both over the whole
+        sequence (under context parallel too): seq^2 elements of the compute dtype a sequence off CUDA (SDPA's
+        additive mask; CUDA's FlexAttention BlockMask is counted as nothing: fsdp_exp.models.attention_mask)."""
+        if self.attention_mask != BLOCK_CAUSAL:
+            return 0
+        whole = self.s * self.cp
+        return 4 * self.b * whole + mask_bytes(self.attention_mask, self.b, whole, device_kind, e)
 
     @property
     def cp_repeats_kv(self) -> bool:
@@ -282,4 +294,5 @@ def profile(
         sp=tp if sequence_parallel else 1,
         tp=tp,
         cp=cp,
+        attention_mask=cfg.attention_mask,
     )
