@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fsdp_exp.models.router import GroupLimitedRouter
+
 ROUTER_SCORES = ("softmax", "sigmoid")
 
 
@@ -118,7 +120,13 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_top_k
         self.aux_loss_coef, self.capacity_factor = cfg.aux_loss_coef, cfg.capacity_factor
         self.aux_loss_weight = 1.0  # the share of the step's loss one forward carries (reset_routing_counts)
-        self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_top_k, cfg.router_score, cfg.router_renormalize)
+        if cfg.expert_groups > 1 or cfg.routed_scaling != 1.0:  # DeepSeek-V3's (fsdp_exp.models.router)
+            self.router = GroupLimitedRouter(
+                cfg.dim, cfg.n_experts, cfg.experts_top_k, cfg.router_score, cfg.router_renormalize,
+                cfg.expert_groups, cfg.expert_groups_top_k, cfg.routed_scaling,
+            )  # fmt: skip
+        else:
+            self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_top_k, cfg.router_score, cfg.router_renormalize)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, moe_hidden_dim(cfg, ffn_hidden))
         self.shared_experts = shared  # always-on experts, one SwiGLU of n_shared_experts x the experts' width
         # Since the last reset (the trainer's, once a step): routed copies per expert, copies dropped, and the
