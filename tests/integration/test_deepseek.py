@@ -3,12 +3,13 @@ a routed scaling and a shared expert: model=deepseek_v3_tiny) trained for real o
 
 One spawned group trains it at parallel.ep=1, 2 and 4 through fsdp_exp's own recipe (test_expert_parallel's
 ``_train``): the same losses and expert gradients within 1e-5 in fp32. A launched run at ep=2 with a rank
-SIGKILLed resumes bit for bit, and its end-of-run export (checkpoint.export=hf) loads in transformers'
+SIGKILLed resumes bit for bit (and under context parallel with the same losses), and its end-of-run export (checkpoint.export=hf) loads in transformers'
 DeepseekV3ForCausalLM with the logits of the run's last checkpoint."""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -60,8 +61,9 @@ def test_deepseek_v3_tiny_trains_at_ep_1_2_and_4_with_the_same_losses_and_expert
 @pytest.mark.slow
 def test_a_killed_rank_resumes_bit_identically_and_the_export_loads_in_transformers_deepseek_v3(tmp_path):
     """ep=2, checkpoints every 2 steps, rank 2 SIGKILLed after step 3: the rerun resumes from step 2 and logs step
-    3 as the first attempt did. Its export (Hugging Face names and config) gives transformers' logits equal to the
-    model of its step-4 checkpoint, the loss-free bias (trained, nonzero) included."""
+    3 as the first attempt did; the step-2 checkpoint resumed at cp=2 gives the same losses within 1e-5. The
+    export (Hugging Face names and config) gives transformers' logits equal to the model of the step-4 checkpoint,
+    the loss-free bias (trained, nonzero) included."""
     transformers = pytest.importorskip("transformers")
     from fsdp_exp.export import load_checkpoint_model, model_config
     from fsdp_exp.launch import RunFailed
@@ -87,6 +89,17 @@ def test_a_killed_rank_resumes_bit_identically_and_the_export_loads_in_transform
     resumed = {r["step"]: r["train/loss"] for r in read_metrics(tmp_path)}
     assert sorted(resumed) == [1, 2, 3, 4]
     assert resumed[3] == first[3]
+
+    # The step-2 checkpoint resumed under context parallel (cp=2, ep=1: the two do not compose yet): all-to-all
+    # attention on the latent attention's queries, keys and narrower values trains the same losses.
+    other = tmp_path / "at_cp2"
+    shutil.copytree(tmp_path / "checkpoints" / "step_2", other / "checkpoints" / "step_2")
+    record = run_experiment([*overrides, "parallel.ep=1", "parallel.cp=2", "checkpoint.export=none"], other)
+    assert record["resumed_from"]["step"] == 2 and record["applied"]["cp"]["cp"] == 2
+    at_cp2 = {r["step"]: r["train/loss"] for r in read_metrics(other)}
+    assert sorted(at_cp2) == [3, 4]
+    for step in (3, 4):
+        assert abs(at_cp2[step] / resumed[step] - 1) < 1e-5, (step, at_cp2, resumed)
 
     state, model_cfg = load_checkpoint_model(tmp_path / "checkpoints" / "step_4")
 
