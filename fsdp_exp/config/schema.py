@@ -59,6 +59,9 @@ class ModelConfig:
     expert_groups: int = 1  # routed experts in this many groups (n_group); > 1: fsdp_exp/models/router.py
     expert_groups_top_k: int = 1  # groups a token's experts may come from (topk_group)
     routed_scaling: float = 1.0  # the routed experts' mixing weights times this (routed_scaling_factor)
+    mtp_layers: int = (
+        0  # DeepSeek-V3's multi-token prediction modules (num_nextn_predict_layers): not built, > 0 refused
+    )
     # Attention: gqa (grouped-query, the Llama papers') | mla (multi-head latent attention: fsdp_exp/models/mla.py)
     attention: str = "gqa"
     q_lora_rank: Optional[int] = None  # mla: the queries' low rank (None = one full query projection, V2-Lite)

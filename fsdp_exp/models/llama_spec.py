@@ -70,6 +70,12 @@ class LlamaSpec(ModelSpec):
                 f"model.attention={m.attention!r} is not an attention of the llama family ({', '.join(ATTENTIONS)}).",
                 "pass model.attention=gqa (grouped-query) or mla (multi-head latent, model=deepseek_v3)",
             )
+        if m.mtp_layers:
+            fail(
+                f"model.mtp_layers={m.mtp_layers}: multi-token prediction (DeepSeek-V3's extra modules predicting "
+                "further tokens) is not built; the presets' counts and the export leave its layer out.",
+                "pass model.mtp_layers=0",
+            )
         if m.attention == "mla":
             self._check_latent_attention(m)
         else:

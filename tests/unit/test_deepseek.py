@@ -187,8 +187,9 @@ def test_the_flop_count_of_latent_attention_is_what_torchs_counter_sees():
         (["model.first_k_dense=4"], "model.first_k_dense=3"),
         (["model.qk_rope_head_dim=7"], "model.qk_rope_head_dim=8"),
         (["model.routed_scaling=0"], "model.routed_scaling=1.0"),
+        (["model.mtp_layers=1"], "model.mtp_layers=0"),
     ],
-    ids=["tp", "attention", "groups", "top-groups", "top-k-in-groups", "dense-blocks", "odd-rope", "scaling"],
+    ids=["tp", "attention", "groups", "top-groups", "top-k-in-groups", "dense-blocks", "odd-rope", "scaling", "mtp"],
 )
 def test_what_deepseek_v3_cannot_be_is_refused_by_name_before_any_rank_starts(overrides, needle):
     from fsdp_exp.config import ConfigError
