@@ -122,7 +122,8 @@ class LlamaActivations(TokenCounts):
             residual = 2 * 4 * resid if e == 4 else 0  # fp32: the norms save the residual tensors themselves
             casts = 0
         if self.latent:
-            attention = self._latent_attention_saved(e, math_attention) + self.cp_saved(e)
+            # wo's input is a copy of the kernel's output with or without context parallel (the values are narrower)
+            attention = self._latent_attention_saved(e, math_attention) + (0 if math_attention else self.cp_saved(e))
         else:
             attention = e * bs * self.dq * 2 + 2 * e * bs * self.dkv + 4 * self.b * self.heads * self.s
             attention += self.cp_saved(e)
@@ -160,7 +161,8 @@ class LlamaActivations(TokenCounts):
         q_path = bs * (4 * self.q_rank + 4 + 2 * e * self.q_rank) if self.q_rank else 0
         kv_norm = bs * (4 * self.kv_rank + 4 + 2 * e * self.kv_rank + (4 * self.rope if e == 4 else 0))
         if math_attention:
-            kernel = 4 * bs * heads * (2 * self.qk + self.v) + 4 * self.b * heads * self.s * self.s
+            # Under context parallel the kernel sees heads/cp heads over the whole sequence: cp x the probabilities.
+            kernel = 4 * bs * heads * (2 * self.qk + self.v) + 4 * self.b * heads * self.s * self.s * self.cp
             return q_path + kv_norm + kernel + e * bs * heads * self.v
         per_token = e * heads * (2 * self.qk + (self.qk - self.rope + self.v) + self.v)
         return q_path + kv_norm + bs * per_token + 4 * self.b * heads * self.s
