@@ -53,15 +53,11 @@ class ModelConfig:
     capacity_factor: Optional[float] = None  # None = dropless; else copies per expert <= cf x tokens x k / E
     # DeepSeek-V3 / Kimi K2 (docs/models.md, "DeepSeek-V3 and Kimi K2"): dense first blocks, group-limited routing
     first_k_dense: int = 0  # the first k blocks keep a dense SwiGLU (DeepSeek's first_k_dense_replace)
-    dense_hidden_dim: Optional[int] = (
-        None  # the dense SwiGLU's width (None = from dim, multiple_of, ffn_dim_multiplier)
-    )
+    dense_hidden_dim: Optional[int] = None  # the dense SwiGLU's width (None = the Llama rule from dim)
     expert_groups: int = 1  # routed experts in this many groups (n_group); > 1: fsdp_exp/models/router.py
     expert_groups_top_k: int = 1  # groups a token's experts may come from (topk_group)
     routed_scaling: float = 1.0  # the routed experts' mixing weights times this (routed_scaling_factor)
-    mtp_layers: int = (
-        0  # DeepSeek-V3's multi-token prediction modules (num_nextn_predict_layers): not built, > 0 refused
-    )
+    mtp_layers: int = 0  # multi-token prediction modules (num_nextn_predict_layers): not built, > 0 refused
     # Attention: gqa (grouped-query, the Llama papers') | mla (multi-head latent attention: fsdp_exp/models/mla.py)
     attention: str = "gqa"
     q_lora_rank: Optional[int] = None  # mla: the queries' low rank (None = one full query projection, V2-Lite)

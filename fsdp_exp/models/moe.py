@@ -121,16 +121,7 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.capacity_factor = cfg.aux_loss_coef, cfg.capacity_factor
         self.aux_loss_weight = 1.0  # the share of the step's loss one forward carries (reset_routing_counts)
         if cfg.expert_groups > 1 or cfg.routed_scaling != 1.0:  # DeepSeek-V3's (fsdp_exp.models.router)
-            self.router = GroupLimitedRouter(
-                cfg.dim,
-                cfg.n_experts,
-                cfg.experts_top_k,
-                cfg.router_score,
-                cfg.router_renormalize,
-                cfg.expert_groups,
-                cfg.expert_groups_top_k,
-                cfg.routed_scaling,
-            )
+            self.router = GroupLimitedRouter.of(cfg)
         else:
             self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_top_k, cfg.router_score, cfg.router_renormalize)
         self.experts = GroupedExperts(cfg.n_experts, cfg.dim, moe_hidden_dim(cfg, ffn_hidden))

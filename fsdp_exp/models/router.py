@@ -38,6 +38,21 @@ class GroupLimitedRouter(nn.Module):
         # Persistent: a resumed run picks experts as the interrupted one would have.
         self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
 
+    @classmethod
+    def of(cls, cfg) -> "GroupLimitedRouter":
+        """The router of a model config (``model.n_experts``, ``experts_top_k``, ``router_score``,
+        ``router_renormalize``, ``expert_groups``, ``expert_groups_top_k``, ``routed_scaling``)."""
+        return cls(
+            cfg.dim,
+            cfg.n_experts,
+            cfg.experts_top_k,
+            cfg.router_score,
+            cfg.router_renormalize,
+            cfg.expert_groups,
+            cfg.expert_groups_top_k,
+            cfg.routed_scaling,
+        )
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = self.gate(x).float()
         scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
