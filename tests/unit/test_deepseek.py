@@ -26,10 +26,11 @@ def built(cfg, seed: int = 0) -> Llama:
     return model
 
 
-# Total (with the routers' score-correction biases, as the released checkpoints hold them) and active parameters.
+# Total (with the routers' score-correction biases, as the released checkpoints hold them), active parameters as
+# counted here (the top k of the routed experts, everything else whole), and active as the model cards round them.
 PUBLISHED = {
-    "deepseek_v3": (671_026_419_200, 37.6),
-    "kimi_k2": (1_026_408_232_448, 32.9),
+    "deepseek_v3": (671_026_419_200, 37_552_282_624, 37.6),
+    "kimi_k2": (1_026_408_232_448, 32_861_477_888, 32.9),
 }
 
 
@@ -38,13 +39,13 @@ def test_deepseek_v3_and_kimi_k2_count_the_published_parameters(preset):
     """The score-correction bias is a buffer here (the loss-free update moves it, no gradient does): the parameters
     plus one bias per routed layer and expert are the published total exactly."""
     cfg = run_config([f"model={preset}"]).model
-    total, active_card = PUBLISHED[preset]
+    total, active, active_card = PUBLISHED[preset]
     biases = (cfg.n_layers - cfg.first_k_dense) * cfg.n_experts
     assert count_params(cfg) + biases == total
     model = spec_for(cfg).meta_model(cfg)  # the one the count read
     assert sum(b.numel() for n, b in model.named_buffers() if n.endswith("expert_bias")) == biases
     assert count_params(cfg) == sum(p.numel() for p in model.parameters())
-    assert round(spec_for(cfg).active_params(cfg) / 1e9, 1) == active_card
+    assert spec_for(cfg).active_params(cfg) == active and round(active / 1e9, 1) == active_card
 
 
 def test_torchtitans_16b_flavour_is_a_full_query_projection_and_64_experts():
