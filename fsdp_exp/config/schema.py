@@ -67,6 +67,20 @@ class ModelConfig:
     # the routed experts' SwiGLU product (and w2's input) recomputed in backward from w1's and w3's outputs:
     # per routed copy 2 x the experts' width kept instead of 4 (fsdp_exp.models.moe.grouped_swiglu)
     recompute_expert_activation: bool = False
+    # DeepSeek-V3 / Kimi K2 (docs/models.md, "DeepSeek-V3 and Kimi K2"): dense first blocks, group-limited routing
+    first_k_dense: int = 0  # the first k blocks keep a dense SwiGLU (DeepSeek's first_k_dense_replace)
+    dense_hidden_dim: Optional[int] = None  # the dense SwiGLU's width (None = the Llama rule from dim)
+    expert_groups: int = 1  # routed experts in this many groups (n_group); > 1: fsdp_exp/models/router.py
+    expert_groups_top_k: int = 1  # groups a token's experts may come from (topk_group)
+    routed_scaling: float = 1.0  # the routed experts' mixing weights times this (routed_scaling_factor)
+    mtp_layers: int = 0  # multi-token prediction modules (num_nextn_predict_layers): not built, > 0 refused
+    # Attention: gqa (grouped-query, the Llama papers') | mla (multi-head latent attention: fsdp_exp/models/mla.py)
+    attention: str = "gqa"
+    q_lora_rank: Optional[int] = None  # mla: the queries' low rank (None = one full query projection, V2-Lite)
+    kv_lora_rank: int = 512  # mla: the keys' and values' shared latent
+    qk_nope_head_dim: int = 128  # mla: each head's query / key part without position
+    qk_rope_head_dim: int = 64  # mla: the rotary part, one key for every head
+    v_head_dim: int = 128  # mla: each head's value width
 
 
 @dataclass

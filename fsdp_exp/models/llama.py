@@ -20,11 +20,15 @@ from torch import nn
 from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.models.attention_mask import Mask, attend, compute_dtype, document_mask
 from fsdp_exp.models.loss import chunked_cross_entropy
+from fsdp_exp.models.mla import MultiHeadLatentAttention
 from fsdp_exp.models.moe import MoE, moe_hidden_dim
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
-    """The SwiGLU width of the Llama papers: 2/3 of 4*dim, scaled, rounded up to ``multiple_of``."""
+    """The SwiGLU width: ``model.dense_hidden_dim``, else the Llama papers' 2/3 of 4*dim, scaled, rounded up to
+    ``multiple_of``."""
+    if cfg.dense_hidden_dim is not None:
+        return cfg.dense_hidden_dim
     hidden = int(2 * (4 * cfg.dim) / 3)
     if cfg.ffn_dim_multiplier is not None:
         hidden = int(cfg.ffn_dim_multiplier * hidden)
@@ -34,6 +38,11 @@ def ffn_hidden_dim(cfg: ModelConfig) -> int:
 def head_dim(cfg: ModelConfig) -> int:
     """Each head's width: ``model.head_dim``, else dim / n_heads."""
     return cfg.head_dim or cfg.dim // cfg.n_heads
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    """The width the rotary tables turn: a head's, or under MLA its rotary part (``model.qk_rope_head_dim``)."""
+    return cfg.qk_rope_head_dim if cfg.attention == "mla" else head_dim(cfg)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,12 +156,19 @@ def moe_feed_forward(cfg: ModelConfig) -> MoE:
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """``layer``: the block's index, which the first ``model.first_k_dense`` blocks of a mixture of experts keep a
+    dense SwiGLU by (None: a block past them)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        if cfg.attention == "mla":
+            self.attention = MultiHeadLatentAttention(cfg, RMSNorm, CausalAttention(), apply_rope)
+        else:
+            self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = moe_feed_forward(cfg) if cfg.n_experts > 0 else FeedForward(cfg)
+        routed = cfg.n_experts > 0 and (layer is None or layer >= cfg.first_k_dense)
+        self.feed_forward = moe_feed_forward(cfg) if routed else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
@@ -165,13 +181,13 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0", "1", ... keeps parameter names stable when blocks are wrapped.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Rotary tables are derived, not learned: non-persistent, rebuilt by init_buffers().
-        cos, sin = rope_tables(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(rotary_dim(cfg), cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -194,7 +210,7 @@ class Llama(nn.Module):
         (``data.positions=document``), else the tables' rows in order."""
         seq = tokens.shape[1]
         if positions is not None:
-            cos, sin = rope_at(positions, head_dim(self.cfg), self.cfg.rope_theta)
+            cos, sin = rope_at(positions, rotary_dim(self.cfg), self.cfg.rope_theta)
         else:
             cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
@@ -207,7 +223,7 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
     def init_buffers(self, device: torch.device) -> None:
-        cos, sin = rope_tables(head_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        cos, sin = rope_tables(rotary_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta, device)
         self.rope_cos, self.rope_sin = cos, sin
         for moe in self.modules():
             if isinstance(moe, MoE):  # loss-free balancing starts unbiased; a resume loads the biases after

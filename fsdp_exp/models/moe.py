@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fsdp_exp.models.router import GroupLimitedRouter
+
 ROUTER_SCORES = ("softmax", "sigmoid")
 
 
@@ -139,7 +141,10 @@ class MoE(nn.Module):
         # d(the loss backward starts from)/d(this forward's aux loss): its share of the step times fp16's loss
         # scale (reset_routing_counts; AuxLossGradient)
         self.aux_loss_weight = 1.0
-        self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_top_k, cfg.router_score, cfg.router_renormalize)
+        if cfg.expert_groups > 1 or cfg.routed_scaling != 1.0:  # DeepSeek-V3's (fsdp_exp.models.router)
+            self.router = GroupLimitedRouter.of(cfg)
+        else:
+            self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_top_k, cfg.router_score, cfg.router_renormalize)
         self.experts = GroupedExperts(
             cfg.n_experts, cfg.dim, moe_hidden_dim(cfg, ffn_hidden), cfg.recompute_expert_activation
         )

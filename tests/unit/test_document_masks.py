@@ -65,9 +65,15 @@ def test_document_positions_restart_at_each_document_and_the_mask_keeps_document
     assert mask.sum().item() == 6 + 3 + 1
 
 
+# grouped-query attention (the tiny Llama: 4 heads, 2 key/value heads) and multi-head latent attention (a tiny
+# DeepSeek-V3: its shared rotary key, a dense first block, group-routed experts)
+ATTENTIONS = {"gqa": list(TINY_MODEL), "mla": ["model=deepseek_v3_tiny"]}
+
+
+@pytest.mark.parametrize("attention", sorted(ATTENTIONS))
 @pytest.mark.parametrize("kind", ["block_causal", "causal"])
-def test_a_packed_block_gives_its_documents_losses_one_by_one_only_under_block_causal(kind):
-    cfg = run_config([*TINY_MODEL, f"model.attention_mask={kind}"])  # grouped-query: 4 heads, 2 key/value heads
+def test_a_packed_block_gives_its_documents_losses_one_by_one_only_under_block_causal(kind, attention):
+    cfg = run_config([*ATTENTIONS[attention], f"model.attention_mask={kind}"])
     model = build_meta(cfg.model)
     model.to_empty(device="cpu")
     init_weights(model, 0, torch.device("cpu"))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from fsdp_exp.models.attention_mask import BLOCK_CAUSAL, mask_bytes
 from fsdp_exp.models.llama import ffn_hidden_dim, head_dim
+from fsdp_exp.models.mla import qk_head_dim
 from fsdp_exp.models.moe import moe_hidden_dim
 from fsdp_exp.plan.activations.profile import TokenCounts
 
@@ -38,6 +39,18 @@ class LlamaActivations(TokenCounts):
     # model.recompute_expert_activation
     expert_intermediates: int = 4
     attention_mask: str = "causal"  # model.attention_mask: block_causal builds a mask per micro-batch
+
+    # Multi-head latent attention (fsdp_exp.models.mla; model.attention=mla), per head: dq = dkv = heads x qk.
+    latent: bool = False
+    q_rank: int = 0  # the queries' low rank (0: one full query projection)
+    kv_rank: int = 0  # the keys' and values' latent
+    qk: int = 0  # a head's query / key width (the part without position and the rotary part)
+    rope: int = 0  # the rotary part, one key for every head
+    v: int = 0  # a head's value width
+    # Dense first blocks of a mixture of experts (model.first_k_dense), of SwiGLU width dense_ffn (on this rank)
+    dense_blocks: int = 0
+    n_blocks: int = 1
+    dense_ffn: int = 0
 
     def batch_inputs(self, device_kind: str, e: int) -> int:
         """What a micro-batch holds besides its token ids and targets from its forward until its backward ends,
@@ -124,11 +137,22 @@ class LlamaActivations(TokenCounts):
             norms = 2 * (copies + 4 * bs // self.sp + e * resid + e * bs * self.d)
             residual = 2 * 4 * resid if e == 4 else 0  # fp32: the norms save the residual tensors themselves
             casts = 0
-        attention = e * bs * self.dq * 2 + 2 * e * bs * self.dkv + 4 * self.b * self.heads * self.s + self.cp_saved(e)
-        if math_attention:
-            attention += e * self.b * self.heads * self.s * self.s + 2 * e * bs * (self.dq - self.dkv)
+        if self.latent:
+            # wo's input is a copy of the kernel's output with or without context parallel (the values are narrower)
+            attention = self._latent_attention_saved(e, math_attention) + (0 if math_attention else self.cp_saved(e))
+        else:
+            attention = e * bs * self.dq * 2 + 2 * e * bs * self.dkv + 4 * self.b * self.heads * self.s
+            attention += self.cp_saved(e)
+            if math_attention:
+                attention += e * self.b * self.heads * self.s * self.s + 2 * e * bs * (self.dq - self.dkv)
         if self.experts:
             ffn = self._routed_saved(e)
+            if self.dense_blocks:
+                # The dense first blocks' SwiGLU: every block gets the mean, so the blocks' sum (what is alive at
+                # the step's peak, the last block's backward) is exact; alone, a routed block is planned a little
+                # under what it keeps (fsdp_exp.plan.step checkpoints and recomputes blocks by one figure).
+                routed = self.n_blocks - self.dense_blocks
+                ffn = (routed * ffn + self.dense_blocks * 4 * e * bs * self.dense_ffn) // self.n_blocks
         else:
             ffn = 4 * e * bs * self.ffn
         return {
@@ -139,6 +163,25 @@ class LlamaActivations(TokenCounts):
             "ffn": ffn,
             "total": residual + norms + casts + attention + ffn,
         }
+
+    def _latent_attention_saved(self, e: int, math_attention: bool) -> int:
+        """What multi-head latent attention keeps: each RMSNorm of a low-rank projection its fp32 input (under fp32
+        the projection's output itself, which for the key/value latent is a view keeping the rotary key's columns
+        too), its rsqrt, the normalized and the weighted tensors. Then the kernel's: a fused one (CUDA's
+        memory-efficient or cuDNN SDPA) the queries and keys after their rotary part is joined on (new tensors,
+        heads x qk), the key/value up projection's output (the values are a view of it), its output and
+        log-sum-exp (fp32). SDPA's math kernel (the CPU's, whose fused kernel wants the values as wide as the keys)
+        keeps the scaled queries and keys, the values and the probabilities, all in fp32 (it computes bf16 in
+        fp32), and wo's input is a copy of its output (measured with saved-tensor hooks, fp32 and bf16)."""
+        heads, bs = self.heads, self.tokens
+        q_path = bs * (4 * self.q_rank + 4 + 2 * e * self.q_rank) if self.q_rank else 0
+        kv_norm = bs * (4 * self.kv_rank + 4 + 2 * e * self.kv_rank + (4 * self.rope if e == 4 else 0))
+        if math_attention:
+            # Under context parallel the kernel sees heads/cp heads over the whole sequence: cp x the probabilities.
+            kernel = 4 * bs * heads * (2 * self.qk + self.v) + 4 * self.b * heads * self.s * self.s * self.cp
+            return q_path + kv_norm + kernel + e * bs * heads * self.v
+        per_token = e * heads * (2 * self.qk + (self.qk - self.rope + self.v) + self.v)
+        return q_path + kv_norm + bs * per_token + 4 * self.b * heads * self.s
 
     def _routed_saved(self, e: int) -> int:
         """What a mixture of experts (``fsdp_exp.models.moe``) keeps: the router's probabilities (fp32), the
@@ -177,14 +220,18 @@ class LlamaActivations(TokenCounts):
             return "matmul", e * tokens * width
 
         reduced = [("kept", e * tokens * self.d // self.sp)] if self.tp > 1 else []
-        attention = [
-            matmul(self.dq),
-            matmul(self.dkv),
-            matmul(self.dkv),
-            ("kept", e * tokens * self.dq + 4 * self.b * self.heads * self.s),
-            matmul(self.d),
-            *reduced,
-        ]
+        if self.latent:  # wq_a and wq_b (or wq), wkv_a, wkv_b, the kernel's output and log-sum-exp, wo
+            queries = [matmul(self.q_rank), matmul(self.dq)] if self.q_rank else [matmul(self.dq)]
+            attention = [
+                *queries,
+                matmul(self.kv_rank + self.rope),
+                matmul(self.heads * (self.qk - self.rope + self.v)),
+                ("kept", e * tokens * self.heads * self.v + 4 * self.b * self.heads * self.s),
+                matmul(self.d),
+                *reduced,
+            ]
+        else:
+            attention = self._grouped_query_outputs(e, matmul, reduced)
         swiglu = [matmul(self.ffn), matmul(self.ffn), matmul(self.d)]
         if self.experts:  # the router's matmul, the experts' three grouped matmuls on the routed copies, shared
             routed = [("matmul", e * self.received * w) for w in (self.ffn, self.ffn, self.d)]
@@ -193,6 +240,17 @@ class LlamaActivations(TokenCounts):
         else:
             ffn = swiglu
         return attention + ffn + reduced
+
+    def _grouped_query_outputs(self, e: int, matmul, reduced: list) -> list[tuple[str, int]]:
+        tokens = self.tokens
+        return [
+            matmul(self.dq),
+            matmul(self.dkv),
+            matmul(self.dkv),
+            ("kept", e * tokens * self.dq + 4 * self.b * self.heads * self.s),
+            matmul(self.d),
+            *reduced,
+        ]
 
     def op_level_saved(self, e: int, ops: str) -> int:
         """What a block keeps under op-level selective AC beyond its input: the outputs ``ops`` saves
@@ -245,7 +303,10 @@ class LlamaActivations(TokenCounts):
         return 4 * bs * self.d + 4 * bs + 2 * e * bs * self.d
 
     def math_attention(self, device_kind: str, e: int) -> bool:
-        """SDPA falls back to its math kernel on CUDA in fp32 with grouped-query attention."""
+        """SDPA falls back to its math kernel on CUDA in fp32 with grouped-query attention, and on the CPU for
+        latent attention whose values are narrower than its queries and keys."""
+        if self.latent:
+            return device_kind != "cuda" and self.qk != self.v
         return device_kind == "cuda" and e == 4 and self.dkv != self.dq
 
     def notes(self, device_kind: str, e: int) -> list[str]:
@@ -276,14 +337,29 @@ def profile(
         cp: context-parallel degree: every rank holds seq_len / cp tokens of each sequence
         (fsdp_exp.parallel.context).
     """
-    head = head_dim(cfg)
+    latent = cfg.attention == "mla"
+    head = qk_head_dim(cfg) if latent else head_dim(cfg)
+    kv_heads = cfg.n_heads if latent else cfg.n_kv_heads or cfg.n_heads
     expert_width = moe_hidden_dim(cfg, ffn_hidden_dim(cfg)) if cfg.n_experts else ffn_hidden_dim(cfg)
+    mla = dict(
+        latent=True,
+        q_rank=cfg.q_lora_rank or 0,
+        kv_rank=cfg.kv_lora_rank,
+        qk=qk_head_dim(cfg),
+        rope=cfg.qk_rope_head_dim,
+        v=cfg.v_head_dim,
+    )
+    dense_first = cfg.first_k_dense if cfg.n_experts else 0
     return LlamaActivations(
+        **(mla if latent else {}),
+        dense_blocks=dense_first,
+        n_blocks=cfg.n_layers,
+        dense_ffn=ffn_hidden_dim(cfg) // tp,
         b=micro_batch,
         s=seq_len // cp,
         d=cfg.dim,
         dq=cfg.n_heads * head // tp,
-        dkv=(cfg.n_kv_heads or cfg.n_heads) * head // tp,
+        dkv=kv_heads * head // tp,
         heads=cfg.n_heads // tp,
         ffn=expert_width // tp,
         vocab=cfg.vocab_size,
