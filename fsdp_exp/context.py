@@ -101,3 +101,80 @@ def sampled_steps(t: TrainerConfig, tracks_memory: bool, device_type: str) -> Sa
     if t.memory_snapshot and device_type == "cuda":
         snapshot = memory if memory is not None else t.warmup_steps - 1
     return SampledSteps(memory=memory, snapshot=snapshot)
+
+
+def check_trainer(t: TrainerConfig, device_type: str, tracks_memory: bool) -> None:
+    """Preflight's checks of the trainer group alone (``tracks_memory``: the backend's torch tracker can sample
+    a step); what spans groups is preflight's table."""
+    from fsdp_exp.config.schema import LOSS_CHUNKS_AUTO, fixed_loss_chunks
+    from fsdp_exp.errors import fail
+
+    for name, value in (
+        ("trainer.steps", t.steps),
+        ("trainer.seq_len", t.seq_len),
+        ("trainer.global_batch_size", t.global_batch_size),
+        ("trainer.log_every", t.log_every),
+    ):
+        if value < 1:
+            fail(f"{name}={value} must be at least 1.", f"pass a positive {name}")
+    if t.repeat < 0:
+        fail(
+            f"trainer.repeat={t.repeat} is negative; it numbers the repetitions of a configuration from 0.",
+            "pass trainer.repeat=0 (or trainer.repeat=0,1,2 in a multirun to measure each configuration 3 times)",
+        )
+    if not 0 <= t.warmup_steps < t.steps:
+        fail(
+            f"trainer.warmup_steps={t.warmup_steps} leaves no step for the summary of {t.steps} steps.",
+            f"pass trainer.warmup_steps={max(0, t.steps // 5)} or raise trainer.steps",
+        )
+    if t.track_memory and t.track_memory_step is not None and not 0 <= t.track_memory_step < t.warmup_steps:
+        fail(
+            f"trainer.track_memory_step={t.track_memory_step} is not a warm-up step (0 to "
+            f"{t.warmup_steps - 1}); the tracked step is slow and must stay out of the summary.",
+            f"pass trainer.warmup_steps={t.track_memory_step + 1} or more, or trainer.track_memory_step=null",
+        )
+    sampled = sampled_steps(t, tracks_memory, device_type).memory_sampled  # the trainer's rule
+    for step in t.profile_steps:
+        if not 0 <= step < t.steps:
+            fail(
+                f"trainer.profile_steps has {step}, not a step of this run (0 to {t.steps - 1}).",
+                f"pass trainer.profile_steps=[{min(t.warmup_steps, t.steps - 1)}]",
+            )
+        if step == sampled:
+            fail(
+                f"trainer.profile_steps has {step}, the memory-sampled step: the memory tracker's per-op "
+                "instrumentation (or the allocator's history) would be in the trace and in its times.",
+                f"pass trainer.profile_steps=[{t.warmup_steps if t.warmup_steps < t.steps else step}] "
+                "or trainer.track_memory_step=<another warm-up step>",
+            )
+    if t.memory_snapshot and device_type != "cuda":
+        fail(
+            "trainer.memory_snapshot=true records the CUDA allocator's history; this run is on the CPU.",
+            "pass trainer.memory_snapshot=false (the CPU breakdown is mem/tracked_*)",
+        )
+    if t.memory_snapshot and t.warmup_steps == 0:
+        fail(
+            "trainer.memory_snapshot=true samples a warm-up step; trainer.warmup_steps=0 has none.",
+            "pass trainer.warmup_steps=2",
+        )
+    if t.grad_clip < 0:
+        fail(f"trainer.grad_clip={t.grad_clip} is negative.", "pass trainer.grad_clip=1.0 (0 disables clipping)")
+    if not t.collective_timeout_s > 0:
+        fail(
+            f"trainer.collective_timeout_s={t.collective_timeout_s} must be positive.",
+            "pass trainer.collective_timeout_s=600 (seconds a collective waits for a peer)",
+        )
+    if t.peak_tflops is not None and t.peak_tflops <= 0:
+        fail(f"trainer.peak_tflops={t.peak_tflops} must be positive.", "pass trainer.peak_tflops=null to look it up")
+    chunks = fixed_loss_chunks(t.loss_chunks)
+    if chunks is None and str(t.loss_chunks).strip() != LOSS_CHUNKS_AUTO:
+        fail(
+            f"trainer.loss_chunks={t.loss_chunks!r} is neither auto nor a number.",
+            "pass trainer.loss_chunks=auto (the planner decides), or a number of slices such as 8 (1 takes the loss "
+            "on all the logits at once)",
+        )
+    if chunks is not None and chunks < 1:
+        fail(
+            f"trainer.loss_chunks={t.loss_chunks} must be at least 1.",
+            "pass trainer.loss_chunks=8 (1 takes the loss on all the logits at once), or auto",
+        )

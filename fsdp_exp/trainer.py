@@ -41,6 +41,7 @@ from fsdp_exp.guard import StopGuard
 from fsdp_exp.metrics.step import StepMetrics
 from fsdp_exp.models.moe import reset_routing_counts, update_expert_bias
 from fsdp_exp.models import build_meta, canonical_name, matrix_parameter_names
+from fsdp_exp.models.attention_mask import packed_inputs
 from fsdp_exp.models.loss import mean_cross_entropy
 from fsdp_exp.optim import build_scheduler
 from fsdp_exp.parallel import ac, float8, parallelize
@@ -178,7 +179,9 @@ class Trainer:
         for step in range(self.start_step, self.cfg.trainer.steps):
             started = time.perf_counter()  # the step's time: from here until its row is gathered
             inject_step_fault(self.cfg.debug, step, self.info.rank, self.model)  # debug.fail_at_step etc.
-            reset_routing_counts(self.model, self.topology.grad_accum_steps)  # a mixture of experts' loads: per step
+            # a mixture of experts' loads: per step; its aux gradient scaled as fp16's scaler scales the loss
+            scale = self.backend.loss_scale(self.model, self.scaler)
+            reset_routing_counts(self.model, self.topology.grad_accum_steps, scale)
             loss, grad_norm, lr = self.metrics.run(step, step_fn, started)  # tracked or profiled if sampled
             # DeepSeek-V3's loss-free balancing: the biases move after the step, by the load over every rank.
             update_expert_bias(self.model, getattr(self.cfg.model, "expert_bias_rate", 0.0), dist.all_reduce)
@@ -225,12 +228,13 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(self.data.micro_batches(step)):
             inputs, targets = self.parallel.sequence_shard(batch.inputs, batch.targets)  # parallel.cp: this rank's
+            packed = self.parallel.packed_shard(self._packed(batch))
             # Reduced into the sharded gradient every micro-batch, or only after the last one
             # (trainer.grad_sync, resolved by the backend); otherwise accumulated locally.
             with self.parallel.gradient_sync(last=i == accum - 1):
                 with self.parallel.loss_parallel():
                     with self.parallel.autocast():
-                        loss = mean_cross_entropy(self.model, inputs, targets, self.loss_chunks) / accum
+                        loss = mean_cross_entropy(self.model, inputs, targets, self.loss_chunks, **packed) / accum
                     if phase:
                         phase("backward")
                     self.parallel.backward(loss, self.scaler)
@@ -254,12 +258,18 @@ class Trainer:
             phase("forward")
         (batch,) = self.data.micro_batches(step)
         engine, lr = self.parallel.engine, self.scheduler.get_last_lr()[0]
-        loss = engine.step(batch.inputs, batch.targets)
+        loss = engine.step(batch.inputs, batch.targets, **self._packed(batch))
         if phase:
             phase("optimizer")
         grad_norm = engine.optimizer_step(self.cfg.trainer.grad_clip)
         self.scheduler.step()
         return torch.tensor(loss, device=self.device), grad_norm, lr
+
+    def _packed(self, batch) -> dict:
+        """The batch's documents / per-token positions for the model (model.attention_mask, data.positions)."""
+        return packed_inputs(
+            batch.documents, getattr(self.cfg.model, "attention_mask", "causal"), self.cfg.data.positions
+        )
 
     def evaluate(self) -> float:
         """Mean cross-entropy per token on ``data.val_batches`` global batches of the validation data
@@ -269,8 +279,9 @@ class Trainer:
         with torch.no_grad():
             for batch in self.data.val_micro_batches():
                 inputs, targets = self.parallel.sequence_shard(batch.inputs, batch.targets)
+                packed = self.parallel.packed_shard(self._packed(batch))
                 with self.parallel.loss_parallel(), self.parallel.autocast():
-                    mean = mean_cross_entropy(self.model, inputs, targets, self.loss_chunks)
+                    mean = mean_cross_entropy(self.model, inputs, targets, self.loss_chunks, **packed)
                 total += mean.double() * targets.numel()
                 tokens += targets.numel()
         _, mean = reduce_over_ranks([total.item() / max(tokens, 1)], self.device)  # equal tokens per rank

@@ -19,6 +19,17 @@ EVERY_MICRO_BATCH, LAST_MICRO_BATCH = "every_micro_batch", "last_micro_batch"
 GRAD_SYNC = ("auto", EVERY_MICRO_BATCH, LAST_MICRO_BATCH)
 # ac.ops: which op outputs a checkpointed block saves (``fsdp_exp.parallel.ac``)
 AC_OPS = ("none", "every_other_matmul", "every_matmul")
+# The allowed values of the other options with a closed set (each check and tune's search space read them here)
+TRAINER_DEVICES = ("auto", "cpu", "cuda")
+STRATEGIES = ("full", "grad_op", "hybrid", "no_shard", "optimizer")
+CP_METHODS = ("auto", "ring", "all_to_all")
+LOSS_SCALERS = ("none", "dynamic")
+WANDB_MODES = ("online", "offline", "disabled")
+PREFETCH_TIMINGS = ("pre", "post")
+WRAP_POLICIES = ("block", "none", "size", "experts")
+AC_MODES = ("none", "full", "selective")
+OPTIMIZERS = ("adamw",)
+LR_SCHEDULES = ("cosine", "constant")
 
 
 @dataclass
@@ -50,7 +61,26 @@ class ModelConfig:
     router_renormalize: bool = True  # softmax: the top-k weights rescaled to sum to 1
     aux_loss_coef: float = 0.0  # load-balancing loss coefficient (Mixtral 0.02, Qwen3-MoE 0.001)
     expert_bias_rate: float = 0.0  # DeepSeek-V3's loss-free balancing: bias update per step (0.001), 0 = off
+    # causal: every earlier token of the sequence | block_causal: the earlier tokens of the same packed document
+    attention_mask: str = "causal"
     capacity_factor: Optional[float] = None  # None = dropless; else copies per expert <= cf x tokens x k / E
+    # the routed experts' SwiGLU product (and w2's input) recomputed in backward from w1's and w3's outputs:
+    # per routed copy 2 x the experts' width kept instead of 4 (fsdp_exp.models.moe.grouped_swiglu)
+    recompute_expert_activation: bool = False
+    # DeepSeek-V3 / Kimi K2 (docs/models.md, "DeepSeek-V3 and Kimi K2"): dense first blocks, group-limited routing
+    first_k_dense: int = 0  # the first k blocks keep a dense SwiGLU (DeepSeek's first_k_dense_replace)
+    dense_hidden_dim: Optional[int] = None  # the dense SwiGLU's width (None = the Llama rule from dim)
+    expert_groups: int = 1  # routed experts in this many groups (n_group); > 1: fsdp_exp/models/router.py
+    expert_groups_top_k: int = 1  # groups a token's experts may come from (topk_group)
+    routed_scaling: float = 1.0  # the routed experts' mixing weights times this (routed_scaling_factor)
+    mtp_layers: int = 0  # multi-token prediction modules (num_nextn_predict_layers): not built, > 0 refused
+    # Attention: gqa (grouped-query, the Llama papers') | mla (multi-head latent attention: fsdp_exp/models/mla.py)
+    attention: str = "gqa"
+    q_lora_rank: Optional[int] = None  # mla: the queries' low rank (None = one full query projection, V2-Lite)
+    kv_lora_rank: int = 512  # mla: the keys' and values' shared latent
+    qk_nope_head_dim: int = 128  # mla: each head's query / key part without position
+    qk_rope_head_dim: int = 64  # mla: the rotary part, one key for every head
+    v_head_dim: int = 128  # mla: each head's value width
 
 
 @dataclass
@@ -70,6 +100,7 @@ class HfModelConfig:
     hf_overrides: dict[str, Any] = field(default_factory=dict)
     revision: Optional[str] = None  # a hub name's branch, tag or commit (None = main)
     attn_implementation: str = "sdpa"  # sdpa | eager: transformers' attention kernels
+    attention_mask: str = "causal"  # block_causal is refused for transformers models (fsdp_exp.models.hf)
 
 
 # model.name -> the family's schema. The ``model`` group's presets name theirs in their defaults list
@@ -235,6 +266,14 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes per rank; 0 = load in the training loop
     prefetch_factor: int = 2  # micro-batches each worker keeps ready
     val_batches: int = 4  # global batches of validation data per evaluation
+    # rotary positions: block (0.. over the packed block) | document (restart at each document's first token)
+    positions: str = "block"
+    # synthetic: mean document length in tokens (lengths drawn uniformly in [1, 2 x mean - 1]); 0 = one per block
+    synthetic_doc_len: Optional[int] = None  # None = trainer.seq_len // 4
+    # The step-time model's document lengths (model.attention_mask=block_causal prices each document's own
+    # attention): None = what the data says (fsdp_exp.data.attention_span); else their mean and spread in tokens.
+    doc_len_mean: Optional[float] = None
+    doc_len_std: float = 0.0
 
 
 @dataclass

@@ -17,13 +17,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from fsdp_exp.config import ConfigError, RunConfig, Topology, fail
 from fsdp_exp.data.blocks import PackedBlocks
 from fsdp_exp.data.loader import Batch, StepData
-from fsdp_exp.data.packing import KINDS, DataError, Packed, cache_root, find_or_pack, sources, stderr_log
-from fsdp_exp.data.synthetic import SyntheticTokens
+from fsdp_exp.data.packing import (
+    KINDS,
+    DataError,
+    Packed,
+    block_attention_span,
+    cache_root,
+    find_or_pack,
+    find_packed,
+    sources,
+    stderr_log,
+)
+from fsdp_exp.data.synthetic import SyntheticSource, SyntheticTokens
 from fsdp_exp.data.tokenizer import TokenizerError, load_tokenizer
 
 __all__ = [
@@ -35,6 +46,7 @@ __all__ = [
     "check_config",
     "prepare_data",
     "packed_splits",
+    "attention_span",
 ]
 
 SAMPLE_BY = ("line", "paragraph", "document")
@@ -213,6 +225,41 @@ def prepare_data(cfg: RunConfig, log: Optional[Callable[[str], None]] = stderr_l
     if cfg.data.name == "synthetic":
         return None
     return packed_splits(cfg, log)[2]
+
+
+SYNTHETIC_SPAN_SAMPLES = 256  # rows of synthetic documents the span is read from (deterministic)
+
+
+def attention_span(cfg: RunConfig) -> tuple[float, str]:
+    """(span, where it comes from): the sequence length at which a causal attention costs, per token, what this
+    run's attention costs; the step-time model and MFU price attention at it. ``causal``: trainer.seq_len.
+    ``block_causal``: each document's own causal work, sum of the squared document pieces of a block over its
+    length, mean over blocks: from data.doc_len_mean / data.doc_len_std when set (mean + std^2 / mean, at most
+    seq_len: documents cut by the block's edges are not modelled), else from the data: the packed cache's
+    blocks (recorded at packing), synthetic data's first rows; seq_len where the data is not packed yet."""
+    d, seq = cfg.data, cfg.trainer.seq_len
+    if getattr(cfg.model, "attention_mask", "causal") != "block_causal":
+        return float(seq), "causal: the whole sequence"
+    if d.doc_len_mean is not None:
+        span = min(float(seq), d.doc_len_mean + d.doc_len_std**2 / d.doc_len_mean)
+        return span, f"data.doc_len_mean={d.doc_len_mean}, data.doc_len_std={d.doc_len_std}"
+    if d.name == "synthetic":
+        source = SyntheticSource(cfg.trainer.seed, 1, seq, d.synthetic_doc_len or 0)
+        starts, offset = [], 0
+        for i in range(SYNTHETIC_SPAN_SAMPLES):
+            documents = source.sample_documents(i)[:-1].numpy()  # the inputs' document numbers
+            starts.append(offset + np.flatnonzero(np.diff(documents, prepend=-1)))
+            offset += seq
+        span = block_attention_span(np.concatenate(starts), SYNTHETIC_SPAN_SAMPLES, seq)
+        return span, f"synthetic documents (data.synthetic_doc_len={source.doc_len}), {SYNTHETIC_SPAN_SAMPLES} rows"
+    try:
+        train, _ = sources(d)
+        packed = find_packed(train, tokenizer_name(cfg), seq, d.max_blocks, cache_root(d))
+    except (DataError, TokenizerError, ConfigError):
+        packed = None
+    if packed is None or "attention_span" not in packed.meta:
+        return float(seq), "the data is not packed yet: trainer.seq_len (pass data.doc_len_mean to set it)"
+    return float(packed.meta["attention_span"]), f"the packed blocks ({packed.path.name})"
 
 
 def build_data(cfg: RunConfig, topology: Topology, dp_rank: int, device: torch.device) -> StepData:

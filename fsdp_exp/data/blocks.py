@@ -19,11 +19,11 @@ class PackedBlocks:
         self.packed, self.seed, self.shuffle = packed, seed, shuffle
         self.num_rows = packed.num_blocks
         self.fingerprint = packed.fingerprint
-        self._blocks = None  # memory-mapped on first use, in each process that reads
+        self._blocks = self._starts = None  # memory-mapped on first use, in each process that reads
         self._perms: dict[int, np.ndarray] = {}
 
     def __getstate__(self):  # DataLoader workers started by spawn/forkserver map the file themselves
-        return {**self.__dict__, "_blocks": None, "_perms": {}}
+        return {**self.__dict__, "_blocks": None, "_starts": None, "_perms": {}}
 
     @property
     def blocks(self) -> np.ndarray:
@@ -54,3 +54,13 @@ class PackedBlocks:
 
     def rows(self, first: int, count: int) -> torch.Tensor:
         return torch.from_numpy(self.blocks[self.indices(first, count)].astype(np.int64))
+
+    def documents(self, first: int, count: int) -> torch.Tensor:
+        """The rows' document numbers (``rows``' shape): 0 for each block's first token's document, +1 at every
+        document that starts inside the block, from the starts the packing recorded."""
+        if self._starts is None:
+            self._starts = np.asarray(self.packed.open_starts())
+        seq_len = self.packed.meta["seq_len"]
+        offsets = self.indices(first, count)[:, None] * seq_len + np.arange(seq_len + 1)
+        numbers = np.searchsorted(self._starts, offsets, side="right") - 1
+        return torch.from_numpy((numbers - numbers[:, :1]).astype(np.int32))

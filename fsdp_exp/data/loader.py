@@ -26,6 +26,13 @@ from fsdp_exp.config import RunConfig, Topology
 class Batch:
     inputs: torch.Tensor  # (micro_batch, seq_len) token ids
     targets: torch.Tensor  # inputs shifted by one
+    # (micro_batch, seq_len) int32: each input position's document number in its block (0 = the block's first)
+    documents: Optional[torch.Tensor] = None
+
+
+def make_batch(tokens: torch.Tensor, documents: torch.Tensor) -> Batch:
+    """A batch of rows of ``seq_len + 1`` tokens (and their document numbers)."""
+    return Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:], documents=documents[:, :-1])
 
 
 @dataclass(frozen=True)
@@ -55,8 +62,9 @@ class _MicroBatches(Dataset):
     def __len__(self) -> int:
         return self.end
 
-    def __getitem__(self, k: int) -> torch.Tensor:
-        return self.source.rows(self.layout.first_position(k), self.layout.micro)
+    def __getitem__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first = self.layout.first_position(k)
+        return self.source.rows(first, self.layout.micro), self.source.documents(first, self.layout.micro)
 
 
 class StepData:
@@ -73,7 +81,7 @@ class StepData:
         val_batches: int = 0,
     ):
         self.source, self.val_source, self.device = source, val_source, device
-        per_rank = cfg.trainer.global_batch_size // topology.dp_size
+        per_rank = topology.layout.local_batch(cfg.trainer.global_batch_size)
         self.layout = Layout(cfg.trainer.global_batch_size, per_rank, topology.micro_batch_size, dp_rank)
         self.total_steps = cfg.trainer.steps
         self.num_workers = cfg.data.num_workers
@@ -94,12 +102,12 @@ class StepData:
         wait = 0.0
         for _ in range(accum):
             t0 = time.perf_counter()
-            tokens = next(self._iter).to(self.device, non_blocking=True)
+            tokens, documents = (t.to(self.device, non_blocking=True) for t in next(self._iter))
             wait += time.perf_counter() - t0
             self._next_k += 1
             if self._next_k == self._end_k:
                 self.close()
-            yield Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:])
+            yield make_batch(tokens, documents)
         self.last_wait_s = wait
         self.next_step = step + 1
 
@@ -171,5 +179,6 @@ class StepData:
                 for i in range(lay.accum):
                     first = v * lay.global_batch + lay.dp_rank * lay.per_rank + i * lay.micro
                     tokens = self.val_source.rows(first, lay.micro).to(self.device)
-                    self._val_cache.append(Batch(inputs=tokens[:, :-1], targets=tokens[:, 1:]))
+                    documents = self.val_source.documents(first, lay.micro).to(self.device)
+                    self._val_cache.append(make_batch(tokens, documents))
         return iter(self._val_cache)

@@ -5,8 +5,9 @@ dataset folder; ``data.streaming=true`` never holds the corpus in memory), token
 ``map``, then pack: every document's tokens and the end-of-document id, concatenated into one stream
 and cut into blocks of ``trainer.seq_len + 1`` tokens. Consecutive blocks overlap by one token, so no
 (input, target) pair of the stream is lost; the tail shorter than a block is dropped. The blocks go to
-``<data.cache_dir>/<kind>-<key>/blocks.bin`` (a raw ``(n, seq_len + 1)`` array every rank memory-maps)
-with ``meta.json``; the key hashes what defines them. A build holds a file lock and publishes the folder
+``<data.cache_dir>/<kind>-<key>/blocks.bin`` (a raw ``(n, seq_len + 1)`` array every rank memory-maps),
+where each document starts in the stream to ``starts.bin`` (int64 offsets: a block's document numbers,
+``Packed.documents``, for ``model.attention_mask=block_causal`` and ``data.positions=document``), with ``meta.json``; the key hashes what defines them. A build holds a file lock and publishes the folder
 by an atomic rename, so ranks that find it missing wait and reuse it; the launcher builds before it
 spawns any rank. Why: design.md ("Data"); the options: running.md ("Real data").
 """
@@ -27,7 +28,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-PACK_VERSION = 1
+PACK_VERSION = 2  # 2: starts.bin, where each document starts in the stream
 PKG_PREFIX = "pkg://fsdp_exp/"
 LOCAL_KINDS = ("text", "json", "parquet")
 KINDS = ("synthetic", *LOCAL_KINDS, "hf")
@@ -181,6 +182,11 @@ class Packed:
     def fingerprint(self) -> str:
         return self.path.name
 
+    def open_starts(self) -> np.ndarray:
+        """Where each document starts, as offsets into the packed stream (block ``i`` is the stream's
+        ``[i * seq_len, i * seq_len + seq_len]``)."""
+        return np.memmap(self.path / "starts.bin", dtype=np.int64, mode="r", shape=(self.meta["num_docs"],))
+
     def open_blocks(self) -> np.ndarray:
         return np.memmap(
             self.path / "blocks.bin",
@@ -206,6 +212,16 @@ def pack_key(source: Source, tokenizer_ident: dict, seq_len: int, max_blocks: Op
         sort_keys=True,
     )
     return f"{source.kind}-{hashlib.sha256(blob.encode()).hexdigest()[:20]}"
+
+
+def find_packed(
+    source: Source, tokenizer_spec: str, seq_len: int, max_blocks: Optional[int], root: Path
+) -> Optional[Packed]:
+    """The packed blocks of ``source`` if the cache holds them (nothing is built)."""
+    from fsdp_exp.data.tokenizer import tokenizer_identity
+
+    meta_file = root / pack_key(source, tokenizer_identity(tokenizer_spec), seq_len, max_blocks) / "meta.json"
+    return Packed(meta_file.parent, json.loads(meta_file.read_text())) if meta_file.exists() else None
 
 
 def find_or_pack(
@@ -276,7 +292,7 @@ def _build(
             f"{seq_len + 1} tokens (once; cached in {out.parent})"
         )
     docs = _tokenized_docs(source, tokenizer, root)
-    stats = _pack(docs, seq_len, tokenizer.eos_id, dtype, out / "blocks.bin", max_blocks)
+    stats = _pack(docs, seq_len, tokenizer.eos_id, dtype, out / "blocks.bin", max_blocks, out / "starts.bin")
     meta = {
         "version": PACK_VERSION,
         "source": source.identity(),
@@ -410,22 +426,27 @@ def _pack(
     dtype: np.dtype,
     out_file: Path,
     max_blocks: Optional[int],
+    starts_file: Path,
 ) -> dict:
-    """Stream documents into ``(n, seq_len + 1)`` blocks appended to ``out_file``; return counts."""
+    """Stream documents into ``(n, seq_len + 1)`` blocks appended to ``out_file``, and each document's start
+    (its offset in the stream, its end-of-document id its last token) to ``starts_file``; return counts."""
     width = seq_len + 1
     eos = np.array([eos_id], dtype=dtype)
     carry = np.empty(0, dtype=dtype)
     n_blocks = n_docs = n_tokens = max_id = 0
-    with open(out_file, "wb") as f:
+    with open(out_file, "wb") as f, open(starts_file, "wb") as starts_out:
         for batch in docs:
             parts = [carry]
+            starts = []
             for ids in batch:
                 if ids.size == 0:
                     continue
                 max_id = max(max_id, int(ids.max()))
+                starts.append(n_tokens)  # the stream so far: every earlier document and its end-of-document id
                 parts += [ids.astype(dtype, copy=False), eos]
                 n_docs += 1
                 n_tokens += ids.size + 1
+            np.asarray(starts, dtype=np.int64).tofile(starts_out)
             stream = np.concatenate(parts)
             n = (stream.size - 1) // seq_len if stream.size >= width else 0
             if max_blocks is not None:
@@ -440,9 +461,26 @@ def _pack(
     return {
         "num_blocks": n_blocks,
         "num_docs": n_docs,
+        "attention_span": _attention_span(starts_file, n_blocks, seq_len),
         "num_tokens": n_tokens,
         "max_id": max(max_id, eos_id) if n_docs else 0,
     }
+
+
+def block_attention_span(starts: np.ndarray, n_blocks: int, seq_len: int) -> float:
+    """The mean over the blocks of (sum of the squared lengths of the document pieces in a block) / seq_len: the
+    sequence length at which a causal attention costs, per token, what block-causal attention over these
+    blocks costs (``seq_len`` itself for one document a block; the mean document length for many short ones)."""
+    if n_blocks == 0:
+        return float(seq_len)
+    end = n_blocks * seq_len  # the inputs of the blocks: each block's first seq_len tokens of the stream
+    cuts = np.union1d(starts[starts < end], np.arange(0, end + 1, seq_len))
+    pieces = np.diff(cuts).astype(np.float64)
+    return float((pieces**2).sum() / end)
+
+
+def _attention_span(starts_file: Path, n_blocks: int, seq_len: int) -> float:
+    return round(block_attention_span(np.fromfile(starts_file, dtype=np.int64), n_blocks, seq_len), 3)
 
 
 def stderr_log(message: str) -> None:

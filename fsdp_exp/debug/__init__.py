@@ -9,4 +9,18 @@ Importing the package loads the torch-free part only; import ``faults`` by name.
 
 from fsdp_exp.debug.init_check import compare_init_digests
 
-__all__ = ["compare_init_digests"]
+__all__ = ["check", "compare_init_digests"]
+
+
+def check(cfg, world: int) -> None:
+    """Preflight's checks of the debug group: the failing rank is one of the world's."""
+    from fsdp_exp.errors import fail
+
+    d = cfg.debug
+    if (d.fail_at_step is not None or d.nan_at_step is not None) and not 0 <= d.fail_rank < world:
+        fail(
+            f"debug.fail_rank={d.fail_rank} is not a rank of a world of {world}.",
+            f"pass debug.fail_rank between 0 and {world - 1}",
+        )
+    if d.step_sleep_s < 0:
+        fail(f"debug.step_sleep_s={d.step_sleep_s} is negative.", "pass debug.step_sleep_s=0 (no sleep)")

@@ -64,6 +64,17 @@ CONVENTIONS = {
 }
 
 
+def check_convention(convention: str) -> None:
+    """Preflight's check of ``trainer.flops_convention`` (its values are this module's)."""
+    from fsdp_exp.errors import fail
+
+    if convention not in CONVENTIONS:
+        fail(
+            f"trainer.flops_convention={convention!r} is not a FLOPs convention MFU knows.",
+            f"pass one of {', '.join(CONVENTIONS)} (docs/metrics.md defines each)",
+        )
+
+
 def convention_flops_per_token(convention: str, model_cfg, seq_len: int) -> float:
     """Training FLOPs per token under ``convention`` (``CONVENTIONS``), from the model family's inventory and
     formula: A = flops_per_token(S) - flops_per_token(0), and 6 x (N - N_in + tied output) = flops_per_token(0)."""

@@ -60,7 +60,10 @@ def _moe_metrics() -> list[Metric]:
     """A mixture of experts' routing (fsdp_exp.models.moe), in the rows of such models only: one step's
     routed copies of tokens per expert, summed over the ranks (every rank routes its own tokens); null in a
     dense model's rows."""
-    per_expert = "routed copies of tokens (top-k per token) an expert got in the step, summed over the ranks"
+    per_expert = (
+        "routed copies of tokens (top-k per token) an expert got in the step, summed over the ranks (before a "
+        "capacity factor drops any: the load the balancing reads)"
+    )
     return [
         Metric(
             "moe/tokens_per_expert_max",

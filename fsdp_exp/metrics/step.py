@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_exp.context import sampled_steps
+from fsdp_exp.data import attention_span
 from fsdp_exp.dist import gather_over_ranks, reduce_over_ranks
 from fsdp_exp.metrics import memory
 from fsdp_exp.metrics.device_peak import device_peak
@@ -77,8 +78,10 @@ class StepMetrics:
         self.state_bytes = backend.model_state_counter(model, optimizer)  # mem/params_gib_* etc., as laid out
         t = cfg.trainer
         self.tokens_per_step = t.global_batch_size * t.seq_len
-        # MFU's numerator under the run's named convention (trainer.flops_convention; recorded in run.json env)
-        self.flops_per_token = convention_flops_per_token(t.flops_convention, cfg.model, t.seq_len)
+        # MFU's numerator under the run's named convention (trainer.flops_convention; recorded in run.json env),
+        # attention priced at the span of the run's mask: block_causal counts each document's own attention
+        self.attention_span, self.attention_span_source = attention_span(cfg)
+        self.flops_per_token = convention_flops_per_token(t.flops_convention, cfg.model, self.attention_span)
         # HFU's numerator: the model FLOPs plus what activation checkpointing recomputes (torch's
         # FlopCounterMode on the meta model). A model the counter cannot run on the meta device gets no
         # HFU (null, and the reason in run.json env), not a failed run.
@@ -111,6 +114,11 @@ class StepMetrics:
         return {
             "flops_per_token": self.flops_per_token,
             "flops_convention": self.cfg.trainer.flops_convention,
+            # attention's FLOPs counted at this sequence length (fsdp_exp.data.attention_span)
+            "attention_mask": getattr(self.cfg.model, "attention_mask", "causal"),
+            "positions": self.cfg.data.positions,
+            "attention_span": self.attention_span,
+            "attention_span_source": self.attention_span_source,
             "recompute_flops_per_token": self.recompute_flops_per_token,
             "hardware_flops_per_token": None
             if self.recompute_flops_per_token is None

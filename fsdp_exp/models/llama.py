@@ -18,12 +18,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdp_exp.config.schema import ModelConfig
+from fsdp_exp.models.attention_mask import Mask, attend, compute_dtype, document_mask
 from fsdp_exp.models.loss import chunked_cross_entropy
+from fsdp_exp.models.mla import MultiHeadLatentAttention
 from fsdp_exp.models.moe import MoE, moe_hidden_dim
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
-    """The SwiGLU width of the Llama papers: 2/3 of 4*dim, scaled, rounded up to ``multiple_of``."""
+    """The SwiGLU width: ``model.dense_hidden_dim``, else the Llama papers' 2/3 of 4*dim, scaled, rounded up to
+    ``multiple_of``."""
+    if cfg.dense_hidden_dim is not None:
+        return cfg.dense_hidden_dim
     hidden = int(2 * (4 * cfg.dim) / 3)
     if cfg.ffn_dim_multiplier is not None:
         hidden = int(cfg.ffn_dim_multiplier * hidden)
@@ -35,6 +40,11 @@ def head_dim(cfg: ModelConfig) -> int:
     return cfg.head_dim or cfg.dim // cfg.n_heads
 
 
+def rotary_dim(cfg: ModelConfig) -> int:
+    """The width the rotary tables turn: a head's, or under MLA its rotary part (``model.qk_rope_head_dim``)."""
+    return cfg.qk_rope_head_dim if cfg.attention == "mla" else head_dim(cfg)
+
+
 def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of shape (max_seq_len, head_dim // 2), always in fp32. On the meta device (a model
     built for its shapes; ``init_buffers`` fills them later) only the shapes: arithmetic on meta tensors runs
@@ -44,8 +54,21 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
             torch.empty(max_seq_len, head_dim // 2, device=device, dtype=torch.float32),
             torch.empty(max_seq_len, head_dim // 2, device=device, dtype=torch.float32),
         )
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(
+        torch.arange(max_seq_len, device=device, dtype=torch.float32), _inv_freq(head_dim, theta, device)
+    )
+    return angles.cos(), angles.sin()
+
+
+def _inv_freq(head_dim: int, theta: float, device=None) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+
+
+def rope_at(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (batch, seq, head_dim // 2) at each token's own position (``data.positions=document``: counted
+    from its document's start). The same fp32 products as ``rope_tables``' rows, so a document alone at
+    positions 0.. gets bit-identical angles."""
+    angles = positions.to(torch.float32)[..., None] * _inv_freq(head_dim, theta, positions.device)
     return angles.cos(), angles.sin()
 
 
@@ -53,7 +76,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by the position's angle."""
     x_pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = x_pairs[..., 0], x_pairs[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    # (seq, d/2) tables shared by the batch, or (batch, seq, d/2) per-token positions (rope_at)
+    cos, sin = (cos[None, :, None, :], sin[None, :, None, :]) if cos.dim() == 2 else (cos[:, :, None], sin[:, :, None])
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -73,12 +97,13 @@ class RMSNorm(nn.Module):
 
 
 class CausalAttention(nn.Module):
-    """The attention kernel alone: causal SDPA of (batch, heads, seq, head_dim) queries, keys and values,
-    grouped-query when there are fewer key/value heads. Its own module so that context parallel
-    (fsdp_exp.parallel.context) can wrap the kernel without knowing the projections around it."""
+    """The attention kernel alone: (batch, heads, seq, head_dim) queries, keys and values, grouped-query when
+    there are fewer key/value heads, under the batch's mask (causal, or block-causal over its documents:
+    fsdp_exp.models.attention_mask). Its own module so that context parallel (fsdp_exp.parallel.context) can
+    wrap the kernel without knowing the projections around it."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask = None) -> torch.Tensor:
+        return attend(q, k, v, mask)
 
 
 class Attention(nn.Module):
@@ -96,7 +121,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.dim, bias=False)
         self.kernel = CausalAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 rather than the configured head count, so a tensor-parallel shard of wq/wk/wv still works.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -106,7 +131,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
-        out = self.kernel(q, k, v)
+        out = self.kernel(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -131,15 +156,22 @@ def moe_feed_forward(cfg: ModelConfig) -> MoE:
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """``layer``: the block's index, which the first ``model.first_k_dense`` blocks of a mixture of experts keep a
+    dense SwiGLU by (None: a block past them)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int | None = None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        if cfg.attention == "mla":
+            self.attention = MultiHeadLatentAttention(cfg, RMSNorm, CausalAttention(), apply_rope)
+        else:
+            self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = moe_feed_forward(cfg) if cfg.n_experts > 0 else FeedForward(cfg)
+        routed = cfg.n_experts > 0 and (layer is None or layer >= cfg.first_k_dense)
+        self.feed_forward = moe_feed_forward(cfg) if routed else FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Mask = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -149,13 +181,13 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0", "1", ... keeps parameter names stable when blocks are wrapped.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # Rotary tables are derived, not learned: non-persistent, rebuilt by init_buffers().
-        cos, sin = rope_tables(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(rotary_dim(cfg), cfg.max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -163,20 +195,35 @@ class Llama(nn.Module):
     def blocks(self) -> list[nn.Module]:
         return list(self.layers.values())
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunks: int = 1) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        loss_chunks: int = 1,
+        documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The logits; with ``targets``, the summed cross-entropy instead, the output projection taken
-        ``loss_chunks`` slices of the sequence at a time (``fsdp_exp.models.loss``)."""
+        ``loss_chunks`` slices of the sequence at a time (``fsdp_exp.models.loss``). ``documents``: each
+        position's document number in its block, over the whole sequence (under context parallel too), which
+        ``model.attention_mask=block_causal`` keeps apart; ``positions``: each token's rotary position
+        (``data.positions=document``), else the tables' rows in order."""
         seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        if positions is not None:
+            cos, sin = rope_at(positions, rotary_dim(self.cfg), self.cfg.rope_theta)
+        else:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)
+        # once a batch, for every block (none without documents: the causal kernel's own mask)
+        mask = None if documents is None else document_mask(documents, self.cfg.attention_mask, compute_dtype(h))
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin, mask)
         if targets is not None:
             return chunked_cross_entropy(self.norm(h), self.output, targets, loss_chunks)
         return self.output(self.norm(h))
 
     def init_buffers(self, device: torch.device) -> None:
-        cos, sin = rope_tables(head_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        cos, sin = rope_tables(rotary_dim(self.cfg), self.cfg.max_seq_len, self.cfg.rope_theta, device)
         self.rope_cos, self.rope_sin = cos, sin
         for moe in self.modules():
             if isinstance(moe, MoE):  # loss-free balancing starts unbiased; a resume loads the biases after

@@ -16,10 +16,14 @@ import torch
 
 from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.config.topology import largest_divisor_at_most
-from fsdp_exp.errors import fail
+from fsdp_exp.errors import fail, not_built
+from fsdp_exp.models.deepseek_export import deepseek_v3_config, deepseek_v3_names, why_not_deepseek_v3
 from fsdp_exp.models.llama import CausalAttention, Llama, TransformerBlock, ffn_hidden_dim, head_dim
+from fsdp_exp.models.mla import qk_head_dim
 from fsdp_exp.models.moe import ROUTER_SCORES, MoE, grouped_mm_in_any_dtype, moe_hidden_dim
 from fsdp_exp.models.spec import COLWISE, ROWWISE, ModelSpec, TensorParallelPlan
+
+ATTENTIONS = ("gqa", "mla")  # model.attention: grouped-query (fsdp_exp.models.llama), multi-head latent (.mla)
 
 # fsdp_exp's names in a block -> Hugging Face's (model.layers.<i>.<name>), and at the root.
 HF_BLOCK_NAMES = {
@@ -61,6 +65,42 @@ class LlamaSpec(ModelSpec):
         for name in ("dim", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
             if getattr(m, name) < 1:
                 fail(f"model.{name}={getattr(m, name)} must be positive.", f"pass a positive model.{name}")
+        if m.attention not in ATTENTIONS:
+            fail(
+                f"model.attention={m.attention!r} is not an attention of the llama family ({', '.join(ATTENTIONS)}).",
+                "pass model.attention=gqa (grouped-query) or mla (multi-head latent, model=deepseek_v3)",
+            )
+        if m.mtp_layers:
+            fail(
+                f"model.mtp_layers={m.mtp_layers}: multi-token prediction (DeepSeek-V3's extra modules predicting "
+                "further tokens) is not built; the presets' counts and the export leave its layer out.",
+                "pass model.mtp_layers=0",
+            )
+        if m.attention == "mla":
+            self._check_latent_attention(m)
+        else:
+            self._check_grouped_query_attention(m)
+        self._check_feed_forward(m)
+        self._check_numbers(m)
+        self._check_experts(m)
+
+    @staticmethod
+    def _check_latent_attention(m: ModelConfig) -> None:
+        widths = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        for name in widths + (("q_lora_rank",) if m.q_lora_rank is not None else ()):
+            if getattr(m, name) < 1:
+                fail(
+                    f"model.{name}={getattr(m, name)} must be positive (multi-head latent attention).",
+                    f"pass a positive model.{name}" + (", or null: a full query projection" if name[0] == "q" else ""),
+                )
+        if m.qk_rope_head_dim % 2:
+            fail(
+                f"model.qk_rope_head_dim={m.qk_rope_head_dim} is odd; rotary embeddings turn pairs.",
+                f"pass model.qk_rope_head_dim={m.qk_rope_head_dim + 1}",
+            )
+
+    @staticmethod
+    def _check_grouped_query_attention(m: ModelConfig) -> None:
         if m.n_kv_heads is not None and m.n_kv_heads < 1:
             fail(
                 f"model.n_kv_heads={m.n_kv_heads} must be positive.",
@@ -87,9 +127,6 @@ class LlamaSpec(ModelSpec):
                 f"head dimension {named} is odd; rotary embeddings need it even.",
                 "change model.dim or model.n_heads, or pass an even model.head_dim",
             )
-        self._check_feed_forward(m)
-        self._check_numbers(m)
-        self._check_experts(m)
 
     @staticmethod
     def _check_feed_forward(m: ModelConfig) -> None:
@@ -100,6 +137,8 @@ class LlamaSpec(ModelSpec):
                 "multiple of it.",
                 "pass model.multiple_of=256 (Llama's), or 1 for no rounding",
             )
+        if m.dense_hidden_dim is not None and m.dense_hidden_dim < 1:
+            fail(f"model.dense_hidden_dim={m.dense_hidden_dim} must be positive.", "pass model.dense_hidden_dim=null")
         if m.ffn_dim_multiplier is not None and not m.ffn_dim_multiplier > 0:
             fail(
                 f"model.ffn_dim_multiplier={m.ffn_dim_multiplier} must be positive: it scales the SwiGLU width.",
@@ -172,8 +211,47 @@ class LlamaSpec(ModelSpec):
                 f"model.capacity_factor={m.capacity_factor} must be positive: it caps each expert's tokens.",
                 "pass model.capacity_factor=null (dropless) or e.g. 1.25",
             )
+        LlamaSpec._check_groups(m)
+
+    @staticmethod
+    def _check_groups(m: ModelConfig) -> None:
+        # DeepSeek-V3's dense first blocks and group-limited router (fsdp_exp.models.router).
+        if not 0 <= m.first_k_dense <= m.n_layers:
+            fail(
+                f"model.first_k_dense={m.first_k_dense} must lie between 0 and model.n_layers={m.n_layers}.",
+                f"pass model.first_k_dense={min(max(m.first_k_dense, 0), m.n_layers)}",
+            )
+        if not m.routed_scaling > 0:
+            fail(f"model.routed_scaling={m.routed_scaling} must be positive.", "pass model.routed_scaling=1.0")
+        if m.expert_groups < 1 or m.n_experts % m.expert_groups:
+            fail(
+                f"model.expert_groups={m.expert_groups} does not divide model.n_experts={m.n_experts} into equal "
+                "groups.",
+                f"pass model.expert_groups={largest_divisor_at_most(m.n_experts, max(m.expert_groups, 1))}",
+            )
+        if not 1 <= m.expert_groups_top_k <= m.expert_groups:
+            fail(
+                f"model.expert_groups_top_k={m.expert_groups_top_k} must lie between 1 and model.expert_groups="
+                f"{m.expert_groups}.",
+                f"pass model.expert_groups_top_k={min(max(m.expert_groups_top_k, 1), m.expert_groups)}",
+            )
+        kept = m.expert_groups_top_k * (m.n_experts // m.expert_groups)
+        if m.experts_top_k > kept:
+            fail(
+                f"model.experts_top_k={m.experts_top_k} is more than the {kept} experts of the "
+                f"model.expert_groups_top_k={m.expert_groups_top_k} groups a token keeps.",
+                f"pass model.experts_top_k={kept}, or raise model.expert_groups_top_k",
+            )
 
     def check_tensor_parallel(self, m: ModelConfig, tp: int) -> None:
+        if m.attention == "mla":
+            # The rotary key is one projection shared by every head: split over heads, each rank's gradient of it
+            # holds its own heads' share only, and the plan (colwise / rowwise modules) has no all-reduce for it.
+            fail(
+                f"parallel.tp={tp} with multi-head latent attention (model.attention=mla): its rotary key is shared "
+                "by every head, and tensor parallel would leave that projection's gradient a partial sum per rank.",
+                "pass parallel.tp=1 (shard with FSDP, and the experts with parallel.ep)",
+            )
         if m.n_experts:
             # The plan splits the SwiGLU projections of a dense block; routed experts have no such plan here.
             fail(
@@ -200,7 +278,7 @@ class LlamaSpec(ModelSpec):
     def check_pipeline(self, m: ModelConfig) -> None:
         if m.n_experts:
             # Each stage would count and balance only its own layers' experts; not built yet.
-            fail(
+            not_built(
                 f"parallel.pp > 1 with a mixture of experts (model.n_experts={m.n_experts}) is not built yet: the "
                 "routing counts and the loss-free bias are kept over every rank.",
                 "pass parallel.pp=1 (and shard the experts with parallel.ep)",
@@ -231,6 +309,8 @@ class LlamaSpec(ModelSpec):
         """
         inventory = self.inventory(cfg)
         n = self.active_params(cfg) - sum(p.numel for p in inventory.params if p.name in inventory.input_params)
+        if cfg.attention == "mla":  # scores over the query / key width, values over the value width
+            return 6 * n + 6 * cfg.n_layers * cfg.n_heads * (qk_head_dim(cfg) + cfg.v_head_dim) * seq_len
         return 6 * n + 12 * cfg.n_layers * cfg.n_heads * head_dim(cfg) * seq_len
 
     def active_params(self, cfg: ModelConfig) -> int:
@@ -296,11 +376,18 @@ class LlamaSpec(ModelSpec):
             },
             sequence_parallel_root=("norm",),
             sequence_parallel_block=("attention_norm", "ffn_norm"),
-            gathered_inputs={"attention": 3, "feed_forward": 1},  # attention also takes cos and sin
+            gathered_inputs={"attention": 4, "feed_forward": 1},  # attention also takes cos, sin and the mask
         )
 
     # ----------------------------------------------------------------------------------- SpecExport
     def why_no_hf_export(self, cfg: ModelConfig) -> Optional[str]:
+        if cfg.attention == "mla":
+            return why_not_deepseek_v3(cfg)
+        if cfg.first_k_dense or cfg.expert_groups > 1 or cfg.routed_scaling != 1.0:
+            return (
+                "HF export writes DeepseekV3ForCausalLM for dense first blocks, expert groups and a routed scaling, "
+                "which has multi-head latent attention (model.attention=mla)"
+            )
         if cfg.n_experts > 0:
             # Mixtral's and Qwen3-MoE's routers: softmax over every expert, top k, no bias, no shared experts.
             for bad, why in (
@@ -320,6 +407,8 @@ class LlamaSpec(ModelSpec):
         problem = self.why_no_hf_export(cfg)
         if problem:
             raise ValueError(problem)
+        if cfg.attention == "mla":
+            return deepseek_v3_names(state, cfg)
         n_heads = cfg.n_heads
         n_kv = cfg.n_kv_heads or n_heads
         tied = self.tied_weights(cfg)
@@ -361,6 +450,8 @@ class LlamaSpec(ModelSpec):
         return out
 
     def hf_config(self, cfg: ModelConfig) -> dict:
+        if cfg.attention == "mla":
+            return deepseek_v3_config(self._hf_llama_config(cfg), cfg)
         if cfg.n_experts:
             return self._hf_moe_config(cfg)
         return self._hf_llama_config(cfg)

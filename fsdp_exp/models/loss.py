@@ -22,13 +22,16 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def mean_cross_entropy(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, chunks: int) -> torch.Tensor:
-    """Mean cross-entropy per token of ``model`` (any family, wrapped by any backend) on one batch."""
+def mean_cross_entropy(
+    model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, chunks: int, **packed
+) -> torch.Tensor:
+    """Mean cross-entropy per token of ``model`` (any family, wrapped by any backend) on one batch. ``packed``:
+    the batch's documents and positions where the run keeps packed documents apart (attention_mask.packed_inputs)."""
     if chunks <= 1:
-        logits = model(inputs)
+        logits = model(inputs, **packed)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
     else:
-        loss = model(inputs, targets=targets, loss_chunks=chunks) / targets.numel()
+        loss = model(inputs, targets=targets, loss_chunks=chunks, **packed) / targets.numel()
     return _local(loss)
 
 

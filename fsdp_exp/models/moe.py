@@ -4,8 +4,10 @@ tokens sorted by expert, optional always-on shared experts, and two ways to bala
 loss (``model.aux_loss_coef``) and DeepSeek-V3's loss-free expert bias (``model.expert_bias_rate``).
 
 Dropless by default: every routed copy of every token is computed. ``model.capacity_factor`` caps each
-expert at ``capacity_factor x tokens x top_k / n_experts`` copies per forward; the copies past it are
-dropped (their share of the token is zero) and counted (``MoE.dropped``).
+expert at ``capacity_factor x tokens x top_k / n_experts`` copies per forward (the tokens of this rank's
+micro-batch); the copies past it are dropped (their share of the token is zero, and they are neither computed
+nor sent to another rank) and counted (``MoE.dropped``). The balancing (aux loss, loss-free bias) reads the
+assignment before dropping, as Switch and GShard balance it: a dropped copy still says its expert was wanted.
 
 The layer never asks where its experts live: ``MoE.experts`` is called with the routed tokens sorted by
 expert and the count per expert, and returns their outputs in the same order. Expert parallel
@@ -24,6 +26,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fsdp_exp.models.router import GroupLimitedRouter
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 
@@ -68,46 +73,62 @@ class GroupedExperts(nn.Module):
     (the rows past their sum are padding and come back as zeros).
     """
 
-    def __init__(self, n_experts: int, dim: int, hidden: int):
+    def __init__(self, n_experts: int, dim: int, hidden: int, recompute_activation: bool = False):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down
+        self.recompute_activation = recompute_activation  # model.recompute_expert_activation
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return grouped_swiglu(x, counts, self.w1, self.w3, self.w2)
+        return grouped_swiglu(x, counts, self.w1, self.w3, self.w2, self.recompute_activation)
 
 
-def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2) -> torch.Tensor:
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, recompute_activation: bool = False):
     """SwiGLU of each expert on its rows of ``x`` (sorted by expert, ``counts`` per expert), in one grouped
     matmul per projection. torch's grouped matmul leaves the rows past the last group unwritten (uninitialized
     on CPU), so they are zeroed here; its operands' strides must be multiples of 16 bytes (the model's width
-    and the experts' width multiples of 8: ``LlamaSpec.check``)."""
+    and the experts' width multiples of 8: ``LlamaSpec.check``).
+
+    ``recompute_activation``: silu, the product and w2's grouped matmul run under activation checkpointing, so
+    that backward keeps w1's and w3's outputs and recomputes silu and the product (no matmul) from them: 2 x
+    the experts' width per row kept instead of 4 (silu's input and output, w3's output, the product)."""
     offsets = counts.cumsum(0).to(torch.int32)
     w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
     # The same holds for the gradient of x in backward: the mask on the way in zeroes it there.
     valid = (torch.arange(x.shape[0], device=x.device) < offsets[-1])[:, None]
     x = torch.where(valid, x, x.new_zeros(()))
-    h = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-    h = h * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
-    out = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+    gate = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+    up = torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+    if recompute_activation and torch.is_grad_enabled():
+        out = checkpoint(_activation_and_down, gate, up, w2, offsets, use_reentrant=False, preserve_rng_state=False)
+    else:
+        out = _activation_and_down(gate, up, w2, offsets)
     return torch.where(valid, out, out.new_zeros(()))
+
+
+def _activation_and_down(gate: torch.Tensor, up: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor):
+    return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
 
 
 class AuxLossGradient(torch.autograd.Function):
     """Adds the gradient of an auxiliary loss to the backward of the tensor it rides on, leaving the forward
     value as it is: the load-balancing loss trains the router without the model's output or the training
-    loss changing shape (the run's reported loss is the cross-entropy alone; the aux loss is its own metric)."""
+    loss changing shape (the run's reported loss is the cross-entropy alone; the aux loss is its own metric).
+
+    ``weight`` is d(the loss backward starts from)/d(aux): the aux loss's share of the step (1/micro-batches,
+    as each micro-batch's cross-entropy is divided) times the loss scale of fp16's scaler, which multiplies
+    every other gradient of the step (``MoE.aux_loss_weight``, set by ``reset_routing_counts``). Without the
+    scale the scaler's unscale would divide the aux part by it (2^16) and the router would not balance."""
 
     @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(aux)
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
+        ctx.weight, ctx.aux_dtype = weight, aux.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (aux,) = ctx.saved_tensors
-        return grad, torch.ones_like(aux)
+        return grad, grad.new_full((), ctx.weight, dtype=ctx.aux_dtype), None
 
 
 class MoE(nn.Module):
@@ -117,29 +138,37 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = cfg.n_experts, cfg.experts_top_k
         self.aux_loss_coef, self.capacity_factor = cfg.aux_loss_coef, cfg.capacity_factor
-        self.aux_loss_weight = 1.0  # the share of the step's loss one forward carries (reset_routing_counts)
-        self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_top_k, cfg.router_score, cfg.router_renormalize)
-        self.experts = GroupedExperts(cfg.n_experts, cfg.dim, moe_hidden_dim(cfg, ffn_hidden))
+        # d(the loss backward starts from)/d(this forward's aux loss): its share of the step times fp16's loss
+        # scale (reset_routing_counts; AuxLossGradient)
+        self.aux_loss_weight = 1.0
+        if cfg.expert_groups > 1 or cfg.routed_scaling != 1.0:  # DeepSeek-V3's (fsdp_exp.models.router)
+            self.router = GroupLimitedRouter.of(cfg)
+        else:
+            self.router = Router(cfg.dim, cfg.n_experts, cfg.experts_top_k, cfg.router_score, cfg.router_renormalize)
+        self.experts = GroupedExperts(
+            cfg.n_experts, cfg.dim, moe_hidden_dim(cfg, ffn_hidden), cfg.recompute_expert_activation
+        )
         self.shared_experts = shared  # always-on experts, one SwiGLU of n_shared_experts x the experts' width
-        # Since the last reset (the trainer's, once a step): routed copies per expert, copies dropped, and the
-        # aux loss's sum. Counted in forward only, never in activation checkpointing's recompute.
+        # Since the last reset (the trainer's, once a step): routed copies per expert (before dropping: the
+        # load the bias balances), copies dropped, and the aux loss's sum. Counted in forward only, never in activation checkpointing's recompute.
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts, dtype=torch.float32), persistent=False)
         self.register_buffer("dropped", torch.zeros((), dtype=torch.float32), persistent=False)
         self.register_buffer("aux_loss", torch.zeros((), dtype=torch.float32), persistent=False)
         self.register_buffer("forwards", torch.zeros((), dtype=torch.float32), persistent=False)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (tokens, dim) -> (order, weights, counts, kept, scores): ``order`` lists the routed copies
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (tokens, dim) -> (order, weights, counts, kept, scores, routed): ``order`` lists the routed copies
         (token * k + slot) sorted by expert, the dropped ones (past an expert's capacity) after all the kept;
         ``weights`` their mixing weights in that order; ``counts`` the kept copies per expert; ``kept`` a mask
-        over ``order``; ``scores`` the router's scores of every expert."""
+        over ``order``; ``scores`` the router's scores of every expert; ``routed`` the copies per expert
+        before dropping (what the balancing reads)."""
         weights, experts, scores = self.router(x)
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat)
         )
-        kept = torch.ones_like(order, dtype=torch.bool)
+        kept, routed = torch.ones_like(order, dtype=torch.bool), counts
         if self.capacity_factor is not None:
             capacity = int(self.capacity_factor * x.shape[0] * self.top_k / self.n_experts)
             sorted_experts = flat[order]
@@ -149,23 +178,24 @@ class MoE(nn.Module):
             regroup = (sorted_experts + self.n_experts * (~kept).long()).argsort(stable=True)
             order, kept = order[regroup], kept[regroup]
             counts = counts.clamp(max=capacity)
-        return order, weights.flatten()[order], counts, kept, scores
+        return order, weights.flatten()[order], counts, kept, scores, routed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        order, weights, counts, kept, scores = self.route(x)
+        order, weights, counts, kept, scores, routed = self.route(x)
         token = order // self.top_k
         out = self.experts(x[token], counts)
         out = out * torch.where(kept, weights, 0.0).to(out.dtype)[:, None]
-        y = torch.zeros_like(x).index_add_(0, token, out)
+        # scatter_add's backward needs only the indices (index_add_'s keeps its source, every routed copy's output)
+        y = torch.zeros_like(x).scatter_add_(0, token[:, None].expand(-1, x.shape[-1]), out)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        aux = self.balance_loss(scores, counts)
-        self._count(counts, kept, aux)
+        aux = self.balance_loss(scores, routed)
+        self._count(routed, kept, aux)
         if aux is not None and torch.is_grad_enabled():
             # weighted as the training loss is: each of a step's micro-batches carries 1/micro-batches of it
-            y = AuxLossGradient.apply(y, aux * self.aux_loss_weight)
+            y = AuxLossGradient.apply(y, aux, self.aux_loss_weight)
         return y.reshape(shape)
 
     def balance_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> Optional[torch.Tensor]:
@@ -179,10 +209,10 @@ class MoE(nn.Module):
         return self.aux_loss_coef * self.n_experts * (share * scores.mean(0)).sum()
 
     @torch.no_grad()
-    def _count(self, counts: torch.Tensor, kept: torch.Tensor, aux: Optional[torch.Tensor]) -> None:
+    def _count(self, routed: torch.Tensor, kept: torch.Tensor, aux: Optional[torch.Tensor]) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # activation checkpointing's recompute, inside backward: already counted
-        self.tokens_per_expert += counts.float()
+        self.tokens_per_expert += routed.float()
         self.dropped += (~kept).sum().float()
         self.forwards += 1
         if aux is not None:
@@ -198,13 +228,15 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def reset_routing_counts(model: nn.Module, micro_batches: int = 1) -> None:
+def reset_routing_counts(model: nn.Module, micro_batches: int = 1, loss_scale: float = 1.0) -> None:
     """Start a step's counts (the trainer, before each step): loads, drops and aux losses are per step. The
     step's ``micro_batches`` each carry 1/micro_batches of the aux loss's gradient, as the trainer divides the
-    cross-entropy of each: the balance's weight against the loss does not grow with gradient accumulation."""
+    cross-entropy of each: the balance's weight against the loss does not grow with gradient accumulation.
+    ``loss_scale``: fp16's loss scale this step (the scaler's), which the aux gradient is multiplied by as the
+    scaled loss's are, so that the scaler's unscale leaves it as it is in fp32."""
     for m in moe_layers(model):
         m.reset_counts()
-        m.aux_loss_weight = 1.0 / micro_batches
+        m.aux_loss_weight = loss_scale / micro_batches
 
 
 def routing_counts(model: nn.Module) -> Optional[torch.Tensor]:
@@ -220,7 +252,8 @@ def routing_counts(model: nn.Module) -> Optional[torch.Tensor]:
 
 
 def routing_row(model: nn.Module, summed: torch.Tensor, ranks: int) -> dict[str, float]:
-    """The step's ``moe/*`` metrics from ``routing_counts`` summed over ``ranks`` ranks."""
+    """The step's ``moe/*`` metrics from ``routing_counts`` summed over ``ranks`` ranks. The loads are the
+    routed copies before dropping: the dropped ones are a part of them."""
     layers = moe_layers(model)
     loads = summed[:-3].view(len(layers), -1)
     dropped, aux, forwards = summed[-3:].tolist()
@@ -233,7 +266,7 @@ def routing_row(model: nn.Module, summed: torch.Tensor, ranks: int) -> dict[str,
         "moe/load_imbalance_mean": per_layer.mean().item(),
         "moe/aux_loss": aux / forwards * len(layers) if forwards else 0.0,
         "moe/dropped_tokens": dropped,
-        "moe/dropped_fraction": dropped / (routed + dropped) if routed + dropped else 0.0,
+        "moe/dropped_fraction": dropped / routed if routed else 0.0,
     }
 
 

@@ -44,6 +44,14 @@ class Parallelized:
         """This rank's share of each sequence under context parallel (parallel/context.py), else all of it."""
         return (inputs, targets) if self.context is None else self.context(inputs, targets)
 
+    def packed_shard(self, packed: dict) -> dict:
+        """The model's packed-document inputs (attention_mask.packed_inputs) on this rank: under context
+        parallel each token's rotary position goes with the token (this rank's share), while the document
+        numbers stay whole: the mask is built over the whole sequence, which all-to-all attention sees."""
+        if self.context is None or "positions" not in packed:
+            return packed
+        return {**packed, "positions": self.context.shard_tokens(packed["positions"])}
+
     def gradient_sync(self, last: bool):
         """A context for one micro-batch's backward (``last``: the step's last one): its gradients are
         reduced under grad_sync=every_micro_batch, or when it is the last; accumulated locally otherwise."""

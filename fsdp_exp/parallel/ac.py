@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -29,9 +30,48 @@ def _policy(savers: dict, ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if saves else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# The profiler's range markers (``record_function``): FSDP2 opens one in each hook of a unit, and an expert
+# parallel block holds the experts' own unit (fsdp_exp.parallel.expert), whose hooks run more markers in the
+# recompute than in the forward (its state differs in backward). torch's selective contexts count every op
+# by invocation and refuse one the forward did not count ("invocation index 5 encountered during backward but
+# not found in storage"); a marker holds no tensor, so it runs as is in both, uncounted.
+PROFILER_MARKS = frozenset(
+    getattr(torch.ops.profiler, name).default
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit")
+    if hasattr(torch.ops.profiler, name)
+) | frozenset(
+    [torch.ops.profiler._record_function_exit._RecordFunction]
+    if hasattr(torch.ops.profiler, "_record_function_exit")
+    else []
+)
+
+
+class _PassMarks:
+    """Mixed into torch's two selective-checkpoint modes: ``PROFILER_MARKS`` bypass their counting."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in PROFILER_MARKS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_passing_classes: dict[type, type] = {}
+
+
+def _passing_marks(mode):
+    cls = type(mode)
+    if cls not in _passing_classes:
+        _passing_classes[cls] = type(f"MarksPassing{cls.__name__}", (_PassMarks, cls), {})
+    mode.__class__ = _passing_classes[cls]
+    return mode
+
+
 def _op_level_context(ops: str):
     """A fresh pair of savers (forward, recompute) for each checkpointed call of a block."""
-    return create_selective_checkpoint_contexts(partial(_policy, {False: OpSaver(ops), True: OpSaver(ops)}))
+    saving, recomputing = create_selective_checkpoint_contexts(
+        partial(_policy, {False: OpSaver(ops), True: OpSaver(ops)})
+    )
+    return _passing_marks(saving), _passing_marks(recomputing)
 
 
 def chosen(model: nn.Module, cfg: RunConfig, first_block: int = 0) -> dict[str, nn.Module]:

@@ -193,6 +193,11 @@ class BackendStep(ABC):
         """Backpropagate one micro-batch's loss (scaled when a loss scaler is in use)."""
         (scaler.scale(loss) if scaler is not None else loss).backward()
 
+    def loss_scale(self, model: "nn.Module", scaler) -> float:
+        """What ``backward`` multiplies the loss by this step (fp16's loss scale; 1 otherwise): a gradient added
+        inside the backward, a mixture of experts' aux loss's, is multiplied by it too (fsdp_exp.models.moe)."""
+        return scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+
     @abstractmethod
     def clip_grad_norm(self, model: "nn.Module", max_norm: float) -> "torch.Tensor":
         """Clip the gradients to a global norm of ``max_norm`` (inf: never); returns the norm before clipping."""
@@ -319,9 +324,7 @@ class BackendPlanning(ABC):
 
     def shard_group(self, topology: "Topology") -> int:
         """Ranks one parameter is sharded over (1 when it is replicated)."""
-        names = list(topology.mesh_dim_names)
-        shard = topology.mesh_shape[names.index("shard")] if "shard" in names else 1
-        return shard * topology.cp_size  # context parallel's ranks hold the same weights: FSDP shards over them too
+        return topology.layout.shard_cp  # CP's ranks hold the same weights: FSDP shards over them too
 
 
 class BackendDocs(ABC):

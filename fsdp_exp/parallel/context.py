@@ -81,7 +81,7 @@ def check(cfg: "RunConfig", device_type: str) -> None:
     ranks and names a method): the sequence, the chosen method's own rules (on this device, with the family's
     heads), and every dimension cp does not compose with yet, each refused by name. A method refused here names
     the other one where that one would run."""
-    from fsdp_exp.errors import fail
+    from fsdp_exp.errors import fail, not_built
 
     p, seq = cfg.parallel, cfg.trainer.seq_len
     if p.cp == 1:
@@ -110,7 +110,7 @@ def check(cfg: "RunConfig", device_type: str) -> None:
     ]
     for bad, what, why, fix in refused:
         if bad:
-            fail(f"{what} with parallel.cp={p.cp} is not supported yet: {why}.", f"pass {fix}, or parallel.cp=1")
+            not_built(f"{what} with parallel.cp={p.cp} is not supported yet: {why}.", f"pass {fix}, or parallel.cp=1")
 
 
 # ------------------------------------------------------------------------------- load balancing
@@ -180,14 +180,14 @@ class AllToAllAttention(nn.Module):
         self.to_natural = torch.argsort(order)
         self.to_gathered = order
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         cp, group = self.cp, self.group
         if k.shape[1] % cp:  # grouped-query heads that cp does not divide: one key/value head per query head
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         natural = self.to_natural.to(q.device)
         q, k, v = (heads_for_sequence(t, cp, group).index_select(2, natural) for t in (q, k, v))
-        out = self.kernel(q, k, v)
+        out = self.kernel(q, k, v, mask)  # whole sequences in natural order: the mask applies as built
         return sequence_for_heads(out.index_select(2, self.to_gathered.to(out.device)), cp, group)
 
 
@@ -239,6 +239,10 @@ class ContextShards:
                 f"context parallel was set up for sequences of {self.seq_len} tokens; this batch has {inputs.shape[1]}"
             )
         return shard(inputs, self.positions, 1), shard(targets, self.positions, 1)
+
+    def shard_tokens(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of a (batch, seq) tensor that goes with the tokens (their rotary positions)."""
+        return shard(tensor, self.positions, 1)
 
 
 def wrap_attention(model: nn.Module, cp_mesh: "DeviceMesh", method: str, seq_len: int) -> dict:

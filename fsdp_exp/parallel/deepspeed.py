@@ -325,6 +325,11 @@ class DeepSpeed(Backend):
     def grad_scaler(self, device: torch.device):
         return None  # fp16: the engine's dynamic loss scaler
 
+    def loss_scale(self, model: nn.Module, scaler) -> float:
+        """fp16: the engine's own scaler's current scale (its ``backward`` multiplies the loss by it)."""
+        optimizer = getattr(model, "optimizer", None)
+        return float(getattr(optimizer, "cur_scale", 1.0)) if model.fp16_enabled() else 1.0
+
     def optimizer_step(self, model: nn.Module, optimizer, scaler, max_norm: float) -> torch.Tensor:
         """``engine.step()``: unscale, clip to ``gradient_clipping``, step (skipped on fp16 overflow)."""
         engine = model

@@ -9,6 +9,7 @@ this rank and calls its experts with the routed copies sorted by expert; here th
 
 1. exchanges the counts first (each rank learns how many copies every other rank sends each of its experts),
 2. sends each rank the copies for its experts (an all-to-all with uneven splits),
+   (only the kept copies: those a capacity factor dropped stay home and come back as zeros),
 3. regroups what arrived by local expert (it arrives by source rank) and runs the grouped matmuls,
 4. undoes the regrouping and sends the outputs back (the all-to-all with the splits swapped).
 
@@ -21,8 +22,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-from fsdp_exp.errors import fail
+from fsdp_exp.errors import fail, not_built
 from fsdp_exp.models.moe import GroupedExperts, grouped_swiglu
 
 # What expert parallel composes with today; everything else is refused by name before any rank starts.
@@ -48,7 +50,7 @@ def check(cfg, ep: int) -> None:
             "pass sharding=full (or hybrid), or parallel.ep=1",
         )
     if cfg.parallel.cp > 1:
-        fail(f"parallel.ep={ep} with parallel.cp={cfg.parallel.cp} is not built yet.", "pass parallel.cp=1")
+        not_built(f"parallel.ep={ep} with parallel.cp={cfg.parallel.cp} is not built yet.", "pass parallel.cp=1")
     if cfg.compile:
         # The split sizes are read from the counts each step (data-dependent): every MoE layer breaks the graph.
         fail(
@@ -114,17 +116,23 @@ class ExpertParallelExperts(GroupedExperts):
         got = got.view(ep, local)
         send = counts.view(ep, local).sum(1).tolist()
         recv = got.sum(1).tolist()
-        # 2. the copies to the ranks holding their experts (x is sorted by expert, so by destination rank).
+        # 2. the copies to the ranks holding their experts (x is sorted by expert, so by destination rank). The
+        # rows past the counts' sum are copies a capacity factor dropped (models.moe): never sent, zeros back.
+        routed = x.shape[0]
+        x = x[: sum(send)]
         arrived = AllToAll.apply(x, send, recv, self.ep_group)
         # 3. they arrive by source rank, then expert: regroup by expert for the grouped matmul.
         expert_of = torch.repeat_interleave(
             torch.arange(local, device=x.device).repeat(ep), got.flatten(), output_size=arrived.shape[0]
         )
         order = expert_of.argsort(stable=True)
-        out = grouped_swiglu(arrived[order], got.sum(0), w1, w3, w2)
-        # 4. back into arrival order, and home.
-        out = torch.empty_like(out).index_copy(0, order, out)
-        return AllToAll.apply(out, recv, send, self.ep_group)
+        out = grouped_swiglu(arrived[order], got.sum(0), w1, w3, w2, self.recompute_activation)
+        # 4. back into arrival order (a gather by the inverse permutation: its backward needs the indices only,
+        # where index_copy's keeps its whole source, the experts' output, alive until backward), and home.
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        out = AllToAll.apply(out[inverse], recv, send, self.ep_group)
+        return F.pad(out, (0, 0, 0, routed - out.shape[0])) if routed > out.shape[0] else out
 
 
 def apply(model: torch.nn.Module, expert_modules: list[str], ep_mesh, efsdp_mesh) -> dict:

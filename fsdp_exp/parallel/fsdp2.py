@@ -190,7 +190,11 @@ class FSDP2(Backend):
         # Expert parallel's experts first (parallel/expert.py): their own unit, over the ranks EP leaves them.
         for name, module in model.named_modules():
             if getattr(module, "efsdp_mesh", None) is not None:
-                kwargs = {**common, "mesh": module.efsdp_mesh, "reshard_after_forward": reshard}
+                # Sharded over one rank (ep = the shard ranks), the experts' unit gathers nothing: its unsharded
+                # parameters are a cast of this rank's own, made again in backward at no communication. Kept
+                # past forward (grad_op) they would hold every layer's experts in param_dtype at once.
+                alone = module.efsdp_mesh.size(module.efsdp_mesh.ndim - 1) == 1
+                kwargs = {**common, "mesh": module.efsdp_mesh, "reshard_after_forward": True if alone else reshard}
                 fully_shard(module, **kwargs, shard_placement_fn=_placement(module.efsdp_mesh))
                 applied_units.append({"module": name, "fully_shard": describe(kwargs)})
         sharded = {unit["module"] for unit in applied_units}

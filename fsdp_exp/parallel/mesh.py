@@ -18,39 +18,55 @@ What each parallelism applies itself on:
   and the experts' weights are FSDP-sharded over the S/ep ranks left ("efsdp"), replicated over
   ``replicate``.
 
-``layout`` is the pure part (no torch): preflight calls it to say what the mesh will be, the planner and
-the step-time model read the same ``Topology``.
+The sizes are the ``Layout``'s (fsdp_exp/config/layout.py, torch-free): preflight builds it once, the planner
+and the step-time model read it from the same ``Topology``; ``build_meshes`` makes every mesh of it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
+
+from fsdp_exp.config.layout import DP_DIMS, Layout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from fsdp_exp.config.topology import Topology
 
-DP_DIMS = ("replicate", "shard", "dp")  # the names the backends give their data-parallel dims
+
+@dataclass(frozen=True)
+class Meshes:
+    """Every DeviceMesh a rank works on, built at once from the run's ``Layout`` (``build_meshes``)."""
+
+    world: "DeviceMesh"  # the run's mesh: [pp,] data-parallel dims, [cp,] [tp]
+    dense_dp: "DeviceMesh"  # what FSDP / DDP shard or replicate the dense weights over (cp folded in)
+    cp: Optional["DeviceMesh"]
+    tp: Optional["DeviceMesh"]
+    pp: Optional["DeviceMesh"]
+    ep: Optional["DeviceMesh"]  # the expert-parallel group, and what the experts' weights are sharded over
+    efsdp: Optional["DeviceMesh"]
 
 
-def layout(
-    dp_shape: tuple[int, ...], dp_names: tuple[str, ...], *, pp: int = 1, cp: int = 1, tp: int = 1
-) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """(shape, dim names) of the run's mesh around the backend's data-parallel dims."""
-    shape, names = tuple(dp_shape), tuple(dp_names)
-    if pp > 1:
-        shape, names = (pp, *shape), ("pp", *names)
-    if cp > 1:
-        shape, names = (*shape, cp), (*names, "cp")
-    if tp > 1:
-        shape, names = (*shape, tp), (*names, "tp")
-    return shape, names
+def build_meshes(layout: "Layout", device_type: str) -> Meshes:
+    """Every mesh of ``layout`` (every rank calls this once, in the same order: it makes the groups)."""
+    world = build(device_type, layout.mesh_shape, layout.mesh_dim_names)
+    names = _names(world)
+    ep, efsdp = expert_meshes(world, layout.ep) if layout.ep > 1 else (None, None)
+    return Meshes(
+        world,
+        dense_dp_mesh(world),
+        cp_mesh(world),
+        world["tp"] if "tp" in names else None,
+        world["pp"] if "pp" in names else None,
+        ep,
+        efsdp,
+    )
 
 
 def build_mesh(topology: "Topology") -> "DeviceMesh":
     """The run's mesh, as preflight resolved it (every rank calls this once, in the same order)."""
-    return build(topology.device_type, topology.mesh_shape, topology.mesh_dim_names)
+    return build(topology.device_type, topology.layout.mesh_shape, topology.layout.mesh_dim_names)
 
 
 def build(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]) -> "DeviceMesh":
@@ -86,7 +102,6 @@ def expert_meshes(mesh: "DeviceMesh", ep: int) -> tuple["DeviceMesh", "DeviceMes
     """(ep_mesh, efsdp_mesh) of this rank: the 1-D expert-parallel group (ep consecutive ranks of
     shard x cp) and what the experts' weights are FSDP-sharded over (the shard x cp ranks left, with
     ``replicate`` in front under HSDP). Every rank must call it, in the same order: it makes new groups."""
-    import torch
     from torch.distributed.device_mesh import DeviceMesh
 
     names = _names(mesh)
@@ -101,10 +116,10 @@ def expert_meshes(mesh: "DeviceMesh", ep: int) -> tuple["DeviceMesh", "DeviceMes
     ranks = ranks.permute(order)
     sizes = [mesh.mesh.shape[names.index(n)] for n in outer]
     tail_sizes = [mesh.mesh.shape[names.index(n)] for n in tail]
-    span = int(torch.tensor([mesh.mesh.shape[names.index(n)] for n in inner]).prod())
-    if span % ep:
-        raise ValueError(f"parallel.ep={ep} does not divide the {span} shard x cp ranks")
-    ranks = ranks.reshape(*sizes, span // ep, ep, *tail_sizes)
+    layout = Layout.from_mesh(tuple(mesh.mesh.shape), names, ep)
+    if layout.shard_cp % ep:
+        raise ValueError(f"parallel.ep={ep} does not divide the {layout.shard_cp} shard x cp ranks")
+    ranks = ranks.reshape(*sizes, layout.efsdp, ep, *tail_sizes)
     em = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=(*outer, "efsdp", "ep", *tail))
     efsdp_dims = tuple(n for n in outer if n == "replicate") + ("efsdp",)
     return em["ep"], em[efsdp_dims]

@@ -29,8 +29,9 @@ import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+from fsdp_exp.config.layout import Layout, dp_split
 from fsdp_exp.config.schema import settled_loss_chunks
-from fsdp_exp.errors import fail
+from fsdp_exp.errors import fail, not_built
 from fsdp_exp.parallel import Parallelized
 
 if TYPE_CHECKING:
@@ -157,7 +158,7 @@ def check_sharding(cfg: "RunConfig") -> None:
     if p.tp > 1 and p.sequence_parallel:
         # Every stage but the first would receive a shard of the sequence, and the family's forward takes
         # the rotary tables' length from its input (models/llama.py): a stage would rotate by the wrong length.
-        fail(
+        not_built(
             f"parallel.sequence_parallel=true with parallel.pp={p.pp}: a later stage receives its activations "
             "sharded over the sequence, and the model's forward reads the sequence length from its input.",
             "pass parallel.sequence_parallel=false (loss parallel composes with stages), or parallel.pp=1",
@@ -193,29 +194,8 @@ def check_stage_settings(cfg: "RunConfig") -> None:
 
 
 def stage_dp_layout(cfg: "RunConfig", dp: int) -> tuple[int, int]:
-    """(replicate, shard) of a stage's dp ranks: (1, dp) fully sharded, (dp, 1) under DDP, and under
-    sharding=hybrid the sizes the config names (one of them at least: a stage's dp ranks are not laid out by
-    node, so there is no default to take)."""
-    s = cfg.sharding
-    if s.strategy == "no_shard":
-        return dp, 1
-    if s.strategy != "hybrid":
-        return 1, dp
-    if s.replicate_size is None and s.shard_size is None:
-        fail(
-            f"sharding=hybrid with parallel.pp={cfg.parallel.pp} needs the split of each stage's {dp} "
-            "data-parallel ranks into replicas and shards.",
-            f"pass sharding.replicate_size (or sharding.shard_size) dividing {dp}",
-        )
-    shard = s.shard_size if s.shard_size is not None else dp // max(s.replicate_size, 1)
-    replicate = s.replicate_size if s.replicate_size is not None else dp // max(shard, 1)
-    if shard < 1 or replicate < 1 or replicate * shard != dp:
-        fail(
-            f"sharding=hybrid needs replicate_size x shard_size = {dp} data-parallel ranks of each stage, "
-            f"got {replicate} x {shard}.",
-            f"pass sharding.replicate_size and sharding.shard_size whose product is {dp}",
-        )
-    return replicate, shard
+    """(replicate, shard) of a stage's dp ranks: the layout's split (``fsdp_exp.config.layout.dp_split``)."""
+    return dp_split(cfg, dp)
 
 
 def stage_planner_rules(cfg: "RunConfig"):
@@ -317,9 +297,8 @@ def pipeline_mesh(device_type: str, pp: int, dp: int, tp: int = 1) -> "DeviceMes
 
 def mesh_layout(pp: int, dp: int, tp: int = 1, cp: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(shape, dim names) of a pipeline run's mesh: a stage's data-parallel ranks are one ``dp`` dim."""
-    from fsdp_exp.parallel.mesh import layout
-
-    return layout((dp,), ("dp",), pp=pp, cp=cp, tp=tp)
+    layout = Layout.of(pp * dp * cp * tp, pp=pp, cp=cp, tp=tp)
+    return layout.mesh_shape, layout.mesh_dim_names
 
 
 def build_stage_module(model_cfg: "ModelConfig", blocks: list[int], first: bool, last: bool) -> "nn.Module":
@@ -463,10 +442,11 @@ class PipelineEngine:
     def has_last(self) -> bool:
         return self.settings.num_stages - 1 in self.stage_indices
 
-    def step(self, inputs: "torch.Tensor", targets: "torch.Tensor") -> float:
+    def step(self, inputs: "torch.Tensor", targets: "torch.Tensor", **packed) -> float:
         """Forward and backward over ``settings.n_microbatches`` micro-batches of (inputs, targets): this dp
         rank's sequences (every rank passes them; the schedule reads inputs on the first stage, targets on
-        the last). Returns the step's mean loss over the global batch, on every rank."""
+        the last). ``packed`` (documents, positions: attention_mask.packed_inputs) reaches every stage's
+        forward, cut into the same micro-batches. Returns the step's mean loss over the global batch, on every rank."""
         import torch
         import torch.distributed as dist
 
@@ -477,6 +457,7 @@ class PipelineEngine:
                 target=targets if self.has_last else None,
                 losses=losses if self.has_last else None,
                 return_outputs=False,
+                **packed,
             )
         # The last stage's mean over its micro-batches, summed over the pp group (the other stages add 0),
         # then averaged over dp: the mean over the global batch, on every rank of this mesh.

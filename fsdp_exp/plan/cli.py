@@ -18,7 +18,8 @@ import json
 import sys
 from typing import TYPE_CHECKING, Optional
 
-from fsdp_exp.errors import EXIT_BAD_CONFIG, fail
+from fsdp_exp.config.layout import ep_values
+from fsdp_exp.errors import EXIT_BAD_CONFIG, fail, planning
 from fsdp_exp.plan.devices import device_table, fits, local_cuda_device
 from fsdp_exp.plan.fit import MORE_NODES
 from fsdp_exp.units import GIB
@@ -101,10 +102,7 @@ def expert_parallel_options(cfg: "RunConfig") -> list[str]:
     checks, drop out when they are planned), so that the table shows what expert parallel saves or costs."""
     if not getattr(cfg.model, "n_experts", 0):
         return []
-    return [f"parallel.ep={ep}" for ep in EP_VALUES if ep != cfg.parallel.ep]
-
-
-EP_VALUES = (1, 2, 4, 8, 16, 32, 64)
+    return [f"parallel.ep={ep}" for ep in ep_values() if ep != cfg.parallel.ep]
 
 
 def price_options(
@@ -406,7 +404,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from fsdp_exp.config.strict import refusal
 
     try:
-        result, opts = plan_from_argv(argv)
+        with planning() as not_built:  # the layouts torch runs and the runtime does not yet are planned too
+            result, opts = plan_from_argv(argv)
     except PlanOptionError as err:
         print(f"fsdp_exp.plan: invalid planner option: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -416,8 +415,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise
         print(f"fsdp_exp.plan: {refused}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    gaps = list(dict.fromkeys(not_built))
     if opts["format"] == "json":
-        print(json.dumps({**result.to_dict(), "options": opts["options"], "fit": opts["fit"]}, indent=1))
+        print(
+            json.dumps(
+                {**result.to_dict(), "options": opts["options"], "fit": opts["fit"], "not_built": gaps}, indent=1
+            )
+        )
     else:
         from rich.console import Console
 
@@ -431,6 +435,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         overrides = split_argv(argv)[1]
         say(opts["header"])
+        for gap in gaps:
+            say(f"planned, though a run is refused today: {gap}")
         # the ep variants have their own lines below the table (``expert_parallel_lines``)
         rows = [o for o in opts["options"] if not o["change"].startswith("parallel.ep=")]
         console.print(render_table(result, overrides, rows))

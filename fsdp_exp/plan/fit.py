@@ -28,6 +28,8 @@ import dataclasses
 import itertools
 from typing import TYPE_CHECKING, Optional
 
+from fsdp_exp.config.layout import EP_CANDIDATES, degree_values, ep_values
+
 if TYPE_CHECKING:
     from fsdp_exp.config.schema import RunConfig
     from fsdp_exp.plan.devices import Device
@@ -44,11 +46,9 @@ MORE_NODES = (2, 4)  # the node counts tried, as multiples of the run's
 # A mixture of experts' expert parallel: its all-to-alls replace the experts' all-gathers over the EP ranks; one
 # price for every ep, so that among equal prices the smallest need (the largest ep that fits) wins.
 EP_PRICE = 1
-EP_VALUES = (2, 4, 8, 16, 32, 64)
 # Context parallel and pipeline stages, per doubling of the degree (the module's docstring says why).
 CP_PRICE = 1
 PP_PRICE = 2
-MODEL_PARALLEL_VALUES = (2, 4, 8, 16, 32, 64)
 
 
 def _dimensions(cfg: "RunConfig", group_node, dp: int) -> list[list[tuple[str, int, object]]]:
@@ -79,8 +79,7 @@ def _dimensions(cfg: "RunConfig", group_node, dp: int) -> list[list[tuple[str, i
     if getattr(cfg.model, "n_experts", 0) and cfg.parallel.ep == 1:
         # ep must divide the shard ranks (preflight refuses the others, and the search skips what it refuses)
         dims.append(
-            [("", 0, None)]
-            + [(f"parallel.ep={ep}", EP_PRICE, ("ep", ep)) for ep in EP_VALUES if ep <= max(dp, 1) and dp % ep == 0]
+            [("", 0, None)] + [(f"parallel.ep={ep}", EP_PRICE, ("ep", ep)) for ep in ep_values(max(dp, 1)) if ep > 1]
         )
     return dims + _model_parallel_dimensions(cfg, dp)
 
@@ -93,8 +92,8 @@ def _model_parallel_dimensions(cfg: "RunConfig", dp: int) -> list[list[tuple[str
         if getattr(cfg.parallel, key) != 1:
             continue  # the run chose its degree
         values = [("", 0, None)]
-        for degree in MODEL_PARALLEL_VALUES:
-            if degree <= dp and dp % degree == 0:
+        for degree in degree_values(dp):
+            if 1 < degree <= max(EP_CANDIDATES):  # the layout's degrees up to the largest the searches try
                 values.append((f"parallel.{key}={degree}", price * (degree.bit_length() - 1), (key, degree)))
         if len(values) > 1:
             dims.append(values)

@@ -47,6 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fsdp_exp.config.layout import Layout
 from fsdp_exp.errors import fail
 from fsdp_exp.parallel.pipeline import (
     PipelineSettings,
@@ -135,9 +136,9 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     ``trainer.loss_chunks=auto``: the plan of the choice ``fsdp_exp.plan.loss_chunks``'s rule makes on the worst
     rank's peaks (what ``predict.loss_chunks_for`` decides for a pipeline run)."""
     from fsdp_exp.models import spec_for
-    from fsdp_exp.parallel.pipeline import stage_dp_layout, stage_planner_rules
+    from fsdp_exp.parallel.pipeline import stage_planner_rules
     from fsdp_exp.plan.activations import profile_for
-    from fsdp_exp.plan.states import model_states, param_infos, unit_names
+    from fsdp_exp.plan.states import expert_units, model_states, param_infos, unit_names
 
     if fixed(cfg.trainer.loss_chunks) is None:
         k = candidate(cfg)
@@ -156,13 +157,19 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
             return stage_of_block[info.block]
         return 0 if info.name in inventory.input_params else last
 
-    tp = cfg.parallel.tp  # inside each stage (parallel/pipeline.py's tensor_parallel_stage), no sequence parallel
-    shard = stage_dp_layout(cfg, dp)[1]  # the stage's shard group: dp, 1 replicated (DDP), or HSDP's shard
-    infos = param_infos(inventory, unit_names(spec, cfg), stage_planner_rules(cfg), shard=shard, tp=tp)
+    # A stage's sub-groups: its dp ranks' shard group (dp, 1 replicated, or HSDP's shard) with cp folded in, tp,
+    # and ep over the shard x cp ranks (the experts' units over efsdp)
+    layout = Layout.for_stages(cfg, dp)
+    tp, cp, ep = layout.tp, layout.cp, layout.ep
+    experts = expert_units(spec, cfg)
+    infos = param_infos(
+        inventory, unit_names(spec, cfg), stage_planner_rules(cfg), shard=layout.shard_cp, tp=tp, experts=experts, ep=ep
+    )
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     e_reduce = DTYPE_BYTES[cfg.precision.reduce_dtype] if cfg.precision.reduce_dtype else e
-    micro_batch = cfg.trainer.global_batch_size // dp // s.n_microbatches
-    profile = profile_for(cfg.model, micro_batch, cfg.trainer.seq_len, tp=tp, sequence_parallel=False)
+    micro_batch = layout.local_batch(cfg.trainer.global_batch_size) // s.n_microbatches
+    sp = cfg.parallel.sequence_parallel and tp > 1
+    profile = profile_for(cfg.model, micro_batch, cfg.trainer.seq_len, tp=tp, sequence_parallel=sp, cp=cp, ep=ep)
     full_block = profile.block_saved(e, False, profile.math_attention(device_kind, e))["total"]
     resid = profile.residual(e)  # a stage's input or output, one micro-batch
     saved = _block_saved(cfg, profile, e, full_block, resid)
@@ -173,11 +180,13 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     chunks = max(1, min(fixed(cfg.trainer.loss_chunks), cfg.trainer.seq_len))  # settled above
     head_bytes = profile.head_saved(e, False) + 4 * -(-logits // chunks) + e * logits
     temporaries = resid + profile.backward_peak(e) + e * profile.peak_weight_grad
+    # model.attention_mask=block_causal: every stage builds the micro-batch's mask, held until its backward ends
+    mask = profile.batch_inputs(device_kind, e) if hasattr(profile, "batch_inputs") else 0
 
     def stage_microbatch(stage: int) -> int:
         first_input = resid if stage != 0 else 0  # in a receive buffer instead
         output = head_bytes if stage == last else resid
-        return sum(saved(b) for b in blocks[stage]) - first_input + output
+        return sum(saved(b) for b in blocks[stage]) - first_input + output + mask
 
     # Each stage's once: the ranks' walks below ask for it once per micro-batch in flight (a search plans thousands).
     per_microbatch = [stage_microbatch(stage) for stage in range(s.num_stages)].__getitem__
@@ -275,12 +284,19 @@ def stage_states_floor(cfg: "RunConfig", dp: int, device_kind: str) -> int:
     ``pipeline_plan`` holds them: the pp ranks' share of it (``plan.predict.peak_floor``)."""
     from fsdp_exp.models import spec_for
     from fsdp_exp.parallel.backend import backend_for
-    from fsdp_exp.plan.states import model_states, param_infos, unit_names
+    from fsdp_exp.plan.states import expert_units, model_states, param_infos, unit_names
 
     spec = spec_for(cfg.model)
     inventory = spec.inventory(cfg.model)
+    layout = Layout.for_stages(cfg, dp)
     infos = param_infos(
-        inventory, unit_names(spec, cfg), backend_for(cfg).planner_rules(cfg), shard=dp, tp=cfg.parallel.tp
+        inventory,
+        unit_names(spec, cfg),
+        backend_for(cfg).planner_rules(cfg),
+        shard=layout.shard_cp,
+        tp=layout.tp,
+        experts=expert_units(spec, cfg),
+        ep=layout.ep,
     )
     pieces = model_states(infos, offload=False, kind=device_kind).resident
     return pieces["params"] + pieces["optimizer"]
@@ -311,7 +327,7 @@ def with_worst_stage(result, cfg: "RunConfig", topology, margin=None):
 
     from fsdp_exp.errors import ConfigError
 
-    settings = settings_from(cfg, cfg.trainer.global_batch_size // topology.dp_size)
+    settings = settings_from(cfg, topology.layout.local_batch(cfg.trainer.global_batch_size))
     try:
         pipeline = pipeline_plan(cfg, settings, topology.dp_size, result.device_kind)
     except ConfigError as exc:  # a schedule without an activation model: the whole model, an upper bound

@@ -162,7 +162,7 @@ def _pipeline_peak(cfg: "RunConfig", topology: "Topology", kind: str) -> int:
     from fsdp_exp.plan.pipeline import shared_pipeline_plan
 
     try:
-        settings = settings_from(cfg, cfg.trainer.global_batch_size // topology.dp_size)
+        settings = settings_from(cfg, topology.layout.local_batch(cfg.trainer.global_batch_size))
         return shared_pipeline_plan(cfg, settings, topology.dp_size, kind).peak_rank.peak
     except ConfigError:
         return plan(cfg, topology, device_kind=kind).peak["total"]
@@ -176,7 +176,7 @@ def _stage_logits(cfg: "RunConfig", topology: "Topology") -> Optional[int]:
 
     from fsdp_exp.errors import ConfigError
 
-    local = cfg.trainer.global_batch_size // topology.dp_size
+    local = topology.layout.local_batch(cfg.trainer.global_batch_size)
     try:
         sequences = -(-local // settings_from(cfg, local).n_microbatches)
         return sequences * profile_for(cfg.model, 1, cfg.trainer.seq_len, 1, False).logits
@@ -305,7 +305,7 @@ def peak_and_need(
         from fsdp_exp.parallel.pipeline import settings_from
         from fsdp_exp.plan.pipeline import shared_pipeline_plan
 
-        settings = settings_from(cfg, cfg.trainer.global_batch_size // topology.dp_size)
+        settings = settings_from(cfg, topology.layout.local_batch(cfg.trainer.global_batch_size))
         try:
             worst = shared_pipeline_plan(cfg, settings, topology.dp_size, kind).peak_rank
         except ConfigError:

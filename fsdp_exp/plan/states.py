@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from fsdp_exp.config.layout import efsdp_size
 from fsdp_exp.models.spec import Inventory, ParamEntry, config_key
 from fsdp_exp.parallel.backend import PlannerRules
 from fsdp_exp.parallel.placement import shard_numel
@@ -100,7 +101,7 @@ def param_infos(
         group = shard
         if owner in expert_set and ep > 1:  # this rank's experts (dim 0 / ep), then FSDP2 over the efsdp ranks
             shape = (shape[0] // ep, *shape[1:])
-            group = shard // ep
+            group = efsdp_size(shard, ep)
         if rules.param_layout == "dim0":  # one dim chunked over the shard group (placement.shard_dim), padded
             local = shard_numel(shape, group)  # as torch.chunk does: dim 0, or a stacked weight's even dim
             gathered = local * group

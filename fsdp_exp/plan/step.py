@@ -103,6 +103,12 @@ class StepWalk:
         # Elements of each block's units that are reduce-scattered: under expert parallel with ep = shard the
         # experts' unit has one rank and reduces nothing (its gradient is this rank's whole).
         self.reduced = g.block_reduced_numel if s.ep > 1 else g.block_numel
+        # What a block keeps gathered past its forward when units do not reshard (grad_op): under expert
+        # parallel with ep = shard the experts' unit of one rank reshards anyway (fsdp_exp.parallel.fsdp2: its
+        # unsharded parameters are a cast of its own, made again for backward), so it is held only while its
+        # block runs (``alone``).
+        self.held = g.block_reduced_numel if s.ep > 1 else g.block_numel
+        self.alone = [whole - held for whole, held in zip(g.block_numel, self.held)]
         # A shard group of one rank (one rank, or no_shard's (world, 1) mesh) all-gathers nothing: FSDP2
         # makes the unsharded parameters from the sharded ones directly, with no all-gather output.
         self.all_gathers = self.gathers and s.shard > 1
@@ -134,7 +140,8 @@ class StepWalk:
         self.logits = (DTYPE_BYTES[out] if out else e) * self.logit_elements
         self.log_softmax = 4 * self.logit_elements
         self.module_buffers = buffer_bytes
-        self.inputs = 2 * 8 * x.tokens  # token ids and targets (int64)
+        # token ids and targets (int64); block_causal's documents and mask (a family without: none)
+        self.inputs = 2 * 8 * x.tokens + (x.batch_inputs(s.kind, e) if hasattr(x, "batch_inputs") else 0)
         # Weight gradients: in param_dtype where the unsharded parameters are (FSDP); DDP's land in
         # the fp32 parameters' .grad.
         self.e_grad_w = e if self.gathers else 4
@@ -200,7 +207,7 @@ class StepWalk:
         """Unsharded parameter bytes while block i runs its backward."""
         g = self.g
         if not self.reshard:
-            return self.e_p * (g.root_numel + sum(g.block_numel[: i + 1])) - sum(self.f8_saved[: i + 1])
+            return self.e_p * (g.root_numel + sum(self.held[: i + 1]) + self.alone[i]) - sum(self.f8_saved[: i + 1])
         return self.e_p * (g.root_numel + g.own[i] + g.largest_nested[i]) - self.f8_saved[i]
 
     def prefetched(self, i: int) -> int:
@@ -265,7 +272,8 @@ class StepWalk:
                 unsh, comm = sum(self.casts[: i + 1]), self.bucket
             else:
                 unsh = self.e_p * (
-                    g.root_numel + (sum(g.block_numel[: i + 1]) if not self.reshard else g.own[i] + g.largest_nested[i])
+                    g.root_numel
+                    + (sum(self.held[: i + 1]) + self.alone[i] if not self.reshard else g.own[i] + g.largest_nested[i])
                 ) - (sum(self.f8_saved[: i + 1]) if not self.reshard else self.f8_saved[i])
                 comm = (
                     self.e_p * (self.last_gathered(i) + sum(g.own[i + 1 : i + 1 + self.fwd_depth]))
@@ -288,8 +296,7 @@ class StepWalk:
             unsh, comm = sum(self.casts) + self.output_cast, self.bucket
         else:
             unsh = self.e_p * (
-                g.root_numel
-                + (sum(g.block_numel) if not self.reshard else (g.own[self.L - 1] if self.keep_last else 0))
+                g.root_numel + (sum(self.held) if not self.reshard else (g.own[self.L - 1] if self.keep_last else 0))
             ) - (sum(self.f8_saved) if not self.reshard else (self.f8_saved[-1] if self.keep_last else 0))
             comm = (
                 self.e_p * self.last_gathered(self.L - 1) - (self.f8_saved[-1] if g.own[-1] else 0)
@@ -331,7 +338,7 @@ class StepWalk:
         if not self.gathers:
             unsh, comm = sum(self.casts) + self.output_cast, self.bucket
         elif not self.reshard:
-            unsh, comm = self.e_p * (g.root_numel + sum(g.block_numel)), 0
+            unsh, comm = self.e_p * (g.root_numel + sum(self.held)), 0
         else:
             unsh, comm = self.e_p * ((g.own[self.L - 1] if self.keep_last else 0) + (g.root_numel if chunked else 0)), 0
         grads = self.accumulated(None) + self.replica_grads
@@ -432,7 +439,7 @@ class StepWalk:
             )
             # Post-backward: the block is resharded, its gradients copied into the reduce-scatter input
             # (reduce_dtype), the unsharded ones freed.
-            unsh = self.e_p * (g.root_numel + (sum(g.block_numel[:i]) if not self.reshard else 0))
+            unsh = self.e_p * (g.root_numel + (sum(self.held[:i]) if not self.reshard else 0))
             rest = dict(
                 unsharded=unsh,
                 activations=sum(self.act_block[:i]),

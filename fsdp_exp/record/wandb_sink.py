@@ -158,3 +158,15 @@ def note_failure_in_wandb(
     sink.summary({"status": "failed", "error": error})
     sink.close(exit_code=1)
     return sink.run_id
+
+
+def check_logger(cfg) -> None:
+    """Preflight's check of the logger group: the W&B mode."""
+    from fsdp_exp.config.schema import WANDB_MODES
+    from fsdp_exp.errors import fail
+
+    if cfg.logger.wandb.mode not in WANDB_MODES:
+        fail(
+            f"logger.wandb.mode={cfg.logger.wandb.mode!r} is not one of {', '.join(WANDB_MODES)}.",
+            "pass logger.wandb.mode=offline",
+        )

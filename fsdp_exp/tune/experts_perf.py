@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from fsdp_exp.config.layout import efsdp_size
 from fsdp_exp.tune.traffic import Traffic, group_nodes
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ def expert_traffic(moe, ep, shard, tp, nproc, G, R, regather, cfg, e_p, e_r) -> 
     over shard / ep ranks (ep apart), 1/ep of what ep=1 gathers over all the shard ranks; reduce-scatters the same.
     None where efsdp is one rank (ep = shard: each rank holds its experts whole)."""
     layers, numel = moe
-    efsdp = shard // ep
+    efsdp = efsdp_size(shard, ep)
     if efsdp <= 1 or not layers:
         return []
     nodes = group_nodes(tp * ep, efsdp, nproc)

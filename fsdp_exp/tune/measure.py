@@ -47,8 +47,10 @@ def choose(tuning: "Tuning", opts: "TuneOptions") -> list[str]:
     chosen: dict[str, None] = {}
 
     def take(cid: str, role: str) -> None:
-        chosen.setdefault(cid, None)
         weighed = tuning.by_id(cid)
+        if weighed.not_built and cid not in opts.extra:  # a run of it would be refused (errors.not_built)
+            return
+        chosen.setdefault(cid, None)
         time_candidate(weighed, tuning.perf, opts.expert_imbalance)
         if role not in weighed.roles:
             weighed.roles.append(role)

@@ -257,7 +257,7 @@ def step_costs(
     rules = backend.planner_rules(cfg)
     tp, dp, nproc = topology.tp_size, topology.dp_size, topology.nproc_per_node
     shard = backend.shard_group(topology)  # shard x cp under context parallel
-    replicas = max(1, dp * topology.cp_size // max(shard, 1))
+    replicas = topology.layout.replicas_of(shard)
     G = topology.grad_accum_steps
     # Gradient reductions per step (trainer.grad_sync as the backend resolves it): every micro-batch, or the last.
     R = G if backend.grad_sync(cfg) == EVERY_MICRO_BATCH else 1
@@ -265,7 +265,7 @@ def step_costs(
     seq = cfg.trainer.seq_len
     cp = cfg.parallel.cp
     tokens = cfg.trainer.global_batch_size * seq
-    tokens_rank = tokens / (dp * cp)  # context parallel: each of the cp ranks computes its share of a sequence
+    tokens_rank = tokens / topology.layout.tokens_shards  # dp x cp: a CP rank computes its share of a sequence
 
     w = work(cfg)
     ep = max(1, topology.ep_size)

@@ -39,15 +39,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+from fsdp_exp.config.layout import Layout
 from fsdp_exp.parallel.pipeline import (
     bubble_fraction,
     settings_from,
     stage_blocks,
-    stage_dp_layout,
     stage_planner_rules,
     stages_of_rank,
 )
-from fsdp_exp.plan.states import DTYPE_BYTES
+from fsdp_exp.plan.states import DTYPE_BYTES, expert_units
 from fsdp_exp.tune.perf import (
     ADAMW_BYTES_PER_PARAM,
     ADAMW_OPS_PER_TENSOR,
@@ -59,7 +59,10 @@ from fsdp_exp.tune.perf import (
     step_costs,
     tiny_all_reduce_seconds,
 )
-from fsdp_exp.tune.traffic import Traffic, link_for, traffic_seconds
+from fsdp_exp.tune.traffic import Traffic, group_nodes, link_for, traffic_seconds
+
+# The whole model's traffic that stays inside a stage (its purposes' first words, fsdp_exp.tune.perf / experts_perf)
+IN_STAGE = ("tensor", "context-parallel", "ring attention", "expert all-to-all")
 
 if TYPE_CHECKING:
     from fsdp_exp.config.schema import RunConfig
@@ -198,22 +201,18 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
     from fsdp_exp.tune.work import work
 
     tp, dp = topology.tp_size, topology.dp_size
-    local_batch = cfg.trainer.global_batch_size // dp
+    local_batch = topology.layout.local_batch(cfg.trainer.global_batch_size)
     s = settings_from(cfg, local_batch)
     m = s.n_microbatches
     micro = local_batch // m
     # The whole model's compute on one rank for this dp rank's batch, in m micro-batches of the pipeline's size.
-    names = ("shard", "tp") if tp > 1 else ("shard",)
     whole_topology = dataclasses.replace(
-        topology,
-        mesh_shape=(dp, tp) if tp > 1 else (dp,),
-        mesh_dim_names=names,
-        micro_batch_size=micro,
-        grad_accum_steps=m,
-        world_size=dp * tp,
+        topology, layout=topology.layout.without_pipeline(), micro_batch_size=micro, grad_accum_steps=m
     )
     whole = step_costs(cfg, whole_topology)
-    whole = dataclasses.replace(whole, traffic=tuple(t for t in whole.traffic if t.purpose.startswith("tensor")))
+    # What a stage's blocks exchange inside it (TP, CP, the experts' all-to-all), in proportion to its blocks;
+    # its data-parallel collectives are counted below, per stage
+    whole = dataclasses.replace(whole, traffic=tuple(t for t in whole.traffic if t.purpose.startswith(IN_STAGE)))
     w = work(cfg)
     vocab = w.logits_per_token
     head = next((g for g in whole.gemms if round(g[2] * tp) == round(vocab)), None)
@@ -244,25 +243,53 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
     rules = stage_planner_rules(cfg)
     e_p, e_r = DTYPE_BYTES[cfg.precision.param_dtype], DTYPE_BYTES[cfg.precision.reduce_dtype]
     stage_of_block = {b: st for st, bs in enumerate(blocks) for b in bs}
+    # The stage's dp ranks as (replicate, shard): dp_index = replica * shards + shard_index; FSDP shards a stage's
+    # weights over shard x cp (a CP rank holds the same weights), tp ranks apart; under expert parallel a layer's
+    # routed experts are a unit of their own, this rank's experts/ep gathered over efsdp (ep x tp ranks apart)
+    layout = Layout.for_stages(cfg, dp)
+    replicas, shards, ep, efsdp = layout.dp_replicate, layout.shard_cp, layout.ep, layout.efsdp
+    experts = tuple(f"{unit}." for unit in expert_units(spec, cfg))
     numel = [0.0] * s.num_stages
+    expert_numel = [0.0] * s.num_stages
+    expert_layers: list[set] = [set() for _ in range(s.num_stages)]
     tensors = [0] * s.num_stages
     for p in inventory.params:
         st = stage_of_block[p.block] if p.block is not None else (0 if p.name in inventory.input_params else last)
-        numel[st] += p.numel / tp
+        owner = next((u for u in experts if p.name.startswith(u)), None)
+        if owner is None:
+            numel[st] += p.numel / tp
+        else:
+            expert_numel[st] += p.numel / tp / ep
+            expert_layers[st].add(owner)
         tensors[st] += 1
     nproc = topology.nproc_per_node
-    # The stage's dp ranks as (replicate, shard): dp_index = replica * shards + shard_index
-    replicas, shards = stage_dp_layout(cfg, dp)
     shard_nodes = len({(i * tp) // nproc for i in range(shards)})
     replica_nodes = len({(i * shards * tp) // nproc for i in range(replicas)})
+    efsdp_nodes = group_nodes(tp * ep, efsdp, nproc)
     ranks = []
     for r in range(s.pp):
         mine = stages_of_rank(s, r)
         units = sum(len(blocks[st]) + 1 for st in mine)
         gathered = sum(numel[st] for st in mine)
+        expert_gathered = sum(expert_numel[st] for st in mine)
+        expert_units_here = sum(len(expert_layers[st]) for st in mine)
         traffic: tuple = ()
+        if efsdp > 1 and expert_units_here:
+            traffic = tuple(
+                Traffic(
+                    f"stage experts' {kind} (efsdp)",
+                    kind,
+                    efsdp,
+                    efsdp_nodes,
+                    expert_units_here,
+                    e * expert_gathered,
+                    phase,
+                    True,
+                )
+                for kind, e, phase in (("all-gather", e_p, "forward"), ("reduce-scatter", e_r, "backward"))
+            )
         if shards > 1:
-            traffic = (
+            traffic += (
                 Traffic("stage all-gather", "all-gather", shards, shard_nodes, units, e_p * gathered, "forward", True),
                 Traffic(
                     "stage reduce-scatter",
@@ -283,7 +310,7 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
                     replicas,
                     replica_nodes,
                     units,
-                    e_r * gathered / shards,
+                    e_r * (gathered / shards + expert_gathered / max(efsdp, 1)),
                     "backward",
                     True,
                 ),
@@ -295,7 +322,7 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
                 compute=tuple(stage_compute(st) for st in mine),
                 traffic=traffic,
                 units=units,
-                local_params=gathered / shards,
+                local_params=gathered / shards + expert_gathered / max(efsdp, 1),
                 tensors=sum(tensors[st] for st in mine),
             )
         )

@@ -57,6 +57,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Optional
 
+from fsdp_exp.config.layout import data_parallel_ranks, divisors as _divisors, ep_values
+from fsdp_exp.config.schema import CP_METHODS as CP_METHOD_VALUES, STRATEGIES
 from fsdp_exp.errors import closest, did_you_mean, fail
 from fsdp_exp.tune.options import SPACE_DIMENSIONS
 
@@ -84,7 +86,7 @@ FIXED_BY = {
     "ep": ("parallel.ep",),
 }
 CP_FROM_SEQ_LEN = 16384  # context parallel is searched from this sequence length on
-CP_METHODS = ["all_to_all", "ring"]
+CP_METHODS = [m for m in CP_METHOD_VALUES if m != "auto"]  # the methods searched (auto picks one of them)
 GRAD_SYNC_VALUES = ["every_micro_batch", "last_micro_batch"]
 # pp_schedule's values -> (parallel.pp_schedule, parallel.pp_stages_per_rank)
 PP_SCHEDULES = {"1f1b": ("1f1b", 1), "gpipe": ("gpipe", 1), "interleaved_1f1b": ("interleaved_1f1b", 2)}
@@ -125,10 +127,6 @@ def fixed_dimensions(overrides: list[str]) -> dict[str, str]:
     return fixed
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def pipeline_sizes(base: "RunConfig", dp: int) -> list[str]:
     """``parallel.pp`` values: 1 and every divisor of the data-parallel ranks with at most as many stages as the
     model has blocks. The family checks its config first (as preflight does), so that a model it refuses is
@@ -164,7 +162,7 @@ def expert_sizes(base: "RunConfig", dp: int) -> list[str]:
     if not spec.expert_modules(spec.meta_model(base.model)):
         return ["1"]
     sizes = ["1"]
-    for d in _divisors(dp)[1:]:
+    for d in ep_values(dp)[1:]:
         try:
             spec.check_expert_parallel(base.model, d)
         except ConfigError:
@@ -235,7 +233,6 @@ def build_space(
 ) -> Space:
     """The space for this run: ``requested`` (``tune.space.*``) where given, else the defaults of the table above,
     less the dimensions ``overrides`` fix."""
-    from fsdp_exp.preflight import STRATEGIES
     from fsdp_exp.parallel.backend import backend_names, get_backend
 
     fixed = fixed_dimensions(overrides)
@@ -245,7 +242,7 @@ def build_space(
                 f"tune.space.{dim} searches what {fixed[dim]} fixes.",
                 f"drop {fixed[dim]} to search it, or drop tune.space.{dim} to keep it",
             )
-    dp = max(1, world // max(base.parallel.tp, 1))
+    dp = data_parallel_ranks(world, tp=base.parallel.tp)  # the space's pp, cp and ep divide these
     values: dict[str, list[str]] = {}
     notes: list[str] = []
     names = backend_names()
@@ -426,8 +423,6 @@ def _idle_duplicate(options: dict, base: "RunConfig", v: dict, dp: int, stages_c
     cp = int(options["cp"]) if "cp" in options else base.parallel.cp
     if "cp_method" in options and cp == 1 and options["cp_method"] != v["cp_method"][0]:
         return True  # no sequence split: the method changes nothing
-    if "ep" in options and options["ep"] != "1" and (cp > 1 or pipelined):
-        return True  # expert parallel with context parallel or stages: refused (parallel.expert.check, check_pipeline)
     return False
 
 

@@ -29,6 +29,7 @@ Counting a 70B model's forward takes about a second; it is cached per model conf
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -86,15 +87,39 @@ _CACHE: dict[tuple, Work] = {}
 
 
 def work(cfg: "RunConfig") -> Work:
-    """The model's ``Work`` at ``cfg.trainer.seq_len`` (cached per model config and sequence length)."""
+    """The model's ``Work`` at ``cfg.trainer.seq_len`` (cached per model config, sequence length and attention
+    span), its attention priced at the run's span (``by_documents``)."""
+    from fsdp_exp.data import attention_span
     from fsdp_exp.models.spec import config_key
 
-    key = (config_key(cfg.model), cfg.trainer.seq_len)
+    span, _ = attention_span(cfg)
+    key = (config_key(cfg.model), cfg.trainer.seq_len, span)
     if key not in _CACHE:
         if len(_CACHE) >= 16:
             _CACHE.clear()
-        _CACHE[key] = _count(cfg)
+        _CACHE[key] = by_documents(_count(cfg), cfg, span)
     return _CACHE[key]
+
+
+def by_documents(w: Work, cfg: "RunConfig", span: float) -> Work:
+    """``w`` (counted on the meta model, attention over the whole sequence) with attention's FLOPs priced at
+    ``span`` (model.attention_mask=block_causal: each packed document's own causal work, fsdp_exp.data's
+    attention_span): attention per token is linear in the sequence it attends over, so it scales by span / seq,
+    the blocks' share alike (every block attends)."""
+    from fsdp_exp.models import spec_for
+
+    seq = cfg.trainer.seq_len
+    if span >= seq:
+        return w
+    saved = w.attention_flops_per_token * (1.0 - span / seq)
+    per_block = saved / max(1, len(w.block_forward_flops))
+    return dataclasses.replace(
+        w,
+        flops_per_token=float(spec_for(cfg.model).flops_per_token(cfg.model, span)),
+        forward_flops_per_token=w.forward_flops_per_token - saved,
+        attention_flops_per_token=w.attention_flops_per_token - saved,
+        block_forward_flops=tuple(f - per_block for f in w.block_forward_flops),
+    )
 
 
 def _count(cfg: "RunConfig") -> Work:

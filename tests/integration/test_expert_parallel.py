@@ -44,6 +44,13 @@ HYBRID_AC = ["sharding=hybrid", "sharding.shard_size=2", "ac=full"]
 # every rank, is the yardstick.
 UNEVEN = {"fsdp2": [], "ep2": ["parallel.ep=2"], "ddp": ["sharding=ddp"]}
 UNEVEN_STEPS = 3
+# Each against ep=1 with the same options: a capacity factor that drops copies (they stay home under EP: before,
+# they were sent past the counts and the all-to-all's split sizes did not add up) with the aux loss on; and
+# torchtitan's op-level policy (ac=selective_op), whose recompute under EP runs the experts' FSDP unit's hooks
+# (before, torch's selective contexts refused their profiler markers in the first backward).
+CAPACITY = ["model.capacity_factor=1.0", "model.aux_loss_coef=0.01"]
+SELECTIVE_OP = ["ac=selective_op", "model.recompute_expert_activation=true"]  # the experts' own recompute inside
+GRAD_OP = ["sharding=grad_op"]
 
 
 def _free_port() -> int:
@@ -144,8 +151,19 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     results, memory = {}, {}
     for precision, ep in CASES:
         cfg = run_config([*OVERRIDES, f"precision={precision}", f"parallel.ep={ep}"])
-        tracked = memory.setdefault(("shared-expert", ep), {}) if precision == "fp32" else None
+        tracked = memory.setdefault(("shared-expert" if precision == "fp32" else "shared-expert-bf16", ep), {})
         results[(precision, ep)] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), memory=tracked)
+    for ep in (1, 2):
+        cfg = run_config([*OVERRIDES, *CAPACITY, f"parallel.ep={ep}"])
+        results[("capacity", ep)] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"))
+    # grad_op at ep = the shard ranks: the experts' unit of one rank reshards after forward (fsdp_exp.parallel.fsdp2)
+    cfg = run_config([*OVERRIDES, *GRAD_OP, "parallel.ep=4"])
+    memory[("grad_op", 4)] = {}
+    results[("fp32", "grad_op")] = _train(
+        cfg, validate(cfg, cuda_devices=0), torch.device("cpu"), memory=memory[("grad_op", 4)]
+    )
+    cfg = run_config([*OVERRIDES, *SELECTIVE_OP, "parallel.ep=2"])
+    results[("fp32", "selective_op")] = _train(cfg, validate(cfg, cuda_devices=0), torch.device("cpu"))
     cfg = run_config([*OVERRIDES, *HYBRID_AC, "parallel.ep=2"])
     memory[("hybrid+ac", 2)] = {}
     results[("fp32", "hybrid+ac")] = _train(
@@ -185,7 +203,16 @@ def trained(tmp_path_factory) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "precision,tolerance,ep",
-    [("fp32", 1e-5, 2), ("fp32", 1e-5, 4), ("fp32", 1e-5, "hybrid+ac"), ("bf16", 1e-2, 2), ("bf16", 1e-2, 4)],
+    [
+        ("fp32", 1e-5, 2),
+        ("fp32", 1e-5, 4),
+        ("fp32", 1e-5, "hybrid+ac"),
+        ("fp32", 1e-5, "selective_op"),
+        ("fp32", 1e-5, "grad_op"),
+        ("capacity", 1e-5, 2),
+        ("bf16", 1e-2, 2),
+        ("bf16", 1e-2, 4),
+    ],
 )
 def test_expert_parallel_gives_fsdp_alones_losses_and_expert_gradients(trained, precision, tolerance, ep):
     losses, grads = trained[(precision, ep)]
@@ -196,11 +223,11 @@ def test_expert_parallel_gives_fsdp_alones_losses_and_expert_gradients(trained, 
     # fp32: every step's gradients, by their largest element's error. bf16: the first step's (the same weights
     # at every ep), by the whole tensor's: an expert's gradient sums its EP group's copies in bf16 before FSDP
     # reduces it, in another order than at ep=1, and the differences then steer Adam's first updates apart.
-    steps = len(grads) if precision == "fp32" else 1
+    steps = len(grads) if precision != "bf16" else 1
     for step, (got, ref) in enumerate(zip(grads[:steps], ref_grads[:steps])):
         for name in ref:
             diff, scale = got[name] - ref[name], ref[name]
-            error = (diff.abs().max() / scale.abs().max() if precision == "fp32" else diff.norm() / scale.norm()).item()
+            error = (diff.abs().max() / scale.abs().max() if precision != "bf16" else diff.norm() / scale.norm()).item()
             assert error < tolerance, (step, name, error)
 
 
@@ -246,8 +273,12 @@ PLAN_TOLERANCE = 0.05
 # (layout, the overrides beyond OVERRIDES, the eps tracked)
 PLANNED = [
     ("shared-expert", [], (1, 2, 4)),
+    # bf16 at ep=4 (= the shard ranks: the experts' unit has one rank) plans its backward 5.2% under the tracker:
+    # a bf16-sized buffer of the experts' is alive at a block's backward peak that the walk does not name yet.
+    ("shared-expert-bf16", ["precision=bf16"], (1, 2)),
     ("routed-only", ["model.n_shared_experts=0"], (1, 2, 4)),
     ("hybrid+ac", HYBRID_AC, (2,)),  # ep = the shard ranks: the experts' unit gathers and reduces nothing
+    ("grad_op", GRAD_OP, (4,)),  # no resharding after forward, but the experts' unit of one rank does
     ("imbalanced", [], (2,)),  # planned at the imbalance the run measured (4: every token picks expert 0)
 ]
 

@@ -4,6 +4,7 @@ which ranks each parallelism's groups hold, and that a collective over each reac
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -35,17 +36,23 @@ def _members(mesh) -> list[int]:
 def _rank(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
+    from fsdp_exp.config.layout import Layout
     from fsdp_exp.parallel import mesh as meshes
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(NPROCS))
     dist.init_process_group("gloo")
     found = {}
     for name, (dp_shape, dp_names, pp, cp, tp, ep) in LAYOUTS.items():
-        shape, names = meshes.layout(dp_shape, dp_names, pp=pp, cp=cp, tp=tp)
-        mesh = meshes.build("cpu", shape, names)
-        dense = meshes.dense_dp_mesh(mesh)
-        cp_group = meshes.cp_mesh(mesh)
-        ep_mesh, efsdp = meshes.expert_meshes(mesh, ep)
+        dims = tuple(zip(dp_names, dp_shape))
+        replicate, dp = dict(dims).get("replicate", 1), math.prod(dp_shape)
+        built = meshes.build_meshes(Layout(NPROCS, pp, replicate, dp // replicate, cp, tp, ep, dims), "cpu")
+        names, dense, cp_group, ep_mesh, efsdp = (
+            built.world.mesh_dim_names,
+            built.dense_dp,
+            built.cp,
+            built.ep,
+            built.efsdp,
+        )
         found[name] = {
             "names": list(names),
             "dense_names": list(dense.mesh_dim_names),

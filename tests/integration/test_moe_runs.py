@@ -19,11 +19,13 @@ def test_a_routed_run_logs_its_expert_load_aux_loss_and_dropped_tokens_each_step
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     copies = 8 * 32 * 2  # the global batch's tokens x top-2, in each of the 2 layers
     for r in rows:
-        # What was kept and what was dropped add up to every routed copy: per layer, over both ranks.
-        assert r["moe/tokens_per_expert_mean"] * 4 + r["moe/dropped_tokens"] / 2 == copies
+        # The loads are the assignment before dropping (what the balancing reads): every routed copy, per layer
+        # over both ranks; the dropped ones are a part of them.
+        assert r["moe/tokens_per_expert_mean"] * 4 == copies
         assert r["moe/dropped_tokens"] > 0 and r["moe/dropped_fraction"] == r["moe/dropped_tokens"] / (2 * copies)
         assert 1 <= r["moe/load_imbalance_mean"] <= r["moe/load_imbalance_max"]
-        assert r["moe/tokens_per_expert_max"] <= 8 * 32 * 2 / 4  # capacity 1.0: no expert past its share
+        # capacity 1.0 per rank (4 x 32 tokens x 2 / 4 experts = 64 a rank): an expert over it lost copies
+        assert r["moe/tokens_per_expert_max"] > 8 * 32 * 2 / 4 or r["moe/dropped_tokens"] == 0
         # 2 layers, each coef x (1 when balanced) x k: near 2 x 0.01 x 2
         assert 0.03 < r["moe/aux_loss"] < 0.06
         assert r["train/grad_norm"] < 10  # dropped copies' rows stay out of the gradients

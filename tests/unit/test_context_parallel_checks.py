@@ -70,7 +70,7 @@ def test_a_published_context_parallel_row_is_expressed_as_parallel_cp_with_its_m
     ]
     ulysses = sharding_overrides({**row, "notes": "DeepSpeed-Ulysses sequence parallel"})
     assert ulysses[-1] == "parallel.cp_method=all_to_all"
-    assert "expert parallel" in sharding_overrides({**row, "ep": "8", "notes": ""})
+    assert "parallel.ep=8" in sharding_overrides({**row, "ep": "8", "notes": ""})  # a published EP row is expressed
 
 
 TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.vocab_size=256"]

@@ -158,3 +158,67 @@ def test_experts_that_do_not_divide_the_shard_ranks_are_planned_unpadded(n_exper
     assert sum(i.gathered_numel for i in experts) == whole // ep
     dense = sum(i.local_numel for i in infos if ".experts." not in i.name)
     assert states.at_rest["total"] == 16 * (dense + 2 * whole // 4)  # both layers' experts, unpadded
+
+
+# NeMo AutoModel's two rows of ../shared/published/moe_ep.csv as fsdp_exp plans them: one DGX-H100, FSDP2 without
+# resharding after forward (sharding=grad_op) + EP 8, full AC, bf16 compute with fp32 reduction. GPT-OSS 20B as
+# the nearest Llama-family MoE (its q/k/v/o and expert biases and attention sinks dropped, the sliding-window
+# layers as full attention: the row's notes; 0.03% of its parameters).
+AUTOMODEL = [
+    "trainer.nproc_per_node=8",
+    "precision=bf16",
+    "sharding=grad_op",
+    "parallel.ep=8",
+    "ac=full",
+    "trainer.seq_len=4096",
+]
+QWEN3_30B = ["model=qwen3_moe_30b_a3b", "trainer.micro_batch_size=4", "trainer.global_batch_size=512"]
+GPT_OSS_20B = [
+    "model=qwen3_moe_30b_a3b",
+    "model.dim=2880",
+    "model.n_layers=24",
+    "model.n_heads=64",
+    "model.n_kv_heads=8",
+    "model.head_dim=64",
+    "model.qk_norm=false",
+    "model.vocab_size=201088",
+    "model.moe_hidden_dim=2880",
+    "model.n_experts=32",
+    "model.experts_top_k=4",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=256",
+]
+GIB = 2**30
+
+
+def _device_plan(*overrides: str):
+    from fsdp_exp.plan import plan
+    from fsdp_exp.preflight import validate
+
+    cfg = run_config(list(overrides))
+    return plan(cfg, validate(cfg, cuda_devices=0), device_kind="cuda")  # python -m fsdp_exp.plan's on a GPU
+
+
+def test_ep_8_needs_less_than_ep_1_for_qwen3_30b_a3b_without_ac():
+    """Before, the layer kept two more copies of its routed rows for backward (index_add_'s source at every ep,
+    index_copy's under EP), and the need rose with ep: 256.5 GiB at ep=1, 281.7 at ep=8. Now 206.0 and 204.9."""
+    layout = [*QWEN3_30B, "trainer.nproc_per_node=8", "precision=bf16", "trainer.seq_len=4096"]
+    ep1, ep8 = (_device_plan(*layout, f"parallel.ep={ep}").per_rank_bytes["total"] / GIB for ep in (1, 8))
+    assert ep8 < ep1 < 230, (ep1, ep8)
+
+
+def test_automodels_rows_are_planned_at_what_their_states_need():
+    """GPT-OSS 20B (approximated) fits its 79.1 GiB. Qwen3-30B-A3B peaks at its optimizer step: fp32 master
+    parameters, gradients and moments (56.9 GiB) and foreach AdamW's temporary (14.2), where AutoModel trains
+    parameters cast to bf16 (its model's initialize_weights), half those states; its forward and backward fit.
+    Before, grad_op kept every layer's experts gathered in bf16 from forward to backward (6.75 GiB at ep = 8 =
+    the shard ranks, where the experts' unit gathers nothing and now reshards), and planned 83.0 GiB."""
+    gpt = _device_plan(*AUTOMODEL, *GPT_OSS_20B)
+    need = gpt.per_rank_bytes["total"] / GIB
+    assert need < 79.1, need
+    qwen = _device_plan(*AUTOMODEL, *QWEN3_30B)
+    states = qwen.model_states["device"]["total"]
+    assert qwen.peak["phase"] == "optimizer step", qwen.peak
+    assert all(qwen.stage_peaks[stage]["total"] < 75 * GIB for stage in ("forward", "backward"))
+    need = qwen.per_rank_bytes["total"] / GIB
+    assert states / GIB > 56 and need < 79.3, (states / GIB, need)

@@ -25,6 +25,17 @@ def test_swiglu_widths_match_the_papers():
     assert ffn_hidden_dim(run_config(["model=llama13b"]).model) == 13824
     assert ffn_hidden_dim(run_config(["model=llama70b"]).model) == 28672
     assert ffn_hidden_dim(run_config(["model=llama3_8b"]).model) == 14336
+    assert ffn_hidden_dim(run_config(["model=llama3_405b"]).model) == 53248
+
+
+def test_llama3_405b_counts_exactly_what_meta_s_config_makes():
+    # By hand from Meta's Llama 3.1 405B config (dim 16384, 126 layers, 128 heads of 128, 8 kv heads,
+    # SwiGLU 53248, vocab 128256, untied): per block q,o 2 x 16384^2, k,v 2 x 16384 x 1024, the SwiGLU
+    # 3 x 16384 x 53248 and two norms; then the embedding, the output projection and the final norm.
+    block = 2 * 16384**2 + 2 * 16384 * 1024 + 3 * 16384 * 53248 + 2 * 16384
+    by_hand = 126 * block + 2 * 128256 * 16384 + 16384
+    assert by_hand == 405_853_388_800
+    assert count_params(run_config(["model=llama3_405b"]).model) == by_hand
 
 
 def test_flops_per_token_by_hand():

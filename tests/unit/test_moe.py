@@ -80,7 +80,9 @@ def test_a_capacity_factor_drops_and_counts_the_copies_past_each_experts_capacit
     _, experts, _ = moe.router(x.reshape(-1, cfg.dim))
     loads = torch.bincount(experts.flatten(), minlength=4)
     assert moe.dropped.item() == (loads - capacity).clamp(min=0).sum().item() > 0
-    assert torch.equal(moe.tokens_per_expert, loads.clamp(max=capacity).float())
+    # The load (what the loss-free bias and the metrics read) is the assignment before dropping, as Switch and
+    # GShard balance on it: a dropped copy still says its expert was wanted.
+    assert torch.equal(moe.tokens_per_expert, loads.float())
     # Within each expert the earliest copies (by token, then slot) keep their place; the rest count for nothing,
     # forward and backward (torch's grouped matmul leaves the rows past its groups unwritten both ways).
     flat = experts.flatten()
@@ -106,6 +108,69 @@ def test_the_aux_loss_is_counted_and_its_gradient_reaches_the_router_only_throug
     (grad,) = torch.autograd.grad(y.sum() * 0, moe.router.gate.weight)  # only the aux loss's gradient remains
     (expected_grad,) = torch.autograd.grad(expected, moe.router.gate.weight)
     torch.testing.assert_close(grad, expected_grad)
+
+
+def test_recomputing_the_experts_activation_gives_the_same_gradients_and_keeps_half_their_intermediates():
+    """model.recompute_expert_activation: silu, the product and w2's grouped matmul recomputed in backward from
+    w1's and w3's outputs. The same outputs and gradients; per routed copy 2 x the experts' width kept instead
+    of 4 (silu's input and output, w3's output and the product), measured on the saved tensors' storages."""
+    grads, kept = [], []
+    for recompute in (False, True):
+        cfg = tiny(f"model.recompute_expert_activation={str(recompute).lower()}", "model.moe_hidden_dim=128")
+        moe = built(cfg).layers["0"].feed_forward
+        x = hidden(cfg, tokens=32).requires_grad_()
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = moe(x)
+        kept.append(sum(storages.values()))
+        g = torch.randn_like(y, generator=torch.Generator().manual_seed(2))
+        grads.append(torch.autograd.grad(y, [x, moe.experts.w1, moe.experts.w3, moe.experts.w2], g))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    copies, width = 32 * 2, 128
+    assert kept[0] - kept[1] == 2 * copies * width * 4, kept  # two fp32 widths a copy fewer
+
+
+def test_the_aux_loss_reads_the_routed_copies_before_a_capacity_drops_any():
+    """With a capacity that drops copies, the aux loss is the dropless layer's (the same router, the same
+    assignment): before, it read the counts after dropping, and a crowded expert looked less crowded."""
+    dropless = built(tiny("model.aux_loss_coef=0.5")).layers["0"].feed_forward
+    capped = built(tiny("model.aux_loss_coef=0.5", "model.capacity_factor=0.5")).layers["0"].feed_forward
+    x = hidden(tiny(), tokens=32)
+    dropless(x), capped(x)
+    assert capped.dropped > 0 and dropless.dropped == 0
+    torch.testing.assert_close(capped.aux_loss, dropless.aux_loss)
+    torch.testing.assert_close(capped.tokens_per_expert, dropless.tokens_per_expert)
+
+
+def test_the_aux_losss_gradient_is_loss_scaled_as_the_training_loss_is_so_fp16_keeps_it():
+    """fp16 multiplies the loss by the scaler's scale (2^16 at first) and divides every gradient by it before
+    the step. The aux loss's gradient rides on the layer's backward and must be scaled the same way: its share
+    of the router's gradient is then the same in fp16 as in fp32 (to fp16's precision). Before, it was never
+    multiplied, so the unscale left 1/65536 of it (a grad norm rise of 2.8e-6 against fp32's 4.1e-2)."""
+    from fsdp_exp.models.moe import reset_routing_counts
+
+    def aux_part(dtype: torch.dtype, scale: float) -> torch.Tensor:
+        grads = []
+        for coef in (0.0, 1.0):
+            cfg = tiny(f"model.aux_loss_coef={coef}")
+            model = built(cfg).to(dtype)
+            moe = model.layers["0"].feed_forward
+            reset_routing_counts(model, 1, scale)
+            y = moe(hidden(cfg, tokens=32).to(dtype))
+            (y.float().square().mean() * scale).backward()
+            grads.append(moe.router.gate.weight.grad.float() / scale)
+        return grads[1] - grads[0]  # the aux loss's part of the router's gradient
+
+    fp32, fp16 = aux_part(torch.float32, 1.0), aux_part(torch.float16, 2.0**16)
+    assert fp32.norm() > 1e-3
+    torch.testing.assert_close(fp16.norm(), fp32.norm(), rtol=2e-2, atol=0)
+    torch.testing.assert_close(fp16, fp32, rtol=5e-2, atol=5e-2 * fp32.abs().max().item())
 
 
 def test_the_aux_losss_gradient_is_split_over_a_steps_micro_batches_as_the_training_loss_is():
@@ -187,15 +252,18 @@ def test_the_mixture_is_one_grouped_module_per_layer_that_wrap_experts_can_shard
     assert all(isinstance(m, MoE) for m in (model.layers["0"].feed_forward, model.layers["1"].feed_forward))
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["", "recompute-activation"])
 @pytest.mark.parametrize("shared", [0, 1], ids=["routed-only", "with-a-shared-expert"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_planner_counts_what_a_mixture_of_experts_block_saves_within_5_percent_of_torchs_tracker(shared, dtype):
+def test_the_planner_counts_what_a_mixture_of_experts_block_saves_within_5_percent_of_torchs_tracker(
+    shared, dtype, recompute
+):
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from fsdp_exp.models.llama import TransformerBlock, rope_tables
     from fsdp_exp.plan.activations import profile_for
 
-    cfg = tiny(f"model.n_shared_experts={shared}")
+    cfg = tiny(f"model.n_shared_experts={shared}", f"model.recompute_expert_activation={str(recompute).lower()}")
     torch.manual_seed(0)
     block = TransformerBlock(cfg).to(dtype)
     cos, sin = rope_tables(cfg.dim // cfg.n_heads, 32, cfg.rope_theta)
@@ -231,8 +299,10 @@ def test_the_flop_count_of_a_routed_model_is_its_active_parameters_as_torchs_cou
         (["parallel.ep=2", "sharding.backend=fsdp1"], "sharding.backend=fsdp2"),
         (["parallel.ep=2", "model=llama_tiny"], "no experts to split"),
         (["parallel.ep=2", "compile=true"], "compile=false"),
+        # an expert's capacity counts one rank's tokens: cp would change which copies drop (issue 43 A)
+        (["parallel.cp=2", "model.capacity_factor=1.0"], "model.capacity_factor=null"),
     ],
-    ids=["ep-divides-shard-ranks", "ep-divides-experts", "fsdp2-only", "dense-model", "compile"],
+    ids=["ep-divides-shard-ranks", "ep-divides-experts", "fsdp2-only", "dense-model", "compile", "capacity-cp"],
 )
 def test_expert_parallel_refuses_what_it_cannot_do_by_name_before_any_rank_starts(overrides, needle):
     from fsdp_exp.config import ConfigError
