@@ -82,6 +82,13 @@ DIMENSIONS: dict[str, dict[str, tuple[str, ...]]] = {
     "bias": {"0": (), "0.01": (MOE, "model.expert_bias_rate=0.01")},
     "capacity": {"dropless": (), "1.0": (MOE, "model.capacity_factor=1.0")},
     "shared": {"0": (), "1": (MOE, "model.n_shared_experts=1")},
+    # DeepSeek-V3's router: sigmoid scores, a token's experts from its best group of two, routed scaling.
+    "router": {
+        "softmax": (),
+        "grouped": (MOE, "model.router_score=sigmoid", "model.expert_groups=2", "model.routed_scaling=2.5"),
+    },
+    # Packed documents kept apart: each attends within its own, rotary positions restarting at its first token.
+    "mask": {"causal": (), "block_causal": ("model.attention_mask=block_causal", "data.positions=document")},
 }
 # The table's dimensions (the layout's), and the values its cells try against each other.
 TABLE = ("sharding", "tp", "pp", "cp", "float8", "compile", "ac", "offload")

@@ -16,6 +16,7 @@ from fsdp_exp.config import RunConfig
 from fsdp_exp.preflight import validate
 from fsdp_exp.data import build_data
 from fsdp_exp.models import build_meta, init_weights
+from fsdp_exp.models.attention_mask import packed_inputs
 from fsdp_exp.optim import build_scheduler
 
 
@@ -68,8 +69,10 @@ def _train(cfg: RunConfig, steps: int, forward_samples: Optional[int] = None):
         optimizer.zero_grad(set_to_none=True)
         loads.reset()
         loss = 0.0
-        for inputs, targets in zip(batch.inputs.chunk(forwards), batch.targets.chunk(forwards)):
-            part = F.cross_entropy(model(inputs).float().flatten(0, 1), targets.flatten()) / forwards
+        documents = batch.documents.chunk(forwards) if batch.documents is not None else [None] * forwards
+        for inputs, targets, docs in zip(batch.inputs.chunk(forwards), batch.targets.chunk(forwards), documents):
+            packed = packed_inputs(docs, cfg.model.attention_mask, cfg.data.positions)  # block_causal's documents
+            part = F.cross_entropy(model(inputs, **packed).float().flatten(0, 1), targets.flatten()) / forwards
             part.backward()
             loss += part.item()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.trainer.grad_clip or float("inf")).item())

@@ -29,14 +29,14 @@ from test_deepspeed import run_cases, with_defaults
 
 DIMENSIONS = (
     *("sharding", "tp", "pp", "cp", "ep", "compile", "ac", "offload", "precision", "prefetch", "wrap"),
-    *("aux", "bias", "capacity", "shared"),
+    *("aux", "bias", "capacity", "shared", "router", "mask"),
 )
 # FSDP1's no_shard is its full_shard's code path with a shard group of one; DeepSpeed's compiled engine hits
 # dynamo's recompile limit for minutes here (test_deepspeed trains zero3 compiled once).
 LEFT_OUT = ("fsdp1 no_shard", *((f"sharding=deepspeed zero{stage}", "compile=true") for stage in (1, 2, 3)))
 # Pairs the covering set must hold: issue 43's (A: EP with a capacity factor crashed; B: EP with selective_op
 # crashed; C: the balance loss's gradient vanished under fp16, which only a reference sees) and the balancing
-# options under EP, whose counts cross the expert-parallel ranks.
+# options under EP, whose counts cross the expert-parallel ranks; the balance loss compiled.
 REQUIRED = (
     (("ep", "2"), ("capacity", "1.0")),
     (("ep", "2"), ("ac", "selective_op")),
@@ -44,6 +44,8 @@ REQUIRED = (
     (("ep", "2"), ("aux", "0.2")),
     (("ep", "2"), ("bias", "0.01")),
     (("ep", "2"), ("shared", "1")),
+    (("ep", "2"), ("router", "grouped")),
+    (("compile", "true"), ("aux", "0.2")),  # compiled, the balance loss's gradient was lost; fp32 experts crashed
 )
 STEPS = 3
 # Each step's loss and gradient norm against the fp32 process, relative: fp32 to its rounding (compile and TP
