@@ -19,7 +19,7 @@ from torch import nn
 
 from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.models.loss import chunked_cross_entropy
-from fsdp_exp.models.moe import MoE, moe_hidden_dim
+from fsdp_exp.models.moe import MoE, moe_hidden_dim, number_moe_layers
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
@@ -104,6 +104,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        # The tables' first ``seq`` rows, read here from the sequence attention sees (whole under sequence
+        # parallel, where a pipeline stage's input is this rank's shard of it; this rank's positions under CP).
+        cos, sin = cos[:seq], sin[:seq]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         out = self.kernel(q, k, v)
@@ -150,6 +153,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0", "1", ... keeps parameter names stable when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        number_moe_layers(self)  # kept by a pipeline stage: its routing counts line up with the other stages'
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -166,8 +170,7 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, loss_chunks: int = 1) -> torch.Tensor:
         """The logits; with ``targets``, the summed cross-entropy instead, the output projection taken
         ``loss_chunks`` slices of the sequence at a time (``fsdp_exp.models.loss``)."""
-        seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        cos, sin = self.rope_cos, self.rope_sin  # each attention takes the rows of its sequence
         h = self.tok_embeddings(tokens)
         for block in self.layers.values():
             h = block(h, cos, sin)

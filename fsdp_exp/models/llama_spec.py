@@ -197,15 +197,6 @@ class LlamaSpec(ModelSpec):
                 f"parallel.tp), or parallel.tp={largest_divisor_at_most(width, tp)}",
             )
 
-    def check_pipeline(self, m: ModelConfig) -> None:
-        if m.n_experts:
-            # Each stage would count and balance only its own layers' experts; not built yet.
-            fail(
-                f"parallel.pp > 1 with a mixture of experts (model.n_experts={m.n_experts}) is not built yet: the "
-                "routing counts and the loss-free bias are kept over every rank.",
-                "pass parallel.pp=1 (and shard the experts with parallel.ep)",
-            )
-
     def check_expert_parallel(self, m: ModelConfig, ep: int) -> None:
         if not m.n_experts:
             fail(

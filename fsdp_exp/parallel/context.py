@@ -61,8 +61,8 @@ def resolve_method(method: str, device_type: str) -> str:
 
 def check(cfg: "RunConfig", device_type: str) -> None:
     """preflight's context-parallel checks (before any rank starts; preflight has checked that cp divides the
-    ranks and names a method): the method on this device, the sequence, the family's heads, and every dimension
-    cp does not compose with yet, each refused by name."""
+    ranks and names a method): the method on this device, the sequence and the family's heads. Pipeline stages
+    take the CP-sharded sequence as their micro-batches (parallel/pipeline.py)."""
     from fsdp_exp.errors import fail
     from fsdp_exp.models import spec_for
 
@@ -81,17 +81,6 @@ def check(cfg: "RunConfig", device_type: str) -> None:
             f"pass trainer.seq_len={max(2 * p.cp, seq // (2 * p.cp) * 2 * p.cp)} (a multiple of {2 * p.cp})",
         )
     spec_for(cfg.model).check_context_parallel(cfg.model, p.cp, p.tp)
-    refused = [
-        (
-            p.pp > 1,
-            f"parallel.pp={p.pp}",
-            "the pipeline's stages take whole sequences (parallel/pipeline.py)",
-            "parallel.pp=1",
-        ),
-    ]
-    for bad, what, why, fix in refused:
-        if bad:
-            fail(f"{what} with parallel.cp={p.cp} is not supported yet: {why}.", f"pass {fix}, or parallel.cp=1")
 
 
 # ------------------------------------------------------------------------------- load balancing

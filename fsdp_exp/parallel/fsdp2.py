@@ -42,6 +42,10 @@ MESH = {
 
 def reshard_after_forward(cfg: RunConfig) -> bool | int:
     value = cfg.sharding.reshard_after_forward.lower()
+    if value == "auto" and cfg.parallel.pp > 1:
+        # Pipeline stages keep their units unsharded between the micro-batches of a step (torchtitan's default
+        # under PP): resharding would all-gather every unit again for each micro-batch.
+        return False
     if value == "auto":
         return RESHARD_AFTER_FORWARD[cfg.sharding.strategy]
     if value in ("true", "false"):
