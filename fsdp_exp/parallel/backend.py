@@ -320,7 +320,9 @@ class BackendPlanning(ABC):
     def shard_group(self, topology: "Topology") -> int:
         """Ranks one parameter is sharded over (1 when it is replicated)."""
         names = list(topology.mesh_dim_names)
-        shard = topology.mesh_shape[names.index("shard")] if "shard" in names else 1
+        # a pipeline run's stages shard over its "dp" dim (parallel/pipeline.py lays out hybrid's split inside it)
+        dim = "shard" if "shard" in names else "dp"
+        shard = topology.mesh_shape[names.index(dim)] if dim in names else 1
         return shard * topology.cp_size  # context parallel's ranks hold the same weights: FSDP shards over them too
 
 

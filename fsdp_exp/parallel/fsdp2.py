@@ -345,8 +345,9 @@ class FSDP2(Backend):
             "compile=true": "`Module.compile()` per block, before sharding",
             "parallel.tp=N": "`parallelize_module` (Colwise / Rowwise; torchao's float8 styles under tensorwise float8) on a "
             "(dp, tp) mesh",
-            "parallel.pp=N": "`fully_shard` over dp inside each `PipelineStage` of a (pp, dp[, tp]) mesh, over "
-            "(replicate, shard) of dp under `sharding=hybrid` (docs/pipeline.md)",
+            "parallel.pp=N": "each `PipelineStage` runs the pp=1 recipe (TP, EP, CP, AC, compile, `fully_shard`) on "
+            "its slice of a (pp, dp[, cp][, tp]) mesh, over (replicate, shard) of dp under `sharding=hybrid` "
+            "(docs/pipeline.md)",
             "parallel.cp=N": "`fully_shard` over shard x cp; each attention kernel wrapped: all-to-all of heads for "
             "sequence, or torch's ring `_ContextParallel` on CUDA (docs/context_parallel.md)",
         }

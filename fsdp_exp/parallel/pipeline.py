@@ -25,6 +25,7 @@ the values the unsplit model has.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
@@ -472,6 +473,9 @@ def build_pipeline(
 
     local_batch = cfg.trainer.global_batch_size // mesh["dp"].size()
     check(settings, cfg.model, local_batch)
+    # The stages' recipe reads a pipeline run's config (parallel.pp: FSDP2 keeps the stages unsharded, DDP
+    # replicates them with torch's replicate), whichever config a caller building stages by hand passed.
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=settings.pp))
     blocks = stage_blocks(settings, cfg.model)
     indices = stages_of_rank(settings, mesh["pp"].get_local_rank())
     last = settings.num_stages - 1

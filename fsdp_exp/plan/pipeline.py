@@ -137,7 +137,7 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     from fsdp_exp.models import spec_for
     from fsdp_exp.parallel.pipeline import stage_dp_layout, stage_planner_rules
     from fsdp_exp.plan.activations import profile_for
-    from fsdp_exp.plan.states import model_states, param_infos, unit_names
+    from fsdp_exp.plan.states import expert_units, model_states, param_infos, unit_names
 
     if fixed(cfg.trainer.loss_chunks) is None:
         k = candidate(cfg)
@@ -156,13 +156,27 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
             return stage_of_block[info.block]
         return 0 if info.name in inventory.input_params else last
 
-    tp = cfg.parallel.tp  # inside each stage (parallel/pipeline.py's tensor_parallel_stage), no sequence parallel
-    shard = stage_dp_layout(cfg, dp)[1]  # the stage's shard group: dp, 1 replicated (DDP), or HSDP's shard
-    infos = param_infos(inventory, unit_names(spec, cfg), stage_planner_rules(cfg), shard=shard, tp=tp)
+    # Each stage runs the pp=1 recipe (parallel.apply_recipe) on its slice of the mesh: tensor parallel (with
+    # sequence parallel), context parallel (this rank's seq_len / cp tokens; FSDP shards over shard x cp) and
+    # expert parallel (the routed experts split over ep ranks, FSDP-sharded over the efsdp ranks left).
+    p = cfg.parallel
+    tp, cp, ep = p.tp, p.cp, p.ep
+    shard = stage_dp_layout(cfg, dp)[1] * cp  # the stage's shard group: dp, 1 replicated (DDP), or HSDP's shard; x cp
+    infos = param_infos(
+        inventory,
+        unit_names(spec, cfg),
+        stage_planner_rules(cfg),
+        shard=shard,
+        tp=tp,
+        experts=expert_units(spec, cfg),
+        ep=ep,
+    )
     e = DTYPE_BYTES[cfg.precision.param_dtype]
     e_reduce = DTYPE_BYTES[cfg.precision.reduce_dtype] if cfg.precision.reduce_dtype else e
     micro_batch = cfg.trainer.global_batch_size // dp // s.n_microbatches
-    profile = profile_for(cfg.model, micro_batch, cfg.trainer.seq_len, tp=tp, sequence_parallel=False)
+    profile = profile_for(
+        cfg.model, micro_batch, cfg.trainer.seq_len, tp=tp, sequence_parallel=p.sequence_parallel, cp=cp, ep=ep
+    )
     full_block = profile.block_saved(e, False, profile.math_attention(device_kind, e))["total"]
     resid = profile.residual(e)  # a stage's input or output, one micro-batch
     saved = _block_saved(cfg, profile, e, full_block, resid)
