@@ -2,10 +2,11 @@
 torch.distributed.pipelining driving the micro-batches (issue #26; ``parallelize`` calls
 ``parallelize_pipeline`` when parallel.pp > 1, see docs/pipeline.md).
 
-The mesh is (pp, dp), or (pp, dp, tp) under tensor parallel, pp outermost and tp innermost as torchtitan
-orders its dims: rank = (pp_index * dp + dp_index) * tp + tp_index, so the ranks of one stage are neighbours
-(one node) and the stage-to-stage sends cross the nodes. Inside a stage tensor parallel (the pp=1 plan,
-parallel/tp.py) comes first, then FSDP2 over dp.
+The mesh is (pp, dp[, cp][, tp]), pp outermost and tp innermost as torchtitan orders its dims: rank =
+((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index, so the ranks of one stage are neighbours (one
+node) and the stage-to-stage sends cross the nodes. Every stage runs the recipe of an unpipelined model
+(``fsdp_exp.parallel.apply_recipe``: float8, TP, EP, CP, AC, compile, the backend's data-parallel wrap) on its
+pp slice of the mesh (``stage_mesh``); this module cuts the stages and drives their schedule.
 
 A stage is the family's own model built on the meta device with what the stage does not run taken out:
 its blocks not in the stage are deleted, the input modules (the spec's ``input_modules``: embeddings)

@@ -1,7 +1,8 @@
 """The planner's view of a pipeline-parallel run (fsdp_exp/parallel/pipeline.py): per pp rank, the model
 states of its stages (their blocks' parameters, plus the embeddings on the first stage and the final norm
-and output projection on the last, sharded over dp; under tensor parallel their tp shares), the activations
-the schedule keeps alive, the peak over ranks and which rank holds it, and the schedule's bubble.
+and output projection on the last, sharded over dp x cp; under tensor parallel their tp shares, under expert
+parallel the routed experts split over ep), the activations (of seq_len / cp tokens, the residual stream
+sharded over tp under sequence parallel) the schedule keeps alive, the peak over ranks and which rank holds it, and the schedule's bubble.
 
 Activations held at a rank's peak, in micro-batches of one stage each ("in flight": forwarded, not yet
 backwarded):
