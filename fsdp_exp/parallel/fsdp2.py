@@ -209,7 +209,10 @@ class FSDP2(Backend):
         fully_shard(model, **root_kwargs, shard_placement_fn=_placement(mesh))
         applied_units.append({"module": "<root>", "fully_shard": describe(root_kwargs)})
 
-        prefetch = _set_prefetch(model, chain, cfg.prefetch.forward, cfg.prefetch.backward)
+        # Pipeline stages gather each unit once a step and keep it (reshard_after_forward=False): nothing to prefetch
+        prefetch = (
+            _set_prefetch(model, chain, cfg.prefetch.forward, cfg.prefetch.backward) if cfg.parallel.pp == 1 else {}
+        )
         for unit in applied_units:
             unit.update(prefetch.get(unit["module"], {}))
 
