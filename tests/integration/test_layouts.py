@@ -21,7 +21,8 @@ from conftest import TINY_BATCH, TINY_MODEL, read_metrics, run_config
 from reference import reference_losses
 from test_deepspeed import run_cases, with_defaults
 
-pytestmark = pytest.mark.slow
+# two spawned groups of 4 ranks, 4 runs each (~4 min on 2 loaded cores)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = 5
 BASE = [
