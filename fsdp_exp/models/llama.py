@@ -21,7 +21,7 @@ from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.models.attention_mask import Mask, attend, compute_dtype, document_mask
 from fsdp_exp.models.loss import chunked_cross_entropy
 from fsdp_exp.models.mla import MultiHeadLatentAttention
-from fsdp_exp.models.moe import MoE, moe_hidden_dim
+from fsdp_exp.models.moe import MoE, moe_hidden_dim, number_moe_layers
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
@@ -73,11 +73,16 @@ def rope_at(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by the position's angle."""
+    """Rotate pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by the position's angle: ``cos``, ``sin``
+    are the (positions, d/2) tables shared by the batch, whose first seq rows are x's positions, or the
+    (batch, seq, d/2) angles of each token's own position (``rope_at``)."""
     x_pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = x_pairs[..., 0], x_pairs[..., 1]
-    # (seq, d/2) tables shared by the batch, or (batch, seq, d/2) per-token positions (rope_at)
-    cos, sin = (cos[None, :, None, :], sin[None, :, None, :]) if cos.dim() == 2 else (cos[:, :, None], sin[:, :, None])
+    if cos.dim() == 2:
+        seq = x.shape[1]
+        cos, sin = cos[None, :seq, None, :], sin[None, :seq, None, :]
+    else:
+        cos, sin = cos[:, :, None], sin[:, :, None]
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -129,6 +134,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        # apply_rope takes the tables' rows of the sequence attention sees (whole under sequence parallel, where a
+        # pipeline stage's input is this rank's shard of it; this rank's positions under CP)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         out = self.kernel(q, k, v, mask)
@@ -182,6 +189,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0", "1", ... keeps parameter names stable when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        number_moe_layers(self)  # kept by a pipeline stage: its routing counts line up with the other stages'
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -208,11 +216,10 @@ class Llama(nn.Module):
         position's document number in its block, over the whole sequence (under context parallel too), which
         ``model.attention_mask=block_causal`` keeps apart; ``positions``: each token's rotary position
         (``data.positions=document``), else the tables' rows in order."""
-        seq = tokens.shape[1]
         if positions is not None:
             cos, sin = rope_at(positions, rotary_dim(self.cfg), self.cfg.rope_theta)
         else:
-            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+            cos, sin = self.rope_cos, self.rope_sin  # each attention takes the rows of the sequence it sees
         h = self.tok_embeddings(tokens)
         # once a batch, for every block (none without documents: the causal kernel's own mask)
         mask = None if documents is None else document_mask(documents, self.cfg.attention_mask, compute_dtype(h))

@@ -19,7 +19,7 @@ import sys
 from typing import TYPE_CHECKING, Optional
 
 from fsdp_exp.config.layout import ep_values
-from fsdp_exp.errors import EXIT_BAD_CONFIG, fail, planning
+from fsdp_exp.errors import EXIT_BAD_CONFIG, fail
 from fsdp_exp.plan.devices import device_table, fits, local_cuda_device
 from fsdp_exp.plan.fit import MORE_NODES
 from fsdp_exp.units import GIB
@@ -404,8 +404,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from fsdp_exp.config.strict import refusal
 
     try:
-        with planning() as not_built:  # the layouts torch runs and the runtime does not yet are planned too
-            result, opts = plan_from_argv(argv)
+        result, opts = plan_from_argv(argv)
     except PlanOptionError as err:
         print(f"fsdp_exp.plan: invalid planner option: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -415,13 +414,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise
         print(f"fsdp_exp.plan: {refused}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    gaps = list(dict.fromkeys(not_built))
     if opts["format"] == "json":
-        print(
-            json.dumps(
-                {**result.to_dict(), "options": opts["options"], "fit": opts["fit"], "not_built": gaps}, indent=1
-            )
-        )
+        print(json.dumps({**result.to_dict(), "options": opts["options"], "fit": opts["fit"]}, indent=1))
     else:
         from rich.console import Console
 
@@ -435,8 +429,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         overrides = split_argv(argv)[1]
         say(opts["header"])
-        for gap in gaps:
-            say(f"planned, though a run is refused today: {gap}")
         # the ep variants have their own lines below the table (``expert_parallel_lines``)
         rows = [o for o in opts["options"] if not o["change"].startswith("parallel.ep=")]
         console.print(render_table(result, overrides, rows))

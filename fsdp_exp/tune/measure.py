@@ -48,8 +48,6 @@ def choose(tuning: "Tuning", opts: "TuneOptions") -> list[str]:
 
     def take(cid: str, role: str) -> None:
         weighed = tuning.by_id(cid)
-        if weighed.not_built and cid not in opts.extra:  # a run of it would be refused (errors.not_built)
-            return
         chosen.setdefault(cid, None)
         time_candidate(weighed, tuning.perf, opts.expert_imbalance)
         if role not in weighed.roles:

@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from fsdp_exp.errors import ConfigError, did_you_mean, fail, planning
+from fsdp_exp.errors import ConfigError, did_you_mean, fail
 from fsdp_exp.units import GIB
 from fsdp_exp.tune.space import Candidate, Space, build_space, enumerate_candidates, group_nodes, leave_out_float8
 
@@ -63,7 +63,6 @@ class Weighed:
     rank: Optional[int] = None
     roles: list[str] = field(default_factory=list)
     measured: Optional[dict] = None
-    not_built: Optional[str] = None  # a product the runtime does not build yet (errors.not_built): ranked, not run
 
     @property
     def headroom(self) -> Optional[float]:
@@ -193,9 +192,8 @@ def weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tuni
 
     target = device_table().get(opts.device) if opts.device is not None else None
     if target is None or target.kind != "cuda":
-        with planning():  # layouts torch runs and the runtime does not build yet are weighed (and not measured)
-            return _weigh(overrides, opts, prune)
-    with planning_elsewhere() as missing, planning():
+        return _weigh(overrides, opts, prune)
+    with planning_elsewhere() as missing:
         tuning = _weigh(overrides, opts, prune)
     tuning.missing_packages = dict(missing)
     return tuning
@@ -255,9 +253,7 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
         w = Weighed(candidate)
         weighed.append(w)
         try:
-            with planning() as not_built:
-                topology = validate(candidate.cfg, cuda_devices=cuda_devices)
-            w.not_built = not_built[0] if not_built else None
+            topology = validate(candidate.cfg, cuda_devices=cuda_devices)
         except ConfigError as err:
             w.refused = str(err).splitlines()[0]
             w.refused_fix = str(err).partition("\n  fix: ")[2] or None
