@@ -113,6 +113,12 @@ class Row:
     pp_peak_stage: Optional[str] = None
     pp_bubble_predicted: Optional[float] = None
     pp_bubble: Optional[float] = None
+    # A mixture of experts: its routing as measured (summary/moe_*): the median over measured steps of the most
+    # imbalanced layer's max/mean expert load, the worst step's ratio and its layer, the largest dropped share.
+    expert_imbalance: Optional[float] = None
+    expert_imbalance_worst: Optional[float] = None
+    expert_worst_layer: Optional[int] = None
+    expert_dropped_fraction: Optional[float] = None
 
     def value(self, metric: str) -> Optional[float]:
         return getattr(self, metric)
@@ -206,6 +212,10 @@ def _row(run: Run, label: str) -> Row:
         pp_peak_stage=peak_stage(s),
         pp_bubble_predicted=_number(s.get("summary/pp_bubble_predicted")),
         pp_bubble=_number(s.get("summary/pp_bubble_median")),
+        expert_imbalance=_number(s.get("summary/moe_load_imbalance_median")),
+        expert_imbalance_worst=_number(s.get("summary/moe_load_imbalance_worst")),
+        expert_worst_layer=s.get("summary/moe_worst_layer"),
+        expert_dropped_fraction=_number(s.get("summary/moe_dropped_fraction_max")),
     )
 
 
@@ -381,6 +391,12 @@ def configuration_row(label: str, members: list[tuple[Run, Row]], metric: str) -
         pp_peak_stage=first.pp_peak_stage,
         pp_bubble_predicted=first.pp_bubble_predicted,
         pp_bubble=_median([r.pp_bubble for r in runs]),
+        expert_imbalance=_median([r.expert_imbalance for r in runs]),
+        expert_imbalance_worst=max((r.expert_imbalance_worst for r in runs if r.expert_imbalance_worst), default=None),
+        expert_worst_layer=max(runs, key=lambda r: r.expert_imbalance_worst or 0).expert_worst_layer,
+        expert_dropped_fraction=max(
+            (r.expert_dropped_fraction for r in runs if r.expert_dropped_fraction is not None), default=None
+        ),
         ci_low=found.low,
         ci_high=found.high,
         interval_over=found.over,
@@ -481,7 +497,31 @@ def table_columns(report: Report) -> list[str]:
         columns.append(METRICS[m].header)
         if m == report.metric:
             columns += [f"{int(CONFIDENCE * 100)}% interval", "interval over", "vs #1"]
-    return columns + ["peak / rank", "peak from", "predicted peak", *pipeline_columns(report), "final loss", "status"]
+    return columns + [
+        "peak / rank",
+        "peak from",
+        "predicted peak",
+        *pipeline_columns(report),
+        *expert_columns(report),
+        "final loss",
+        "status",
+    ]
+
+
+def expert_columns(report: Report) -> list[str]:
+    """Where a report holds mixture-of-experts runs: their expert load as measured (max/mean, the median step's
+    most imbalanced layer; the worst step's and its layer) and the share of routed copies dropped."""
+    return ["expert load", "dropped"] if any(r.expert_imbalance is not None for r in report.ranked) else []
+
+
+def fmt_expert_load(row: Row) -> str:
+    """``1.31 (worst 1.52, layer 3)``: max/mean expert load, median over the measured steps, then the worst step."""
+    if row.expert_imbalance is None:
+        return "n/a"
+    worst = row.expert_imbalance_worst
+    return f"{row.expert_imbalance:.2f}" + (
+        f" (worst {worst:.2f}, layer {row.expert_worst_layer})" if worst is not None else ""
+    )
 
 
 def pipeline_columns(report: Report) -> list[str]:
@@ -535,6 +575,14 @@ def table_cells(report: Report, row: Row) -> list[str]:
         row.peak_source or "n/a",
         fmt_gib(row.predicted_peak_gib),
         *([row.pp_peak_stage or "n/a", fmt_bubble(row)] if pipeline_columns(report) else []),
+        *(
+            [
+                fmt_expert_load(row),
+                "n/a" if row.expert_dropped_fraction is None else f"{row.expert_dropped_fraction:.1%}",
+            ]
+            if expert_columns(report)
+            else []
+        ),
         fmt_number(row.final_loss),
         status,
     ]

@@ -137,7 +137,8 @@ def report(tuning, data: dict, status: int, argv: list[str]) -> int:
     )
     if not opts.run:
         console.print(
-            f"measure the top {opts.top_k} and the baselines ({len(data['measure']['candidates'])} "
+            f"measure the top {opts.top_k} that keep {recommend.KEEP_FREE:.0%} of the memory free and the baselines "
+            f"({len(data['measure']['candidates'])} "
             f"candidates x {opts.repeats} runs): add tune.run=true, or run\n  {data['measure']['command']}",
             highlight=False,
             markup=False,

@@ -36,7 +36,7 @@ SPACE_DIMENSIONS = (
 OPTIONS = {
     "tune.out": "folder for tune.json, the candidates' config group, the sweep and the report "
     "(default outputs/tune/<time>)",
-    "tune.top_k": "how many of the best predicted candidates the measurement runs (default 3)",
+    "tune.top_k": "how many of the best predicted candidates that keep the recommendation's memory margin the measurement runs (default 3)",
     "tune.budget_gib": "memory per rank a candidate may need (default: the device's)",
     "tune.run": "true: measure the top candidates and the baselines now, with repeats (default false)",
     "tune.repeats": "runs per measured candidate (default 3)",
@@ -74,6 +74,7 @@ class TuneOptions:
     device: Optional[str] = None
     margin: Optional[float] = None
     expert_imbalance: float = 1.0  # plan.expert_imbalance, for the plans and the step-time model alike
+    expert_imbalance_given: bool = False  # passed: a calibration's measured imbalance does not replace it
     network: Optional[str] = None
     power_w: Optional[float] = None
 
@@ -179,6 +180,7 @@ def split_argv(argv: list[str]) -> tuple[TuneOptions, list[str]]:
 
             try:
                 opts.expert_imbalance = expert_imbalance(value)
+                opts.expert_imbalance_given = True
             except PlanOptionError:
                 fail(
                     f"plan.expert_imbalance={value!r} is not a max/mean ratio of at least 1.",
