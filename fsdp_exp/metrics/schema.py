@@ -395,6 +395,17 @@ _COMM = {
     "counts exchanged before them; context parallel's exchange of heads for sequence, parallel.cp_method="
     "all_to_all; 0 without either)",
     "other_s": "time other collectives were in flight (broadcast, send/recv)",
+    **{
+        f"exposed_{kind}_s": f"part of comm/{kind}_s with no compute running (as comm/exposed_s counts it): the "
+        f"{what} the step waited for; kinds in flight at once each count it"
+        for kind, what in (
+            ("all_gather", "all-gathers"),
+            ("reduce_scatter", "reduce-scatters"),
+            ("all_reduce", "all-reduces"),
+            ("all_to_all", "all-to-alls"),
+            ("other", "other collectives"),
+        )
+    },
     "total_s": "time any collective was in flight",
     "exposed_s": "part of comm/total_s with no compute running (CUDA: no other kernel on any stream; CPU: the "
     "training thread in no aten/fsdp operator): communication the step waited for",

@@ -22,6 +22,7 @@ from fsdp_exp.identity import repeat_index
 from fsdp_exp.metrics.peak import PEAK_SOURCES
 from fsdp_exp.metrics.peak import measured_peak as peak_of_run
 from fsdp_exp.record import run_name
+from fsdp_exp.report.breakdown import breakdown, describe
 from fsdp_exp.report.duplicates import configuration_id, find_duplicates
 from fsdp_exp.report.intervals import CONFIDENCE, RESAMPLES, SEED, Estimate, estimate, overlap
 from fsdp_exp.report.load import Run
@@ -119,6 +120,8 @@ class Row:
     expert_imbalance_worst: Optional[float] = None
     expert_worst_layer: Optional[int] = None
     expert_dropped_fraction: Optional[float] = None
+    # Where the step's time went and where the peak sits, measured and predicted (fsdp_exp.report.breakdown)
+    breakdown: Optional[dict] = None
 
     def value(self, metric: str) -> Optional[float]:
         return getattr(self, metric)
@@ -216,6 +219,7 @@ def _row(run: Run, label: str) -> Row:
         expert_imbalance_worst=_number(s.get("summary/moe_load_imbalance_worst")),
         expert_worst_layer=s.get("summary/moe_worst_layer"),
         expert_dropped_fraction=_number(s.get("summary/moe_dropped_fraction_max")),
+        breakdown=breakdown(run) if run.status == "completed" else None,
     )
 
 
@@ -396,6 +400,10 @@ def configuration_row(label: str, members: list[tuple[Run, Row]], metric: str) -
         expert_worst_layer=max(runs, key=lambda r: r.expert_imbalance_worst or 0).expert_worst_layer,
         expert_dropped_fraction=max(
             (r.expert_dropped_fraction for r in runs if r.expert_dropped_fraction is not None), default=None
+        ),
+        # the first repeat with a profiled step: the parts of one step, measured on one run
+        breakdown=next(
+            (r.breakdown for r in runs if r.breakdown and r.breakdown["time_s"]["measured"]), first.breakdown
         ),
         ci_low=found.low,
         ci_high=found.high,
@@ -724,6 +732,15 @@ def print_report(report: Report, console=None) -> None:
         f"of {total} runs ({escape(', '.join(report.sources))})"
     )
     console.print(ranking_table(report, console.width))
+    if any(r.breakdown for r in report.ranked):
+        heading(
+            "Where each configuration's step went (measured / the step-time model's) and its peak by phase "
+            "(tracked / the planner's)"
+        )
+        for row in report.ranked:
+            if row.breakdown:
+                for line in describe(f"#{row.rank} {row.label}", row.breakdown):
+                    console.print(line, markup=False, highlight=False)
 
     runs = repeated(report)
     if runs:
