@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from fsdp_exp.parallel.context import resolve_method
+from fsdp_exp.tune.search import BASELINES
 from fsdp_exp.units import GIB
 
 if TYPE_CHECKING:
@@ -171,11 +172,11 @@ def standings(tuning: "Tuning", best: "Weighed", name) -> list[str]:
                 f"{'fewer' if gap < 0 else 'more'} tokens/s, {_pct(w.headroom)} of the memory left"
                 + ("" if keeps_room(w) else f" ({room})")
             )
-        out.append(
-            f"{words}: the best with {kind}, "
-            + said[0]
-            + (f"; the best with {kind} that keeps {KEEP_FREE:.0%}, " + said[1] if len(said) > 1 else "")
-        )
+        if len(said) > 1:
+            tail = f"; the best with {kind} that keeps {KEEP_FREE:.0%}, " + said[1]
+        else:
+            tail = "" if keeps_room(rival) else f"; none with {kind} keeps {KEEP_FREE:.0%}"
+        out.append(f"{words}: the best with {kind}, " + said[0] + tail)
     return out
 
 
@@ -218,6 +219,8 @@ def recommend(tuning: "Tuning", argv: list[str]) -> Optional[dict]:
             f"faster, within the model's {TIE:.0%}): the simpler run where the model cannot tell them apart"
         )
     for base_name, cid in tuning.baselines.items():
+        if cid == best.candidate.id:
+            why.append(f"it is the {base_name} baseline ({BASELINES[base_name]})")
         if cid is None or cid == best.candidate.id:
             continue
         baseline = tuning.by_id(cid)

@@ -343,7 +343,8 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
         "total_s": finished - started,
         "cpu_s": time.process_time() - cpu_started,
     }
-    baselines = {name: _baseline(weighed, base, node, space) for name, node in presets.items()}
+    best_layout = ranked[0].candidate.cfg.parallel  # the parallel layout of the best-predicted candidate
+    baselines = {name: _baseline(weighed, base, node, space, best_layout) for name, node in presets.items()}
     return Tuning(
         overrides=overrides,
         base=base,
@@ -465,11 +466,11 @@ def time_candidate(w: Weighed, perf: "DevicePerf", expert_imbalance: float = 1.0
         w.no_prediction = str(err)
 
 
-def _baseline(weighed: list[Weighed], base: "RunConfig", sharding, space: Space) -> Optional[str]:
+def _baseline(weighed: list[Weighed], base: "RunConfig", sharding, space: Space, best_layout=None) -> Optional[str]:
     """The candidate that is the run as given with a preset's sharding; if that one cannot run or fit, the best
     ranked candidate with that sharding and the run's parallel layout; if none fits with it (a long sequence that
-    only fits split over context-parallel ranks), the best ranked with that sharding in any layout. None: no
-    candidate has it."""
+    only fits split over context-parallel ranks), the best ranked with that sharding in ``best_layout``, the
+    parallel layout of the search's best-predicted candidate. None: no candidate has it."""
     sharded = [w for w in weighed if w.candidate.cfg.sharding == sharding]
     same = [w for w in sharded if w.candidate.cfg.parallel == base.parallel]
     exact = [
@@ -482,5 +483,7 @@ def _baseline(weighed: list[Weighed], base: "RunConfig", sharding, space: Space)
     for w in exact:
         if w.rank is not None:
             return w.candidate.id
-    best = [w for w in same if w.rank is not None] or [w for w in sharded if w.rank is not None]
+    best = [w for w in same if w.rank is not None] or [
+        w for w in sharded if w.rank is not None and w.candidate.cfg.parallel == best_layout
+    ]
     return min(best, key=lambda w: w.rank).candidate.id if best else None

@@ -428,6 +428,7 @@ def _job_order(sweep: Path) -> list[tuple[str, int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first to run makes the repeated sweep: a probe of this CPU, 4 runs
 def test_a_multirun_orders_repeats_interleaved(repeated):
     """Hydra's basic sweeper would run full/0, full/1, grad_op/0, grad_op/1; fsdp_exp's sweeper runs every
     configuration's repeat 0 first."""
@@ -443,6 +444,7 @@ def test_a_multirun_orders_repeats_interleaved(repeated):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first to run makes the repeated sweep: a probe of this CPU, 4 runs
 def test_the_report_groups_repeats_with_an_interval_over_them(repeated):
     sweep, cli = repeated
     report = _report_json(sweep)
@@ -484,6 +486,7 @@ def test_the_report_groups_repeats_with_an_interval_over_them(repeated):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first to run makes the repeated sweep: a probe of this CPU, 4 runs
 def test_the_pngs_error_bars_match_the_table(repeated):
     sweep, _ = repeated
     report = _report_json(sweep)
@@ -507,6 +510,7 @@ def _wandb_run(run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first to run makes the repeated sweep: a probe of this CPU, 4 runs
 def test_repeats_share_a_wandb_job_type(repeated):
     """W&B groups runs by job type: the repeats of one configuration share one, the report's config_id."""
     sweep, _ = repeated
@@ -520,6 +524,7 @@ def test_repeats_share_a_wandb_job_type(repeated):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first to run makes the repeated sweep: a probe of this CPU, 4 runs
 def test_the_report_says_where_each_configurations_time_and_memory_went_measured_against_predicted(repeated):
     """Issue #43 item 11: per configuration, the profiled step's compute and exposed collectives by kind beside the
     step-time model's parts (recorded by the run at its start), and the peak by phase tracked against planned: in
