@@ -213,6 +213,13 @@ def validate(cfg: RunConfig, *, cuda_devices: int, world_size: Optional[int] = N
         )
     if cfg.debug.step_sleep_s < 0:
         fail(f"debug.step_sleep_s={cfg.debug.step_sleep_s} is negative.", "pass debug.step_sleep_s=0 (no sleep)")
+    experts = getattr(cfg.model, "n_experts", 0) or 0
+    if cfg.debug.favour_expert is not None and not 0 <= cfg.debug.favour_expert < experts:
+        fail(
+            f"debug.favour_expert={cfg.debug.favour_expert} names no expert of this model ({experts} experts): it "
+            "routes every token's first pick to one expert of a mixture of experts.",
+            "pass debug.favour_expert=null, or an expert between 0 and model.n_experts - 1 (e.g. model=moe_tiny)",
+        )
     check_checkpoint(cfg)
 
     return Topology(

@@ -58,3 +58,17 @@ def test_plan_expert_imbalance_takes_a_runs_folder_and_reads_its_measured_load(t
     (run / "run.json").write_text(json.dumps({"summary": {}}))  # a dense run: no load to take
     with pytest.raises(PlanOptionError, match="folder of a completed MoE run"):
         expert_imbalance(str(run))
+
+
+def test_favouring_an_expert_the_model_does_not_have_is_refused_before_any_rank_starts():
+    from conftest import compose_config
+
+    from fsdp_exp.config import to_run_config
+    from fsdp_exp.errors import ConfigError
+    from fsdp_exp.preflight import validate
+
+    with pytest.raises(ConfigError, match="debug.favour_expert=0 names no expert"):
+        validate(to_run_config(compose_config(["debug.favour_expert=0"])), cuda_devices=0)  # a dense model
+    with pytest.raises(ConfigError, match="debug.favour_expert=4 names no expert"):
+        validate(to_run_config(compose_config(["model=moe_tiny", "debug.favour_expert=4"])), cuda_devices=0)
+    validate(to_run_config(compose_config(["model=moe_tiny", "debug.favour_expert=3"])), cuda_devices=0)
