@@ -53,14 +53,18 @@ def test_the_recommendation_keeps_the_margin_the_guide_asks_and_falls_back_only_
 def test_a_recommendation_on_a_path_no_gpu_has_run_says_so():
     from fsdp_exp.tune.recommend import unrun_paths
 
-    def cfg(cp=1, method="auto", tp=1, recipe=None):
+    def cfg(cp=1, method="auto", tp=1, sp=False, recipe=None):
         return SimpleNamespace(
-            parallel=SimpleNamespace(cp=cp, cp_method=method, tp=tp), precision=SimpleNamespace(float8_recipe=recipe)
+            parallel=SimpleNamespace(cp=cp, cp_method=method, tp=tp, sequence_parallel=sp),
+            precision=SimpleNamespace(float8_recipe=recipe),
         )
 
     assert unrun_paths(cfg(), "cuda") == []
     assert "ring attention" in unrun_paths(cfg(cp=8, method="ring"), "cuda")[0]
     assert "ring attention" in unrun_paths(cfg(cp=8), "cuda")[0]  # auto is ring on CUDA
     assert unrun_paths(cfg(cp=8, method="all_to_all"), "cuda") == []
-    assert "float8 under tensor parallel" in unrun_paths(cfg(tp=2, recipe="tensorwise"), "cuda")[0]
+    assert (
+        "float8 under tensor and sequence parallel" in unrun_paths(cfg(tp=2, sp=True, recipe="tensorwise"), "cuda")[0]
+    )
+    assert unrun_paths(cfg(tp=2, recipe="tensorwise"), "cuda") == []  # ran on CPU ranks without sequence parallel
     assert unrun_paths(cfg(recipe="tensorwise"), "cuda") == []
