@@ -48,7 +48,7 @@ def split_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:
                 raise PlanOptionError(
                     f"{arg!r} is not a planner option ({known}).\n"
                     "  fix: pass plan.format=table|json, plan.device=<name>, plan.margin=<fraction>, "
-                    "plan.expert_imbalance=<max/mean>"
+                    "plan.expert_imbalance=<max/mean or a MoE run's folder>"
                 )
             options[key.removeprefix("plan.")] = value
         else:
