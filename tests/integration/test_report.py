@@ -217,8 +217,10 @@ def test_html_is_self_contained_and_shows_the_same_rows(sweep, cli):
     parsed = _Tables()
     parsed.feed(page)
     assert parsed.links == []  # no external stylesheet or script
-    assert len(parsed.images) == 1 and parsed.images[0].startswith("data:image/png;base64,")
+    # the ranking's figure, then where each configuration's time and memory went (its peaks by phase are tracked)
+    assert len(parsed.images) == 2 and all(i.startswith("data:image/png;base64,") for i in parsed.images)
     assert base64.b64decode(parsed.images[0].split(",", 1)[1]) == (sweep / "report.png").read_bytes()
+    assert base64.b64decode(parsed.images[1].split(",", 1)[1]) == (sweep / "report_breakdown.png").read_bytes()
     report = _report_json(sweep)
     header, *rows = parsed.tables["ranked"]
     assert header[:3] == ["#", "run", "tokens/s"]
@@ -356,7 +358,8 @@ def test_notebook_executes_on_the_sweep(sweep, monkeypatch, tmp_path):
     assert "4 runs from" in text and "2 ranked, 1 duplicates, 1 not ranked" in text
     assert "3 completed runs plotted" in text
     assert "4 runs with logged steps" in text  # the failed run's rows up to its failure included
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 3
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # the breakdown's figure the fourth
+    assert "peak by phase (tracked / planned)" in text
 
 
 # ------------------------------------------------------------------------------------ repeats
