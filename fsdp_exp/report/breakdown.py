@@ -97,20 +97,21 @@ def describe(label: str, found: dict) -> list[str]:
     """The console's lines of one configuration: each part measured / predicted, in seconds."""
     measured, predicted = found["time_s"]["measured"], found["time_s"]["predicted"]
     lines = [f"{label}:"]
-    if measured is None and predicted is None:
-        return lines + [f"  time: {found['time_notes']['measured']}; {found['time_notes']['predicted']}"]
 
     def cell(parts: Optional[dict], part: str) -> str:
         return "n/a" if parts is None else f"{parts[part]:.3g}"
 
-    shown = [p for p in TIME_PARTS if any(x is not None and x[p] > 0 for x in (measured, predicted))]
-    lines.append(
-        "  time (s, measured / predicted): "
-        + " · ".join(f"{p} {cell(measured, p)} / {cell(predicted, p)}" for p in shown)
-    )
-    for which in ("measured", "predicted"):
-        if found["time_s"][which] is None:
-            lines.append(f"  {which}: {found['time_notes'][which]}")
+    if measured is None and predicted is None:
+        lines.append(f"  time: {found['time_notes']['measured']}; {found['time_notes']['predicted']}")
+    else:
+        shown = [p for p in TIME_PARTS if any(x is not None and x[p] > 0 for x in (measured, predicted))]
+        lines.append(
+            "  time (s, measured / predicted): "
+            + " · ".join(f"{p} {cell(measured, p)} / {cell(predicted, p)}" for p in shown)
+        )
+        for which in ("measured", "predicted"):
+            if found["time_s"][which] is None:
+                lines.append(f"  {which}: {found['time_notes'][which]}")
     memory = found["memory_gib"]
     if any(v["measured"] is not None or v["predicted"] is not None for v in memory.values()):
         lines.append(
