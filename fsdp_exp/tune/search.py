@@ -226,6 +226,15 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
     calibration = calibrate.load(device_key)
     if calibration is not None:
         perf = calibrate.apply(perf, calibration["params"])
+        measured = calibration.get("expert_imbalance")
+        if measured and not opts.expert_imbalance_given and getattr(base.model, "n_experts", 0):
+            # Published MoE runs are force-balanced; real routing is not: the calibrating sweep's measured load
+            # plans and times this search, unless plan.expert_imbalance says otherwise.
+            opts.expert_imbalance = max(1.0, float(measured))
+            perf_note += (
+                f"; expert load max/mean {opts.expert_imbalance:.2f} as measured by the calibrating sweep "
+                "(plan.expert_imbalance=<ratio> overrides it)"
+            )
     perf, perf_note = _cluster(perf, perf_note, opts)
     if "precision" in space.values and "precision" not in opts.space:
         leave_out_scaled_precisions(space, nodes, perf, device.name)
@@ -334,7 +343,8 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
         "total_s": finished - started,
         "cpu_s": time.process_time() - cpu_started,
     }
-    baselines = {name: _baseline(weighed, base, node, space) for name, node in presets.items()}
+    best_layout = ranked[0].candidate.cfg.parallel  # the parallel layout of the best-predicted candidate
+    baselines = {name: _baseline(weighed, base, node, space, best_layout) for name, node in presets.items()}
     return Tuning(
         overrides=overrides,
         base=base,
@@ -456,10 +466,13 @@ def time_candidate(w: Weighed, perf: "DevicePerf", expert_imbalance: float = 1.0
         w.no_prediction = str(err)
 
 
-def _baseline(weighed: list[Weighed], base: "RunConfig", sharding, space: Space) -> Optional[str]:
+def _baseline(weighed: list[Weighed], base: "RunConfig", sharding, space: Space, best_layout=None) -> Optional[str]:
     """The candidate that is the run as given with a preset's sharding; if that one cannot run or fit, the best
-    ranked candidate with that sharding. None: no candidate has it."""
-    same = [w for w in weighed if w.candidate.cfg.sharding == sharding and w.candidate.cfg.parallel == base.parallel]
+    ranked candidate with that sharding and the run's parallel layout; if none fits with it (a long sequence that
+    only fits split over context-parallel ranks), the best ranked with that sharding in ``best_layout``, the
+    parallel layout of the search's best-predicted candidate. None: no candidate has it."""
+    sharded = [w for w in weighed if w.candidate.cfg.sharding == sharding]
+    same = [w for w in sharded if w.candidate.cfg.parallel == base.parallel]
     exact = [
         w
         for w in same
@@ -470,5 +483,7 @@ def _baseline(weighed: list[Weighed], base: "RunConfig", sharding, space: Space)
     for w in exact:
         if w.rank is not None:
             return w.candidate.id
-    best = [w for w in same if w.rank is not None]
+    best = [w for w in same if w.rank is not None] or [
+        w for w in sharded if w.rank is not None and w.candidate.cfg.parallel == best_layout
+    ]
     return min(best, key=lambda w: w.rank).candidate.id if best else None
