@@ -72,17 +72,19 @@ def rope_at(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch
     return angles.cos(), angles.sin()
 
 
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the sequence an attention sees: the tables' first ``seq`` (whole under sequence parallel, where a
+    pipeline stage's input is this rank's shard of it; this rank's positions under CP), or per-token angles as
+    they are (``rope_at``)."""
+    return (cos[:seq], sin[:seq]) if cos.dim() == 2 else (cos, sin)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by the position's angle: ``cos``, ``sin``
-    are the (positions, d/2) tables shared by the batch, whose first seq rows are x's positions, or the
-    (batch, seq, d/2) angles of each token's own position (``rope_at``)."""
+    """Rotate pairs (x[2i], x[2i+1]) of x (batch, seq, heads, head_dim) by the position's angle."""
     x_pairs = x.float().unflatten(-1, (-1, 2))
     x0, x1 = x_pairs[..., 0], x_pairs[..., 1]
-    if cos.dim() == 2:
-        seq = x.shape[1]
-        cos, sin = cos[None, :seq, None, :], sin[None, :seq, None, :]
-    else:
-        cos, sin = cos[:, :, None], sin[:, :, None]
+    # (seq, d/2) tables shared by the batch, or (batch, seq, d/2) per-token positions (rope_at)
+    cos, sin = (cos[None, :, None, :], sin[None, :, None, :]) if cos.dim() == 2 else (cos[:, :, None], sin[:, :, None])
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 
@@ -134,8 +136,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        # apply_rope takes the tables' rows of the sequence attention sees (whole under sequence parallel, where a
-        # pipeline stage's input is this rank's shard of it; this rank's positions under CP)
+        cos, sin = rope_rows(cos, sin, seq)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         out = self.kernel(q, k, v, mask)

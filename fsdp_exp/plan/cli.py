@@ -170,7 +170,9 @@ def measured_imbalance(path: str) -> float:
     import json
     from pathlib import Path
 
-    record = Path(path) / "run.json" if Path(path).is_dir() else Path(path)
+    from fsdp_exp.record.run_record import RUN_RECORD  # inside: only a run folder's load needs the record module
+
+    record = Path(path) / RUN_RECORD if Path(path).is_dir() else Path(path)
     if not record.is_file():
         return 0.0
     try:
