@@ -94,12 +94,15 @@ def run_context(cfg: RunConfig, topology: Topology, run_dir: Path, labels: Label
     ``trainer.loss_chunks=auto`` settled into the config the ranks get (the planner's rule)."""
     from fsdp_exp.plan import loss_chunks_for, plan_for_run
     from fsdp_exp.plan.loss_chunks import with_chunks
+    from fsdp_exp.tune.step_time import run_prediction
 
     chosen = loss_chunks_for(cfg, topology)
     if str(cfg.trainer.loss_chunks) != str(chosen.chunks):
         cfg = with_chunks(cfg, chosen.chunks)
     # After the fit check this asks the planner again, from its cache (the model's inventory).
     record, row, phases = plan_for_run(cfg, topology)
+    # the step-time model's parts of the step, beside the planner's memory: the report compares each with the run
+    record = {**record, "step_time": run_prediction(cfg, topology)}
     return RunContext(
         config=cfg,
         topology=topology,

@@ -366,6 +366,10 @@ class DebugConfig:
     # At start, hash every rank's initial parameter shards: replicas must agree and each shard must be the
     # slice of the seeded full tensor; a mismatch names the ranks and tensors.
     check_identical_init: bool = False
+    # A mixture of experts routes every token's first pick to this expert (its router bias set far above the
+    # scores' range at each step's start): a run whose expert load is as imbalanced as a router can make it,
+    # to see the moe/* metrics, the summary and the report show it. None: routing as trained.
+    favour_expert: Optional[int] = None
 
 
 @dataclass

@@ -13,7 +13,8 @@ __all__ = ["check", "compare_init_digests"]
 
 
 def check(cfg, world: int) -> None:
-    """Preflight's checks of the debug group: the failing rank is one of the world's."""
+    """Preflight's checks of the debug group: the failing rank is one of the world's, the favoured expert one of
+    the model's."""
     from fsdp_exp.errors import fail
 
     d = cfg.debug
@@ -24,3 +25,10 @@ def check(cfg, world: int) -> None:
         )
     if d.step_sleep_s < 0:
         fail(f"debug.step_sleep_s={d.step_sleep_s} is negative.", "pass debug.step_sleep_s=0 (no sleep)")
+    experts = getattr(cfg.model, "n_experts", 0) or 0
+    if d.favour_expert is not None and not 0 <= d.favour_expert < experts:
+        fail(
+            f"debug.favour_expert={d.favour_expert} names no expert of this model ({experts} experts): it "
+            "routes every token's first pick to one expert of a mixture of experts.",
+            "pass debug.favour_expert=null, or an expert between 0 and model.n_experts - 1 (e.g. model=moe_tiny)",
+        )

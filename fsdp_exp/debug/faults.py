@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 from torch.distributed.tensor import DTensor
 
+from fsdp_exp.models.moe import moe_layers
+
 
 class InjectedFailure(RuntimeError):
     """Raised on purpose by debug.fail_at_step, to exercise failure handling."""
@@ -33,11 +35,25 @@ def inject_step_fault(debug, step: int, rank: int, model: torch.nn.Module) -> No
                 if local.numel():
                     local.fill_(float("nan"))
                     break
+    if d.favour_expert is not None:
+        favour_expert(model, d.favour_expert)
     if d.fail_at_step is not None and step == d.fail_at_step and rank == d.fail_rank and d.fail_during == "step":
         if d.fail_signal:  # SIGKILL ends the rank here; a handled signal (SIGTERM) asks for a save and stop
             os.kill(os.getpid(), getattr(signal, d.fail_signal))
             return
         raise InjectedFailure(f"debug.fail_at_step={d.fail_at_step} on rank {d.fail_rank}")
+
+
+@torch.no_grad()
+def favour_expert(model: torch.nn.Module, expert: int) -> None:
+    """Every MoE layer's router picks ``expert`` first for every token: its bias is set 1e4 above the others'
+    (scores are in [0, 1]), every rank alike. The mixing weights are the scores', as the bias never enters them."""
+    for layer in moe_layers(model):
+        bias = layer.router.expert_bias
+        if not 0 <= expert < bias.numel():
+            raise ValueError(f"debug.favour_expert={expert}: the model has {bias.numel()} experts")
+        bias.zero_()
+        bias[expert] = 1e4
 
 
 def storage_writer(path: Path, step: int, rank: int, debug):

@@ -128,6 +128,8 @@ def comm_from_trace(trace: dict) -> dict:
     every = _union([iv for v in merged.values() for iv in v])
     busy = _union([iv for iv in compute if iv[1] > iv[0]])
     out = {f"{k}_s": _length(v) / 1e6 for k, v in merged.items()}
+    # each kind's own exposed time (kinds in flight at once each count it: their sum may exceed exposed_s)
+    out.update({f"exposed_{k}_s": _subtract(v, busy) / 1e6 for k, v in merged.items()})
     out.update(
         total_s=_length(every) / 1e6,
         exposed_s=_subtract(every, busy) / 1e6,

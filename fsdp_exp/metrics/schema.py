@@ -91,6 +91,22 @@ def _moe_metrics() -> list[Metric]:
             wandb_summary="max",
         ),
         Metric(
+            "moe/load_imbalance_worst_layer",
+            "index",
+            "step",
+            "global",
+            "the MoE layer moe/load_imbalance_max is of (0 = the model's first MoE layer, in block order)",
+            wandb_summary="last",
+        ),
+        Metric(
+            "moe/load_imbalance_per_layer",
+            "1 list",
+            "step",
+            "global",
+            "each MoE layer's busiest expert's load over its mean expert's, block order, to 4 digits",
+            wandb_summary="none",
+        ),
+        Metric(
             "moe/load_imbalance_mean",
             "1",
             "step",
@@ -382,6 +398,17 @@ _COMM = {
     "counts exchanged before them; context parallel's exchange of heads for sequence, parallel.cp_method="
     "all_to_all; 0 without either)",
     "other_s": "time other collectives were in flight (broadcast, send/recv)",
+    **{
+        f"exposed_{kind}_s": f"part of comm/{kind}_s with no compute running (as comm/exposed_s counts it): the "
+        f"{what} the step waited for; kinds in flight at once each count it"
+        for kind, what in (
+            ("all_gather", "all-gathers"),
+            ("reduce_scatter", "reduce-scatters"),
+            ("all_reduce", "all-reduces"),
+            ("all_to_all", "all-to-alls"),
+            ("other", "other collectives"),
+        )
+    },
     "total_s": "time any collective was in flight",
     "exposed_s": "part of comm/total_s with no compute running (CUDA: no other kernel on any stream; CPU: the "
     "training thread in no aten/fsdp operator): communication the step waited for",
@@ -587,6 +614,46 @@ SUMMARY_METRICS: list[Metric] = [
         "max",
         "which of those summary/peak_gib is: cuda, tracked or model states (a lower bound: no activations)",
     ),
+    Metric("summary/val_loss", "nats", "run", "mean", "val/loss of the last evaluation (data with a validation split)"),
+    Metric("summary/val_perplexity", "1", "run", "mean", "val/perplexity of the last evaluation"),
+    # a mixture of experts' routing as measured (models with experts only)
+    Metric(
+        "summary/moe_load_imbalance_median",
+        "1",
+        "run",
+        "global",
+        "in the summary: median of moe/load_imbalance_max over the measured steps: the ratio plan.expert_imbalance "
+        "takes (tune.calibrate_from of a sweep of MoE runs carries it)",
+    ),
+    Metric(
+        "summary/moe_load_imbalance_worst",
+        "1",
+        "run",
+        "global",
+        "in the summary: the largest moe/load_imbalance_max of the run",
+    ),
+    Metric(
+        "summary/moe_worst_layer",
+        "index",
+        "run",
+        "global",
+        "in the summary: the MoE layer of summary/moe_load_imbalance_worst (0 = the first MoE layer)",
+    ),
+    Metric(
+        "summary/moe_load_imbalance_per_layer",
+        "1 list",
+        "run",
+        "global",
+        "in the summary: each MoE layer's median over the measured steps of its max/mean expert load, block order",
+    ),
+    Metric(
+        "summary/moe_dropped_fraction_max",
+        "1",
+        "run",
+        "global",
+        "in the summary: the largest moe/dropped_fraction of the run (0 when dropless)",
+    ),
+    Metric("summary/moe_aux_loss_final", "1", "run", "mean", "in the summary: moe/aux_loss of the last step"),
 ]
 
 ALL_METRICS = {

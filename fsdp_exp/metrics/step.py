@@ -292,7 +292,8 @@ class StepMetrics:
 
         path = self.run_dir / "traces" / f"rank{self.info.rank}_step{step + 1}.json"
         result, comm = profiled(lambda phase: train_step(step, phase), self.device, path)
-        names = [f"{k}_s" for k in COMM_KINDS] + ["total_s", "exposed_s", "compute_s", "step_s"]
+        names = [f"{k}_s" for k in COMM_KINDS] + [f"exposed_{k}_s" for k in COMM_KINDS]
+        names += ["total_s", "exposed_s", "compute_s", "step_s"]
         ranks = gather_over_ranks([comm[n] for n in names] + [comm["exposed_s"] / comm["step_s"]], self.device)
         names.append("exposed_fraction")
         for j, name in enumerate(names):

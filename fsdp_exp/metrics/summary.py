@@ -62,6 +62,11 @@ def summarize(history: list[dict], warmup_steps: int, peak: DevicePeak, cuda: bo
     if any("pp/bubble" in h for h in measured):  # a pipeline run (fsdp_exp.metrics.pipeline)
         summary["summary/pp_bubble_median"] = median("pp/bubble")
         summary["summary/comm_p2p_wait_s_median"] = median("comm/p2p_wait_s")
+    if last("val/loss") is not None:  # a run with a validation split: its last evaluation
+        summary["summary/val_loss"] = last("val/loss")
+        summary["summary/val_perplexity"] = last("val/perplexity")
+    if any(h.get("moe/load_imbalance_max") is not None for h in measured):  # a mixture of experts' routing
+        summary.update(routing_summary(measured, median, last))
     if profiled:
         summary["summary/comm_total_s_median"] = median("comm/total_s", profiled)
         summary["summary/comm_exposed_s_median"] = median("comm/exposed_s", profiled)
@@ -74,6 +79,24 @@ def summarize(history: list[dict], warmup_steps: int, peak: DevicePeak, cuda: bo
     # The peak the report ranks by, chosen once (fsdp_exp.metrics.peak), so that W&B shows the same.
     summary["summary/peak_gib"], summary["summary/peak_source"] = measured_peak(summary, last)
     return summary
+
+
+def routing_summary(measured: list[dict], median, last) -> dict:
+    """The measured steps' expert load: the median worst-layer ratio (what plan.expert_imbalance takes), the
+    worst step's ratio and layer, each layer's median, the largest dropped share and the last aux loss."""
+    rows = [h for h in measured if h.get("moe/load_imbalance_max") is not None]
+    worst = max(rows, key=lambda h: h["moe/load_imbalance_max"])
+    layers = [h["moe/load_imbalance_per_layer"] for h in rows if h.get("moe/load_imbalance_per_layer")]
+    return {
+        "summary/moe_load_imbalance_median": median("moe/load_imbalance_max"),
+        "summary/moe_load_imbalance_worst": worst["moe/load_imbalance_max"],
+        "summary/moe_worst_layer": worst.get("moe/load_imbalance_worst_layer"),
+        "summary/moe_load_imbalance_per_layer": (
+            [round(statistics.median(column), 4) for column in zip(*layers)] if layers else None
+        ),
+        "summary/moe_dropped_fraction_max": max(h.get("moe/dropped_fraction") or 0.0 for h in rows),
+        "summary/moe_aux_loss_final": last("moe/aux_loss"),
+    }
 
 
 def percentile(sorted_values: list[float], q: float) -> Optional[float]:

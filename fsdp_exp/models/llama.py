@@ -21,7 +21,7 @@ from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.models.attention_mask import Mask, attend, compute_dtype, document_mask
 from fsdp_exp.models.loss import chunked_cross_entropy
 from fsdp_exp.models.mla import MultiHeadLatentAttention
-from fsdp_exp.models.moe import MoE, moe_hidden_dim
+from fsdp_exp.models.moe import MoE, moe_hidden_dim, number_moe_layers
 
 
 def ffn_hidden_dim(cfg: ModelConfig) -> int:
@@ -70,6 +70,13 @@ def rope_at(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch
     positions 0.. gets bit-identical angles."""
     angles = positions.to(torch.float32)[..., None] * _inv_freq(head_dim, theta, positions.device)
     return angles.cos(), angles.sin()
+
+
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the sequence an attention sees: the tables' first ``seq`` (whole under sequence parallel, where a
+    pipeline stage's input is this rank's shard of it; this rank's positions under CP), or per-token angles as
+    they are (``rope_at``)."""
+    return (cos[:seq], sin[:seq]) if cos.dim() == 2 else (cos, sin)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -129,6 +136,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_rows(cos, sin, seq)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim)
         out = self.kernel(q, k, v, mask)
@@ -182,6 +190,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed "0", "1", ... keeps parameter names stable when blocks are wrapped.
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+        number_moe_layers(self)  # kept by a pipeline stage: its routing counts line up with the other stages'
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -208,11 +217,10 @@ class Llama(nn.Module):
         position's document number in its block, over the whole sequence (under context parallel too), which
         ``model.attention_mask=block_causal`` keeps apart; ``positions``: each token's rotary position
         (``data.positions=document``), else the tables' rows in order."""
-        seq = tokens.shape[1]
         if positions is not None:
             cos, sin = rope_at(positions, rotary_dim(self.cfg), self.cfg.rope_theta)
         else:
-            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+            cos, sin = self.rope_cos, self.rope_sin  # each attention takes the rows of the sequence it sees
         h = self.tok_embeddings(tokens)
         # once a batch, for every block (none without documents: the causal kernel's own mask)
         mask = None if documents is None else document_mask(documents, self.cfg.attention_mask, compute_dtype(h))

@@ -16,7 +16,7 @@ import torch
 
 from fsdp_exp.config.schema import ModelConfig
 from fsdp_exp.config.topology import largest_divisor_at_most
-from fsdp_exp.errors import fail, not_built
+from fsdp_exp.errors import fail
 from fsdp_exp.models.deepseek_export import deepseek_v3_config, deepseek_v3_names, why_not_deepseek_v3
 from fsdp_exp.models.llama import CausalAttention, Llama, TransformerBlock, ffn_hidden_dim, head_dim
 from fsdp_exp.models.mla import qk_head_dim
@@ -273,15 +273,6 @@ class LlamaSpec(ModelSpec):
                 "and model.ffn_dim_multiplier): each rank holds an equal slice.",
                 f"pass model.multiple_of={tp * m.multiple_of // math.gcd(tp, m.multiple_of)} (a multiple of "
                 f"parallel.tp), or parallel.tp={largest_divisor_at_most(width, tp)}",
-            )
-
-    def check_pipeline(self, m: ModelConfig) -> None:
-        if m.n_experts:
-            # Each stage would count and balance only its own layers' experts; not built yet.
-            not_built(
-                f"parallel.pp > 1 with a mixture of experts (model.n_experts={m.n_experts}) is not built yet: the "
-                "routing counts and the loss-free bias are kept over every rank.",
-                "pass parallel.pp=1 (and shard the experts with parallel.ep)",
             )
 
     def check_expert_parallel(self, m: ModelConfig, ep: int) -> None:

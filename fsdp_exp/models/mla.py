@@ -69,6 +69,8 @@ class MultiHeadLatentAttention(nn.Module):
         kv = self.wkv_b(self.kv_norm(latent)).view(bsz, seq, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         heads = k_nope.shape[2]
+        if cos.dim() == 2:  # the tables: the rows of the sequence attention sees (llama.rope_rows says why)
+            cos, sin = cos[:seq], sin[:seq]
         q_rot = self.rope(q_rot, cos, sin)
         k_rot = self.rope(k_rot[:, :, None, :], cos, sin).expand(-1, -1, heads, -1)  # one rotary key for all heads
         q = torch.cat([q_nope, q_rot], dim=-1)

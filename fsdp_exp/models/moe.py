@@ -242,6 +242,23 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def number_moe_layers(model: nn.Module) -> None:
+    """Give each MoE layer of a whole model its index among them (``layer``) and their count (``of_layers``):
+    a pipeline stage, the model less the other stages' blocks, keeps them, so that the counts of every stage
+    line up in one tensor summed over all ranks (``routing_counts``)."""
+    layers = moe_layers(model)
+    for index, m in enumerate(layers):
+        m.layer, m.of_layers = index, len(layers)
+
+
+def _loads(layers: list[MoE]) -> torch.Tensor:
+    """(every MoE layer of the whole model, experts): this rank's layers' routed copies, zeros for the rest."""
+    loads = layers[0].tokens_per_expert.new_zeros(layers[0].of_layers, layers[0].n_experts)
+    for m in layers:
+        loads[m.layer] = m.tokens_per_expert
+    return loads
+
+
 def reset_routing_counts(model: nn.Module, micro_batches: int = 1, loss_scale: float = 1.0) -> None:
     """Start a step's counts (the trainer, before each step): loads, drops and aux losses are per step. The
     step's ``micro_batches`` each carry 1/micro_batches of the aux loss's gradient, as the trainer divides the
@@ -260,7 +277,7 @@ def routing_counts(model: nn.Module) -> Optional[torch.Tensor]:
     layers = moe_layers(model)
     if not layers:
         return None
-    loads = torch.cat([m.tokens_per_expert for m in layers])
+    loads = _loads(layers).flatten()
     totals = [sum(getattr(m, name) for m in layers) for name in ("dropped", "aux_loss", "forwards")]
     return torch.cat([loads, torch.stack(totals)]).double()
 
@@ -269,7 +286,8 @@ def routing_row(model: nn.Module, summed: torch.Tensor, ranks: int) -> dict[str,
     """The step's ``moe/*`` metrics from ``routing_counts`` summed over ``ranks`` ranks. The loads are the
     routed copies before dropping: the dropped ones are a part of them."""
     layers = moe_layers(model)
-    loads = summed[:-3].view(len(layers), -1)
+    n_layers = layers[0].of_layers  # the whole model's (a pipeline stage holds some of them)
+    loads = summed[:-3].view(n_layers, -1)
     dropped, aux, forwards = summed[-3:].tolist()
     per_layer = loads.max(-1).values / loads.mean(-1).clamp(min=1e-9)
     routed = loads.sum().item()
@@ -278,7 +296,9 @@ def routing_row(model: nn.Module, summed: torch.Tensor, ranks: int) -> dict[str,
         "moe/tokens_per_expert_mean": loads.mean().item(),
         "moe/load_imbalance_max": per_layer.max().item(),
         "moe/load_imbalance_mean": per_layer.mean().item(),
-        "moe/aux_loss": aux / forwards * len(layers) if forwards else 0.0,
+        "moe/load_imbalance_worst_layer": int(per_layer.argmax().item()),
+        "moe/load_imbalance_per_layer": [round(x, 4) for x in per_layer.tolist()],
+        "moe/aux_loss": aux / forwards * n_layers if forwards else 0.0,
         "moe/dropped_tokens": dropped,
         "moe/dropped_fraction": dropped / routed if routed else 0.0,
     }
@@ -293,9 +313,10 @@ def update_expert_bias(model: nn.Module, rate: float, all_reduce: Callable[[torc
     layers = moe_layers(model)
     if not layers or not rate:
         return
-    loads = torch.stack([m.tokens_per_expert for m in layers])
+    loads = _loads(layers)  # every layer of the whole model: under pipeline parallel the other stages' add theirs
     all_reduce(loads)
-    for m, load in zip(layers, loads):
+    for m in layers:
+        load = loads[m.layer]
         m.router.expert_bias += rate * torch.sign(load.mean() - load)
 
 

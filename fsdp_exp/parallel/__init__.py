@@ -1,9 +1,11 @@
-"""Parallelism, applied in a fixed order like a recipe: float8 training (float8.py), tensor parallel,
-activation checkpointing, compile, then the data-parallel backend (``backend_for(cfg)``: FSDP2, FSDP1, DDP or DeepSpeed, see backend.py),
-which also materializes the model and initializes it identically on every rank. A backend whose units
-must hold the checkpointed region (FSDP1, ``checkpoints_inside_units``) has its blocks checkpointed after
-it wrapped them instead. Each step records what
+"""Parallelism, applied in a fixed order like a recipe (``apply_recipe``): float8 training (float8.py), tensor
+parallel, expert parallel, context parallel, activation checkpointing, compile, then the data-parallel backend
+(``backend_for(cfg)``: FSDP2, FSDP1, DDP or DeepSpeed, see backend.py), which also materializes the model and
+initializes it identically on every rank. A backend whose units must hold the checkpointed region (FSDP1,
+``checkpoints_inside_units``) has its blocks checkpointed after it wrapped them instead. Each step records what
 it handed to torch ("applied"); the backend then reads back what torch holds (``applied["inspected"]``).
+Under pipeline parallel every stage runs the same recipe on its slice of the mesh (parallel/pipeline.py), so a
+parallelism that composes without stages composes with them.
 
 The result binds the backend to this run's model, config and device, so that the training step asks it
 for the optimizer, gradient sync, autocast, backward, clipping, the loss scaler and the optimizer step
@@ -94,14 +96,34 @@ class Parallelized:
 
 def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.device") -> Parallelized:
     """``model`` is on the meta device; the result is sharded, materialized and initialized. Under
-    parallel.pp > 1 the stages are built from the config instead (parallel/pipeline.py)."""
-    from fsdp_exp.parallel import ac, compile, context, float8, tp
-    from fsdp_exp.parallel.mesh import cp_mesh as context_mesh, dense_dp_mesh
-
+    parallel.pp > 1 the stages are cut from the config and each runs this same recipe (parallel/pipeline.py)."""
     if cfg.parallel.pp > 1:
         from fsdp_exp.parallel.pipeline import parallelize_pipeline
 
         return parallelize_pipeline(cfg, mesh, device)
+    backend = backend_for(cfg)
+    model, applied, shards = apply_recipe(model, cfg, mesh, device)
+    # What torch holds, read back from the wrapped model (tests compare it with the config).
+    grad_sync = backend.grad_sync(cfg)
+    applied["grad_sync"] = {"trainer.grad_sync": cfg.trainer.grad_sync, "resolved": grad_sync}
+    applied["inspected"] = backend.inspect(model)
+    return Parallelized(
+        model=model, applied=applied, backend=backend, cfg=cfg, device=device, grad_sync=grad_sync, context=shards
+    )
+
+
+def apply_recipe(
+    model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device: "torch.device", first_block: int = 0
+) -> tuple["nn.Module", dict, "ContextShards | None"]:
+    """The recipe, in its one order: float8, tensor parallel, expert parallel, context parallel, activation
+    checkpointing, compile, then the backend's data-parallel wrap (which materializes and seeds the weights).
+    ``model`` is the whole model, or one pipeline stage of it (``first_block``: the index in the full model of
+    the stage's first block, so that ``ac.every`` counts the model's blocks); ``mesh`` is the run's mesh, from
+    which each parallelism takes its own dims (a stage's sub-meshes: its pp coordinate's slice). Returns the
+    model to train, what each step applied, and this rank's share of every sequence under context parallel."""
+    from fsdp_exp.parallel import ac, compile, context, float8, tp
+    from fsdp_exp.parallel.mesh import cp_mesh as context_mesh, dense_dp_mesh
+
     applied: dict = {}
     # float8 first: tensor parallel's float8 styles shard the converted layers, and AC and compile wrap them
     # (torchtitan converts the model before it parallelizes it)
@@ -121,7 +143,7 @@ def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device
         method = context.resolve_method(cfg.parallel.cp_method, device.type)
         applied["cp"] = context.wrap_attention(model, cp_mesh, method, cfg.trainer.seq_len)
     backend = backend_for(cfg)
-    checkpointed = ac.chosen(model, cfg) if cfg.ac.mode != "none" else None
+    checkpointed = ac.chosen(model, cfg, first_block) if cfg.ac.mode != "none" else None
     compiles = cfg.compile and not backend.compiles_itself
     # Under tensor parallel each block is compiled before it is checkpointed (checkpoint(compiled block)):
     # torch cannot compile a checkpointed region whose saved tensors are DTensors (its AOT autograd finds
@@ -138,10 +160,4 @@ def parallelize(model: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh", device
     if checkpointed is not None and backend.checkpoints_inside_units:  # the blocks, where the wrapping put them
         applied["ac"] = {**ac.apply(model, cfg, targets=checkpointed), "order": "after the backend's wrapping"}
     shards = context.shard_positions(model, cp_mesh, cfg.trainer.seq_len) if cp_mesh is not None else None
-    # What torch holds, read back from the wrapped model (tests compare it with the config).
-    grad_sync = backend.grad_sync(cfg)
-    applied["grad_sync"] = {"trainer.grad_sync": cfg.trainer.grad_sync, "resolved": grad_sync}
-    applied = {**dp_applied, **applied, "inspected": backend.inspect(model)}
-    return Parallelized(
-        model=model, applied=applied, backend=backend, cfg=cfg, device=device, grad_sync=grad_sync, context=shards
-    )
+    return model, {**dp_applied, **applied}, shards

@@ -119,8 +119,8 @@ class BackendChecks(ABC):
     # sharding backend reduces every micro-batch into the sharded gradient, so that no unsharded gradient
     # outlives its unit's backward.
     natural_grad_sync: str = EVERY_MICRO_BATCH
-    # parallel.pp > 1: the strategies this backend runs inside pipeline stages (parallel/pipeline.py's
-    # shard_stage), () where it runs no stages
+    # parallel.pp > 1: the strategies this backend runs inside pipeline stages (its ``apply`` as the stages'
+    # recipe calls it, parallel/__init__.py's apply_recipe), () where it runs no stages
     stage_strategies: tuple[str, ...] = ()
 
     def missing_dependency(self) -> Optional[str]:

@@ -78,10 +78,10 @@ def method_refusal(cfg: "RunConfig", method: str, device_type: str) -> tuple[str
 
 def check(cfg: "RunConfig", device_type: str) -> None:
     """preflight's context-parallel checks (before any rank starts; preflight has checked that cp divides the
-    ranks and names a method): the sequence, the chosen method's own rules (on this device, with the family's
-    heads), and every dimension cp does not compose with yet, each refused by name. A method refused here names
-    the other one where that one would run."""
-    from fsdp_exp.errors import fail, not_built
+    ranks and names a method): the sequence and the chosen method's own rules (on this device, with the family's
+    heads). A method refused here names the other one where that one would run. Pipeline stages take the
+    CP-sharded sequence as their micro-batches (parallel/pipeline.py)."""
+    from fsdp_exp.errors import fail
 
     p, seq = cfg.parallel, cfg.trainer.seq_len
     if p.cp == 1:
@@ -100,17 +100,6 @@ def check(cfg: "RunConfig", device_type: str) -> None:
         if method_refusal(cfg, other, device_type) is None:
             fix = f"pass parallel.cp_method={other}, which runs here; or " + fix.removeprefix("pass ")
         fail(problem, fix)
-    refused = [
-        (
-            p.pp > 1,
-            f"parallel.pp={p.pp}",
-            "the pipeline's stages take whole sequences (parallel/pipeline.py)",
-            "parallel.pp=1",
-        ),
-    ]
-    for bad, what, why, fix in refused:
-        if bad:
-            not_built(f"{what} with parallel.cp={p.cp} is not supported yet: {why}.", f"pass {fix}, or parallel.cp=1")
 
 
 # ------------------------------------------------------------------------------- load balancing

@@ -104,6 +104,8 @@ class DDP(Backend):
 
     def apply(self, model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torch.device):
         """Materialize and seed the whole model on this rank, then wrap it (and hook fp16/bf16 reduction)."""
+        if cfg.parallel.pp > 1:
+            return self._replicate_stage(model, cfg, mesh, device)
         model.to_empty(device=device)
         init_weights(model, cfg.trainer.seed, device)
         kwargs = dict(
@@ -124,6 +126,30 @@ class DDP(Backend):
             "DistributedDataParallel": describe({**kwargs, "process_group": f"{mesh.size()} ranks"}),
             "comm_hook": hook.__name__ if hook else None,
             "autocast": None if cfg.precision.param_dtype == "fp32" else describe(dtype_of(cfg.precision.param_dtype)),
+        }
+
+    def _replicate_stage(self, model: nn.Module, cfg: RunConfig, mesh: DeviceMesh, device: torch.device):
+        """A pipeline stage's replicas: torch's ``replicate`` (FSDP2's machinery on a replicate-only mesh, which
+        the pipeline schedule drives as it drives ``fully_shard``; torchtitan replicates stages so) on each unit of
+        the wrap policy, then the stage's root; then this rank's copy materialized and seeded."""
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        from fsdp_exp.parallel.fsdp2 import mp_policy
+        from fsdp_exp.parallel.wrap import unit_names
+
+        units = []
+        for name in [*unit_names(model, cfg), ""]:
+            kwargs = dict(mesh=mesh, mp_policy=mp_policy(cfg, root=not name))
+            replicate(model.get_submodule(name), **kwargs)
+            units.append({"module": name or "<root>", "replicate": describe(kwargs)})
+        model.to_empty(device=device)
+        init_weights(model, cfg.trainer.seed, device)
+        return model, {
+            "backend": self.name,
+            "api": "torch.distributed._composable.replicate_with_fsdp.replicate",
+            "mesh": {"shape": list(mesh.mesh.shape), "dim_names": list(mesh.mesh_dim_names or ())},
+            "num_units": len(units),
+            "units": units,
         }
 
     def build_optimizer(self, model: nn.Module, cfg: RunConfig, decay_names: set[str]):

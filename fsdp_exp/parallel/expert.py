@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fsdp_exp.errors import fail, not_built
+from fsdp_exp.errors import fail
 from fsdp_exp.models.moe import GroupedExperts, grouped_swiglu
 
 # What expert parallel composes with today; everything else is refused by name before any rank starts.
@@ -49,8 +49,6 @@ def check(cfg, ep: int) -> None:
             f"parallel.ep={ep} with sharding=no_shard: expert parallel borrows its ranks from the shard dim.",
             "pass sharding=full (or hybrid), or parallel.ep=1",
         )
-    if cfg.parallel.cp > 1:
-        not_built(f"parallel.ep={ep} with parallel.cp={cfg.parallel.cp} is not built yet.", "pass parallel.cp=1")
     if cfg.compile:
         # The split sizes are read from the counts each step (data-dependent): every MoE layer breaks the graph.
         fail(

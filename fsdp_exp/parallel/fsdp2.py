@@ -42,6 +42,10 @@ MESH = {
 
 def reshard_after_forward(cfg: RunConfig) -> bool | int:
     value = cfg.sharding.reshard_after_forward.lower()
+    if value == "auto" and cfg.parallel.pp > 1:
+        # Pipeline stages keep their units unsharded between the micro-batches of a step (torchtitan's default
+        # under PP): resharding would all-gather every unit again for each micro-batch.
+        return False
     if value == "auto":
         return RESHARD_AFTER_FORWARD[cfg.sharding.strategy]
     if value in ("true", "false"):
@@ -209,7 +213,10 @@ class FSDP2(Backend):
         fully_shard(model, **root_kwargs, shard_placement_fn=_placement(mesh))
         applied_units.append({"module": "<root>", "fully_shard": describe(root_kwargs)})
 
-        prefetch = _set_prefetch(model, chain, cfg.prefetch.forward, cfg.prefetch.backward)
+        # Pipeline stages gather each unit once a step and keep it (reshard_after_forward=False): nothing to prefetch
+        prefetch = (
+            _set_prefetch(model, chain, cfg.prefetch.forward, cfg.prefetch.backward) if cfg.parallel.pp == 1 else {}
+        )
         for unit in applied_units:
             unit.update(prefetch.get(unit["module"], {}))
 
@@ -345,8 +352,9 @@ class FSDP2(Backend):
             "compile=true": "`Module.compile()` per block, before sharding",
             "parallel.tp=N": "`parallelize_module` (Colwise / Rowwise; torchao's float8 styles under tensorwise float8) on a "
             "(dp, tp) mesh",
-            "parallel.pp=N": "`fully_shard` over dp inside each `PipelineStage` of a (pp, dp[, tp]) mesh, over "
-            "(replicate, shard) of dp under `sharding=hybrid` (docs/pipeline.md)",
+            "parallel.pp=N": "each `PipelineStage` runs the pp=1 recipe (TP, EP, CP, AC, compile, `fully_shard`) on "
+            "its slice of a (pp, dp[, cp][, tp]) mesh, over (replicate, shard) of dp under `sharding=hybrid` "
+            "(docs/pipeline.md)",
             "parallel.cp=N": "`fully_shard` over shard x cp; each attention kernel wrapped: all-to-all of heads for "
             "sequence, or torch's ring `_ContextParallel` on CUDA (docs/context_parallel.md)",
         }

@@ -2,10 +2,11 @@
 torch.distributed.pipelining driving the micro-batches (issue #26; ``parallelize`` calls
 ``parallelize_pipeline`` when parallel.pp > 1, see docs/pipeline.md).
 
-The mesh is (pp, dp), or (pp, dp, tp) under tensor parallel, pp outermost and tp innermost as torchtitan
-orders its dims: rank = (pp_index * dp + dp_index) * tp + tp_index, so the ranks of one stage are neighbours
-(one node) and the stage-to-stage sends cross the nodes. Inside a stage tensor parallel (the pp=1 plan,
-parallel/tp.py) comes first, then FSDP2 over dp.
+The mesh is (pp, dp[, cp][, tp]), pp outermost and tp innermost as torchtitan orders its dims: rank =
+((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index, so the ranks of one stage are neighbours (one
+node) and the stage-to-stage sends cross the nodes. Every stage runs the recipe of an unpipelined model
+(``fsdp_exp.parallel.apply_recipe``: float8, TP, EP, CP, AC, compile, the backend's data-parallel wrap) on its
+pp slice of the mesh (``stage_mesh``); this module cuts the stages and drives their schedule.
 
 A stage is the family's own model built on the meta device with what the stage does not run taken out:
 its blocks not in the stage are deleted, the input modules (the spec's ``input_modules``: embeddings)
@@ -25,14 +26,15 @@ the values the unsplit model has.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
 from fsdp_exp.config.layout import Layout, dp_split
 from fsdp_exp.config.schema import settled_loss_chunks
-from fsdp_exp.errors import fail, not_built
-from fsdp_exp.parallel import Parallelized
+from fsdp_exp.errors import fail
+from fsdp_exp.parallel import Parallelized, apply_recipe
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
 
     from fsdp_exp.config import ModelConfig, RunConfig
     from fsdp_exp.metrics.pipeline import StageObserver
+    from fsdp_exp.parallel.context import ContextShards
 
 # parallel.pp_schedule -> (torch.distributed.pipelining class, stage placement). "loop": stage s on pp rank
 # s % pp; "v": rank r holds stages r and 2 pp - 1 - r (the V-shaped schedules need 2 stages per rank).
@@ -141,11 +144,11 @@ def check(settings: PipelineSettings, model_cfg: "ModelConfig", local_batch: int
 
 
 def check_sharding(cfg: "RunConfig") -> None:
-    """The stages are sharded over the dp dim (``shard_stage``), after tensor parallel (``parallel.tp``, the pp=1
-    plan): FSDP2 fully sharded, FSDP2 hybrid (HSDP: replicate x shard of dp) or DDP (replicated, as torch's
+    """Each stage runs the recipe of an unpipelined model (``apply_recipe``), whose data-parallel wrap is the
+    backend's: FSDP2 fully sharded, FSDP2 hybrid (HSDP: replicate x shard of dp) or DDP (replicated, as torch's
     ``replicate``), the backend's ``stage_strategies``; refuse, naming the override, the rest (FSDP1,
-    DeepSpeed: their ``check`` refuses them too; FSDP2 grad_op and no_shard) and sequence parallel. Tune asks it
-    which shardings stages run."""
+    DeepSpeed: their ``check`` refuses them too; FSDP2 grad_op and no_shard). Tune asks it which shardings
+    stages run."""
     from fsdp_exp.parallel.backend import backend_for
 
     s, p = cfg.sharding, cfg.parallel
@@ -155,19 +158,11 @@ def check_sharding(cfg: "RunConfig") -> None:
             f"sharding.backend={s.backend} sharding.strategy={s.strategy} is not composed with pipeline stages.",
             "pass sharding=full (FSDP2), sharding=hybrid or sharding=ddp, or parallel.pp=1",
         )
-    if p.tp > 1 and p.sequence_parallel:
-        # Every stage but the first would receive a shard of the sequence, and the family's forward takes
-        # the rotary tables' length from its input (models/llama.py): a stage would rotate by the wrong length.
-        not_built(
-            f"parallel.sequence_parallel=true with parallel.pp={p.pp}: a later stage receives its activations "
-            "sharded over the sequence, and the model's forward reads the sequence length from its input.",
-            "pass parallel.sequence_parallel=false (loss parallel composes with stages), or parallel.pp=1",
-        )
 
 
 def check_stage_settings(cfg: "RunConfig") -> None:
     """Refuse, naming the override, what the stages would otherwise ignore (preflight): they keep every unit
-    unsharded from the first forward to the last backward of a step (``shard_stage``: no resharding, so no
+    unsharded from the first forward to the last backward of a step (``fsdp2.reshard_after_forward``: no resharding, so no
     all-gather to prefetch) and reduce the gradients once, after the last micro-batch (torch's schedule)."""
     from fsdp_exp.config.schema import EVERY_MICRO_BATCH, PrefetchConfig
 
@@ -301,6 +296,18 @@ def mesh_layout(pp: int, dp: int, tp: int = 1, cp: int = 1) -> tuple[tuple[int, 
     return layout.mesh_shape, layout.mesh_dim_names
 
 
+def stage_mesh(cfg: "RunConfig", mesh: "DeviceMesh") -> "DeviceMesh":
+    """The mesh the stages' recipe reads: the run's (pp, dp[, cp][, tp]) mesh with its dp dim laid out as a
+    stage's data parallelism is (``stage_dp_layout``): (replicate, shard) under sharding=hybrid, replicate
+    under DDP, one shard dim else. Each parallelism takes its own dims of it, this rank's pp slice."""
+    replicas, shards = stage_dp_layout(cfg, mesh["dp"].size())
+    if cfg.sharding.strategy == "hybrid":
+        return mesh._unflatten("dp", (replicas, shards), ("replicate", "shard"))
+    if cfg.sharding.strategy == "no_shard":
+        return mesh._unflatten("dp", (replicas,), ("replicate",))
+    return mesh
+
+
 def build_stage_module(model_cfg: "ModelConfig", blocks: list[int], first: bool, last: bool) -> "nn.Module":
     """The family's model on the meta device with only what this stage runs (see the module docstring): the
     other stages' blocks deleted here, the ends cut by the family (``ModelSpec.cut_stage``)."""
@@ -315,88 +322,6 @@ def build_stage_module(model_cfg: "ModelConfig", blocks: list[int], first: bool,
             parent, _, child = name.rpartition(".")
             delattr(model.get_submodule(parent), child)
     return spec.cut_stage(model, model_cfg, first, last)  # the ends, and a forward on activations
-
-
-def shard_stage(stage: "nn.Module", cfg: "RunConfig", dp_mesh: "DeviceMesh", device: "torch.device") -> dict:
-    """The stage's data parallelism over the dp dim, on each unit of the wrap policy and then the stage's root:
-    FSDP2's ``fully_shard`` over dp (sharding=full), over dp laid out as (replicate, shard) (sharding=hybrid:
-    HSDP), or torch's ``replicate`` (sharding=ddp: FSDP2's machinery on a replicate-only mesh, which the
-    schedule drives as it drives ``fully_shard``, as torchtitan replicates stages); then materialize this rank's
-    shards and fill them from the seed. Parameters stay unsharded between the micro-batches of a step
-    (``reshard_after_forward=False``, torchtitan's default under PP: resharding would all-gather every unit
-    again for every micro-batch)."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate as replicate_stage
-    from torch.distributed.fsdp import fully_shard
-
-    from fsdp_exp.models import init_weights
-    from fsdp_exp.parallel.common import describe
-    from fsdp_exp.parallel.fsdp2 import mp_policy, offload_policy
-    from fsdp_exp.parallel.wrap import unit_names
-
-    replicas, shards = stage_dp_layout(cfg, dp_mesh.size())
-    common: dict = dict(offload_policy=offload_policy(cfg, dp_mesh.device_type))
-    if cfg.sharding.strategy == "no_shard":
-        wrap, api, common["mesh"] = replicate_stage, "replicate", dp_mesh._unflatten(0, (replicas,), ("replicate",))
-    else:
-        wrap, api = fully_shard, "fully_shard"
-        common["reshard_after_forward"] = False
-        common["mesh"] = (
-            dp_mesh._unflatten(0, (replicas, shards), ("replicate", "shard"))
-            if cfg.sharding.strategy == "hybrid"
-            else dp_mesh
-        )
-    units = []
-    for name in unit_names(stage, cfg):
-        kwargs = {**common, "mp_policy": mp_policy(cfg, root=False)}
-        wrap(stage.get_submodule(name), **kwargs)
-        units.append({"module": name, api: describe(kwargs)})
-    root_kwargs = {**common, "mp_policy": mp_policy(cfg, root=True)}
-    wrap(stage, **root_kwargs)
-    units.append({"module": "<root>", api: describe(root_kwargs)})
-    stage.to_empty(device="cpu" if cfg.offload.params else device)
-    init_weights(stage, cfg.trainer.seed, device)
-    return {"units": units, "dp_layout": {"replicate": replicas, "shard": shards}}
-
-
-def float8_stage(stage: "nn.Module", cfg: "RunConfig") -> dict:
-    """Float8 training inside one stage (precision.float8_recipe), first as at pp=1 (parallel/float8.py): the
-    stage's linears converted by the same filter, its output projection (on the last stage) kept high precision
-    by name; under precision.float8_all_gather FSDP2 gathers the stage's converted weights in float8."""
-    from fsdp_exp.parallel import float8
-
-    return {"float8": float8.apply(stage, cfg)} if float8.enabled(cfg) else {}
-
-
-def tensor_parallel_stage(stage: "nn.Module", cfg: "RunConfig", mesh: "DeviceMesh") -> dict:
-    """Tensor parallel inside one stage (parallel.tp > 1, on the mesh's tp dim), before FSDP2 as at pp=1: the
-    family's plan (parallel/tp.py), on the modules the stage runs (its ``nn.Identity`` stand-ins skipped)."""
-    if cfg.parallel.tp == 1:
-        return {}
-    from fsdp_exp.parallel import tp
-
-    return {"tp": tp.apply(stage, cfg, mesh["tp"])}
-
-
-def checkpoint_stage(stage: "nn.Module", cfg: "RunConfig", first_block: int) -> dict:
-    """Activation checkpointing inside one stage (ac.mode != none), after tensor parallel and before FSDP2 as
-    at pp=1 (parallel/ac.py's applier): ``first_block`` keeps ``ac.every`` counting the full model's blocks, so
-    a stage recomputes the blocks the unsplit model would. The wrapper's ``_checkpoint_wrapped_module`` enters
-    the stage's parameter names as at pp=1; DCP and the export drop it (``models.canonical_name``)."""
-    if cfg.ac.mode == "none":
-        return {}
-    from fsdp_exp.parallel import ac
-
-    return {"ac": ac.apply(stage, cfg, first_block=first_block)}
-
-
-def compile_stage(stage: "nn.Module", cfg: "RunConfig") -> dict:
-    """``compile=true`` inside one stage: torch.compile of each of its blocks, in place (parallel/compile.py, the
-    pp=1 step), after activation checkpointing and before FSDP2 as at pp=1; parameter names do not change."""
-    if not cfg.compile:
-        return {}
-    from fsdp_exp.parallel import compile
-
-    return {"compile": compile.apply(stage, cfg)}
 
 
 def stage_loss(logits: "torch.Tensor", targets: "torch.Tensor", chunks: int = 1) -> "torch.Tensor":
@@ -433,6 +358,9 @@ class PipelineEngine:
     # the last stage's logits stay sharded over the vocabulary (parallel/tp.py's loss_context), else a no-op.
     loss_context: Callable = contextlib.nullcontext
     precompute_float8_scales: bool = False  # precision.float8_all_gather: after every optimizer step
+    # parallel.cp > 1: this rank's positions of every sequence (parallel/context.py), cut before the schedule
+    # splits the batch into micro-batches, so that each stage's micro-batch is a CP-sharded sequence
+    context: Optional["ContextShards"] = None
 
     @property
     def has_first(self) -> bool:
@@ -450,6 +378,8 @@ class PipelineEngine:
         import torch
         import torch.distributed as dist
 
+        if self.context is not None:
+            inputs, targets = self.context(inputs, targets)
         losses: list = []
         with self.loss_context():
             self.schedule.step(
@@ -460,13 +390,15 @@ class PipelineEngine:
                 **packed,
             )
         # The last stage's mean over its micro-batches, summed over the pp group (the other stages add 0),
-        # then averaged over dp: the mean over the global batch, on every rank of this mesh.
+        # then averaged over dp and cp (each cp rank's mean is over equally many tokens of the same sequences):
+        # the mean over the global batch, on every rank of this mesh.
         local = torch.stack([x.detach().float() for x in losses]).mean() if self.has_last else torch.zeros(())
         local = local.to(inputs.device)
         dist.all_reduce(local, group=self.mesh["pp"].get_group())
-        if self.mesh["dp"].size() > 1:  # a sum, then divided: gloo has no AVG
-            dist.all_reduce(local, group=self.mesh["dp"].get_group())
-            local /= self.mesh["dp"].size()
+        for dim in ("dp", "cp"):
+            if dim in self.mesh.mesh_dim_names and self.mesh[dim].size() > 1:  # a sum, then divided: gloo has no AVG
+                dist.all_reduce(local, group=self.mesh[dim].get_group())
+                local /= self.mesh[dim].size()
         return local.item()
 
     def clip_grad_norm(self, max_norm: float) -> "torch.Tensor":
@@ -523,17 +455,23 @@ def build_pipeline(
 
     local_batch = cfg.trainer.global_batch_size // mesh["dp"].size()
     check(settings, cfg.model, local_batch)
+    # The stages' recipe reads a pipeline run's config (parallel.pp: FSDP2 keeps the stages unsharded, DDP
+    # replicates them with torch's replicate), whichever config a caller building stages by hand passed.
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=settings.pp))
     blocks = stage_blocks(settings, cfg.model)
     indices = stages_of_rank(settings, mesh["pp"].get_local_rank())
     last = settings.num_stages - 1
     stages, pipeline_stages, applied = [], [], {"stage_blocks": blocks, "stages": {}}
+    replicas, shards = stage_dp_layout(cfg, mesh["dp"].size())
+    recipe_mesh = stage_mesh(cfg, mesh)
+    context = None
     for index in indices:
         stage = build_stage_module(cfg.model, blocks[index], first=index == 0, last=index == last)
-        applied["stages"][index] = float8_stage(stage, cfg)
-        applied["stages"][index].update(tensor_parallel_stage(stage, cfg, mesh))
-        applied["stages"][index].update(checkpoint_stage(stage, cfg, first_block=blocks[index][0]))
-        applied["stages"][index].update(compile_stage(stage, cfg))
-        applied["stages"][index].update(shard_stage(stage, cfg, mesh["dp"], device))
+        # the recipe of an unpipelined model (parallel/__init__.py), on this pp rank's slice of the mesh
+        stage, applied["stages"][index], context = apply_recipe(
+            stage, cfg, recipe_mesh, device, first_block=blocks[index][0]
+        )
+        applied["stages"][index]["dp_layout"] = {"replicate": replicas, "shard": shards}
         stages.append(stage)
         pipeline_stages.append(
             pipelining.PipelineStage(stage, index, settings.num_stages, device, group=mesh["pp"].get_group())
@@ -577,6 +515,7 @@ def build_pipeline(
         observer=observer,
         loss_context=functools.partial(tp.loss_context, cfg),
         precompute_float8_scales=cfg.precision.float8_all_gather,
+        context=context,
     )
 
 

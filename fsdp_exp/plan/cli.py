@@ -19,7 +19,7 @@ import sys
 from typing import TYPE_CHECKING, Optional
 
 from fsdp_exp.config.layout import ep_values
-from fsdp_exp.errors import EXIT_BAD_CONFIG, fail, planning
+from fsdp_exp.errors import EXIT_BAD_CONFIG, fail
 from fsdp_exp.plan.devices import device_table, fits, local_cuda_device
 from fsdp_exp.plan.fit import MORE_NODES
 from fsdp_exp.units import GIB
@@ -49,7 +49,7 @@ def split_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:
                 raise PlanOptionError(
                     f"{arg!r} is not a planner option ({known}).\n"
                     "  fix: pass plan.format=table|json, plan.device=<name>, plan.margin=<fraction>, "
-                    "plan.expert_imbalance=<max/mean>"
+                    "plan.expert_imbalance=<max/mean or a MoE run's folder>"
                 )
             options[key.removeprefix("plan.")] = value
         else:
@@ -150,17 +150,36 @@ def price_options(
 def expert_imbalance(value: str) -> float:
     """``plan.expert_imbalance``: a mixture of experts' max / mean routed copies per expert (1 = balanced; a run
     logs its own as ``moe/load_imbalance_max``). Under expert parallel it sizes what the busiest rank's experts
-    receive; below 1 it is no ratio of a maximum to a mean."""
+    receive; below 1 it is no ratio of a maximum to a mean. A run's folder (or its run.json) instead of a number
+    takes the load that run measured (``summary/moe_load_imbalance_median``)."""
     try:
         number = float(value)
     except ValueError:
-        number = 0.0
+        number = measured_imbalance(value)
     if not 1 <= number < float("inf"):
         raise PlanOptionError(
             f"plan.expert_imbalance={value!r} is not a max/mean ratio of at least 1.\n"
-            "  fix: pass plan.expert_imbalance=1 (balanced) or the run's moe/load_imbalance_max, e.g. 1.3"
+            "  fix: pass plan.expert_imbalance=1 (balanced), the run's moe/load_imbalance_max (e.g. 1.3), or the folder "
+            "of a completed MoE run (its run.json's summary/moe_load_imbalance_median)"
         )
     return number
+
+
+def measured_imbalance(path: str) -> float:
+    """The expert load a run measured (its run.json's summary/moe_load_imbalance_median); 0 where there is none."""
+    import json
+    from pathlib import Path
+
+    from fsdp_exp.record.run_record import RUN_RECORD  # inside: only a run folder's load needs the record module
+
+    record = Path(path) / RUN_RECORD if Path(path).is_dir() else Path(path)
+    if not record.is_file():
+        return 0.0
+    try:
+        measured = json.loads(record.read_text()).get("summary", {}).get("summary/moe_load_imbalance_median")
+    except (OSError, ValueError, AttributeError):
+        return 0.0
+    return float(measured) if isinstance(measured, (int, float)) else 0.0
 
 
 def plan_from_argv(argv: list[str]) -> tuple[Plan, dict[str, str]]:
@@ -404,8 +423,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from fsdp_exp.config.strict import refusal
 
     try:
-        with planning() as not_built:  # the layouts torch runs and the runtime does not yet are planned too
-            result, opts = plan_from_argv(argv)
+        result, opts = plan_from_argv(argv)
     except PlanOptionError as err:
         print(f"fsdp_exp.plan: invalid planner option: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -415,13 +433,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             raise
         print(f"fsdp_exp.plan: {refused}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    gaps = list(dict.fromkeys(not_built))
     if opts["format"] == "json":
-        print(
-            json.dumps(
-                {**result.to_dict(), "options": opts["options"], "fit": opts["fit"], "not_built": gaps}, indent=1
-            )
-        )
+        print(json.dumps({**result.to_dict(), "options": opts["options"], "fit": opts["fit"]}, indent=1))
     else:
         from rich.console import Console
 
@@ -435,8 +448,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         overrides = split_argv(argv)[1]
         say(opts["header"])
-        for gap in gaps:
-            say(f"planned, though a run is refused today: {gap}")
         # the ep variants have their own lines below the table (``expert_parallel_lines``)
         rows = [o for o in opts["options"] if not o["change"].startswith("parallel.ep=")]
         console.print(render_table(result, overrides, rows))

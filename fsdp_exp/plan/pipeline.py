@@ -1,7 +1,8 @@
 """The planner's view of a pipeline-parallel run (fsdp_exp/parallel/pipeline.py): per pp rank, the model
 states of its stages (their blocks' parameters, plus the embeddings on the first stage and the final norm
-and output projection on the last, sharded over dp; under tensor parallel their tp shares), the activations
-the schedule keeps alive, the peak over ranks and which rank holds it, and the schedule's bubble.
+and output projection on the last, sharded over dp x cp; under tensor parallel their tp shares, under expert
+parallel the routed experts split over ep), the activations (of seq_len / cp tokens, the residual stream
+sharded over tp under sequence parallel) the schedule keeps alive, the peak over ranks and which rank holds it, and the schedule's bubble.
 
 Activations held at a rank's peak, in micro-batches of one stage each ("in flight": forwarded, not yet
 backwarded):
@@ -157,8 +158,9 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
             return stage_of_block[info.block]
         return 0 if info.name in inventory.input_params else last
 
-    # A stage's sub-groups: its dp ranks' shard group (dp, 1 replicated, or HSDP's shard) with cp folded in, tp,
-    # and ep over the shard x cp ranks (the experts' units over efsdp)
+    # Each stage runs the pp=1 recipe (parallel.apply_recipe) on its slice of the mesh: tensor parallel (with
+    # sequence parallel), context parallel (this rank's seq_len / cp tokens; FSDP shards over shard x cp) and
+    # expert parallel (the routed experts split over ep ranks, FSDP-sharded over the efsdp ranks left).
     layout = Layout.for_stages(cfg, dp)
     tp, cp, ep = layout.tp, layout.cp, layout.ep
     experts = expert_units(spec, cfg)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import base64
 import json
 from datetime import datetime, timezone
+from typing import Optional
 from html import escape
 
+from fsdp_exp.report.breakdown import describe
 from fsdp_exp.report.table import (
     METRICS,
     Report,
@@ -67,7 +69,7 @@ def _table(columns: list[str], rows: list[list[str]], row_classes: list[str] | N
     return f"<table{ident}><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
-def render_html(report: Report, png: bytes) -> str:
+def render_html(report: Report, png: bytes, breakdown_png: Optional[bytes] = None) -> str:
     header = METRICS[report.metric].header
     sections = [
         f"<h1>fsdp_exp report</h1><p>{escape(', '.join(report.sources))}<br>"
@@ -83,6 +85,14 @@ def render_html(report: Report, png: bytes) -> str:
         ),
         f'<p class="caption">{escape(caption(report))}</p>',
     ]
+    if breakdown_png is not None:  # why: each configuration's time and memory in parts, measured and predicted
+        lines = [line for r in report.ranked if r.breakdown for line in describe(f"#{r.rank} {r.label}", r.breakdown)]
+        sections += [
+            "<h2>Where the time and the memory went (measured against predicted)</h2>",
+            f'<img alt="time and memory by part, measured and predicted" src="data:image/png;base64,'
+            f'{base64.b64encode(breakdown_png).decode()}">',
+            "<pre>" + escape("\n".join(lines)) + "</pre>",
+        ]
     runs = repeated(report)
     if runs:
         sections += [

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import math
+from typing import Optional
 
 from matplotlib.collections import LineCollection, PathCollection
 from matplotlib.figure import Figure
@@ -273,3 +274,80 @@ def plotted_intervals(fig: Figure) -> list[tuple[float, float, float]]:
                 for seg in collection.get_segments()
             ]
     return bars
+
+
+def plot_breakdown(report: Report) -> Optional[Figure]:
+    """Why a configuration won: for each ranked configuration, its step's time in parts (compute, exposed
+    collectives by kind, pipeline bubble, optimizer, the rest) as measured on its profiled step and as the
+    step-time model predicts it, two stacked bars side by side; and its peak memory by phase, tracked against
+    planned. None where no configuration has either (fsdp_exp.report.breakdown)."""
+    from fsdp_exp.metrics.schema import PHASES
+    from fsdp_exp.report.breakdown import TIME_PARTS
+
+    rows = [r for r in report.ranked if r.breakdown]
+    timed = [r for r in rows if any(r.breakdown["time_s"].values())]
+    memory = [r for r in rows if any(v["measured"] is not None for v in r.breakdown["memory_gib"].values())]
+    if not timed and not memory:
+        return None
+    fig = Figure(figsize=(12, 2.2 + 1.1 * max(len(rows), 2)), layout="constrained")
+    time_ax, memory_ax = fig.subplots(1, 2, width_ratios=(3, 2))
+    colors = dict(zip(TIME_PARTS, [f"C{i}" for i in range(len(TIME_PARTS))]))
+    labels, positions = [], []
+    drawn: set[str] = set()
+    for i, row in enumerate(timed):
+        for j, which in enumerate(("measured", "predicted")):
+            parts = row.breakdown["time_s"][which]
+            y = i * 3 + j
+            labels.append(f"#{row.rank} {_short(row.label)}\n{which}" if j == 0 else which)
+            positions.append(y)
+            if parts is None:
+                time_ax.text(0, y, " not predicted" if which == "predicted" else " not profiled", va="center")
+                continue
+            left = 0.0
+            for part in TIME_PARTS:
+                width = parts.get(part, 0.0)
+                if width <= 0:
+                    continue
+                time_ax.barh(
+                    y,
+                    width,
+                    left=left,
+                    color=colors[part],
+                    hatch="//" if which == "predicted" else None,
+                    label=part if part not in drawn else None,
+                    edgecolor="white",
+                )
+                drawn.add(part)
+                left += width
+    time_ax.set_yticks(positions, labels)
+    time_ax.invert_yaxis()
+    time_ax.set_xlabel("seconds per step (measured: a profiled step; predicted: hatched)")
+    time_ax.set_title("Where the step's time went")
+    if drawn:  # under the axis: the bars run to its right edge
+        time_ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, fontsize="small")
+    width = 0.38
+    peaks = [v[w] or 0.0 for r in memory for v in r.breakdown["memory_gib"].values() for w in ("measured", "predicted")]
+    unit, scale = _memory_unit(peaks) if peaks else ("GiB", 1.0)
+    for k, row in enumerate(memory):
+        for j, which in enumerate(("measured", "predicted")):
+            values = [(row.breakdown["memory_gib"][p][which] or 0.0) * scale for p in PHASES]
+            xs = [p * (len(memory) + 1) + k for p in range(len(PHASES))]
+            memory_ax.bar(
+                [x + (j - 0.5) * width for x in xs],
+                values,
+                width,
+                color=f"C{k}",
+                hatch="//" if which == "predicted" else None,
+                edgecolor="white",
+                label=f"#{row.rank} {'tracked' if which == 'measured' else 'planned'}",
+            )
+    memory_ax.set_xticks([p * (len(memory) + 1) + (len(memory) - 1) / 2 for p in range(len(PHASES))], list(PHASES))
+    memory_ax.set_ylabel(f"peak per rank by phase ({unit})")
+    memory_ax.set_title("Where the peak memory sits (planned: hatched)")
+    if memory:
+        memory_ax.legend(fontsize="small")
+    return fig
+
+
+def _short(label: str, width: int = 28) -> str:
+    return label if len(label) <= width else label[: width - 1] + "…"

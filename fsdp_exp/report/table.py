@@ -22,6 +22,7 @@ from fsdp_exp.identity import repeat_index
 from fsdp_exp.metrics.peak import PEAK_SOURCES
 from fsdp_exp.metrics.peak import measured_peak as peak_of_run
 from fsdp_exp.record import run_name
+from fsdp_exp.report.breakdown import breakdown, describe
 from fsdp_exp.report.duplicates import configuration_id, find_duplicates
 from fsdp_exp.report.intervals import CONFIDENCE, RESAMPLES, SEED, Estimate, estimate, overlap
 from fsdp_exp.report.load import Run
@@ -113,6 +114,14 @@ class Row:
     pp_peak_stage: Optional[str] = None
     pp_bubble_predicted: Optional[float] = None
     pp_bubble: Optional[float] = None
+    # A mixture of experts: its routing as measured (summary/moe_*): the median over measured steps of the most
+    # imbalanced layer's max/mean expert load, the worst step's ratio and its layer, the largest dropped share.
+    expert_imbalance: Optional[float] = None
+    expert_imbalance_worst: Optional[float] = None
+    expert_worst_layer: Optional[int] = None
+    expert_dropped_fraction: Optional[float] = None
+    # Where the step's time went and where the peak sits, measured and predicted (fsdp_exp.report.breakdown)
+    breakdown: Optional[dict] = None
 
     def value(self, metric: str) -> Optional[float]:
         return getattr(self, metric)
@@ -206,6 +215,11 @@ def _row(run: Run, label: str) -> Row:
         pp_peak_stage=peak_stage(s),
         pp_bubble_predicted=_number(s.get("summary/pp_bubble_predicted")),
         pp_bubble=_number(s.get("summary/pp_bubble_median")),
+        expert_imbalance=_number(s.get("summary/moe_load_imbalance_median")),
+        expert_imbalance_worst=_number(s.get("summary/moe_load_imbalance_worst")),
+        expert_worst_layer=s.get("summary/moe_worst_layer"),
+        expert_dropped_fraction=_number(s.get("summary/moe_dropped_fraction_max")),
+        breakdown=breakdown(run) if run.status == "completed" else None,
     )
 
 
@@ -381,6 +395,16 @@ def configuration_row(label: str, members: list[tuple[Run, Row]], metric: str) -
         pp_peak_stage=first.pp_peak_stage,
         pp_bubble_predicted=first.pp_bubble_predicted,
         pp_bubble=_median([r.pp_bubble for r in runs]),
+        expert_imbalance=_median([r.expert_imbalance for r in runs]),
+        expert_imbalance_worst=max((r.expert_imbalance_worst for r in runs if r.expert_imbalance_worst), default=None),
+        expert_worst_layer=max(runs, key=lambda r: r.expert_imbalance_worst or 0).expert_worst_layer,
+        expert_dropped_fraction=max(
+            (r.expert_dropped_fraction for r in runs if r.expert_dropped_fraction is not None), default=None
+        ),
+        # the first repeat with a profiled step: the parts of one step, measured on one run
+        breakdown=next(
+            (r.breakdown for r in runs if r.breakdown and r.breakdown["time_s"]["measured"]), first.breakdown
+        ),
         ci_low=found.low,
         ci_high=found.high,
         interval_over=found.over,
@@ -481,7 +505,31 @@ def table_columns(report: Report) -> list[str]:
         columns.append(METRICS[m].header)
         if m == report.metric:
             columns += [f"{int(CONFIDENCE * 100)}% interval", "interval over", "vs #1"]
-    return columns + ["peak / rank", "peak from", "predicted peak", *pipeline_columns(report), "final loss", "status"]
+    return columns + [
+        "peak / rank",
+        "peak from",
+        "predicted peak",
+        *pipeline_columns(report),
+        *expert_columns(report),
+        "final loss",
+        "status",
+    ]
+
+
+def expert_columns(report: Report) -> list[str]:
+    """Where a report holds mixture-of-experts runs: their expert load as measured (max/mean, the median step's
+    most imbalanced layer; the worst step's and its layer) and the share of routed copies dropped."""
+    return ["expert load", "dropped"] if any(r.expert_imbalance is not None for r in report.ranked) else []
+
+
+def fmt_expert_load(row: Row) -> str:
+    """``1.31 (worst 1.52, layer 3)``: max/mean expert load, median over the measured steps, then the worst step."""
+    if row.expert_imbalance is None:
+        return "n/a"
+    worst = row.expert_imbalance_worst
+    return f"{row.expert_imbalance:.2f}" + (
+        f" (worst {worst:.2f}, layer {row.expert_worst_layer})" if worst is not None else ""
+    )
 
 
 def pipeline_columns(report: Report) -> list[str]:
@@ -535,6 +583,14 @@ def table_cells(report: Report, row: Row) -> list[str]:
         row.peak_source or "n/a",
         fmt_gib(row.predicted_peak_gib),
         *([row.pp_peak_stage or "n/a", fmt_bubble(row)] if pipeline_columns(report) else []),
+        *(
+            [
+                fmt_expert_load(row),
+                "n/a" if row.expert_dropped_fraction is None else f"{row.expert_dropped_fraction:.1%}",
+            ]
+            if expert_columns(report)
+            else []
+        ),
         fmt_number(row.final_loss),
         status,
     ]
@@ -676,6 +732,15 @@ def print_report(report: Report, console=None) -> None:
         f"of {total} runs ({escape(', '.join(report.sources))})"
     )
     console.print(ranking_table(report, console.width))
+    if any(r.breakdown for r in report.ranked):
+        heading(
+            "Where each configuration's step went (measured / the step-time model's) and its peak by phase "
+            "(tracked / the planner's)"
+        )
+        for row in report.ranked:
+            if row.breakdown:
+                for line in describe(f"#{row.rank} {row.label}", row.breakdown):
+                    console.print(line, markup=False, highlight=False)
 
     runs = repeated(report)
     if runs:

@@ -11,7 +11,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from fsdp_exp.report.html import render_html
-from fsdp_exp.report.plots import png_bytes
+from fsdp_exp.report.plots import plot_breakdown, png_bytes
 from fsdp_exp.report.table import Report, Row, repeated
 
 CSV_COLUMNS = [
@@ -84,7 +84,9 @@ def write_outputs(report: Report, fig: Figure, out_dir: Path) -> dict[str, Path]
     png = png_bytes(fig)
     paths = {name: out_dir / f"report.{name}" for name in ("png", "html", "json", "csv")}
     _replace(paths["png"], png)
-    _replace(paths["html"], render_html(report, png).encode())
+    why = plot_breakdown(report)  # where each configuration's time and memory went, measured and predicted
+    why_png = png_bytes(why) if why is not None else None
+    _replace(paths["html"], render_html(report, png, why_png).encode())
     _replace(paths["json"], (json.dumps(report.as_dict(), indent=2) + "\n").encode())
     tmp = paths["csv"].with_name("report.csv.tmp")
     with open(tmp, "w", newline="") as handle:
@@ -92,4 +94,7 @@ def write_outputs(report: Report, fig: Figure, out_dir: Path) -> dict[str, Path]
         writer.writeheader()
         writer.writerows(csv_rows(report))
     os.replace(tmp, paths["csv"])
+    if why_png is not None:
+        paths["breakdown"] = out_dir / "report_breakdown.png"
+        _replace(paths["breakdown"], why_png)
     return paths

@@ -209,9 +209,18 @@ def run_samples(sweep_dir: Path) -> dict[str, dict]:
             threads = int(run.env.get("threads_per_rank") or 1)
             key = probe_key(topology.nproc_per_node, threads)
             perf = cpu_perf(topology.nproc_per_node, threads, block_shape(cfg))[0]
-        group = groups.setdefault(key, {"samples": [], "perf": perf, "runs": []})
-        group["samples"].append((costs_for(cfg, topology), float(tokens)))
+        # A mixture of experts' routing as measured (summary/moe_load_imbalance_median): the step it times is the
+        # step that ran, so the fit does not absorb the imbalance into the device's figures, and it is carried
+        imbalances = [
+            float(runs[i].summary["summary/moe_load_imbalance_median"])
+            for i in members
+            if isinstance(runs[i].summary.get("summary/moe_load_imbalance_median"), (int, float))
+        ]
+        imbalance = max(1.0, statistics.median(imbalances)) if imbalances else 1.0
+        group = groups.setdefault(key, {"samples": [], "perf": perf, "runs": [], "expert_imbalance": []})
+        group["samples"].append((costs_for(cfg, topology, imbalance), float(tokens)))
         group["runs"] += [runs[i].path for i in members]
+        group["expert_imbalance"] += imbalances
     return groups
 
 
@@ -288,6 +297,8 @@ def calibrate_from(sweep_dir: Path) -> dict[str, dict]:
             "fitted_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "prior": {n: value(group["perf"], n) for n in names},
         }
+        if group["expert_imbalance"]:  # the MoE runs' measured expert load: later searches plan and time with it
+            entry["expert_imbalance"] = statistics.median(group["expert_imbalance"])
         save(key, entry)
         cached[key] = entry
     return cached

@@ -132,8 +132,9 @@ def report(tuning, data: dict, status: int, argv: list[str]) -> int:
     say(f"wrote {path}" + (f", {out / 'tune.html'}" if (out / "tune.html").exists() else ""))
     if not opts.run:
         say(
-            f"measure the top {opts.top_k} and the baselines ({len(data['measure']['candidates'])} "
-            f"candidates x {opts.repeats} runs): add tune.run=true, or run\n  {data['measure']['command']}"
+            f"measure the top {opts.top_k} that keep {recommend.KEEP_FREE:.0%} of the memory free and the baselines "
+            f"({len(data['measure']['candidates'])} candidates x {opts.repeats} runs): add tune.run=true, or run\n"
+            f"  {data['measure']['command']}"
         )
     # The answer: last, where the eye lands. A command is broken only between its arguments, with shell
     # continuations: copied from a log, it is still one command.

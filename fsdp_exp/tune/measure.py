@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from fsdp_exp.errors import fail
+from fsdp_exp.tune.recommend import eligible
 
 if TYPE_CHECKING:
     from fsdp_exp.tune.options import TuneOptions
@@ -48,14 +49,14 @@ def choose(tuning: "Tuning", opts: "TuneOptions") -> list[str]:
 
     def take(cid: str, role: str) -> None:
         weighed = tuning.by_id(cid)
-        if weighed.not_built and cid not in opts.extra:  # a run of it would be refused (errors.not_built)
-            return
         chosen.setdefault(cid, None)
         time_candidate(weighed, tuning.perf, opts.expert_imbalance)
         if role not in weighed.roles:
             weighed.roles.append(role)
 
-    for w in ranked[: opts.top_k]:
+    # the top k of what a recommendation may be (fsdp_exp.tune.recommend.eligible: keeping the memory the rule
+    # keeps free), so that the measurement includes the recommendation and no candidate the rule would refuse
+    for w in eligible(tuning)[: opts.top_k]:
         take(w.candidate.id, f"top {opts.top_k}")
     for name, cid in tuning.baselines.items():
         if cid is not None:

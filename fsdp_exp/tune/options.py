@@ -36,7 +36,7 @@ SPACE_DIMENSIONS = (
 OPTIONS = {
     "tune.out": "folder for tune.json, the candidates' config group, the sweep and the report "
     "(default outputs/tune/<time>)",
-    "tune.top_k": "how many of the best predicted candidates the measurement runs (default 3)",
+    "tune.top_k": "how many of the best predicted candidates that keep the recommendation's memory margin the measurement runs (default 3)",
     "tune.budget_gib": "memory per rank a candidate may need (default: the device's)",
     "tune.run": "true: measure the top candidates and the baselines now, with repeats (default false)",
     "tune.repeats": "runs per measured candidate (default 3)",
@@ -51,7 +51,8 @@ OPTIONS = {
     "plan.device": "the device to plan and time for (default: this machine)",
     "plan.margin": "the allocator margin as a fraction of the peak",
     "plan.expert_imbalance": "a mixture of experts' max / mean routed copies per expert (default 1, balanced): "
-    "what the busiest rank's experts receive under expert parallel",
+    "what the busiest rank's experts receive under expert parallel; or a MoE run's folder, for the load it "
+    "measured; default: what tune.calibrate_from's MoE sweep measured, where one did",
     "plan.network": "the network between nodes, a whole node's (fsdp_exp/plan/devices.py NETWORKS, e.g. "
     "ib_ndr_8x400g, roce_8x200g, efa_3200g; default: the device's)",
     "plan.device_power_w": "a board power limit in watts: the peak FLOPS scale by (limit / rated)^(1/3)",
@@ -74,6 +75,7 @@ class TuneOptions:
     device: Optional[str] = None
     margin: Optional[float] = None
     expert_imbalance: float = 1.0  # plan.expert_imbalance, for the plans and the step-time model alike
+    expert_imbalance_given: bool = False  # passed: a calibration's measured imbalance does not replace it
     network: Optional[str] = None
     power_w: Optional[float] = None
 
@@ -179,10 +181,12 @@ def split_argv(argv: list[str]) -> tuple[TuneOptions, list[str]]:
 
             try:
                 opts.expert_imbalance = expert_imbalance(value)
+                opts.expert_imbalance_given = True
             except PlanOptionError:
                 fail(
                     f"plan.expert_imbalance={value!r} is not a max/mean ratio of at least 1.",
-                    "pass plan.expert_imbalance=1 (balanced) or the run's moe/load_imbalance_max, e.g. 1.3",
+                    "pass plan.expert_imbalance=1 (balanced), the run's moe/load_imbalance_max (e.g. 1.3), or the "
+                    "folder of a completed MoE run",
                 )
         elif key == "plan.margin":
             try:

@@ -51,7 +51,6 @@ def candidate_json(w: "Weighed", tuning: "Tuning") -> dict:
         "borderline": w.borderline,
         "headroom": w.headroom,
         "why_not": w.why_not(tuning.limit_name) or None,
-        "not_built": w.not_built,  # ranked, but a run of it is refused today (fsdp_exp.errors.not_built)
         "predicted": {
             "peak_gib": None if w.need_bytes is None else w.need_bytes / GIB,
             "peak_at_least_gib": None if w.floor_bytes is None else w.floor_bytes / GIB,

@@ -84,7 +84,7 @@ the probed and fitted figures). The GPU figures it fits on the published record:
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from fsdp_exp.config.schema import EVERY_MICRO_BATCH
@@ -168,6 +168,17 @@ class StepPrediction:
     # precision=float8 on a device with FP8 tensor cores: MFU against the FP8 peak (``mfu`` is against the compute
     # dtype's), the two denominators a run reports (perf/mfu, perf/mfu_fp8)
     mfu_fp8: Optional[float] = None
+    # seconds per kind of collective before overlap (all_gather, reduce_scatter, all_reduce, all_to_all, other: the
+    # kinds a profiled run measures, comm/<kind>_s), so a report can split exposed_comm as a run's trace does
+    comm_kinds: dict = field(default_factory=dict)
+
+    def exposed_by_kind(self) -> dict:
+        """``breakdown["exposed_comm"]`` split over the collective kinds in proportion to their seconds in flight
+        (the model prices overlap per phase, not per kind)."""
+        exposed, total = self.breakdown.get("exposed_comm", 0.0), sum(self.comm_kinds.values())
+        if not total:
+            return {"other": exposed} if exposed else {}
+        return {kind: exposed * seconds / total for kind, seconds in self.comm_kinds.items() if seconds}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -578,11 +589,14 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
     dispatch = perf.dispatch_us * 1e-6
     c_f, c_b = compute_seconds(costs, perf)
     comm: dict[str, float] = {}
+    kinds: dict[str, float] = {}
     parts = {"forward": [0.0, 0.0], "backward": [0.0, 0.0]}  # [overlappable, waiting] seconds
     attention = _attention_seconds(costs, c_f, c_b)
     for t in costs.traffic:
         seconds = traffic_seconds(t, perf, costs.ranks_per_node)
         comm[t.purpose] = comm.get(t.purpose, 0.0) + seconds
+        kind = COMM_KIND.get(t.kind, "other")
+        kinds[kind] = kinds.get(kind, 0.0) + seconds
         if t.behind_attention:  # ring attention: each pass hides behind the attention of the block it serves
             parts[t.phase][1] += max(0.0, seconds - attention[t.phase])
             continue
@@ -639,7 +653,17 @@ def timing(costs: StepCosts, perf: "DevicePerf") -> StepPrediction:
         comm=comm,
         dominant=dominant,
         mfu_fp8=costs.model_flops / step / (fp8_peak * 1e12) if fp8_peak else None,
+        comm_kinds=kinds,
     )
+
+
+# A Traffic's kind as a profiled run names it (fsdp_exp.metrics.comm.COMM_KINDS); ring passes are sends/receives
+COMM_KIND = {
+    "all-gather": "all_gather",
+    "reduce-scatter": "reduce_scatter",
+    "all-reduce": "all_reduce",
+    "all-to-all": "all_to_all",
+}
 
 
 def counts(costs: StepCosts) -> dict[str, int]:

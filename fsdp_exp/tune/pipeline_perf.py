@@ -17,7 +17,7 @@
   once each way, exposed; in steady state a rank receives one activation and one gradient per micro-batch of
   each local stage, hidden behind its compute up to ``DevicePerf.overlap``.
 - **FSDP2 inside each stage**, over the dp ranks of the stage: ``reshard_after_forward=False`` and the
-  reduce-scatter deferred to the last micro-batch (``shard_stage``, torch's ``PipelineStage``): one
+  reduce-scatter deferred to the last micro-batch (``fsdp2.reshard_after_forward`` under pp, torch's ``PipelineStage``): one
   all-gather of each unit (each block, and the stage's root) per step, in the first micro-batch's forward,
   and one reduce-scatter per unit in the last micro-batch's backward; each hidden behind that one
   micro-batch's compute as ``perf.timing`` hides a phase's collectives (the first / last unit waits).

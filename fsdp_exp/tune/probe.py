@@ -109,10 +109,15 @@ def _write(key: str, entry: dict) -> None:
     write_entry(cache_path(), key, entry)
 
 
-def cpu_probe(ranks_per_node: int, threads: int, shape: tuple[int, int] = DEFAULT_SHAPE) -> dict:
-    """The cached entry for this layout and block shape (``block_shape``), measured now if there is none."""
+def cpu_probe(
+    ranks_per_node: int, threads: int, shape: tuple[int, int] = DEFAULT_SHAPE, measure_now: bool = True
+) -> Optional[dict]:
+    """The cached entry for this layout and block shape (``block_shape``), measured now if there is none (None
+    instead where ``measure_now`` is false: a reader, such as the report, that must not start ranks)."""
     key = _entry_key(ranks_per_node, threads, shape)
     entry = _read(key)
+    if entry is None and not measure_now:
+        return None
     if entry is None:
         entry = measure(ranks_per_node, threads, shape)
         entry["key"] = key
@@ -123,12 +128,14 @@ def cpu_probe(ranks_per_node: int, threads: int, shape: tuple[int, int] = DEFAUL
     return entry
 
 
-def cpu_perf(ranks_per_node: int, threads: int, shape: tuple[int, int] = DEFAULT_SHAPE):
+def cpu_perf(ranks_per_node: int, threads: int, shape: tuple[int, int] = DEFAULT_SHAPE, measure_now: bool = True):
     """(``DevicePerf`` of this CPU host for that layout, its bf16/fp16 priced at a block of ``shape``; the probe's
-    entry)."""
+    entry); None where nothing is cached and ``measure_now`` is false."""
     from fsdp_exp.plan.devices import GROUPED_HALF_TOKENS_CPU, DevicePerf, Link
 
-    entry = cpu_probe(ranks_per_node, threads, shape)
+    entry = cpu_probe(ranks_per_node, threads, shape, measure_now)
+    if entry is None:
+        return None
     where = f"{entry['how']}, {cache_path()} [{entry.get('key', '')}]"
     busy = (
         ""

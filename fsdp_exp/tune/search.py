@@ -19,7 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from fsdp_exp.errors import ConfigError, did_you_mean, fail, planning
+from fsdp_exp.errors import ConfigError, did_you_mean, fail
 from fsdp_exp.units import GIB
 from fsdp_exp.tune.space import Candidate, Space, build_space, enumerate_candidates, group_nodes, leave_out_float8
 
@@ -63,7 +63,6 @@ class Weighed:
     rank: Optional[int] = None
     roles: list[str] = field(default_factory=list)
     measured: Optional[dict] = None
-    not_built: Optional[str] = None  # a product the runtime does not build yet (errors.not_built): ranked, not run
 
     @property
     def headroom(self) -> Optional[float]:
@@ -193,9 +192,8 @@ def weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tuni
 
     target = device_table().get(opts.device) if opts.device is not None else None
     if target is None or target.kind != "cuda":
-        with planning():  # layouts torch runs and the runtime does not build yet are weighed (and not measured)
-            return _weigh(overrides, opts, prune)
-    with planning_elsewhere() as missing, planning():
+        return _weigh(overrides, opts, prune)
+    with planning_elsewhere() as missing:
         tuning = _weigh(overrides, opts, prune)
     tuning.missing_packages = dict(missing)
     return tuning
@@ -228,6 +226,15 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
     calibration = calibrate.load(device_key)
     if calibration is not None:
         perf = calibrate.apply(perf, calibration["params"])
+        measured = calibration.get("expert_imbalance")
+        if measured and not opts.expert_imbalance_given and getattr(base.model, "n_experts", 0):
+            # Published MoE runs are force-balanced; real routing is not: the calibrating sweep's measured load
+            # plans and times this search, unless plan.expert_imbalance says otherwise.
+            opts.expert_imbalance = max(1.0, float(measured))
+            perf_note += (
+                f"; expert load max/mean {opts.expert_imbalance:.2f} as measured by the calibrating sweep "
+                "(plan.expert_imbalance=<ratio> overrides it)"
+            )
     perf, perf_note = _cluster(perf, perf_note, opts)
     if "precision" in space.values and "precision" not in opts.space:
         leave_out_scaled_precisions(space, nodes, perf, device.name)
@@ -255,9 +262,7 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
         w = Weighed(candidate)
         weighed.append(w)
         try:
-            with planning() as not_built:
-                topology = validate(candidate.cfg, cuda_devices=cuda_devices)
-            w.not_built = not_built[0] if not_built else None
+            topology = validate(candidate.cfg, cuda_devices=cuda_devices)
         except ConfigError as err:
             w.refused = str(err).splitlines()[0]
             w.refused_fix = str(err).partition("\n  fix: ")[2] or None
@@ -338,7 +343,8 @@ def _weigh(overrides: list[str], opts: "TuneOptions", prune: bool = True) -> Tun
         "total_s": finished - started,
         "cpu_s": time.process_time() - cpu_started,
     }
-    baselines = {name: _baseline(weighed, base, node, space) for name, node in presets.items()}
+    best_layout = ranked[0].candidate.cfg.parallel  # the parallel layout of the best-predicted candidate
+    baselines = {name: _baseline(weighed, base, node, space, best_layout) for name, node in presets.items()}
     return Tuning(
         overrides=overrides,
         base=base,
@@ -460,10 +466,13 @@ def time_candidate(w: Weighed, perf: "DevicePerf", expert_imbalance: float = 1.0
         w.no_prediction = str(err)
 
 
-def _baseline(weighed: list[Weighed], base: "RunConfig", sharding, space: Space) -> Optional[str]:
+def _baseline(weighed: list[Weighed], base: "RunConfig", sharding, space: Space, best_layout=None) -> Optional[str]:
     """The candidate that is the run as given with a preset's sharding; if that one cannot run or fit, the best
-    ranked candidate with that sharding. None: no candidate has it."""
-    same = [w for w in weighed if w.candidate.cfg.sharding == sharding and w.candidate.cfg.parallel == base.parallel]
+    ranked candidate with that sharding and the run's parallel layout; if none fits with it (a long sequence that
+    only fits split over context-parallel ranks), the best ranked with that sharding in ``best_layout``, the
+    parallel layout of the search's best-predicted candidate. None: no candidate has it."""
+    sharded = [w for w in weighed if w.candidate.cfg.sharding == sharding]
+    same = [w for w in sharded if w.candidate.cfg.parallel == base.parallel]
     exact = [
         w
         for w in same
@@ -474,5 +483,7 @@ def _baseline(weighed: list[Weighed], base: "RunConfig", sharding, space: Space)
     for w in exact:
         if w.rank is not None:
             return w.candidate.id
-    best = [w for w in same if w.rank is not None]
+    best = [w for w in same if w.rank is not None] or [
+        w for w in sharded if w.rank is not None and w.candidate.cfg.parallel == best_layout
+    ]
     return min(best, key=lambda w: w.rank).candidate.id if best else None

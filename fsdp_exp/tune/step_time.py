@@ -42,4 +42,51 @@ def predict(
     return time_costs(costs_for(cfg, topology, expert_imbalance, dispatch), perf)
 
 
-__all__ = ["costs_for", "predict", "time_costs"]
+def run_prediction(cfg: "RunConfig", topology: "Topology") -> dict:
+    """What a run records of the step-time model (``run.json["plan"]["step_time"]``), so that its report can set
+    each part of the measured step beside the predicted one: the step's seconds in parts (compute, exposed
+    collectives by kind, pipeline bubble, optimizer, the rest) on the device it runs on: a GPU of the device
+    table, or this CPU host from its cached probe (a run starts no probe: ``python -m fsdp_exp.tune`` measures one).
+    Never raises: ``{"error": why}`` where there is no prediction."""
+    from fsdp_exp.env import default_threads
+    from fsdp_exp.metrics.comm import COMM_KINDS
+    from fsdp_exp.plan.devices import table_device
+    from fsdp_exp.tune.probe import block_shape, cpu_perf
+
+    try:
+        if topology.device_type == "cuda":
+            import torch
+
+            device = table_device(torch.cuda.get_device_name(0))
+            if device is None or device.perf is None:
+                return {"error": f"{torch.cuda.get_device_name(0)} has no entry in the device table"}
+            perf, source = device.perf, device.name
+        else:
+            nproc = topology.nproc_per_node
+            threads = cfg.trainer.threads_per_rank or default_threads(nproc)
+            found = cpu_perf(nproc, threads, block_shape(cfg), measure_now=False)
+            if found is None:
+                return {
+                    "error": f"no probe of this CPU at {nproc} ranks x {threads} threads is cached (python -m "
+                    "fsdp_exp.tune with the run's overrides measures one)"
+                }
+            perf, source = found[0], "this CPU's cached probe"
+        prediction = predict(cfg, topology, perf)
+    except Exception as err:  # noqa: BLE001 - the prediction is an aside to the run
+        return {"error": f"{type(err).__name__}: {err}"}
+    b = prediction.breakdown
+    exposed = prediction.exposed_by_kind()
+    parts = {"compute": b.get("compute", 0.0)}
+    parts.update({f"exposed {k.replace('_', '-')}": exposed.get(k, 0.0) for k in COMM_KINDS})
+    parts.update(
+        bubble=b.get("bubble", 0.0), optimizer=b.get("optimizer", 0.0), other=b.get("offload", 0.0) + b["overhead"]
+    )
+    return {
+        "step_time_s": prediction.step_time_s,
+        "tokens_per_s": prediction.tokens_per_s,
+        "parts": parts,
+        "perf": source,
+    }
+
+
+__all__ = ["costs_for", "predict", "run_prediction", "time_costs"]

@@ -1,7 +1,7 @@
 """Every pair composes, is refused, and trains as one process would: a pairwise covering set of runs
 (fsdp_exp.composability) over every option of the layout's groups (sharding backend and strategy, precision
-with float8, offload, prefetch, wrap, activation checkpointing, compile), each parallel degree (tp, pp, cp, ep at
-2) and the mixture of experts' options (its balance loss, the loss-free bias, a capacity factor, a shared
+with float8, offload, prefetch, wrap, activation checkpointing, compile), each parallel degree (tp with and
+without sequence parallel, pp, cp, ep at 2) and the mixture of experts' options (its balance loss, the loss-free bias, a capacity factor, a shared
 expert), each run trained 3 steps on the tiny Llama (moe_tiny where an expert option is on) at 2 ranks, 4 where
 two degrees take 2.
 
@@ -105,6 +105,10 @@ def test_every_pair_of_options_trains_or_is_refused_by_preflight(covering, train
     assert all("\n  fix: " in message or message.startswith("needs ") for message in refused.values()), refused
     for a, b in REQUIRED:
         assert any(run[a[0]] == a[1] and run[b[0]] == b[1] for run in runs), (a, b)
+    # the layout's products of issue #40, each in some run (4 ranks), pipeline stages beside sequence parallel
+    for pair in (("pp", "cp"), ("pp", "ep"), ("pp", "tp"), ("cp", "ep")):
+        assert any(run[pair[0]] != "1" and run[pair[1]] != "1" for run in runs), pair
+    assert any(run["pp"] == "2" and run["tp"] == "2 sp" for run in runs)
     for dim in DIMENSIONS:  # every value of every dimension is in some run (but a missing package's)
         values = {v for v in composability.DIMENSIONS[dim] if v not in LEFT_OUT}
         missing = {

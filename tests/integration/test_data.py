@@ -333,6 +333,9 @@ def test_two_rank_run_on_the_corpus_learns_and_logs_val_loss(cache, tmp_path):
     for m in evals:
         assert m["val/perplexity"] == pytest.approx(math.exp(m["val/loss"]))
     assert evals[1]["val/loss"] < evals[0]["val/loss"] < 0.6 * losses[0]
+    # the last evaluation in the run's summary (run.json, W&B, the console's table): issue #43 item 8
+    assert record["summary"]["summary/val_loss"] == evals[-1]["val/loss"]
+    assert record["summary"]["summary/val_perplexity"] == evals[-1]["val/perplexity"]
     for m in metrics:
         assert 0 <= m["perf/data_time_s"] < m["perf/step_time_s"]
 

@@ -250,6 +250,10 @@ def test_exposed_communication_on_a_known_cpu_timeline():
     assert comm["all_gather_s"] == pytest.approx(400e-6) and comm["reduce_scatter_s"] == pytest.approx(400e-6)
     assert comm["all_reduce_s"] == 0 and comm["total_s"] == pytest.approx(750e-6)
     assert comm["exposed_s"] == pytest.approx(250e-6) and comm["compute_s"] == pytest.approx(700e-6)
+    # by kind (issue #43 item 11: the report's exposed collectives by kind): the all-gather waits [300, 500], the
+    # reduce-scatter [900, 950]
+    assert comm["exposed_all_gather_s"] == pytest.approx(200e-6)
+    assert comm["exposed_reduce_scatter_s"] == pytest.approx(50e-6) and comm["exposed_all_reduce_s"] == 0
 
 
 def test_exposed_communication_on_a_known_cuda_timeline():
@@ -272,6 +276,8 @@ def test_exposed_communication_on_a_known_cuda_timeline():
     assert comm["device"] == "cuda"
     assert comm["all_gather_s"] == pytest.approx(200e-6) and comm["reduce_scatter_s"] == pytest.approx(200e-6)
     assert comm["exposed_s"] == pytest.approx((50 + 100) * 1e-6)  # [250, 300] and [700, 750] + [850, 900]
+    assert comm["exposed_all_gather_s"] == pytest.approx(50e-6)
+    assert comm["exposed_reduce_scatter_s"] == pytest.approx(100e-6)
 
 
 def test_sampling_options_are_checked_before_any_rank_starts():

@@ -42,3 +42,32 @@ def test_a_routed_run_logs_its_expert_load_aux_loss_and_dropped_tokens_each_step
 def test_what_experts_do_not_compose_with_is_refused_before_any_rank_starts(tmp_path, overrides, needle):
     result = run_cli(["model=moe_tiny", *overrides], tmp_path)
     assert result.returncode == 2 and needle in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_forced_imbalanced_router_shows_in_metrics_run_json_the_summary_and_the_report(tmp_path):
+    """Every token's first pick on expert 0 (debug.favour_expert: the router's bias far above its scores), under
+    expert parallel on 4 ranks as issue #43 ran it: moe_tiny's 4 experts, top-2, so expert 0 gets every token once
+    and the other three share the second picks: max/mean = 1 / (2 / 4) = 2.0 in each layer, every step."""
+    import json
+
+    from fsdp_exp.report.__main__ import main as report
+
+    run_dir = tmp_path / "run"
+    result = run_cli(
+        [*MOE, "trainer.nproc_per_node=4", "parallel.ep=2", "debug.favour_expert=0"], run_dir, timeout=400, quiet=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(run_dir)
+    for r in rows:
+        assert r["moe/load_imbalance_max"] == pytest.approx(2.0) and r["moe/load_imbalance_per_layer"] == [2.0, 2.0]
+        assert r["moe/load_imbalance_worst_layer"] == 0 and r["moe/dropped_tokens"] == 0
+    summary = json.loads((run_dir / "run.json").read_text())["summary"]
+    assert summary["summary/moe_load_imbalance_median"] == pytest.approx(2.0)
+    assert summary["summary/moe_load_imbalance_per_layer"] == [2.0, 2.0]
+    assert summary["summary/moe_dropped_fraction_max"] == 0
+    assert "moe_load_imbalance_median" in result.stdout  # the console's summary table names it
+    assert report([str(run_dir), "--out", str(tmp_path / "report")]) == 0
+    ranked = json.loads((tmp_path / "report" / "report.json").read_text())["ranked"]
+    assert ranked[0]["expert_imbalance"] == pytest.approx(2.0)
+    assert "expert load" in (tmp_path / "report" / "report.html").read_text()

@@ -180,7 +180,24 @@ def _train_all(out: Path) -> dict:
     from fsdp_exp.launch import free_port
 
     batches = _global_batches(run_config(OVERRIDES), STEPS)
-    configs = {name: plain(settled(run_config([*OVERRIDES, *CASE_OVERRIDES.get(name, [])]))) for name in CASES}
+    # Each case's config is a pipeline run's on its pipeline's ranks (pp x dp x tp of its round's mesh): the
+    # stages' recipe reads parallel.pp as a run's does (FSDP2 keeps stages unsharded, DDP replicates them).
+    ranks = {name: shape[1] * shape[2] * shape[3] for shape, names in ROUNDS for name in names}
+    configs = {
+        name: plain(
+            settled(
+                run_config(
+                    [
+                        *OVERRIDES,
+                        "parallel.pp=2",
+                        f"trainer.nproc_per_node={ranks[name]}",
+                        *CASE_OVERRIDES.get(name, []),
+                    ]
+                )
+            )
+        )
+        for name in CASES
+    }
     mp.start_processes(
         _rank, args=(NPROCS, free_port(), configs, batches, str(out)), nprocs=NPROCS, start_method="spawn"
     )

@@ -217,8 +217,10 @@ def test_html_is_self_contained_and_shows_the_same_rows(sweep, cli):
     parsed = _Tables()
     parsed.feed(page)
     assert parsed.links == []  # no external stylesheet or script
-    assert len(parsed.images) == 1 and parsed.images[0].startswith("data:image/png;base64,")
+    # the ranking's figure, then where each configuration's time and memory went (its peaks by phase are tracked)
+    assert len(parsed.images) == 2 and all(i.startswith("data:image/png;base64,") for i in parsed.images)
     assert base64.b64decode(parsed.images[0].split(",", 1)[1]) == (sweep / "report.png").read_bytes()
+    assert base64.b64decode(parsed.images[1].split(",", 1)[1]) == (sweep / "report_breakdown.png").read_bytes()
     report = _report_json(sweep)
     header, *rows = parsed.tables["ranked"]
     assert header[:3] == ["#", "run", "tokens/s"]
@@ -356,18 +358,40 @@ def test_notebook_executes_on_the_sweep(sweep, monkeypatch, tmp_path):
     assert "4 runs from" in text and "2 ranked, 1 duplicates, 1 not ranked" in text
     assert "3 completed runs plotted" in text
     assert "4 runs with logged steps" in text  # the failed run's rows up to its failure included
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 3
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # the breakdown's figure the fourth
+    assert "peak by phase (tracked / planned)" in text
 
 
 # ------------------------------------------------------------------------------------ repeats
 REPEATS = [
     "sharding=full,grad_op",
     "trainer.repeat=0,1",
-    "trainer.steps=3",
+    "trainer.steps=4",
     "trainer.warmup_steps=1",
+    "trainer.profile_steps=[3]",  # the last step profiled (comm/*): where the time goes; steps 2 and 3 measured
     "logger.wandb.mode=offline",
     *QUIET,
 ]
+# Set DOCS_IMAGES=1 to write the report's breakdown figure of this sweep into docs/images/ (docs/reports.md shows it)
+DOCS_IMAGE = REPO / "docs" / "images" / "report_breakdown.png"
+
+
+def _probe_this_cpu(env: dict) -> None:
+    """The step-time model's figures of this CPU for the sweep's layout, cached where the runs read them (a run
+    records its predicted parts from a cached probe only: fsdp_exp.tune.step_time.run_prediction)."""
+    code = (
+        "import sys; sys.path.insert(0, 'tests')\n"
+        "from conftest import compose_config\n"
+        "from fsdp_exp.config import to_run_config\n"
+        "from fsdp_exp.config.topology import resolve_nproc\n"
+        "from fsdp_exp.env import default_threads\n"
+        "from fsdp_exp.tune.probe import block_shape, cpu_probe\n"
+        "cfg = to_run_config(compose_config(['trainer.steps=4']))\n"
+        "n = resolve_nproc(cfg.trainer.nproc_per_node, 0)\n"
+        "cpu_probe(n, cfg.trainer.threads_per_rank or default_threads(n), block_shape(cfg))\n"
+    )
+    probe = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert probe.returncode == 0, probe.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -375,6 +399,8 @@ def repeated(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     """A real sweep of 2 configurations x 2 repeats, then ``python -m fsdp_exp.report`` on it."""
     root = tmp_path_factory.mktemp("repeats")
     sweep_dir, env = root / "sweep", _env(root / "home")
+    env["XDG_CACHE_HOME"] = str(tmp_path_factory.getbasetemp() / "xdg_cache")  # the session's, as conftest's
+    _probe_this_cpu(env)
     multirun = subprocess.run(
         [sys.executable, "-m", "fsdp_exp", "-m", *REPEATS, f"hydra.sweep.dir={sweep_dir}"],
         cwd=root,
@@ -390,7 +416,7 @@ def repeated(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, **BASE_ENV, "COLUMNS": "220"},  # every column (piped, 100 drops some: DROP_ORDER)
+        env={**env, "COLUMNS": "220"},  # every column (piped, 100 drops some: DROP_ORDER)
     )
     assert report.returncode == 0, report.stderr[-3000:]
     return sweep_dir, report
@@ -405,6 +431,7 @@ def _job_order(sweep: Path) -> list[tuple[str, int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first to run makes the repeated sweep: a probe of this CPU, 4 runs
 def test_a_multirun_orders_repeats_interleaved(repeated):
     """Hydra's basic sweeper would run full/0, full/1, grad_op/0, grad_op/1; fsdp_exp's sweeper runs every
     configuration's repeat 0 first."""
@@ -420,6 +447,7 @@ def test_a_multirun_orders_repeats_interleaved(repeated):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first to run makes the repeated sweep: a probe of this CPU, 4 runs
 def test_the_report_groups_repeats_with_an_interval_over_them(repeated):
     sweep, cli = repeated
     report = _report_json(sweep)
@@ -461,13 +489,15 @@ def test_the_report_groups_repeats_with_an_interval_over_them(repeated):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first to run makes the repeated sweep: a probe of this CPU, 4 runs
 def test_the_pngs_error_bars_match_the_table(repeated):
     sweep, _ = repeated
     report = _report_json(sweep)
     fig, shown = plot_report(build_report(load_runs([sweep])))
     assert png_bytes(fig) == (sweep / "report.png").read_bytes()  # the figure below is the PNG's
     drawn = sorted((low, high) for _, low, high in plotted_intervals(fig))
-    assert drawn == sorted((r["ci_low"], r["ci_high"]) for r in report["ranked"])
+    # to the last bits: the figure's data passes through matplotlib's float arrays
+    assert drawn == pytest.approx(sorted((r["ci_low"], r["ci_high"]) for r in report["ranked"]), rel=1e-12)
     kinds = [p["kind"] for p in shown["points"]]
     assert kinds.count("configuration") == 2 and kinds.count("repeat") == 4
     assert plotted_point_count(fig) == 6
@@ -484,6 +514,7 @@ def _wandb_run(run_dir: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # the first to run makes the repeated sweep: a probe of this CPU, 4 runs
 def test_repeats_share_a_wandb_job_type(repeated):
     """W&B groups runs by job type: the repeats of one configuration share one, the report's config_id."""
     sweep, _ = repeated
@@ -494,3 +525,48 @@ def test_repeats_share_a_wandb_job_type(repeated):
         assert [f"repeat:{r}" in run["tags"] for r, run in enumerate(runs)] == [True, True]
         assert all(run["run_group"] == "sweep" for run in runs)
     assert report["ranked"][0]["config_id"] != report["ranked"][1]["config_id"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # the first to run makes the repeated sweep: a probe of this CPU, 4 runs
+def test_the_report_says_where_each_configurations_time_and_memory_went_measured_against_predicted(repeated):
+    """Issue #43 item 11: per configuration, the profiled step's compute and exposed collectives by kind beside the
+    step-time model's parts (recorded by the run at its start), and the peak by phase tracked against planned: in
+    report.json, the console, the HTML and report_breakdown.png."""
+    from fsdp_exp.report.breakdown import TIME_PARTS
+    from fsdp_exp.report.plots import plot_breakdown
+
+    sweep, cli = repeated
+    report = _report_json(sweep)
+    for row in report["ranked"]:
+        found = row["breakdown"]
+        measured, predicted = found["time_s"]["measured"], found["time_s"]["predicted"]
+        assert measured is not None and predicted is not None, found["time_notes"]
+        assert set(measured) == set(predicted) == set(TIME_PARTS)
+        assert measured["compute"] > 0 and predicted["compute"] > 0
+        run = json.loads((Path(row["repeats"][0]["path"]) / "run.json").read_text())
+        profiled = next(
+            r for r in map(json.loads, (Path(row["repeats"][0]["path"]) / "metrics.jsonl").open()) if "comm/step_s" in r
+        )
+        # the measured parts are the profiled step's (one profiled step: its values), the rest what they leave
+        assert measured["compute"] == profiled["comm/compute_s"]
+        assert measured["exposed all-gather"] == profiled["comm/exposed_all_gather_s"]
+        assert sum(measured.values()) == pytest.approx(
+            max(profiled["comm/step_s"], sum(v for k, v in measured.items() if k != "other"))
+        )
+        assert predicted == pytest.approx(run["plan"]["step_time"]["parts"])
+        # FSDP2 gathers parameters (all-gather) under either strategy: the model prices some of it exposed or not,
+        # the run measured it; both name it
+        assert "exposed all-gather" in predicted
+        for phase in ("forward", "backward", "optimizer"):
+            memory = found["memory_gib"][phase]
+            assert memory["measured"] > 0 and memory["predicted"] > 0
+    out = cli.stdout
+    assert "Where each configuration's step went" in out and out.count("time (s, measured / predicted)") == 2
+    assert "peak by phase (tracked / planned)" in out
+    assert "Where the time and the memory went" in (sweep / "report.html").read_text()
+    fig = plot_breakdown(build_report(load_runs([sweep])))
+    assert png_bytes(fig) == (sweep / "report_breakdown.png").read_bytes()
+    if os.environ.get("DOCS_IMAGES"):
+        DOCS_IMAGE.parent.mkdir(exist_ok=True)
+        shutil.copyfile(sweep / "report_breakdown.png", DOCS_IMAGE)

@@ -86,17 +86,12 @@ TINY = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads
             "trainer.seq_len=32",
         ),
         (["parallel.cp=4", "parallel.tp=2", "trainer.nproc_per_node=8"], "2 query heads", "parallel.cp=2"),
-        (
-            ["parallel.cp=2", "parallel.pp=2", "trainer.nproc_per_node=4"],
-            "parallel.pp=2 with parallel.cp=2",
-            "parallel.pp=1",
-        ),
         (["parallel.cp=2", "sharding.backend=fsdp1"], "FSDP2 only", "sharding.backend=fsdp2"),
         (["parallel.cp=2", "sharding=ddp"], "FSDP2 only", "sharding.backend=fsdp2"),
         (["parallel.cp=3", "trainer.nproc_per_node=4"], "does not divide the 4 ranks", "parallel.cp=2"),
         ([*TINY_QWEN2, "parallel.cp=2"], "Qwen2ForCausalLM", "parallel.cp=1"),
     ],
-    ids=["ring_on_cpu", "seq_len", "heads_after_tp", "pipeline", "fsdp1", "ddp", "divides_ranks", "transformers"],
+    ids=["ring_on_cpu", "seq_len", "heads_after_tp", "fsdp1", "ddp", "divides_ranks", "transformers"],
 )
 def test_what_context_parallel_cannot_run_is_refused_by_name_before_any_rank_starts(overrides, problem, fix):
     from fsdp_exp.config import ConfigError

@@ -1,7 +1,7 @@
 """The run's layout (fsdp_exp/config/layout.py): the one owner of the parallel degrees and every size derived from
 them; preflight builds it once and the planner, the step-time model and tune read it. Then the 4-D layouts of a
-405B model and a mixture of experts with stages, which the planner and tune weigh though the runtime does not
-run them yet (fsdp_exp.errors.not_built)."""
+405B model and a mixture of experts with stages, which preflight accepts and the planner and tune weigh (the
+runtime runs each product: tests/integration/test_layouts.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from fsdp_exp.config.layout import Layout, ep_values
 from fsdp_exp.config.topology import Topology
-from fsdp_exp.errors import ConfigError, planning
+from fsdp_exp.errors import ConfigError
 from fsdp_exp.plan import plan
 from fsdp_exp.preflight import validate
 
@@ -81,20 +81,15 @@ def test_a_stage_split_under_hybrid_is_the_layouts_and_needs_a_size_named():
         Layout.for_stages(run_config(["trainer.nproc_per_node=8", "parallel.pp=2", "sharding=hybrid"]), 4)
 
 
-def test_a_run_of_pp_x_cp_is_refused_while_the_planner_weighs_it_and_notes_why():
-    cfg = run_config(H405)
-    with pytest.raises(ConfigError, match="parallel.pp=8 with parallel.cp=4"):
-        validate(cfg, cuda_devices=8)
-    with planning() as not_built:
-        topology = validate(cfg, cuda_devices=8)
-    assert any("parallel.cp=4" in n for n in not_built) and any("sequence_parallel" in n for n in not_built)
+def test_a_run_of_pp_x_cp_x_tp_with_sequence_parallel_is_accepted_with_its_4d_mesh():
+    topology = validate(run_config(H405), cuda_devices=8)
     assert topology.mesh_shape == (8, 2, 4, 8)
+    assert topology.mesh_dim_names == ("pp", "dp", "cp", "tp")
 
 
 def test_llama3_405b_on_512_h100_with_fsdp_tp8_sp_pp8_cp4_at_128k_tokens_fits_per_stage():
     cfg = run_config(H405)
-    with planning():
-        topology = validate(cfg, cuda_devices=8)
+    topology = validate(cfg, cuda_devices=8)
     result = plan(cfg, topology, device_kind="cuda")
     # Each stage holds 1/8 of the blocks; TP 8 and FSDP over shard x cp = 8 shard them 64 ways: fp32 parameters,
     # gradients and two AdamW moments of 405.9e9 / 8 / 64 each, about 11.8 GiB in all
@@ -110,15 +105,13 @@ def test_a_mixture_of_experts_with_stages_and_expert_parallel_is_planned_its_exp
     needs = {}
     for ep in (1, 8):
         cfg = run_config([*base, f"parallel.ep={ep}"])
-        with planning() as not_built:
-            topology = validate(cfg, cuda_devices=8)
-        assert any("mixture of experts" in n for n in not_built)
+        topology = validate(cfg, cuda_devices=8)
         assert topology.layout.efsdp == 8 // ep
         needs[ep] = plan(cfg, topology, device_kind="cuda").per_rank_bytes["total"]
     assert needs[8] < needs[1]  # each rank gathers its experts/ep only
 
 
-def test_tune_ranks_stages_with_expert_parallel_and_measures_none_of_what_a_run_would_refuse():
+def test_tune_ranks_stages_with_expert_parallel_and_can_choose_them_for_measurement():
     from fsdp_exp.tune import measure
     from fsdp_exp.tune.options import split_argv
     from fsdp_exp.tune.search import weigh
@@ -136,10 +129,10 @@ def test_tune_ranks_stages_with_expert_parallel_and_measures_none_of_what_a_run_
     )
     tuning = weigh(overrides, opts)
     staged = [w for w in tuning.ranked if w.candidate.cfg.parallel.pp == 2 and w.candidate.cfg.parallel.ep == 2]
-    assert staged and all("mixture of experts" in w.not_built for w in staged)
+    assert staged and all(w.refused is None for w in staged)
     assert all(w.topology.layout.efsdp == 1 for w in staged)  # ep 2 of a stage's 2 dp ranks
     chosen = measure.choose(tuning, opts)
-    assert chosen and not any(tuning.by_id(cid).not_built for cid in chosen)
+    assert chosen
 
 
 def test_the_stage_step_time_counts_each_stages_cp_traffic_and_its_experts_over_efsdp():
@@ -147,8 +140,7 @@ def test_the_stage_step_time_counts_each_stages_cp_traffic_and_its_experts_over_
 
     def purposes(overrides):
         cfg = run_config(["trainer.device=cuda", "trainer.nproc_per_node=8", "parallel.pp=2", *overrides])
-        with planning():
-            costs = pipeline_costs(cfg, validate(cfg, cuda_devices=8))
+        costs = pipeline_costs(cfg, validate(cfg, cuda_devices=8))
         rank = costs.ranks[0]
         return {t.purpose: t.ranks for c in rank.compute for t in c.traffic} | {
             t.purpose: t.ranks for t in rank.traffic

@@ -43,16 +43,19 @@ def test_activation_checkpointing_and_compile_run_inside_pipeline_stages(overrid
 
 
 def test_a_stage_compiles_its_checkpointed_blocks_keeping_the_full_models_parameter_names():
-    """A stage of blocks 1-3 as build_pipeline prepares it before FSDP2 (AC, then compile, as at pp=1): every block
-    compiled (nn.Module.compile: inductor runs at the first forward), around the checkpoint wrapper where AC
-    chose the block (the full model's every 2nd block: 2); the canonical names are the full model's."""
+    """A stage of blocks 1-3 as the recipe (parallel.apply_recipe) prepares it before FSDP2 (AC, then compile, as
+    at pp=1): every block compiled (nn.Module.compile: inductor runs at the first forward), around the checkpoint
+    wrapper where AC chose the block (the full model's every 2nd block: 2); the canonical names are the full
+    model's."""
     from fsdp_exp.models import canonical_name
-    from fsdp_exp.parallel.pipeline import build_stage_module, checkpoint_stage, compile_stage
+    from fsdp_exp.parallel import ac, compile
+    from fsdp_exp.parallel.pipeline import build_stage_module
 
     cfg = run_config(["parallel.pp=2", "model.n_layers=4", "ac=selective", "compile=true"])
     stage = build_stage_module(cfg.model, [1, 2, 3], first=False, last=True)
-    assert checkpoint_stage(stage, cfg, first_block=1)["ac"]["checkpointed"] == ["layers.2"]
-    assert compile_stage(stage, cfg)["compile"]["modules"] == ["layers.1", "layers.2", "layers.3"]
+    chosen = ac.chosen(stage, cfg, first_block=1)  # what apply_recipe asks, with the stage's first block
+    assert ac.apply(stage, cfg, targets=chosen)["checkpointed"] == ["layers.2"]
+    assert compile.apply(stage, cfg)["modules"] == ["layers.1", "layers.2", "layers.3"]
     assert all(block._compiled_call_impl is not None for block in stage.layers.values())
     assert type(stage.layers["2"]).__name__ == "CheckpointWrapper"
     names = {canonical_name(n) for n, _ in stage.named_parameters()}
@@ -82,10 +85,6 @@ def test_ddp_and_hsdp_inside_pipeline_stages_are_accepted():
         (
             ["parallel.pp=2", "sharding=hybrid", "sharding.replicate_size=3", "trainer.nproc_per_node=4"],
             "whose product is 2",
-        ),
-        (
-            ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "trainer.nproc_per_node=4"],
-            "parallel.sequence_parallel=false",
         ),
         (
             ["parallel.pp=2", "parallel.tp=4", "trainer.nproc_per_node=4", "model.n_kv_heads=4"],

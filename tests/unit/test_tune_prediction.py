@@ -465,9 +465,14 @@ def test_tune_json_has_the_shape_the_issue_asks_for(tuning_7b, tmp_path):
     assert first["overrides"] == tuning_7b.overrides + first["choices"]
     assert data["spearman"] is None
     json.dumps(data)
-    # the command measures the top k and the baselines, exactly those, with repeats
+    # the command measures the top k that keep the recommendation's margin (the recommendation first) and the
+    # baselines, exactly those, with repeats
+    from fsdp_exp.tune.recommend import KEEP_FREE, eligible
+
     ids = data["measure"]["candidates"]
-    assert ids[:3] == [c["id"] for c in data["candidates"][:3]]
+    assert ids[:3] == [w.candidate.id for w in eligible(tuning_7b)[:3]]
+    assert all(tuning_7b.by_id(cid).headroom >= KEEP_FREE for cid in ids[:3])
+    assert ids[0] == data["recommendation"]["id"] or data["recommendation"]["id"] in ids
     assert f"+tune_candidate={','.join(ids)}" in data["measure"]["command"]
     assert "trainer.repeat=0,1,2" in data["measure"]["command"]
     assert sorted(p.stem for p in (tmp_path / "conf" / "tune_candidate").glob("*.yaml")) == sorted(ids)
