@@ -21,6 +21,7 @@ import json
 import pytest
 
 from fsdp_exp import composability
+from fsdp_exp.parallel.pipeline import settings_from
 from fsdp_exp.preflight import validate
 
 from conftest import read_metrics, run_config
@@ -128,7 +129,7 @@ def test_every_run_matches_the_single_process_reference(trained):
         if run_dir is None:
             continue  # the test above names it
         cfg = run_config(with_defaults(overrides))
-        forward = validate(cfg, cuda_devices=0).micro_batch_size
+        forward = _forward_samples(cfg)
         key = repr((cfg.model, cfg.optim, cfg.data, cfg.trainer.grad_clip, forward))
         if key not in cache:
             cache[key] = reference_steps(cfg, STEPS, forward)
@@ -143,6 +144,15 @@ def test_every_run_matches_the_single_process_reference(trained):
             if len(got) != STEPS or max(errors) > tolerance:
                 wrong.append(f"{name} {label}: {got} vs {expected} (largest error {max(errors):.1e} > {tolerance})")
     assert wrong == [], "\n".join(wrong)
+
+
+def _forward_samples(cfg) -> int:
+    """The sequences one forward of the run takes: its micro-batch, or under pipeline stages the schedule's."""
+    topology = validate(cfg, cuda_devices=0)
+    if cfg.parallel.pp == 1:
+        return topology.micro_batch_size
+    local = cfg.trainer.global_batch_size // topology.dp_size
+    return local // settings_from(cfg, local).n_microbatches
 
 
 def _completed(run_dir) -> bool:
