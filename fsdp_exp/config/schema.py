@@ -14,6 +14,8 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 DTYPES = ("fp32", "bf16", "fp16")
+# precision.storage_dtype: the dtype the sharded parameters (so their gradients and AdamW moments) are stored in
+STORAGE_DTYPES = ("fp32", "bf16")
 # trainer.grad_sync: auto resolves per backend (Backend.grad_sync); the other two say when gradients are reduced.
 EVERY_MICRO_BATCH, LAST_MICRO_BATCH = "every_micro_batch", "last_micro_batch"
 GRAD_SYNC = ("auto", EVERY_MICRO_BATCH, LAST_MICRO_BATCH)
@@ -142,6 +144,9 @@ class ShardingConfig:
 @dataclass
 class PrecisionConfig:
     param_dtype: str = "fp32"  # dtype of the unsharded parameters used in forward/backward
+    # dtype the parameters are stored in (STORAGE_DTYPES): fp32 master parameters, or bf16 (the model cast before
+    # sharding, so its gradients and AdamW moments are bf16 too: half the states; needs param_dtype=bf16; FSDP2)
+    storage_dtype: str = "fp32"
     reduce_dtype: str = "fp32"  # dtype of gradient reduce-scatter / all-reduce
     output_dtype: Optional[str] = None  # FSDP2: dtype the root module's outputs are cast to (None = leave)
     buffer_dtype: Optional[str] = None  # FSDP1: dtype of buffers (None = param_dtype)

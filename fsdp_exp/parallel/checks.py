@@ -11,6 +11,7 @@ from fsdp_exp.config.schema import (
     AC_OPS,
     CP_METHODS,
     DTYPES,
+    STORAGE_DTYPES,
     GRAD_SYNC,
     LOSS_SCALERS,
     PREFETCH_TIMINGS,
@@ -241,6 +242,18 @@ def check_precision(cfg: RunConfig, device_type: str) -> None:
             fail(
                 f"precision.{name}={getattr(p, name)!r} is not one of {', '.join(DTYPES)}.",
                 f"pass precision.{name}=null or fp32",
+            )
+    if p.storage_dtype not in STORAGE_DTYPES:
+        fail(
+            f"precision.storage_dtype={p.storage_dtype!r} is not one of {', '.join(STORAGE_DTYPES)}.",
+            "pass precision.storage_dtype=fp32 (fp32 master parameters) or bf16",
+        )
+    if p.storage_dtype != "fp32":  # which backends store bf16: their ``check`` (parallel.common.refuse_bf16_storage)
+        if p.param_dtype != p.storage_dtype:
+            fail(
+                f"precision.storage_dtype={p.storage_dtype} with param_dtype={p.param_dtype}: compute would run in "
+                f"{p.param_dtype} on parameters stored in {p.storage_dtype}, no more precise than they are.",
+                f"pass precision.param_dtype={p.storage_dtype} (precision=bf16), or precision.storage_dtype=fp32",
             )
     if p.loss_scaler not in LOSS_SCALERS:
         fail(

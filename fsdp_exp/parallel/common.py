@@ -88,6 +88,17 @@ def refuse_fsdp2_only_knobs(backend: "BackendChecks", cfg) -> None:
         )
 
 
+def refuse_bf16_storage(backend: "BackendChecks", cfg) -> None:
+    """FSDP1, DDP and DeepSpeed keep fp32 master parameters: refuse precision.storage_dtype other than fp32 (FSDP2
+    casts the model before sharding it, ``fsdp2.FSDP2.apply``)."""
+    if cfg.precision.storage_dtype != "fp32":
+        backend.refuse(
+            f"precision.storage_dtype={cfg.precision.storage_dtype}",
+            "it keeps fp32 master parameters; fsdp_exp stores parameters in bf16 on FSDP2 only.",
+            "pass precision.storage_dtype=fp32, or sharding.backend=fsdp2",
+        )
+
+
 def refuse_zero_only_knobs(backend: "BackendChecks", cfg) -> None:
     """FSDP2 and FSDP1: refuse ZeRO-1 (sharding=optimizer) and an optimizer-only offload, naming who has them."""
     if cfg.sharding.strategy == "optimizer":

@@ -25,7 +25,7 @@ from fsdp_exp.config import LAST_MICRO_BATCH, PrefetchConfig, RunConfig, Topolog
 from fsdp_exp.errors import fail
 from fsdp_exp.models import init_weights
 from fsdp_exp.parallel.backend import Backend, PlannerRules
-from fsdp_exp.parallel.common import describe, dtype_of, refuse_fsdp2_only_knobs
+from fsdp_exp.parallel.common import describe, dtype_of, refuse_bf16_storage, refuse_fsdp2_only_knobs
 
 ZERO_OPTIMIZER_FILE = "zero_optimizer.pt"  # sharding=optimizer: the consolidated optimizer state (rank 0)
 COMM_HOOKS = {"bf16": default_hooks.bf16_compress_hook, "fp16": default_hooks.fp16_compress_hook}
@@ -47,6 +47,7 @@ class DDP(Backend):
     # -------------------------------------------------------------------------------- BackendChecks
     def check(self, cfg: RunConfig, device_type: str) -> None:
         s, p, pf, w = cfg.sharding, cfg.precision, cfg.prefetch, cfg.wrap
+        refuse_bf16_storage(self, cfg)
         if s.strategy not in self.strategies:
             fail(
                 f"DDP replicates the model; it cannot do sharding.strategy={s.strategy}.",

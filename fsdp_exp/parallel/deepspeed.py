@@ -33,7 +33,7 @@ from fsdp_exp.config import EVERY_MICRO_BATCH, LAST_MICRO_BATCH, PrefetchConfig,
 from fsdp_exp.errors import fail
 from fsdp_exp.models import canonical_name, full_param_init, init_weights, matrix_parameter_names, spec_of
 from fsdp_exp.parallel.backend import Backend, PlannerRules
-from fsdp_exp.parallel.common import dtype_of, refuse_fsdp2_only_knobs
+from fsdp_exp.parallel.common import dtype_of, refuse_bf16_storage, refuse_fsdp2_only_knobs
 
 # sharding strategy -> ZeRO stage
 STAGES = {"no_shard": 0, "optimizer": 1, "grad_op": 2, "full": 3}
@@ -139,6 +139,7 @@ class DeepSpeed(Backend):
 
     def check(self, cfg: RunConfig, device_type: str) -> None:
         s, p, o = cfg.sharding, cfg.precision, cfg.offload
+        refuse_bf16_storage(self, cfg)
         if self.missing_dependency():
             fail(
                 "sharding.backend=deepspeed needs DeepSpeed, which is not installed.",

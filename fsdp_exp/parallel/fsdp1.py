@@ -23,7 +23,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_exp.config import RunConfig
 from fsdp_exp.models import canonical_name, full_param_init, spec_for, spec_of
 from fsdp_exp.parallel.backend import Backend, PlannerRules
-from fsdp_exp.parallel.common import describe, dtype_of, refuse_fsdp2_only_knobs, refuse_zero_only_knobs, unit_label
+from fsdp_exp.parallel.common import (
+    describe,
+    dtype_of,
+    refuse_bf16_storage,
+    refuse_fsdp2_only_knobs,
+    refuse_zero_only_knobs,
+    unit_label,
+)
 from fsdp_exp.parallel.digests import tensor_hash
 from fsdp_exp.parallel.wrap import unit_names
 
@@ -99,6 +106,7 @@ class FSDP1(Backend):
     def check(self, cfg: RunConfig, device_type: str) -> None:
         refuse_fsdp2_only_knobs(self, cfg)
         refuse_zero_only_knobs(self, cfg)
+        refuse_bf16_storage(self, cfg)
         s, pf = cfg.sharding, cfg.prefetch
         if pf.forward > 1 or (pf.backward or 0) > 1:
             self.refuse(

@@ -189,6 +189,13 @@ class FSDP2(Backend):
         )
         reshard = reshard_after_forward(cfg)
         units = unit_names(model, cfg)
+        if cfg.precision.storage_dtype != "fp32":
+            # fully_shard keeps each parameter's dtype in its shard (MixedPrecisionPolicy casts only the gathered
+            # copy): cast the parameters (not the buffers) first, so the shards, their gradients and AdamW's moments
+            # are stored in that dtype. ``.data`` keeps tied parameters one tensor.
+            dtype = dtype_of(cfg.precision.storage_dtype)
+            for param in model.parameters():
+                param.data = param.data.to(dtype)
         chain = top_level(units)
         applied_units: list[dict] = []
         # Expert parallel's experts first (parallel/expert.py): their own unit, over the ranks EP leaves them.
@@ -300,6 +307,10 @@ class FSDP2(Backend):
                     if post is None
                     else (True if post.shard_mesh_size == group.mesh_info.shard_mesh_size else post.shard_mesh_size),
                     mp_policy=describe(group.mp_policy),
+                    # what the shards are stored in (precision.storage_dtype): fp32 masters, or the model's cast
+                    sharded_dtypes=sorted(
+                        {str(p.sharded_param.dtype).removeprefix("torch.") for p in group.fsdp_params}
+                    ),
                     offload=type(group.offload_policy).__name__,
                 )
             units.append(unit)
@@ -334,6 +345,7 @@ class FSDP2(Backend):
             "sharding.reshard_after_forward=N": "`reshard_after_forward=N` (reshard to groups of N ranks)",
             "sharding.reshard_last_block": "last block's `reshard_after_forward` (default: false)",
             "precision.param_dtype": "`MixedPrecisionPolicy(param_dtype)`",
+            "precision.storage_dtype=bf16": "the model cast to bf16 before `fully_shard` (bf16 shards)",
             "precision.reduce_dtype": "`MixedPrecisionPolicy(reduce_dtype)`",
             "precision.output_dtype": "root's `MixedPrecisionPolicy(output_dtype)`",
             "precision.cast_forward_inputs": "`MixedPrecisionPolicy(cast_forward_inputs)`",

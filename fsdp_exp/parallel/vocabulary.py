@@ -25,6 +25,7 @@ ROWS: dict[str, str] = {
     "sharding.reshard_after_forward=N": "hpZ secondary partition",
     "sharding.reshard_last_block": "n/a",
     "precision.param_dtype": "bf16 / fp16 section",
+    "precision.storage_dtype=bf16": "n/a (fp32 master weights always)",
     "precision.reduce_dtype": "`communication_data_type`",
     "precision.output_dtype": "n/a",
     "precision.buffer_dtype": "n/a",

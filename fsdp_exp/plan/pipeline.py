@@ -214,7 +214,7 @@ def pipeline_plan(cfg: "RunConfig", settings: PipelineSettings, dp: int, device_
     for rank in range(s.pp):
         stages = stages_of_rank(s, rank)
         mine = [infos[k] for k in sorted(k for stage in stages for k in indices.get(stage, ()))]
-        pieces = model_states(mine, offload=False, kind=device_kind).resident
+        pieces = model_states(mine, offload=False, kind=device_kind, storage_dtype=cfg.precision.storage_dtype).resident
         states = pieces["total"]
         gathered = int(sum(i.gathered_numel for i in mine))
         unsharded_params = e * gathered
@@ -300,7 +300,7 @@ def stage_states_floor(cfg: "RunConfig", dp: int, device_kind: str) -> int:
         experts=expert_units(spec, cfg),
         ep=layout.ep,
     )
-    pieces = model_states(infos, offload=False, kind=device_kind).resident
+    pieces = model_states(infos, offload=False, kind=device_kind, storage_dtype=cfg.precision.storage_dtype).resident
     return pieces["params"] + pieces["optimizer"]
 
 

@@ -254,7 +254,12 @@ def _states(cfg: "RunConfig", topology: "Topology", kind: str):
     units = unit_names(spec, cfg) if rules.gathers_units else []
     infos = param_infos(inventory, units, rules, shard, topology.tp_size, expert_units(spec, cfg), cfg.parallel.ep)
     args = (
-        (cfg.offload.params and rules.offloads, kind, topology.dp_size if rules.shards_optimizer else 1)
+        (
+            cfg.offload.params and rules.offloads,
+            kind,
+            topology.dp_size if rules.shards_optimizer else 1,
+            cfg.precision.storage_dtype,
+        )
         if rules.zero_stage is None
         else (rules.zero_stage, shard, cfg.precision.param_dtype, cfg.offload.params, cfg.offload.optimizer, kind)
     )

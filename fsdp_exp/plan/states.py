@@ -1,5 +1,5 @@
 """Model states: every parameter's per-rank size under the backend's layout, the states at rest
-(parameters, gradients, AdamW's two moments, all fp32) and the parameters grouped by where they are
+(parameters, gradients, AdamW's two moments, all in ``precision.storage_dtype``: fp32 unless FSDP2 stores bf16) and the parameters grouped by where they are
 gathered (the root, each block's own unit, units nested in a block).
 
 Reads the model family's inventory (``fsdp_exp.models.spec.Inventory``) and the backend's
@@ -141,28 +141,32 @@ class ModelStates:
     host: dict  # offloaded to the host
     on_device: dict
     resident: dict  # what counts towards the peak: a CPU run has one memory, offloaded or not
-    optimizer_groups: tuple[list[int], list[int]]  # each tensor's fp32 shard bytes: matrices, the rest
+    optimizer_groups: tuple[list[int], list[int]]  # each tensor's stored shard bytes: matrices, the rest
     described: dict  # params / grads / optimizer: what they are, in words (the planner table's notes)
 
 
-def model_states(infos: list[ParamInfo], offload: bool, kind: str, optimizer_shard: int = 1) -> ModelStates:
+def model_states(
+    infos: list[ParamInfo], offload: bool, kind: str, optimizer_shard: int = 1, storage_dtype: str = "fp32"
+) -> ModelStates:
     """``optimizer_shard``: ranks the optimizer state is split over beyond the parameters' layout
-    (DDP with ZeroRedundancyOptimizer: the data-parallel ranks)."""
+    (DDP with ZeroRedundancyOptimizer: the data-parallel ranks). ``storage_dtype``: ``precision.storage_dtype``,
+    the dtype of the stored parameters, hence of their gradients and of AdamW's moments (``zeros_like`` them)."""
     local = sum(i.local_numel for i in infos)
-    at_rest = {"params": int(4 * local), "grads": int(4 * local), "optimizer": int(2 * 4 * local / optimizer_shard)}
+    e = DTYPE_BYTES[storage_dtype]
+    at_rest = {"params": int(e * local), "grads": int(e * local), "optimizer": int(2 * e * local / optimizer_shard)}
     host = dict(at_rest) if offload else {"params": 0, "grads": 0, "optimizer": 0}
     on_device = {k: 0 for k in at_rest} if offload and kind == "cuda" else dict(at_rest)
     for states in (at_rest, host, on_device):
         states["total"] = states["params"] + states["grads"] + states["optimizer"]
     groups = (
-        [int(4 * i.local_numel) for i in infos if i.is_matrix],
-        [int(4 * i.local_numel) for i in infos if not i.is_matrix],
+        [int(e * i.local_numel) for i in infos if i.is_matrix],
+        [int(e * i.local_numel) for i in infos if not i.is_matrix],
     )
     held = "whole on every rank" if local >= sum(i.numel for i in infos) else "this rank's shards"
     described = {
-        "params": f"fp32, {held}",
-        "grads": f"fp32, {held}, after backward",
-        "optimizer": "AdamW: two fp32 moments, "
+        "params": f"{storage_dtype}, {held}",
+        "grads": f"{storage_dtype}, {held}, after backward",
+        "optimizer": f"AdamW: two {storage_dtype} moments, "
         + (f"split over {optimizer_shard} ranks" if optimizer_shard > 1 else held),
     }
     return ModelStates(at_rest, host, on_device, at_rest if kind == "cpu" else on_device, groups, described)

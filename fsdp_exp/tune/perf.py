@@ -119,6 +119,14 @@ if TYPE_CHECKING:
 
 DDP_BUCKET_BYTES = 25 * 2**20
 ADAMW_BYTES_PER_PARAM = 28  # reads p, g, m, v (16 bytes), writes p, m, v (12 bytes), all fp32
+
+
+def adamw_bytes_per_param(storage_dtype: str) -> int:
+    """AdamW's memory traffic a parameter: seven passes (reads p, g, m, v; writes p, m, v) over states stored in
+    ``precision.storage_dtype`` (``ADAMW_BYTES_PER_PARAM`` in fp32, half in bf16)."""
+    return ADAMW_BYTES_PER_PARAM * DTYPE_BYTES[storage_dtype] // 4
+
+
 ADAMW_OPS_PER_TENSOR = 12  # a per-tensor AdamW step dispatches about this many operators
 TINY_ALL_REDUCES = 2
 
@@ -420,7 +428,7 @@ def step_costs(
         offload_forward_bytes=offload_f,
         offload_backward_bytes=offload_b,
         offload_after_step_bytes=offload_after,
-        optimizer_bytes=ADAMW_BYTES_PER_PARAM * optimizer_numel,
+        optimizer_bytes=adamw_bytes_per_param(cfg.precision.storage_dtype) * optimizer_numel,
         optimizer_on_host=offload or offload_optimizer,
         ranks_per_node=nproc,
         world=topology.world_size,

@@ -49,7 +49,7 @@ from fsdp_exp.parallel.pipeline import (
 )
 from fsdp_exp.plan.states import DTYPE_BYTES, expert_units
 from fsdp_exp.tune.perf import (
-    ADAMW_BYTES_PER_PARAM,
+    adamw_bytes_per_param,
     ADAMW_OPS_PER_TENSOR,
     LOSS_BYTES_PER_LOGIT,
     StepCosts,
@@ -111,6 +111,7 @@ class PipelineCosts:
     world: int
     dtype: str
     offloaded: bool = False  # offload=params inside the stages (not timed)
+    storage_dtype: str = "fp32"  # precision.storage_dtype: the optimizer's states' dtype
 
 
 def pipeline_refusal(schedule: str, offloaded: bool = False) -> Optional[str]:
@@ -344,6 +345,7 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
         world=topology.world_size,
         dtype=whole.dtype,
         offloaded=bool(cfg.offload.params and rules.offloads),
+        storage_dtype=cfg.precision.storage_dtype,
     )
 
 
@@ -390,7 +392,7 @@ def pipeline_timing(costs: PipelineCosts, perf: "DevicePerf") -> StepPrediction:
             comm[t.purpose] = max(comm.get(t.purpose, 0.0), seconds)
             one = f / m if t.phase == "forward" else b / m  # the first / last micro-batch's compute hides it
             exposed += _phase(one, seconds, 0.0, perf.overlap, rank.units)[0]
-        optimizer = ADAMW_BYTES_PER_PARAM * rank.local_params / (perf.memory_gbps * 1e9)
+        optimizer = adamw_bytes_per_param(costs.storage_dtype) * rank.local_params / (perf.memory_gbps * 1e9)
         if not perf.async_dispatch:
             optimizer += ADAMW_OPS_PER_TENSOR * rank.tensors * dispatch
         software = unit_us * 1e-6 * sum(t.count for t in rank.traffic)

@@ -367,6 +367,11 @@ def precision_overrides(f: dict) -> list[str] | str:
         return _float8_overrides(f, text)
     if "pure" in text:
         return ["precision=bf16_pure"]  # FSDP mixed_precision=PURE: bf16 gradients reduced in bf16
+    if "bf16" in text and "automodel" in f["framework"].lower().replace(" ", ""):
+        # NeMo AutoModel's MoE models cast their parameters to bf16 when they initialize their weights (its Qwen3
+        # model's initialize_weights), so its sharded parameters, gradients and AdamW moments are bf16; its
+        # MixedPrecisionPolicy then computes in bf16 and reduces in fp32
+        return ["precision=bf16", "precision.storage_dtype=bf16"]
     if "bf16" in text:
         return ["precision=bf16"]  # bf16 compute, fp32 reduction
     return f"precision not mapped: {f['precision']} ({f['precision_detail']})"

@@ -10,6 +10,7 @@ plus uneven shards over 3 ranks and FSDP1 (model states only; torch's tracker ca
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -138,6 +139,23 @@ def test_planner_matches_the_tracker_for_a_float8_run_within_5_percent(tmp_path)
     )
     print("planner vs tracker, full-float8-none-world2: " + ", ".join(f"{k} {v:+.2%}" for k, v in errors.items()))
     assert abs(errors["step"]) < FLOAT8_TOLERANCE, errors
+
+
+@pytest.mark.slow
+def test_bf16_storage_trains_bf16_shards_and_the_planner_follows_within_5_percent(tmp_path):
+    """precision.storage_dtype=bf16 on 2 ranks: the model is cast before sharding, so the run's sharded parameters
+    (and their gradients and AdamW moments) are bf16, and the planner, which counted fp32 states whatever the run
+    stored before the option, is within 5% of the tracker."""
+    overrides = [*TINY, "sharding=full", "precision=bf16", "precision.storage_dtype=bf16", "trainer.nproc_per_node=2"]
+    errors = _run_and_compare(overrides, tmp_path / "run")
+    print("planner vs tracker, full-bf16 storage-none-world2: " + ", ".join(f"{k} {v:+.2%}" for k, v in errors.items()))
+    assert abs(errors["step"]) < FLOAT8_TOLERANCE, errors
+    rows = read_metrics(tmp_path / "run")
+    losses = [r["train/loss"] for r in rows]
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), losses  # three steps, none diverged
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    units = [unit for unit in record["applied"]["inspected"] if "sharded_dtypes" in unit]  # FSDP2's, read back
+    assert units and all(unit["sharded_dtypes"] == ["bfloat16"] for unit in units), units
 
 
 @pytest.mark.slow

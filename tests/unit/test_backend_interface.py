@@ -32,6 +32,7 @@ KNOB = {
     "sharding.reshard_after_forward=N": {"sharding.reshard_after_forward": "2"},
     "sharding.reshard_last_block": {"sharding.reshard_last_block": True},
     "precision.param_dtype": {"precision.param_dtype": "bf16"},
+    "precision.storage_dtype=bf16": {"precision.storage_dtype": "bf16", "precision.param_dtype": "bf16"},
     "precision.reduce_dtype": {"precision.reduce_dtype": "bf16"},
     "precision.output_dtype": {"precision.output_dtype": "fp32"},
     "precision.buffer_dtype": {"precision.buffer_dtype": "fp32"},

@@ -83,6 +83,10 @@ def test_auto_nproc_and_batch_split():
         (["trainer.seq_len=16", "trainer.loss_chunks=17"], "trainer.loss_chunks=16 or less"),
         (["precision=bf16_pure", "precision.output_dtype=bf16", "trainer.loss_chunks=8"], "trainer.loss_chunks=1"),
         (["trainer.loss_chunks=atuo"], "trainer.loss_chunks=auto"),
+        (["precision.storage_dtype=fp16"], "precision.storage_dtype=fp32"),
+        (["precision.storage_dtype=bf16"], "precision.param_dtype=bf16"),  # fp32 compute on bf16 storage
+        (["precision=bf16", "precision.storage_dtype=bf16", "sharding=fsdp1"], "sharding.backend=fsdp2"),
+        (["precision=bf16", "precision.storage_dtype=bf16", "sharding=ddp"], "sharding.backend=fsdp2"),
     ],
 )
 def test_validation_messages_name_the_fix(overrides, fix):
