@@ -41,6 +41,7 @@ TINY = (
     "checkpoint.on_signal=false",
 )
 
+MOE = "model=moe_tiny"  # TINY's sizes with 4 routed experts a block (conf/model/moe_tiny.yaml)
 # dimension -> value -> overrides; each dimension's first value is the default run's.
 DIMENSIONS: dict[str, dict[str, tuple[str, ...]]] = {
     "sharding": {
@@ -52,6 +53,9 @@ DIMENSIONS: dict[str, dict[str, tuple[str, ...]]] = {
         "fsdp1 grad_op": ("sharding=grad_op", "sharding.backend=fsdp1"),
         "fsdp1 no_shard": ("sharding=no_shard", "sharding.backend=fsdp1"),
         "ddp": ("sharding=ddp",),
+        "ddp optimizer": ("sharding=optimizer",),
+        "deepspeed zero1": ("sharding=zero1",),
+        "deepspeed zero2": ("sharding=zero2",),
         "deepspeed zero3": ("sharding=zero3",),
     },
     "tp": {"1": (), "2": ("parallel.tp=2",), "2 sp": ("parallel.tp=2", "parallel.sequence_parallel=true")},
@@ -61,20 +65,37 @@ DIMENSIONS: dict[str, dict[str, tuple[str, ...]]] = {
     "float8": {"off": (), "tensorwise": ("precision=float8",)},
     "compile": {"false": (), "true": ("compile=true",)},
     "ac": {"none": (), "full": ("ac=full",), "selective": ("ac=selective",), "selective_op": ("ac=selective_op",)},
-    "offload": {"none": (), "params": ("offload=params",)},
+    "offload": {"none": (), "params": ("offload=params",), "optimizer": ("offload=optimizer",)},
     "precision": {
         "fp32": (),
         "bf16": ("precision=bf16",),
         "bf16_pure": ("precision=bf16_pure",),
         "fp16": ("precision=fp16",),
+        "float8": ("precision=float8",),
+        "float8_all_gather": ("precision=float8_all_gather",),
     },
     "prefetch": {"default": (), "none": ("prefetch=none",), "deep": ("prefetch=deep",)},
+    "wrap": {"block": (), "none": ("wrap=none",), "size": ("wrap=size",), "experts": (MOE, "wrap=experts")},
+    # The mixture of experts' own options, each on the tiny MoE: its 4 experts, top-2. The load-balancing loss at
+    # 10x Mixtral's coefficient and the bias at 10x DeepSeek-V3's rate, so that 3 steps show them.
+    "aux": {"0": (), "0.2": (MOE, "model.aux_loss_coef=0.2")},
+    "bias": {"0": (), "0.01": (MOE, "model.expert_bias_rate=0.01")},
+    "capacity": {"dropless": (), "1.0": (MOE, "model.capacity_factor=1.0")},
+    "shared": {"0": (), "1": (MOE, "model.n_shared_experts=1")},
+    # DeepSeek-V3's router: sigmoid scores, a token's experts from its best group of two, routed scaling.
+    "router": {
+        "softmax": (),
+        "grouped": (MOE, "model.router_score=sigmoid", "model.expert_groups=2", "model.routed_scaling=2.5"),
+    },
+    # Packed documents kept apart: each attends within its own, rotary positions restarting at its first token.
+    "mask": {"causal": (), "block_causal": ("model.attention_mask=block_causal", "data.positions=document")},
 }
 # The table's dimensions (the layout's), and the values its cells try against each other.
 TABLE = ("sharding", "tp", "pp", "cp", "ep", "float8", "compile", "ac", "offload")
 TABLE_VALUES = {
     "sharding": ("fsdp2 full", "fsdp1 full", "ddp", "deepspeed zero3"),
     "ac": ("none", "full", "selective_op"),
+    "offload": ("none", "params"),
 }
 TOP_LEVEL = ("compile",)  # keys of the run config itself, not of a group
 
@@ -164,17 +185,26 @@ MULTIPLIED = ("parallel.tp=2", "parallel.pp=2", "parallel.cp=2", "parallel.ep=2"
 
 
 def covering_runs(
-    dimensions: tuple[str, ...] = tuple(DIMENSIONS), leave_out: tuple[str, ...] = ()
+    dimensions: tuple[str, ...] = tuple(DIMENSIONS), leave_out: tuple = ()
 ) -> tuple[list[dict[str, str]], dict]:
     """(runs, refused): runs (dimension -> value) that preflight accepts, in which every pair of values
     of two dimensions that preflight accepts together appears at least once; refused: each pair it
-    refuses on its own -> the message. ``leave_out``: values (of any dimension) not tried. Greedy: each run starts from an uncovered pair and takes, dimension
-    by dimension, the value that covers most new pairs while preflight still accepts the run."""
+    refuses on its own -> the message. ``leave_out``: values (of any dimension) not tried, and pairs of values
+    ``("dim=value", "dim=value")`` not tried together (in no run, neither covered nor refused). Greedy: each run
+    starts from an uncovered pair and takes, dimension by dimension, the value that covers most new pairs while
+    preflight still accepts the run."""
     values = {dim: [v for v in DIMENSIONS[dim] if v not in leave_out] for dim in dimensions}
+    apart = {frozenset(pair) for pair in leave_out if not isinstance(pair, str)}
+
+    def together(run: dict[str, str]) -> bool:
+        named = [f"{d}={v}" for d, v in run.items()]
+        return not any(frozenset(pair) in apart for pair in itertools.combinations(named, 2))
+
     pairs = {}
     for a, b in itertools.combinations(dimensions, 2):
         for va, vb in itertools.product(values[a], values[b]):
-            pairs[((a, va), (b, vb))] = outcome(overrides_of({a: va, b: vb}))
+            if together({a: va, b: vb}):
+                pairs[((a, va), (b, vb))] = outcome(overrides_of({a: va, b: vb}))
     uncovered = {pair for pair, refusal in pairs.items() if refusal is None}
     refused = {pair: refusal for pair, refusal in pairs.items() if refusal is not None}
     runs: list[dict[str, str]] = []
@@ -192,7 +222,7 @@ def covering_runs(
                 )
                 scored.append((-gain, list(DIMENSIONS[dim]).index(value), value, trial))
             for _, _, _, trial in sorted(scored, key=lambda s: s[:2]):
-                if outcome(overrides_of(trial)) is None:
+                if together(trial) and outcome(overrides_of(trial)) is None:
                     run = trial
                     break
         if outcome(overrides_of(run)) is not None:  # the pair alone composes, but nothing completes it

@@ -93,6 +93,12 @@ def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, recompute_
     ``recompute_activation``: silu, the product and w2's grouped matmul run under activation checkpointing, so
     that backward keeps w1's and w3's outputs and recomputes silu and the product (no matmul) from them: 2 x
     the experts' width per row kept instead of 4 (silu's input and output, w3's output, the product)."""
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return _grouped_swiglu_eager(x, counts, w1, w3, w2, recompute_activation)
+    return _grouped_swiglu(x, counts, w1, w3, w2, recompute_activation)
+
+
+def _grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1, w3, w2, recompute_activation: bool):
     offsets = counts.cumsum(0).to(torch.int32)
     w1, w3, w2 = (w.to(x.dtype) for w in (w1, w3, w2))
     # The same holds for the gradient of x in backward: the mask on the way in zeroes it there.
@@ -111,6 +117,12 @@ def _activation_and_down(gate: torch.Tensor, up: torch.Tensor, w2: torch.Tensor,
     return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
 
 
+# compile=true: dynamo runs torch's grouped matmul on fake tensors through its meta kernel, which takes bf16 only
+# (the fast kernel's check), so fp32 and fp16 experts (and fp32 inputs under bf16 autocast, which leaves the op
+# alone) run eagerly, a graph break; bf16 compiles.
+_grouped_swiglu_eager = torch.compiler.disable(_grouped_swiglu)
+
+
 class AuxLossGradient(torch.autograd.Function):
     """Adds the gradient of an auxiliary loss to the backward of the tensor it rides on, leaving the forward
     value as it is: the load-balancing loss trains the router without the model's output or the training
@@ -124,7 +136,9 @@ class AuxLossGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, aux: torch.Tensor, weight: float) -> torch.Tensor:
         ctx.weight, ctx.aux_dtype = weight, aux.dtype
-        return out
+        # Compiled, a forward that returns its input unchanged loses this backward (the aux gradient was 0 under
+        # compile=true: tests/integration/test_compose.py); a copy keeps it. Eager needs none.
+        return out.clone() if torch.compiler.is_compiling() else out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -186,6 +186,17 @@ def check_knobs(cfg: RunConfig, device_type: str) -> None:
         )
     if w.min_num_params < 1:
         fail(f"wrap.min_num_params={w.min_num_params} must be positive.", "pass wrap.min_num_params=100000")
+    if cfg.compile and cfg.parallel.tp > 1 and w.policy in ("none", "size"):
+        # Found by the every-pair test (tests/integration/test_compose.py): with the blocks inside the root's
+        # unit, the compiled blocks' backward fails in torch's DTensor redistribution ('_local_tensor'), with or
+        # without AC; a unit per block runs. wrap=size is refused too: whether it gives a block a unit of its own
+        # depends on the model's size.
+        fail(
+            f"compile=true with parallel.tp={cfg.parallel.tp} needs a FSDP unit per block, and wrap={w.policy} can "
+            "leave the blocks inside one larger unit: the compiled blocks' backward then fails in torch's DTensor "
+            "redistribution.",
+            "pass wrap=block (or compile=false)",
+        )
     ac = cfg.ac
     if ac.ops == "matmul_save":  # the name of every_matmul before torchtitan's policy became selective_op's
         fail(
