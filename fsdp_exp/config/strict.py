@@ -217,6 +217,18 @@ def refusal(exc: BaseException) -> str | None:
     return None if explained is None else f"invalid configuration: {explained}"
 
 
+def _one_line_options(message: str) -> str:
+    """Hydra lists a group's options one a line (twenty-odd models): a paragraph lists them in one line."""
+    lines = message.splitlines()
+    head = [line for line in lines if not line.startswith("\t")]
+    options = [line.strip() for line in lines if line.startswith("\t")]
+    if not options:
+        return message
+    listed = next((i for i, line in enumerate(head) if line.startswith("Available options in")), len(head) - 1)
+    head[listed] = f"{head[listed]} {', '.join(options)}"
+    return "\n".join(line for line in head if line.strip())
+
+
 def explain_composition_error(exc: BaseException, schema: type) -> str | None:
     """The message for a config that Hydra could not compose, with the closest real key or option; None
     when ``exc`` is not a composition error (an error of fsdp_exp's own code is not bad input)."""
@@ -224,7 +236,7 @@ def explain_composition_error(exc: BaseException, schema: type) -> str | None:
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
     if isinstance(exc, MissingConfigException):
-        message = str(exc).split("\nConfig search path")[0].strip()
+        message = _one_line_options(str(exc).split("\nConfig search path")[0].strip())
         missing = (exc.missing_cfg_file or "").rsplit("/", 1)
         if len(missing) == 2 and exc.options:
             alias = meant(missing[0], missing[1], list(exc.options))  # spelling checked against what was meant

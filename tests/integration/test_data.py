@@ -279,6 +279,9 @@ class _SlowSource:
         time.sleep(self.delay)
         return torch.arange(first, first + count).unsqueeze(1).repeat(1, 9)
 
+    def documents(self, first: int, count: int) -> torch.Tensor:
+        return torch.zeros((count, 9), dtype=torch.int32)  # one document a row
+
 
 def test_workers_overlap_loading_with_compute_and_data_time_shows_starvation(cache):
     def mean_wait(num_workers: int) -> tuple[float, list[int]]:
