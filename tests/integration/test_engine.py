@@ -194,7 +194,11 @@ def test_default_experiment_from_the_command_line(tmp_path):
     # W&B's summary keeps no nulls: the FP8 figures are null outside precision=float8 (run.json says so).
     fp8_only = {"summary/mfu_fp8_median", "summary/peak_tflops_fp8"}
     assert all(record["summary"][name] is None for name in fp8_only)
+    # and the MoE and validation figures are null in a dense run without validation
+    absent = {"summary/moe_", "summary/val_"}
+    assert all(record["summary"].get(name) is None for name in record["summary"] if name.startswith(tuple(absent)))
     cpu_summary = {m.name for m in SUMMARY_METRICS if m.device != "cuda"} - {"summary/mfu_median"} - fp8_only
+    cpu_summary = {name for name in cpu_summary if not name.startswith(tuple(absent))}
     assert cpu_summary <= set(summary["summary"])
 
 
