@@ -991,7 +991,7 @@ class Check:
     covers: tuple[str, ...] = ()  # the inventory's places this check exercises
 
 
-# The places below are named as fsdp_exp has them on 2026-11-30, mid-restructure: re-sync them when files
+# The places below are named as fsdp_exp has them on 2026-12-06: re-sync them when files
 # move (tests/integration/test_gpu_check.py lists what is missing and what is stale; --inventory prints the map).
 # Every run on CUDA goes through these: the launcher's GPU count and fit check (a child process asks each
 # GPU's free memory), preflight's device choice, NCCL, the device names in the record and the checkpointer.
@@ -1000,7 +1000,8 @@ EVERY_CUDA_RUN = (
     "fsdp_exp/env.py:cuda_free_memory",
     "fsdp_exp/fit_check.py:node_memory",
     "fsdp_exp/fit_check.py:_need",
-    "fsdp_exp/preflight.py:validate",
+    "fsdp_exp/config/topology.py:resolve_where",  # preflight's device choice
+    "fsdp_exp/tune/step_time.py:run_prediction",  # the launcher records the step-time model's parts on the GPU
     "fsdp_exp/dist.py:init_distributed",
     "fsdp_exp/record/recorder.py:device_name",
     "fsdp_exp/checkpoint/manager.py:Checkpointer._device_name",
@@ -1042,7 +1043,11 @@ CHECKS = (
         ("main",),
         check_snapshot,
         needs="cuda",
-        covers=("fsdp_exp/context.py:sampled_steps", "fsdp_exp/metrics/step.py:StepMetrics._sampled"),
+        covers=(
+            "fsdp_exp/context.py:sampled_steps",
+            "fsdp_exp/context.py:check_trainer",
+            "fsdp_exp/metrics/step.py:StepMetrics._sampled",
+        ),
     ),
     Check(
         "profiler",
@@ -1096,7 +1101,11 @@ CHECKS = (
         "FSDP2 offload=params: pinned host memory on CUDA (unpinned on a CPU)",
         ("offload",),
         check_offload,
-        covers=("fsdp_exp/parallel/fsdp2.py:offload_policy", "fsdp_exp/plan/states.py:model_states"),
+        covers=(
+            "fsdp_exp/parallel/fsdp2.py:offload_policy",
+            "fsdp_exp/parallel/checks.py:check_offload",
+            "fsdp_exp/plan/states.py:model_states",
+        ),
     ),
     Check(
         "fsdp1_sync_module_states",
@@ -1203,7 +1212,7 @@ CHECKS = (
         ("cp1", "cp2_ring"),
         check_ring_attention,
         needs="cuda 2 ranks",
-        covers=("fsdp_exp/parallel/context.py:resolve_method", "fsdp_exp/parallel/context.py:check"),
+        covers=("fsdp_exp/parallel/context.py:resolve_method", "fsdp_exp/parallel/context.py:method_refusal"),
     ),
 )
 

@@ -120,7 +120,13 @@ def _activation_and_down(gate: torch.Tensor, up: torch.Tensor, w2: torch.Tensor,
 # compile=true: dynamo runs torch's grouped matmul on fake tensors through its meta kernel, which takes bf16 only
 # (the fast kernel's check), so fp32 and fp16 experts (and fp32 inputs under bf16 autocast, which leaves the op
 # alone) run eagerly, a graph break; bf16 compiles.
-_grouped_swiglu_eager = torch.compiler.disable(_grouped_swiglu)
+# torch.compiler.disable imports dynamo and sympy (about a second of every launch, the planner's included): the
+# eager twin is made on its first call, which only a compiled run makes, dynamo already loaded.
+def _grouped_swiglu_eager(*args):
+    eager = getattr(_grouped_swiglu, "eager", None)
+    if eager is None:
+        eager = _grouped_swiglu.eager = torch.compiler.disable(_grouped_swiglu)
+    return eager(*args)
 
 
 class AuxLossGradient(torch.autograd.Function):

@@ -48,6 +48,7 @@ from fsdp_exp.parallel.pipeline import (
     stages_of_rank,
 )
 from fsdp_exp.plan.states import DTYPE_BYTES, expert_units
+from fsdp_exp.tune.experts_perf import OWN_DISPATCH, ExpertDispatch
 from fsdp_exp.tune.perf import (
     adamw_bytes_per_param,
     ADAMW_OPS_PER_TENSOR,
@@ -196,7 +197,11 @@ def _stage_costs(
     )
 
 
-def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
+def pipeline_costs(
+    cfg: "RunConfig", topology: "Topology", expert_imbalance: float = 1.0, dispatch: ExpertDispatch = OWN_DISPATCH
+) -> PipelineCosts:
+    """``expert_imbalance`` and ``dispatch`` as ``perf.step_costs`` takes them: a stage's MoE layers run at the
+    busiest expert's pace and their all-to-all inside the stage."""
     from fsdp_exp.models import spec_for
     from fsdp_exp.plan.activations import profile_for
     from fsdp_exp.tune.work import work
@@ -210,7 +215,7 @@ def pipeline_costs(cfg: "RunConfig", topology: "Topology") -> PipelineCosts:
     whole_topology = dataclasses.replace(
         topology, layout=topology.layout.without_pipeline(), micro_batch_size=micro, grad_accum_steps=m
     )
-    whole = step_costs(cfg, whole_topology)
+    whole = step_costs(cfg, whole_topology, expert_imbalance, dispatch)
     # What a stage's blocks exchange inside it (TP, CP, the experts' all-to-all), in proportion to its blocks;
     # its data-parallel collectives are counted below, per stage
     whole = dataclasses.replace(whole, traffic=tuple(t for t in whole.traffic if t.purpose.startswith(IN_STAGE)))

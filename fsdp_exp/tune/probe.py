@@ -109,6 +109,16 @@ def _write(key: str, entry: dict) -> None:
     write_entry(cache_path(), key, entry)
 
 
+def has_cpu_probe(ranks_per_node: int, threads: int) -> bool:
+    """Whether any block shape of this layout is cached: read before ``block_shape``, whose count of the model's
+    work runs torch's dispatch modes (their first use imports torch._dynamo and sympy, ~1.7 s of a launch)."""
+    prefix = probe_key(ranks_per_node, threads) + " |"
+    try:
+        return any(key.startswith(prefix) for key in json.loads(cache_path().read_text()))
+    except (OSError, ValueError):
+        return False
+
+
 def cpu_probe(
     ranks_per_node: int, threads: int, shape: tuple[int, int] = DEFAULT_SHAPE, measure_now: bool = True
 ) -> Optional[dict]:

@@ -26,7 +26,7 @@ def costs_for(cfg: "RunConfig", topology: "Topology", expert_imbalance: float = 
     ``expert_imbalance``: a mixture of experts' max / mean routed copies per expert (1.0: balanced); ``dispatch``:
     how its routed copies travel (``fsdp_exp.tune.experts_perf.ExpertDispatch``, fsdp_exp's own by default)."""
     if cfg.parallel.pp > 1:
-        return pipeline_costs(cfg, topology)
+        return pipeline_costs(cfg, topology, expert_imbalance, dispatch)
     return step_costs(cfg, topology, expert_imbalance, dispatch)
 
 
@@ -51,7 +51,7 @@ def run_prediction(cfg: "RunConfig", topology: "Topology") -> dict:
     from fsdp_exp.env import default_threads
     from fsdp_exp.metrics.comm import COMM_KINDS
     from fsdp_exp.plan.devices import table_device
-    from fsdp_exp.tune.probe import block_shape, cpu_perf
+    from fsdp_exp.tune.probe import block_shape, cpu_perf, has_cpu_probe
 
     try:
         if topology.device_type == "cuda":
@@ -64,7 +64,9 @@ def run_prediction(cfg: "RunConfig", topology: "Topology") -> dict:
         else:
             nproc = topology.nproc_per_node
             threads = cfg.trainer.threads_per_rank or default_threads(nproc)
-            found = cpu_perf(nproc, threads, block_shape(cfg), measure_now=False)
+            found = (
+                cpu_perf(nproc, threads, block_shape(cfg), measure_now=False) if has_cpu_probe(nproc, threads) else None
+            )
             if found is None:
                 return {
                     "error": f"no probe of this CPU at {nproc} ranks x {threads} threads is cached (python -m "

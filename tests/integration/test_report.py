@@ -495,9 +495,10 @@ def test_the_pngs_error_bars_match_the_table(repeated):
     report = _report_json(sweep)
     fig, shown = plot_report(build_report(load_runs([sweep])))
     assert png_bytes(fig) == (sweep / "report.png").read_bytes()  # the figure below is the PNG's
-    drawn = sorted((low, high) for _, low, high in plotted_intervals(fig))
+    drawn = [bound for interval in sorted((low, high) for _, low, high in plotted_intervals(fig)) for bound in interval]
+    table = [bound for interval in sorted((r["ci_low"], r["ci_high"]) for r in report["ranked"]) for bound in interval]
     # to the last bits: the figure's data passes through matplotlib's float arrays
-    assert drawn == pytest.approx(sorted((r["ci_low"], r["ci_high"]) for r in report["ranked"]), rel=1e-12)
+    assert drawn == pytest.approx(table, rel=1e-12)
     kinds = [p["kind"] for p in shown["points"]]
     assert kinds.count("configuration") == 2 and kinds.count("repeat") == 4
     assert plotted_point_count(fig) == 6
