@@ -37,6 +37,7 @@ def test_tensor_parallel_experts_are_refused_before_any_rank_starts(tmp_path):
     result = run_cli(["model=moe_tiny", "trainer.nproc_per_node=4", "parallel.tp=2"], tmp_path)
     assert result.returncode == 2 and "parallel.ep" in result.stderr, result.stderr[-2000:]
 
+
 @pytest.mark.slow
 def test_a_forced_imbalanced_router_shows_in_metrics_run_json_the_summary_and_the_report(tmp_path):
     """Every token's first pick on expert 0 (debug.favour_expert: the router's bias far above its scores), under
