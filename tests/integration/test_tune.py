@@ -121,7 +121,10 @@ def test_a_measured_tune_on_this_cpu_keeps_its_budget_and_calibration_lowers_the
     assert any(e["measured_gib"] <= check["limit_gib"] for e in check["held"] + check["borderline"])
     assert result["spearman"] is None or -1 <= result["spearman"] <= 1
     winner = result["winner"]
-    assert winner["predicted"] == result["candidates"][0]["id"] and winner["measured"] in {c["id"] for c in chosen}
+    # the predicted winner is the best-ranked of those measured: the top k are taken from what the recommendation
+    # may be (a faster candidate keeping less memory free than the rule asks is ranked, not measured)
+    best_ranked = min((c for c in chosen if c["rank"] is not None), key=lambda c: c["rank"])["id"]
+    assert winner["predicted"] == best_ranked and winner["measured"] in {c["id"] for c in chosen}
     assert isinstance(winner["predicted_ties_measured"], bool)
     assert (out / "tune.png").stat().st_size > 10_000 and "predicted vs measured" in (out / "tune.html").read_text()
     sweep_runs = sorted(p.name for p in (out / "sweep").iterdir() if (p / "run.json").exists())
