@@ -57,8 +57,6 @@ OPEN_CRASHES = {
     "compile, with AC, offload and block_causal in the same run): not reduced to its smallest pair yet",
 }
 OPEN_MISMATCHES = {
-    (("tp", "2"), ("compile", "true")): "the first step's gradient norm is ~22% under the reference's (later steps and "
-    "every loss agree): TP x compile's first norm, not found yet",
     (("cp", "2"), ("aux", "0.2")): "the balance loss is taken over each CP rank's part of the sequence, the "
     "reference's over whole sequences: a different loss by construction (5e-4 in the grad norm)",
 }
