@@ -17,18 +17,20 @@ def cache_file(name: str) -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "fsdp_exp" / name
 
 
-def read_entry(path: Path, key: str) -> Optional[dict]:
+def read_table(path: Path) -> dict:
+    """The whole table (empty where the file is missing or unreadable)."""
     try:
-        return json.loads(path.read_text()).get(key)
+        return json.loads(path.read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+
+
+def read_entry(path: Path, key: str) -> Optional[dict]:
+    return read_table(path).get(key)
 
 
 def write_entry(path: Path, key: str, entry: dict) -> None:
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
+    table = read_table(path)
     table[key] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

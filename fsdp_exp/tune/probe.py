@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from fsdp_exp.cache import read_entry, write_entry
+from fsdp_exp.cache import read_entry, read_table, write_entry
 
 SIZES = (1024, 32 * 1024, 1024**2, 8 * 1024**2)
 REPEATS = 5
@@ -95,10 +95,14 @@ def bounded_shape(width: int, tokens: int) -> tuple[int, int]:
     return min(1024, max(64, 32 * round(width / 32))), min(512, max(64, 32 * round(tokens / 32)))
 
 
-def _entry_key(ranks_per_node: int, threads: int, shape: tuple[int, int]) -> str:
+def _layout_prefix(ranks_per_node: int, threads: int) -> str:
     # "step v5": entries of a fixed-shape block (v2), of a bare operator's cost (v3) or without FSDP's cost per
     # collective and with an unweighted latency fit (v4) are measured again
-    return f"{probe_key(ranks_per_node, threads)} | step v5 | block {shape[0]} x {shape[1]} tokens"
+    return f"{probe_key(ranks_per_node, threads)} | step v5 | "
+
+
+def _entry_key(ranks_per_node: int, threads: int, shape: tuple[int, int]) -> str:
+    return f"{_layout_prefix(ranks_per_node, threads)}block {shape[0]} x {shape[1]} tokens"
 
 
 def _read(key: str) -> Optional[dict]:
@@ -112,11 +116,8 @@ def _write(key: str, entry: dict) -> None:
 def has_cpu_probe(ranks_per_node: int, threads: int) -> bool:
     """Whether any block shape of this layout is cached: read before ``block_shape``, whose count of the model's
     work runs torch's dispatch modes (their first use imports torch._dynamo and sympy, ~1.7 s of a launch)."""
-    prefix = probe_key(ranks_per_node, threads) + " |"
-    try:
-        return any(key.startswith(prefix) for key in json.loads(cache_path().read_text()))
-    except (OSError, ValueError):
-        return False
+    prefix = _layout_prefix(ranks_per_node, threads)
+    return any(key.startswith(prefix) for key in read_table(cache_path()))
 
 
 def cpu_probe(
